@@ -1,0 +1,74 @@
+"""What generation returns: `RequestOutput` holding one `CompletionOutput` per sample.
+
+Shaped like vLLM's, so `outputs[0].outputs[0].text` works as users expect. With
+`RequestOutputKind.DELTA` the text, token_ids and logprobs of a `CompletionOutput` hold only
+what is new since the previous output; with CUMULATIVE (the default) they hold everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position.
+
+    rank: 1 for the most likely token under the model, 2 for the next, ... (None if unknown).
+    decoded_token: the token's text, filled by the front end when it detokenizes.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated position: {token_id: Logprob}, the sampled token plus the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+# The same per prompt position; the first prompt token has no logprob, so its entry is None.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    finish_reason: None while generating, then "stop" (EOS, stop token or stop string),
+        "length" (max_tokens or the context length) or "abort".
+    stop_reason: the stop string or stop token id that ended it; None for EOS or any other
+        reason.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything reported about one request at one moment.
+
+    outputs: one CompletionOutput per sample (n of them), ordered by index.
+    finished: True once every sample has finished.
+    metrics: timing and usage figures attached by the front end (None when not collected).
+    num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: Any = None
+    num_cached_tokens: int = 0
