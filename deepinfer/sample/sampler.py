@@ -1,0 +1,215 @@
+"""The sampler: one batched pass from logits to the next token of every sequence.
+
+Order of processing (each step sees the output of the one before; all math in float32):
+
+  1. allowed_token_ids mask, then logit_bias (the user's explicit edits to the model's logits)
+  2. min_tokens: EOS (unless ignore_eos) and stop_token_ids -> -inf while the sequence is
+     shorter than min_tokens
+  3. penalties: repetition (prompt + output tokens), then frequency and presence (output only)
+  -- greedy rows (temperature 0) stop here and take the argmax --
+  4. temperature
+  5. top-k, then top-p (on the top-k survivors, renormalised), then min-p
+  6. sample with the exponential race: argmax(probs / E), E ~ Exponential(1) i.i.d. per token,
+     which picks token t with probability probs[t] (it is the Gumbel-max trick in disguise).
+
+Reported logprobs are RAW: log_softmax of the unprocessed logits (see sample/logprobs.py).
+
+Reproducibility: a row with its own `generator` (seeded request) draws its exponential noise
+from that generator alone, a full vocabulary's worth per step, so its tokens depend only on
+its seed and its own logits, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.sample import penalties
+from deepinfer.sample.logprobs import TopLogprobs, top_logprobs
+from deepinfer.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator of a seeded request (created once, kept for its lifetime)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample from, with what the sampler needs to know about it."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]        # tokens generated so far by this sequence
+    generator: torch.Generator | None = None  # set when params.seed is set (make_generator)
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: raw logprobs of the sampled token and the top-k, when params.logprobs is set.
+    logprobs: list[TopLogprobs | None]
+
+
+def _needs_edit(params: SamplingParams, row: SamplingRow) -> bool:
+    """True when steps 1-3 change this row's logits."""
+    return (params.logit_bias is not None or params.allowed_token_ids is not None
+            or params.has_penalties
+            or (params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens))
+
+
+class Sampler:
+    """Stateless: all per-request state arrives in the rows (and their generators)."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
+                             f"got {tuple(logits.shape)}")
+        fast = all(row.params.temperature == 0 and not _needs_edit(row.params, row)
+                   for row in rows)
+        if fast:
+            # Hot path: one argmax for the whole batch, in the model's dtype (upcasting to
+            # float32 is exact, so it cannot change the argmax; no copy is made).
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, rows)
+        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, rows, token_ids))
+
+    # ----------------------------------------------------------------------- general path
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        # Always a fresh float32 tensor: the processors below edit it in place, and the raw
+        # logits must survive for the logprobs.
+        x = logits.to(torch.float32, copy=True)
+        self._edit_logits(x, rows)
+
+        random_rows = [i for i, row in enumerate(rows) if row.params.temperature != 0]
+        if len(random_rows) == len(rows):
+            return self._sample_random(x, rows)
+        token_ids = x.argmax(dim=-1)  # greedy rows: argmax of the edited logits
+        if random_rows:
+            index = torch.tensor(random_rows, dtype=torch.long, device=x.device)
+            token_ids[index] = self._sample_random(x[index], [rows[i] for i in random_rows])
+        return token_ids
+
+    @staticmethod
+    def _edit_logits(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        """Steps 1-3 (logit_bias, min_tokens, penalties), only on the rows that need them."""
+        allowed_rows, allowed = [], []
+        bias_rows, biases = [], []
+        mask_rows, masked = [], []
+        pen_rows: list[int] = []
+        for i, row in enumerate(rows):
+            params = row.params
+            if params.allowed_token_ids is not None:
+                allowed_rows.append(i)
+                allowed.append(params.allowed_token_ids)
+            if params.logit_bias:
+                bias_rows.append(i)
+                biases.append(params.logit_bias)
+            if len(row.output_token_ids) < params.min_tokens:
+                stop_ids = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    stop_ids |= row.eos_token_ids
+                if stop_ids:
+                    mask_rows.append(i)
+                    masked.append(sorted(stop_ids))
+            if params.has_penalties:
+                pen_rows.append(i)
+
+        if allowed_rows:
+            penalties.apply_allowed_token_ids(x, allowed_rows, allowed)
+        if bias_rows:
+            penalties.apply_logit_bias(x, bias_rows, biases)
+        if mask_rows:
+            penalties.mask_tokens(x, mask_rows, masked)
+        if pen_rows:
+            penalties.apply_penalties(
+                x, pen_rows,
+                [rows[i].prompt_token_ids for i in pen_rows],
+                [rows[i].output_token_ids for i in pen_rows],
+                [rows[i].params.presence_penalty for i in pen_rows],
+                [rows[i].params.frequency_penalty for i in pen_rows],
+                [rows[i].params.repetition_penalty for i in pen_rows])
+
+    @staticmethod
+    def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Steps 4-6 on rows that all have temperature > 0. x is [len(rows), vocab] float32."""
+        device = x.device
+        temps = [row.params.temperature for row in rows]
+        if any(t != 1.0 for t in temps):
+            x = x / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
+
+        top_k = [row.params.top_k for row in rows]
+        top_p = [row.params.top_p for row in rows]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            x = apply_top_k_top_p(x, top_k, top_p)
+
+        probs = x.softmax(dim=-1)
+        min_p = [row.params.min_p for row in rows]
+        if any(m > 0 for m in min_p):
+            threshold = (torch.tensor(min_p, dtype=torch.float32, device=device)
+                         * probs.max(dim=-1).values)
+            # Rows with min_p = 0 have threshold 0, which removes nothing.
+            probs = probs.masked_fill(probs < threshold[:, None], 0.0)
+
+        noise = torch.empty_like(probs)
+        seeded = [i for i, row in enumerate(rows) if row.generator is not None]
+        if len(seeded) < len(rows):
+            # Unseeded rows share the global RNG; one call fills them all (seeded rows are
+            # overwritten below).
+            noise.exponential_()
+        for i in seeded:
+            noise[i].exponential_(generator=rows[i].generator)
+        # NOTE: a draw of exactly 0 would turn probs / noise into inf (or nan for a masked
+        # token); the clamp keeps every masked token at 0 and every allowed one finite.
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    # --------------------------------------------------------------------------- logprobs
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
+                  token_ids: torch.Tensor) -> list[TopLogprobs | None]:
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        result: list[TopLogprobs | None] = [None] * len(rows)
+        if not wanted:
+            return result
+        index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
+        computed = top_logprobs(logits[index], token_ids[index],
+                                [rows[i].params.logprobs for i in wanted])
+        for i, entry in zip(wanted, computed):
+            result[i] = entry
+        return result
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int],
+                      top_p: Sequence[float]) -> torch.Tensor:
+    """Return logits with everything outside each row's top-k and then top-p set to -inf.
+
+    top_k[i] = 0 means no top-k; top_p[i] = 1 means no top-p. Top-k keeps exactly k tokens
+    (ties at the boundary are broken by the sort). Top-p keeps the smallest prefix of the
+    remaining tokens, most likely first, whose probability reaches top_p; a token is kept iff
+    the tokens strictly before it sum to less than top_p, so the most likely always stays.
+    """
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    positions = torch.arange(vocab_size, device=device)
+    k = torch.tensor([vocab_size if v <= 0 else min(v, vocab_size) for v in top_k],
+                     dtype=torch.long, device=device)
+    sorted_logits.masked_fill_(positions[None, :] >= k[:, None], float("-inf"))
+
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(list(top_p), dtype=torch.float32, device=device)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p = 1 are exempt: float rounding can push `before` past 1.0 in a long
+        # tail of near-zero probabilities, and those tokens must stay sampleable.
+        drop = (before >= p[:, None]) & (p < 1.0)[:, None]
+        sorted_logits.masked_fill_(drop, float("-inf"))
+
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
