@@ -1,0 +1,87 @@
+"""Engine configuration: frozen dataclasses, one per concern, composed into EngineConfig.
+
+Field names follow vLLM's (`max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
+`gpu_memory_utilization`, `enable_prefix_caching`, ...) so that `LLM(**kwargs)` and the CLI flags
+read the same as there. Values derived at run time (the number of KV blocks, EOS ids) are not
+stored here; the engine keeps them beside the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None          # None: the embedded default model
+    dtype: str = "auto"               # auto: the platform's default (bf16 on CUDA and CPU)
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30       # the KV pool's byte budget on the CPU
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None        # override the budget (tests, benchmarks)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_kv_cache_bytes < 1:
+            raise ValueError(f"cpu_kv_cache_bytes must be >= 1, got {self.cpu_kv_cache_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat vLLM-style keyword arguments; unknown names are an error."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {f.name: part for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
+                                                   ("scheduler", SchedulerConfig))
+                  for f in dataclasses.fields(klass)}
+        for name, value in kwargs.items():
+            if name not in owners:
+                raise TypeError(f"unknown engine argument {name!r}; known: {', '.join(sorted(owners))}")
+            parts[owners[name]][name] = value
+        return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
+                   SchedulerConfig(**parts["scheduler"]))

@@ -1,0 +1,1 @@
+"""The engine core: requests, the scheduler, the typed plan/result boundary, the busy loop."""

@@ -1,0 +1,86 @@
+"""The engine core: model runner + KV manager + scheduler, stepped in a loop.
+
+    step():  plan = scheduler.schedule()
+             result = runner.execute(plan)
+             return scheduler.update(plan, result)
+
+The offline `LLM` drives it in-process; the server (a later issue) runs it in its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.plan import EngineCoreOutput
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.models.loader import ModelSource
+from deepinfer.platforms import current_platform
+from deepinfer.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: list[int]   # per layer group, in tokens
+    prefix_cache_hits: list[int]
+    prefix_cache_evictions: list[int]  # per layer group, in blocks
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source: ModelSource, *, load_weights: bool = True) -> None:
+        self.config = config
+        self.platform = current_platform()
+        hf_config = source.hf_config
+        self.max_model_len = resolve_max_model_len(config, hf_config)
+        self.runner = ModelRunner(config, hf_config, self.platform,
+                                  source.iter_weights() if load_weights else None)
+        blocks_per_request = -(-self.max_model_len // config.cache.block_size)
+        if self.runner.num_blocks - 1 < blocks_per_request:
+            raise ValueError(
+                f"the KV cache holds {(self.runner.num_blocks - 1) * config.cache.block_size} tokens, "
+                f"less than max_model_len={self.max_model_len}; raise the KV budget "
+                "(cpu_kv_cache_bytes / gpu_memory_utilization / num_kv_blocks) or lower max_model_len")
+        self.kv_manager = KVCacheManager(self.runner.groups, self.runner.num_blocks,
+                                         config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        return self.scheduler.abort(request_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.finished_request_ids:
+            return []
+        result = self.runner.execute(plan)
+        return self.scheduler.update(plan, result)
+
+    def stats(self) -> EngineStats:
+        counters = self.kv_manager.pool.counters
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
+                           self.scheduler.num_preemptions, [c.queries for c in counters],
+                           [c.hits for c in counters], [c.evictions for c in counters])
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
+    model_len = hf_config.get("max_position_embeddings") or 2048
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return model_len
+    if wanted > model_len:
+        raise ValueError(f"max_model_len={wanted} is longer than the model's context ({model_len})")
+    return wanted

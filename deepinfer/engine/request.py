@@ -1,0 +1,92 @@
+"""One object per request, carrying all of its state inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.kv_cache.prefix_cache import extend_block_hashes
+from deepinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic timestamps recorded in the core; the front end turns them into latencies."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_tokens: int               # resolved: never past max_model_len
+    priority: int = 0             # lower runs first under the priority policy (vLLM's rule)
+    cache_salt: str | None = None
+    extra_key: bytes = b""        # model id + cache_salt, part of every block hash
+    block_size: int = 16
+    arrival_order: int = 0        # tie-break for equal priorities: first come, first served
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0    # prefix-cache hit at first admission (reported as usage)
+    block_ids: list[list[int]] = field(default_factory=list)   # one block table per layer group
+    block_hashes: list[bytes] = field(default_factory=list)    # of every full block of all_token_ids
+    num_published_blocks: int = 0
+    skip_prefix_cache: bool = False   # prompt_logprobs need every prompt position computed
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    times: RequestTimes = field(default_factory=RequestTimes)
+    # Slots for later issues: draft tokens to verify this step, and the grammar matcher.
+    spec_token_ids: list[int] = field(default_factory=list)
+    grammar: Any = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._update_hashes()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_order)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self._update_hashes()
+
+    def _update_hashes(self) -> None:
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size, self.extra_key)

@@ -1,0 +1,240 @@
+"""The scheduler: one rule, no prefill/decode phases.
+
+Every request has `num_computed_tokens` and a target (`num_tokens`: prompt plus sampled output,
+plus draft tokens later). Each step spends a token budget (`max_num_batched_tokens`) bringing
+running requests closer to their target, then admits waiting requests while budget, sequence
+slots and KV blocks last. A prompt longer than the budget is computed in chunks (chunked
+prefill); a prefix-cache hit starts a request further along; a preempted request starts again
+from zero and recomputes (its blocks are usually still cached, so that is mostly a hit).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+
+from deepinfer.config import SchedulerConfig
+from deepinfer.engine.plan import (EngineCoreOutput, NewRequestData, RunnerResult, ScheduledChunk,
+                                   SchedulerPlan)
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.kv_cache.manager import KVCacheManager
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []     # kept sorted by the policy's key
+        self.running: list[Request] = []     # in admission order
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._finished_ids: list[str] = []   # told to the runner in the next plan
+        self._known_to_runner: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------------------- requests
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.arrival_order = next(self._arrivals)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request in self.waiting:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort"))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            self.waiting.append(request)
+            self.waiting.sort(key=lambda r: r.sort_key)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    # ------------------------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerPlan:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        new_requests: list[NewRequestData] = []
+        scheduled: set[str] = set()
+
+        # 1. Running requests, oldest first; preempt from the back when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate(request, num_new):
+                victim = self._pick_victim(exclude=scheduled)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted itself; the list shrank, same index is the next request
+            chunks.append(self._chunk(request, num_new))
+            scheduled.add(request.request_id)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests in policy order, while budget, slots and blocks last.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv.find_prefix_hit(request)
+            num_new = request.num_tokens - num_hit
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate(request, num_new, hit_blocks):
+                if not self._preempt_for(request, scheduled):
+                    break
+                continue
+            self.waiting.pop(0)
+            if request.status is RequestStatus.WAITING:  # first admission, not a resume
+                self.kv.record_prefix_query(request.num_tokens, num_hit)
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.monotonic()
+            self.running.append(request)
+            new_requests.append(NewRequestData(
+                request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+                request.sampling_params, request.eos_token_ids))
+            self._known_to_runner.add(request.request_id)
+            chunks.append(self._chunk(request, num_new))
+            scheduled.add(request.request_id)
+            budget -= num_new
+
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerPlan(new_requests, chunks, finished,
+                             self.config.max_num_batched_tokens - budget)
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request_id=request.request_id,
+            start=start,
+            num_tokens=num_new,
+            block_ids=[list(ids) for ids in request.block_ids],
+            sample=start + num_new == request.num_tokens,
+            prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
+                             and start < request.num_prompt_tokens),
+        )
+
+    def _pick_victim(self, exclude: set[str]) -> Request:
+        """The running request to preempt: lowest priority, then latest arrival."""
+        candidates = [r for r in self.running if r.request_id not in exclude] or self.running
+        return max(candidates, key=lambda r: r.sort_key)
+
+    def _preempt_for(self, request: Request, scheduled: set[str]) -> bool:
+        """Priority policy only: free blocks by preempting a strictly lower-priority request."""
+        if self.config.policy != "priority":
+            return False
+        candidates = [r for r in self.running
+                      if r.request_id not in scheduled and r.sort_key > request.sort_key]
+        if not candidates:
+            return False
+        self._preempt(max(candidates, key=lambda r: r.sort_key))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute-style preemption: free all blocks; the request starts over when resumed."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self._drop_from_runner(request.request_id)
+        self._enqueue(request, front=True)
+
+    def _drop_from_runner(self, request_id: str) -> None:
+        if request_id in self._known_to_runner:
+            self._known_to_runner.discard(request_id)
+            self._finished_ids.append(request_id)
+
+    # --------------------------------------------------------------------------------- update
+    def update(self, plan: SchedulerPlan, result: RunnerResult) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        for chunk in plan.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += chunk.num_tokens
+            self.kv.cache_computed_blocks(request)
+            prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
+            if not chunk.sample:
+                if prompt_logprobs:
+                    outputs.append(EngineCoreOutput(chunk.request_id, [], prompt_logprobs=prompt_logprobs))
+                continue
+            new_tokens: list[int] = []
+            finish: RequestStatus | None = None
+            for token_id in result.sampled_token_ids.get(chunk.request_id, []):
+                request.append_output_token(token_id)
+                new_tokens.append(token_id)
+                finish = self._check_stop(request, token_id)
+                if finish is not None:
+                    break
+            if request.times.first_token is None and new_tokens:
+                request.times.first_token = now
+            logprobs = result.logprobs.get(chunk.request_id)
+            outputs.append(EngineCoreOutput(
+                chunk.request_id, new_tokens,
+                new_logprobs=logprobs[:len(new_tokens)] if logprobs else None,
+                prompt_logprobs=prompt_logprobs,
+                finish_reason=finish.value if finish else None,
+                stop_reason=request.stop_reason,
+                num_cached_tokens=request.num_cached_tokens,
+            ))
+            if finish is not None:
+                self._finish(request, finish)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens < params.min_tokens:
+            return None
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.times.finished = time.monotonic()
+        if request in self.running:
+            self.running.remove(request)
+        self.kv.free(request)
+        self._drop_from_runner(request.request_id)
+        del self.requests[request.request_id]
+
+    # -------------------------------------------------------------------------------- metrics
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,35 @@
+"""Content hashes of full KV blocks, chained so that a hit implies the whole prefix matches.
+
+hash(block i) = H(hash(block i-1), token ids of block i, extra). `extra` carries whatever else
+changes the KV for the same tokens: the model id, a tenant's `cache_salt` (so tenants never
+share blocks), and later adapter ids. blake2b keeps collisions out of reach of adversarial
+prompts, which Python's hash() would not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+ROOT_HASH = b"deepinfer-kv-v1"
+
+
+def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def extra_key(model_id: str, cache_salt: str | None) -> bytes:
+    return f"{model_id}\x00{cache_salt or ''}".encode()
+
+
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
+                        extra: bytes) -> None:
+    """Append the hashes of newly completed full blocks of `token_ids` to `hashes` in place."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start:start + block_size], extra)
+        hashes.append(parent)

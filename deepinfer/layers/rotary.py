@@ -1,0 +1,76 @@
+"""Rotary position embeddings (the rotate-half layout HF checkpoints use), with rope scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any]:
+    """The rope settings of one layer type, from either config convention.
+
+    transformers >= 5 writes `rope_parameters` (per layer type for hybrid models such as Gemma 3);
+    older configs write `rope_theta` + `rope_scaling` (+ Gemma 3's `rope_local_base_freq`).
+    """
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and layer_type in params and isinstance(params[layer_type], dict):
+        return dict(params[layer_type])
+    if isinstance(params, dict) and "rope_theta" in params:
+        return dict(params)
+    out = dict(hf_config.get("rope_scaling") or {})
+    out.setdefault("rope_type", out.pop("type", "default"))
+    theta = hf_config.get("rope_theta", 10000.0)
+    if layer_type == "sliding_attention" and "rope_local_base_freq" in hf_config:
+        theta, out = hf_config["rope_local_base_freq"], {"rope_type": "default"}
+    out["rope_theta"] = theta
+    return out
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth ramp between.
+        factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+        old_len = params["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rope to q and k of shape [tokens, heads, head_dim] at the given positions."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any], max_position: int) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(head_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # Kept in float32; cast per call to the activation dtype, as HF does.
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

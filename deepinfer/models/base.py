@@ -1,0 +1,96 @@
+"""What every model shares: the interface the runner calls, and fused-weight loading.
+
+A model is built from an HF config dict and exposes:
+  forward(input_ids, positions) -> hidden states [tokens, hidden]
+  compute_logits(hidden)        -> logits [rows, vocab] in float32
+  kv_cache_specs(dtype)         -> one KV spec per attention layer
+  load_weights(iterable of (HF name, tensor))
+Projections that read the same input are fused at load time (q/k/v into qkv_proj, gate/up into
+gate_up_proj): one matmul instead of three or two, the cheapest speed-up there is on CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.kv_cache.specs import KVCacheSpec
+
+# (fused parameter name, HF name, shard index)
+FUSED_PROJECTIONS = (
+    ("qkv_proj", "q_proj", 0),
+    ("qkv_proj", "k_proj", 1),
+    ("qkv_proj", "v_proj", 2),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+
+
+class FusedLinear(nn.Linear):
+    """A Linear whose output rows are the concatenation of several HF projections."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+    def shard(self, index: int) -> slice:
+        start = sum(self.shard_sizes[:index])
+        return slice(start, start + self.shard_sizes[index])
+
+
+class CausalLM(nn.Module):
+    # HF names the checkpoint may hold that carry nothing we need.
+    ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__()
+        self.hf_config = hf_config
+        self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(self.ignored_weight_suffixes):
+                continue
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue  # tied: the embedding is the head
+            target, rows = name, slice(None)
+            for fused, part, index in FUSED_PROJECTIONS:
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{fused}.")
+                    module = self.get_submodule(target.rsplit(".", 1)[0])
+                    rows = module.shard(index)
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            param = params[target]
+            dest = param.data[rows]
+            if dest.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)}")
+            dest.copy_(tensor)
+            loaded.add(f"{name}")
+        expected = set()
+        for pname, param in params.items():
+            if isinstance(self.get_submodule(pname.rsplit(".", 1)[0]), FusedLinear):
+                continue
+            expected.add(pname)
+        missing = sorted(expected - loaded)
+        fused_missing = [f"{pname} ({part})" for pname in params
+                         for fused, part, _ in FUSED_PROJECTIONS
+                         if f".{fused}." in pname and pname.replace(f".{fused}.", f".{part}.") not in loaded]
+        if missing or fused_missing:
+            raise ValueError(f"checkpoint lacks tensors: {(missing + fused_missing)[:8]}"
+                             + (" ..." if len(missing) + len(fused_missing) > 8 else ""))

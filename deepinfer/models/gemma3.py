@@ -1,0 +1,89 @@
+"""Gemma 3 text: interleaved sliding-window and global layers, per-layer rope bases, q/k norm,
+(1 + w) RMSNorm, four norms per layer, and an embedding scaled by sqrt(hidden_size)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from deepinfer.layers.norm import GemmaRMSNorm
+from deepinfer.models.base import CausalLM
+from deepinfer.models.llama import GatedMLP, LlamaAttention, head_dim_of, layer_types_of
+
+
+def gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    # Known default when a config (or GGUF) leaves it out: every 6th layer is global.
+    pattern = cfg.get("sliding_window_pattern", 6)
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(cfg["num_hidden_layers"])]
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_id: int) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
+        scale = cfg.get("query_pre_attn_scalar", head_dim_of(cfg)) ** -0.5
+        self.self_attn = LlamaAttention(cfg, layer_id, norm_cls=GemmaRMSNorm, scale=scale)
+        self.mlp = GatedMLP(hidden, cfg["intermediate_size"],
+                            cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh"))
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.norm = GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.embed_scale = cfg["hidden_size"] ** 0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # NOTE: HF rounds the scale to the activation dtype before multiplying; so do we.
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        cfg = dict(hf_config)
+        cfg["layer_types"] = gemma3_layer_types(cfg)
+        cfg.setdefault("model_type", "gemma3_text")
+        cfg.setdefault("tie_word_embeddings", True)
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError("attn_logit_softcapping is not supported (Gemma 3 does not use it)")
+        super().__init__(cfg)
+        self.model = Gemma3Model(cfg)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+        self.final_logit_softcapping = cfg.get("final_logit_softcapping")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        if self.final_logit_softcapping:
+            cap = self.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        cfg = self.hf_config
+        heads, dim = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], head_dim_of(cfg)
+        return [SlidingWindowSpec(heads, dim, dtype, cfg["sliding_window"]) if t == "sliding_attention"
+                else FullAttentionSpec(heads, dim, dtype) for t in layer_types_of(cfg)]

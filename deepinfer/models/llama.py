@@ -1,0 +1,136 @@
+"""Llama family: Llama (incl. SmolLM2 and Llama-3 rope scaling), Mistral (sliding window),
+Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm). One implementation, switched by config fields."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from deepinfer.layers.attention import Attention
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RotaryEmbedding, rope_parameters
+from deepinfer.models.base import CausalLM, FusedLinear
+
+
+def head_dim_of(cfg: dict[str, Any]) -> int:
+    return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def layer_types_of(cfg: dict[str, Any]) -> list[str]:
+    """'sliding_attention' or 'full_attention' per layer, from `layer_types` or the legacy fields."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    window = cfg.get("sliding_window")
+    # Qwen2/3 carry a sliding_window value but only use it when use_sliding_window is set.
+    uses_window = window is not None and cfg.get("use_sliding_window", cfg.get("model_type") == "mistral")
+    return ["sliding_attention" if uses_window else "full_attention"] * n
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_id: int, *, norm_cls: type[nn.Module] = RMSNorm,
+                 scale: float | None = None) -> None:
+        super().__init__()
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        hidden = cfg["hidden_size"]
+        qkv_bias = bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2"
+        o_bias = bool(cfg.get("attention_bias", False))
+        self.qkv_proj = FusedLinear(hidden, [self.num_heads * self.head_dim,
+                                             self.num_kv_heads * self.head_dim,
+                                             self.num_kv_heads * self.head_dim], bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.has_qk_norm = cfg.get("model_type") in ("qwen3", "gemma3_text", "gemma3")
+        if self.has_qk_norm:
+            self.q_norm = norm_cls(self.head_dim, cfg["rms_norm_eps"])
+            self.k_norm = norm_cls(self.head_dim, cfg["rms_norm_eps"])
+        layer_type = layer_types_of(cfg)[layer_id]
+        self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(cfg, layer_type),
+                                      cfg.get("max_position_embeddings", 8192))
+        window = cfg.get("sliding_window") if layer_type == "sliding_attention" else None
+        self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale if scale is not None else self.head_dim ** -0.5, window)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.has_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.act == "silu":
+            gate = F.silu(gate)
+        elif self.act == "gelu_pytorch_tanh":
+            gate = F.gelu(gate, approximate="tanh")
+        else:
+            raise ValueError(f"activation {self.act!r} is not supported")
+        return self.down_proj(gate * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: dict[str, Any], layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
+                            bias=bool(cfg.get("mlp_bias", False)))
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__(hf_config)
+        self.model = LlamaModel(hf_config)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(hf_config["hidden_size"], hf_config["vocab_size"], bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        cfg = self.hf_config
+        heads, dim = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], head_dim_of(cfg)
+        return [SlidingWindowSpec(heads, dim, dtype, cfg["sliding_window"]) if t == "sliding_attention"
+                else FullAttentionSpec(heads, dim, dtype) for t in layer_types_of(cfg)]
+
+
+# Same code, different config fields (see LlamaAttention and layer_types_of).
+MistralForCausalLM = LlamaForCausalLM
+Qwen2ForCausalLM = LlamaForCausalLM
+Qwen3ForCausalLM = LlamaForCausalLM

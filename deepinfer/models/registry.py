@@ -1,0 +1,31 @@
+"""Model classes by HF architecture name (the `architectures` field of config.json)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from deepinfer.models.base import CausalLM
+
+# architecture name -> (module, class)
+_MODELS = {
+    "LlamaForCausalLM": ("deepinfer.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("deepinfer.models.llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("deepinfer.models.llama", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("deepinfer.models.llama", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("deepinfer.models.gemma3", "Gemma3ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(hf_config: dict[str, Any]) -> type[CausalLM]:
+    archs = hf_config.get("architectures") or []
+    for arch in archs:
+        if arch in _MODELS:
+            module, name = _MODELS[arch]
+            return getattr(importlib.import_module(module), name)
+    raise ValueError(f"model architecture {archs or '(none given)'} is not supported; "
+                     f"supported: {', '.join(supported_architectures())}")

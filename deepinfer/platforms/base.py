@@ -1,0 +1,27 @@
+"""What every platform must answer."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Platform(ABC):
+    name: str
+    device: torch.device
+    # The dtype used when the user asks for dtype="auto".
+    default_dtype: torch.dtype
+    # Name of the attention backend the runner builds (see layers/attention).
+    attention_backend: str = "reference"
+
+    @abstractmethod
+    def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,
+                              weight_bytes: int) -> int:
+        """Bytes the KV pool may take on this platform after the weights are loaded."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device}, default_dtype={self.default_dtype})"

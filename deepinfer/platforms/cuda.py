@@ -1,0 +1,31 @@
+"""NVIDIA GPUs."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.platforms.base import Platform
+
+
+class CudaPlatform(Platform):
+    name = "cuda"
+    default_dtype = torch.bfloat16
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("DEEPINFER_ACCELERATOR=cuda but torch sees no CUDA device")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,
+                              weight_bytes: int) -> int:
+        # What the process may use in all is a fraction of the card; the weights and the peak
+        # activation memory measured so far come off it, the rest is KV.
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch.cuda.synchronize(self.device)
+        in_use_by_us = torch.cuda.max_memory_allocated(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * gpu_memory_utilization) - used_by_others - in_use_by_us
+        return max(budget, 0)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)

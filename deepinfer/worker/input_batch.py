@@ -1,0 +1,99 @@
+"""Turns a scheduler plan into the tensors of one forward: token ids, positions, KV addresses.
+
+Rows are ordered decode-first: chunks of exactly one token (a request generating) are batched
+into one attention call per layer; longer chunks (prefill, or prefill on top of cached blocks)
+are attended one request at a time. Index arithmetic is done in numpy on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.engine.plan import ScheduledChunk
+from deepinfer.kv_cache.specs import KVCacheGroup
+from deepinfer.layers.attention.metadata import AttentionMetadata, GroupMetadata
+
+
+@dataclass
+class StepInputs:
+    chunks: list[ScheduledChunk]        # in row order (decodes first)
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attention: AttentionMetadata
+    # For each chunk, the index of its last token in the flat token axis.
+    last_token_index: list[int]
+
+
+def _window(group: KVCacheGroup) -> int | None:
+    return getattr(group.spec, "sliding_window", None)
+
+
+def _flat_rows(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
+                      groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
+                      layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      device: torch.device) -> StepInputs:
+    decodes = [c for c in chunks if c.num_tokens == 1 and not c.prompt_logprobs]
+    prefills = [c for c in chunks if not (c.num_tokens == 1 and not c.prompt_logprobs)]
+    ordered = decodes + prefills
+
+    ids: list[int] = []
+    pos_parts: list[np.ndarray] = []
+    last_index: list[int] = []
+    prefill_ranges: list[tuple[int, int]] = []
+    for chunk in ordered:
+        row_start = len(ids)
+        ids.extend(token_ids[chunk.request_id][chunk.start:chunk.start + chunk.num_tokens])
+        pos_parts.append(np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int64))
+        last_index.append(len(ids) - 1)
+        if chunk.num_tokens != 1 or chunk.prompt_logprobs:
+            prefill_ranges.append((row_start, len(ids)))
+    positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    group_meta = []
+    for group in groups:
+        tables = [np.asarray(c.block_ids[group.group_id], dtype=np.int64) for c in ordered]
+        window = _window(group)
+        slot_mapping = np.concatenate(
+            [_flat_rows(t, np.arange(c.start, c.start + c.num_tokens), block_size)
+             for c, t in zip(ordered, tables)]) if ordered else np.zeros(0, dtype=np.int64)
+
+        decode_gather = decode_mask = None
+        if decodes:
+            qpos = np.array([c.start for c in decodes], dtype=np.int64)
+            lo = np.maximum(qpos - window + 1, 0) if window else np.zeros_like(qpos)
+            length = qpos - lo + 1
+            span = np.arange(int(length.max()), dtype=np.int64)
+            kv_pos = lo[:, None] + span[None, :]
+            valid = span[None, :] < length[:, None]
+            gather = np.zeros(kv_pos.shape, dtype=np.int64)
+            for r, table in enumerate(tables[:len(decodes)]):
+                gather[r, :length[r]] = _flat_rows(table, kv_pos[r, :length[r]], block_size)
+            decode_gather, decode_mask = to_dev(gather), to_dev(valid[:, None, :])
+
+        prefill_meta = []
+        for c, table in zip(prefills, tables[len(decodes):]):
+            q = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
+            lo = max(c.start - window + 1, 0) if window else 0
+            kv = np.arange(lo, c.start + c.num_tokens, dtype=np.int64)
+            mask = kv[None, :] <= q[:, None]
+            if window:
+                mask &= kv[None, :] > q[:, None] - window
+            prefill_meta.append((to_dev(_flat_rows(table, kv, block_size)), to_dev(mask)))
+        group_meta.append(GroupMetadata(to_dev(slot_mapping), decode_gather, decode_mask, prefill_meta))
+
+    attention = AttentionMetadata(
+        num_tokens=len(ids), num_decode_tokens=len(decodes), prefill_query_ranges=prefill_ranges,
+        groups=group_meta, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot,
+        kv_caches=kv_caches)
+    return StepInputs(ordered, to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions),
+                      attention, last_index)

@@ -1,0 +1,164 @@
+"""The model runner: builds the model and the KV tensors, then executes scheduler plans.
+
+Construction reads top to bottom in the order of the work: build the model -> load weights ->
+size the KV pool from the memory budget -> allocate the KV tensors. `execute(plan)` keeps a
+small state per request (its token ids, sampling params, RNG), builds the step's inputs, runs
+the forward, samples, and returns a `RunnerResult`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.plan import NewRequestData, RunnerResult, SchedulerPlan
+from deepinfer.kv_cache.specs import KVCacheGroup, group_layers, num_slots
+from deepinfer.layers.attention import forward_context
+from deepinfer.models.registry import model_class
+from deepinfer.platforms import Platform
+from deepinfer.sample.logprobs import compute_prompt_logprobs
+from deepinfer.sample.sampler import Sampler, SamplingRow
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.input_batch import build_step_inputs
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunnerRequestState:
+    token_ids: list[int]          # prompt + sampled tokens, as far as the runner knows
+    num_prompt_tokens: int
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, hf_config: dict, platform: Platform,
+                 weights=None) -> None:
+        self.config = config
+        self.platform = platform
+        self.device = platform.device
+        self.dtype = platform.default_dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
+        self.block_size = config.cache.block_size
+
+        # 1. Build the model directly on the device, in the target dtype.
+        cls = model_class(hf_config)
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = cls(hf_config).eval()
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        # 2. Load weights (None: keep the random init, for benchmarks of real shapes).
+        if weights is not None:
+            self.model.load_weights(weights)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+        # 3. KV layout: layer groups by KV kind, slots shared across groups (see kv_cache/specs.py).
+        self.groups: list[KVCacheGroup] = group_layers(self.model.kv_cache_specs(self.dtype))
+        n_layers = sum(len(g.layer_ids) for g in self.groups)
+        self.layer_to_group = [0] * n_layers
+        self.layer_to_slot = [0] * n_layers
+        for g in self.groups:
+            for slot, layer in enumerate(g.layer_ids):
+                self.layer_to_group[layer], self.layer_to_slot[layer] = g.group_id, slot
+        self.num_blocks = self._num_blocks()
+        spec = self.groups[0].spec
+        rows = self.num_blocks * self.block_size
+        self.kv_caches = [
+            (torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.dtype, device=self.device),
+             torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.dtype, device=self.device))
+            for _ in range(num_slots(self.groups))]
+        logger.info("KV cache: %d blocks of %d tokens, %d layer groups, %.1f MiB",
+                    self.num_blocks, self.block_size, len(self.groups),
+                    self.num_blocks * self.bytes_per_block / 2**20)
+
+        self.sampler = Sampler()
+        self.requests: dict[str, RunnerRequestState] = {}
+
+    @property
+    def bytes_per_block(self) -> int:
+        return num_slots(self.groups) * self.groups[0].spec.page_bytes(self.block_size)
+
+    def _num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        budget = self.platform.kv_cache_budget_bytes(
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes, weight_bytes=self.weight_bytes)
+        return max(budget // self.bytes_per_block, 2)
+
+    # ------------------------------------------------------------------------------- execute
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerPlan) -> RunnerResult:
+        for request_id in plan.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in plan.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+        result = RunnerResult(sampled_token_ids={})
+        if plan.is_empty:
+            return result
+
+        token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
+        inputs = build_step_inputs(plan.chunks, token_ids, self.groups, self.block_size,
+                                   self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
+        with forward_context(inputs.attention):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+
+        sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample]
+        if sample_rows:
+            index = torch.tensor([inputs.last_token_index[i] for i in sample_rows], device=self.device)
+            logits = self.model.compute_logits(hidden[index])
+            rows = [self._sampling_row(inputs.chunks[i].request_id) for i in sample_rows]
+            sampled = self.sampler(logits, rows)
+            for row, i in enumerate(sample_rows):
+                request_id = inputs.chunks[i].request_id
+                token = sampled.token_ids[row]
+                self.requests[request_id].token_ids.append(token)
+                result.sampled_token_ids[request_id] = [token]
+                if sampled.logprobs[row] is not None:
+                    result.logprobs[request_id] = [sampled.logprobs[row].to_dict()]
+
+        for i, chunk in enumerate(inputs.chunks):
+            if chunk.prompt_logprobs:
+                result.prompt_logprobs[chunk.request_id] = self._prompt_logprobs(
+                    chunk, hidden, inputs.last_token_index[i])
+        return result
+
+    def _new_state(self, new: NewRequestData) -> RunnerRequestState:
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator(device=self.device)
+        return RunnerRequestState(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
+                                  new.sampling_params, new.eos_token_ids, generator)
+
+    def _sampling_row(self, request_id: str) -> SamplingRow:
+        state = self.requests[request_id]
+        output_ids = state.token_ids[state.num_prompt_tokens:]
+        if state.generator is not None:
+            # NOTE: reseeded from (seed, position) every step, so a seeded request draws the same
+            # tokens whatever it is batched with, and again after a preemption and recompute.
+            state.generator.manual_seed((state.params.seed * 1_000_003 + len(output_ids)) % 2**63)
+        return SamplingRow(state.params, state.token_ids[:state.num_prompt_tokens], output_ids,
+                           state.generator, state.eos_token_ids)
+
+    def _prompt_logprobs(self, chunk, hidden: torch.Tensor, last_index: int):
+        """Logprobs of the prompt tokens this chunk predicts: position p predicts token p + 1."""
+        state = self.requests[chunk.request_id]
+        first_index = last_index - chunk.num_tokens + 1
+        end = min(chunk.start + chunk.num_tokens, state.num_prompt_tokens - 1)  # last position predicting a prompt token
+        entries: list = [None] if chunk.start == 0 else []
+        if end > chunk.start:
+            rows = hidden[first_index:first_index + (end - chunk.start)]
+            targets = torch.tensor(state.token_ids[chunk.start + 1:end + 1], device=self.device)
+            logits = self.model.compute_logits(rows)
+            entries += [t.to_dict() for t in compute_prompt_logprobs(logits, targets, state.params.prompt_logprobs)]
+        return entries
