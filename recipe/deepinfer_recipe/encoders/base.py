@@ -1,0 +1,67 @@
+"""What every encoder returns, and what it tells the output parser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..prompt import RenderedPrompt
+from ..tokenize import SafeTokenizer
+
+
+@dataclass(frozen=True)
+class OutputMarkers:
+    """Control tokens the output parser acts on, by spelling. A marker counts only when the model
+    emitted its id; the same characters spelled by ordinary tokens are text."""
+
+    end_of_turn: tuple[str, ...] = ()  # generation ends here (EOS)
+    think_start: str | None = None
+    think_end: str | None = None
+    dsml: str | None = None  # DeepSeek tool-call markup token
+    dsml_calls: str = "tool_calls"  # tag names after the DSML token
+    dsml_invoke: str = "invoke"
+    dsml_parameter: str = "parameter"
+
+
+@dataclass(frozen=True)
+class ParserStart:
+    """Where the model's output begins, as decided by how the prompt ended."""
+
+    stage: Literal["reasoning", "content", "tool_calls"] = "content"
+    continuation: bool = False  # continuing a prefix turn: keep leading newlines
+    parse_tool_calls: bool = False
+
+
+@dataclass
+class PromptEncoding:
+    format: str
+    rendered: RenderedPrompt
+    parser_start: ParserStart
+    token_ids: list[int] | None = None  # None when the format's tokenizer is unavailable
+    stop: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        data = {"format": self.format, "token_ids": self.token_ids}
+        data.update(self.rendered.to_json())
+        data["parser_start"] = {
+            "stage": self.parser_start.stage,
+            "continuation": self.parser_start.continuation,
+            "parse_tool_calls": self.parser_start.parse_tool_calls,
+        }
+        return data
+
+
+class Encoder:
+    """Base: subclasses implement `render`; encoding is shared and always injection-safe."""
+
+    name: str = ""
+    tokenizer: SafeTokenizer | None = None
+    markers: OutputMarkers = OutputMarkers()
+
+    def render(self, conversation) -> tuple[RenderedPrompt, ParserStart]:  # pragma: no cover
+        raise NotImplementedError
+
+    def encode(self, conversation, parallel: bool = True) -> PromptEncoding:
+        rendered, start = self.render(conversation)
+        ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
+        return PromptEncoding(self.name, rendered, start, ids, list(conversation.stop))

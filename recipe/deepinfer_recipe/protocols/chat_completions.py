@@ -1,0 +1,218 @@
+"""OpenAI Chat Completions request → Conversation (plus DeepSeek's additions, research B.7:
+`thinking`, `reasoning_effort`, assistant `reasoning_content` and `prefix`, `latest_reminder`)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field
+
+from ..conversation import (
+    Conversation,
+    ImagePart,
+    Message,
+    NamedToolChoice,
+    ResponseFormat,
+    TextPart,
+    ToolCall,
+    ToolDefinition,
+)
+from ._common import Lenient, normalize_strict_schema, require_object_schema, validate
+
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class TextContent(Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageUrl(Lenient):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageContent(Lenient):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+class RefusalContent(Lenient):
+    type: Literal["refusal"]
+    refusal: str
+
+
+UserPart = Annotated[Union[TextContent, ImageContent], Field(discriminator="type")]
+AssistantPart = Annotated[Union[TextContent, RefusalContent], Field(discriminator="type")]
+
+
+class FunctionCall(Lenient):
+    name: str
+    arguments: str
+
+
+class ToolCallItem(Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(Lenient):
+    role: Literal["system"]
+    content: Union[str, list[TextContent]]
+
+
+class DeveloperMessage(Lenient):
+    role: Literal["developer"]
+    content: Union[str, list[TextContent]]
+
+
+class UserMessage(Lenient):
+    role: Literal["user"]
+    content: Union[str, list[UserPart]]
+
+
+class AssistantMessage(Lenient):
+    role: Literal["assistant"]
+    content: Union[str, list[AssistantPart], None] = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallItem] | None = None
+    prefix: bool = False
+
+
+class ToolMessage(Lenient):
+    role: Literal["tool"]
+    content: Union[str, list[UserPart]]
+    tool_call_id: str
+
+
+class LatestReminderMessage(Lenient):
+    role: Literal["latest_reminder"]
+    content: str
+
+
+ChatMessage = Annotated[
+    Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage, LatestReminderMessage],
+    Field(discriminator="role"),
+]
+
+
+class FunctionDefinition(Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolItem(Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Lenient):
+    name: str
+
+
+class NamedToolChoiceItem(Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaSpec(Lenient):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatItem(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+class ThinkingSwitch(Lenient):
+    type: Literal["enabled", "disabled"]
+
+
+class ChatCompletionRequest(Lenient):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolItem] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoiceItem, None] = None
+    response_format: ResponseFormatItem | None = None
+    thinking: ThinkingSwitch | None = None
+    reasoning_effort: Effort | None = None
+    stop: Union[str, list[str], None] = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    stream: bool = False
+
+
+def _parts(content) -> list:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [TextPart(content)]
+    parts = []
+    for item in content:
+        if isinstance(item, TextContent):
+            parts.append(TextPart(item.text))
+        elif isinstance(item, RefusalContent):
+            parts.append(TextPart(item.refusal))
+        else:
+            parts.append(ImagePart(item.image_url.url, item.image_url.detail))
+    return parts
+
+
+def tool_definitions(items, path: str) -> list[ToolDefinition]:
+    tools = []
+    for index, item in enumerate(items or []):
+        fn = item.function
+        require_object_schema(fn.parameters, f"{path}[{index}].function.parameters")
+        params = normalize_strict_schema(fn.parameters) if fn.strict and fn.parameters else fn.parameters
+        tools.append(ToolDefinition(fn.name, fn.description, params, fn.strict))
+    return tools
+
+
+def to_conversation(body: dict) -> Conversation:
+    request = validate(ChatCompletionRequest, body)
+    messages = []
+    for m in request.messages:
+        if isinstance(m, AssistantMessage):
+            calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+            messages.append(Message("assistant", _parts(m.content), m.reasoning_content, calls, prefix=m.prefix))
+        elif isinstance(m, ToolMessage):
+            messages.append(Message("tool", _parts(m.content), tool_call_id=m.tool_call_id))
+        else:
+            messages.append(Message(m.role, _parts(m.content)))
+    choice = request.tool_choice or "auto"
+    if isinstance(choice, NamedToolChoiceItem):
+        choice = NamedToolChoice(choice.function.name)
+    fmt = ResponseFormat()
+    if request.response_format is not None:
+        spec = request.response_format.json_schema
+        fmt = ResponseFormat(
+            request.response_format.type,
+            spec.schema_ if spec else None,
+            spec.name if spec else None,
+            spec.strict if spec else None,
+        )
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    return Conversation(
+        messages=messages,
+        tools=tool_definitions(request.tools, "tools"),
+        tool_choice=choice,
+        thinking=None if request.thinking is None else request.thinking.type == "enabled",
+        reasoning_effort=request.reasoning_effort,
+        response_format=fmt,
+        stop=stop,
+        max_tokens=request.max_completion_tokens or request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        seed=request.seed,
+        stream=request.stream,
+        model=request.model,
+        protocol="chat",
+    )

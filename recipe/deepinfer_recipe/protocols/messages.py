@@ -1,0 +1,177 @@
+"""Anthropic Messages request → Conversation (research E.2).
+
+A user turn's `tool_result` blocks become tool messages (placed before the turn's other blocks,
+which is where Anthropic requires them); assistant `thinking` blocks become reasoning,
+`tool_use` blocks tool calls. `thinking` absent means the format's default, as deepseek-recipe
+does; `budget_tokens` does not change the prompt. Hosted server tools are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field
+
+from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, TextPart, ToolCall, ToolDefinition
+from ..errors import RequestError
+from ._common import Lenient, require_object_schema, validate
+
+
+class TextBlock(Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(Lenient):
+    type: Literal["image"]
+    source: dict[str, Any]
+
+
+class ToolUseBlock(Lenient):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ResultPart = Annotated[Union[TextBlock, ImageBlock], Field(discriminator="type")]
+
+
+class ToolResultBlock(Lenient):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: Union[str, list[ResultPart], None] = None
+    is_error: bool = False
+
+
+class ThinkingBlock(Lenient):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(Lenient):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+Block = Annotated[
+    Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock],
+    Field(discriminator="type"),
+]
+
+
+class InputMessage(Lenient):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[Block]]
+
+
+class Tool(Lenient):
+    type: str | None = None
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class ToolChoice(Lenient):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+
+
+class Thinking(Lenient):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+
+
+class OutputConfig(Lenient):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
+class MessagesRequest(Lenient):
+    model: str | None = None
+    max_tokens: int = Field(ge=1)
+    system: Union[str, list[TextBlock], None] = None
+    messages: list[InputMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    stream: bool = False
+
+
+def _blocks_to_parts(blocks) -> list:
+    parts = []
+    for block in blocks:
+        if isinstance(block, TextBlock):
+            parts.append(TextPart(block.text))
+        elif isinstance(block, ImageBlock):
+            parts.append(ImagePart(block.source.get("url") or block.source.get("type")))
+    return parts
+
+
+def _messages(request: MessagesRequest) -> list[Message]:
+    messages: list[Message] = []
+    if isinstance(request.system, str) and request.system:
+        messages.append(Message("system", [TextPart(request.system)]))
+    elif isinstance(request.system, list) and request.system:
+        messages.append(Message("system", [TextPart(b.text) for b in request.system]))
+    for turn in request.messages:
+        blocks = [TextBlock(type="text", text=turn.content)] if isinstance(turn.content, str) else turn.content
+        if turn.role == "user":
+            for block in blocks:
+                if isinstance(block, ToolResultBlock):
+                    content = block.content
+                    parts = [TextPart(content)] if isinstance(content, str) else _blocks_to_parts(content or [])
+                    messages.append(Message("tool", parts, tool_call_id=block.tool_use_id))
+            rest = _blocks_to_parts(b for b in blocks if not isinstance(b, ToolResultBlock))
+            if rest or not any(isinstance(b, ToolResultBlock) for b in blocks):
+                messages.append(Message("user", rest))
+            continue
+        reasoning = "".join(b.thinking for b in blocks if isinstance(b, ThinkingBlock)) or None
+        calls = [
+            ToolCall(b.id, b.name, json.dumps(b.input, ensure_ascii=False))
+            for b in blocks
+            if isinstance(b, ToolUseBlock)
+        ]
+        messages.append(Message("assistant", _blocks_to_parts(blocks), reasoning, calls))
+    return messages
+
+
+def to_conversation(body: dict) -> Conversation:
+    request = validate(MessagesRequest, body)
+    tools = []
+    for index, tool in enumerate(request.tools or []):
+        if tool.type not in (None, "custom"):
+            continue  # hosted server tools (web_search_..., bash_...) are not ours to run
+        require_object_schema(tool.input_schema, f"tools[{index}].input_schema")
+        tools.append(ToolDefinition(tool.name, tool.description, tool.input_schema))
+    choice: Any = "auto"
+    if request.tool_choice is not None:
+        kind = request.tool_choice.type
+        if kind == "tool":
+            if not request.tool_choice.name:
+                raise RequestError("tool_choice of type tool needs a name", "tool_choice.name")
+            choice = NamedToolChoice(request.tool_choice.name)
+        else:
+            choice = {"any": "required"}.get(kind, kind)
+    thinking = None
+    if request.thinking is not None:
+        thinking = request.thinking.type != "disabled"
+    return Conversation(
+        messages=_messages(request),
+        tools=tools,
+        tool_choice=choice,
+        thinking=thinking,
+        reasoning_effort=request.output_config.effort if request.output_config else None,
+        stop=list(request.stop_sequences or []),
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stream=request.stream,
+        model=request.model,
+        protocol="messages",
+    )

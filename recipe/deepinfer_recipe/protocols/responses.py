@@ -1,0 +1,212 @@
+"""OpenAI Responses request → Conversation (research E.1).
+
+Output items of earlier turns (reasoning, assistant message, function_call) that follow each
+other are one assistant turn; `function_call_output` items are tool results. A `reasoning` item
+contributes its `content` (reasoning_text), not its `summary`: a summary is not what the model
+thought, and deepseek-recipe renders it as empty reasoning too. Hosted tools (web_search, ...)
+are dropped: this server runs only client functions.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag
+
+from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, ResponseFormat, TextPart, ToolCall, ToolDefinition
+from ..errors import RequestError
+from ._common import Lenient, normalize_strict_schema, require_object_schema, validate
+
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+
+
+class InputText(Lenient):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class Refusal(Lenient):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class InputImage(Lenient):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+Part = Annotated[Union[InputText, Refusal, InputImage], Field(discriminator="type")]
+
+
+class MessageItem(Lenient):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: Union[str, list[Part]]
+
+
+class FunctionCallItem(Lenient):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(Lenient):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[Part]]
+
+
+class ReasoningText(Lenient):
+    type: str = "reasoning_text"
+    text: str
+
+
+class ReasoningItem(Lenient):
+    type: Literal["reasoning"]
+    summary: list[dict[str, Any]] = []
+    content: list[ReasoningText] | None = None
+
+
+def _item_kind(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", "message")
+
+
+Item = Annotated[
+    Union[
+        Annotated[MessageItem, Tag("message")],
+        Annotated[FunctionCallItem, Tag("function_call")],
+        Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+        Annotated[ReasoningItem, Tag("reasoning")],
+    ],
+    Discriminator(_item_kind),
+]
+
+
+class FunctionTool(Lenient):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class NamedChoice(Lenient):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(Lenient):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(Lenient):
+    effort: Effort | None = None
+
+
+class ResponsesRequest(Lenient):
+    model: str | None = None
+    input: Union[str, list[Item]]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
+    reasoning: ReasoningConfig | None = None
+    text: TextConfig | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    stream: bool = False
+    previous_response_id: str | None = None
+
+
+def _parts(content) -> list:
+    if isinstance(content, str):
+        return [TextPart(content)]
+    parts = []
+    for item in content:
+        if isinstance(item, InputText):
+            parts.append(TextPart(item.text))
+        elif isinstance(item, Refusal):
+            parts.append(TextPart(item.refusal))
+        else:
+            parts.append(ImagePart(item.image_url, item.detail))
+    return parts
+
+
+def _messages(request: ResponsesRequest) -> list[Message]:
+    messages: list[Message] = []
+    if request.instructions:
+        messages.append(Message("system", [TextPart(request.instructions)]))
+    items = [MessageItem(role="user", content=request.input)] if isinstance(request.input, str) else request.input
+    open_turn: Message | None = None  # the assistant turn that output items are gathered into
+
+    def assistant_turn(starts_new: bool) -> Message:
+        nonlocal open_turn
+        if open_turn is None or starts_new:
+            open_turn = Message("assistant", [])
+            messages.append(open_turn)
+        return open_turn
+
+    for item in items:
+        if isinstance(item, MessageItem) and item.role == "assistant":
+            turn = assistant_turn(starts_new=open_turn is not None and bool(open_turn.tool_calls or open_turn.content))
+            turn.content.extend(_parts(item.content))
+        elif isinstance(item, ReasoningItem):
+            turn = assistant_turn(starts_new=open_turn is not None and bool(open_turn.tool_calls or open_turn.content))
+            text = "".join(part.text for part in item.content or [])
+            turn.reasoning = (turn.reasoning or "") + text if text else turn.reasoning
+        elif isinstance(item, FunctionCallItem):
+            assistant_turn(starts_new=False).tool_calls.append(ToolCall(item.call_id, item.name, item.arguments))
+        elif isinstance(item, FunctionCallOutputItem):
+            open_turn = None
+            messages.append(Message("tool", _parts(item.output), tool_call_id=item.call_id))
+        else:
+            open_turn = None
+            messages.append(Message(item.role, _parts(item.content)))
+    return messages
+
+
+def to_conversation(body: dict) -> Conversation:
+    request = validate(ResponsesRequest, body)
+    if request.previous_response_id:
+        raise RequestError("previous_response_id is not supported: send the full input", "previous_response_id")
+    tools = []
+    for index, tool in enumerate(request.tools or []):
+        if tool.type != "function":
+            continue  # hosted tools are not ours to run
+        if not tool.name:
+            raise RequestError("a function tool needs a name", f"tools[{index}].name")
+        require_object_schema(tool.parameters, f"tools[{index}].parameters")
+        params = normalize_strict_schema(tool.parameters) if tool.strict and tool.parameters else tool.parameters
+        tools.append(ToolDefinition(tool.name, tool.description, params, tool.strict))
+    choice = request.tool_choice or "auto"
+    if isinstance(choice, NamedChoice):
+        choice = NamedToolChoice(choice.name)
+    fmt = ResponseFormat()
+    if request.text and request.text.format:
+        f = request.text.format
+        fmt = ResponseFormat(f.type, f.schema_, f.name, f.strict)
+    return Conversation(
+        messages=_messages(request),
+        tools=tools,
+        tool_choice=choice,
+        reasoning_effort=request.reasoning.effort if request.reasoning else None,
+        response_format=fmt,
+        max_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stream=request.stream,
+        model=request.model,
+        protocol="responses",
+    )
