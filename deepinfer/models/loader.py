@@ -1,0 +1,133 @@
+"""Where model files come from: one entry point, `load_model_source`, for every kind of source.
+
+    source = load_model_source("default")          # the embedded SmolLM2-135M-Instruct GGUF
+    source = load_model_source("/models/x.gguf")   # any GGUF deepinfer can map
+    source = load_model_source("/models/Llama-3")  # an HF directory (config.json + safetensors)
+    source = load_model_source("org/name")         # an HF hub id, downloaded when online
+
+Whatever the source, the result looks like an HF checkpoint: `hf_config` is config.json-shaped,
+`iter_weights()` yields HF parameter names with tensors in HF layout and value convention, and
+`tokenizer` is a deepinfer Tokenizer. Model code therefore never knows where its weights came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepinfer.tokenizer import Tokenizer
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, corrupt, or of a kind deepinfer cannot read. Names the file."""
+
+
+@dataclass
+class ModelSource:
+    name: str  # short model id: the prefix-cache key's model id and the served model name
+    path: str  # resolved local path (a directory or a .gguf file)
+    hf_config: dict
+    tokenizer: Tokenizer
+    generation_config: dict = field(default_factory=dict)
+    # Produces the weights lazily, so that building a ModelSource (config + tokenizer) is cheap
+    # and the dequantized weights exist only while the model copies them in.
+    _weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, tensor) pairs; GGUF tensors come dequantized to float32."""
+        if self._weights is None:
+            raise ModelLoadError(f"model source {self.path} has no weights")
+        return self._weights()
+
+
+def load_model_source(model: str | None) -> ModelSource:
+    """Resolve `model` (None/"default", a .gguf path, an HF directory, or a hub id) and load it."""
+    if model is None or model == "default":
+        from deepinfer.models.bundled import SMOLLM2_NAME, default_model_path
+
+        return _load_gguf(default_model_path(), name=SMOLLM2_NAME)
+
+    path = os.path.expanduser(model)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF directory")
+        return _load_gguf(path)
+    if os.path.isdir(path):
+        return _load_hf_dir(path, name=os.path.basename(os.path.normpath(path)))
+    if _looks_like_path(model):
+        raise ModelLoadError(f"model file or directory not found: {path}")
+    return _load_hf_dir(_download_from_hub(model), name=model)
+
+
+def _looks_like_path(model: str) -> bool:
+    """Hub ids are `name` or `org/name`; anything else that does not exist is a missing path."""
+    return model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
+
+
+def _load_gguf(path: str, name: str | None = None) -> ModelSource:
+    from deepinfer.models.gguf_loader import GGUFFile, file_cache_key, gguf_config, iter_gguf_weights
+    from deepinfer.tokenizer import Tokenizer
+
+    # The header (metadata + tokenizer vocab) is parsed once and shared by config, tokenizer
+    # and weights; the tensor bytes stay memory-mapped until iter_weights reads them.
+    gguf = GGUFFile(path)
+    config = gguf_config(gguf)
+    generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    tokenizer = Tokenizer.from_gguf_metadata(
+        gguf.metadata, generation_config=generation_config, cache_key=file_cache_key(path)
+    )
+    if name is None:
+        name = os.path.basename(path)[: -len(".gguf")]
+    return ModelSource(
+        name=name,
+        path=os.path.abspath(path),
+        hf_config=config,
+        tokenizer=tokenizer,
+        generation_config=generation_config,
+        _weights=lambda: iter_gguf_weights(gguf, config),
+    )
+
+
+def _load_hf_dir(path: str, name: str) -> ModelSource:
+    from deepinfer.models.hf_loader import load_hf_directory
+
+    config, generation_config, tokenizer, weights = load_hf_directory(path)
+    return ModelSource(
+        name=name,
+        path=os.path.abspath(path),
+        hf_config=config,
+        tokenizer=tokenizer,
+        generation_config=generation_config,
+        _weights=weights,
+    )
+
+
+# Only what a safetensors checkpoint needs: no .bin/.pt/.h5 duplicates, no original/ folders.
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+
+
+def _download_from_hub(repo_id: str) -> str:
+    """Snapshot an HF hub repo (or reuse the local hub cache) and return its directory."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local file or directory, and loading it from the HF hub needs "
+            "huggingface_hub: pip install huggingface_hub"
+        ) from e
+    try:
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    except Exception as online_error:  # offline, unknown repo, gated repo, ...
+        try:  # a copy already in the local hub cache still works offline
+            return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+        except Exception:
+            raise ModelLoadError(
+                f"{repo_id!r} is not a local file or directory, and downloading it from the HF hub "
+                f"failed ({type(online_error).__name__}: {online_error}); check the id, the network, "
+                "or pass a local path"
+            ) from online_error
