@@ -16,6 +16,8 @@ from deepinfer.sampling_params import SamplingParams
 P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04], dtype=torch.float64)
 LOGITS = (P.log() + 3.0).to(torch.float32)
 N = 40_000
+# The CUDA path (generators on the device, the noise drawn there) is checked where a GPU exists.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def row(params, prompt=(), output=(), generator=None, eos=frozenset()):
@@ -43,9 +45,9 @@ def assert_distribution(tokens: list[int], expected: torch.Tensor) -> None:
     assert tv < 0.015, (tv, (counts / n).tolist(), expected.tolist())
 
 
-def sample_many(params: SamplingParams, n: int = N, seed: int = 0) -> list[int]:
-    torch.manual_seed(seed)  # unseeded rows use the global RNG
-    logits = LOGITS.expand(n, -1).contiguous()
+def sample_many(params: SamplingParams, n: int = N, seed: int = 0, device: str = "cpu") -> list[int]:
+    torch.manual_seed(seed)  # unseeded rows use the global RNG (of every device)
+    logits = LOGITS.expand(n, -1).contiguous().to(device)
     return Sampler()(logits, [row(params)] * n).token_ids
 
 
@@ -80,23 +82,31 @@ def test_distribution(params, expected):
     assert_distribution(sample_many(params), expected)
 
 
-def test_seeded_rows_follow_the_distribution():
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
+def test_distribution_cuda():
+    params = SamplingParams(temperature=0.5, top_k=4, top_p=0.95)
+    assert_distribution(sample_many(params, device="cuda"), renorm(tempered(0.5), 3))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_rows_follow_the_distribution(device):
     n = 20_000
     params = SamplingParams(seed=0, temperature=0.5)
-    rows = [row(params, generator=make_generator(i)) for i in range(n)]
-    tokens = Sampler()(LOGITS.expand(n, -1).contiguous(), rows).token_ids
+    rows = [row(params, generator=make_generator(i, device)) for i in range(n)]
+    tokens = Sampler()(LOGITS.expand(n, -1).contiguous().to(device), rows).token_ids
     assert_distribution(tokens, tempered(0.5))
 
 
-def test_seeded_reproducible_regardless_of_batch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_reproducible_regardless_of_batch(device):
     vocab, steps = 500, 25
-    step_logits = torch.randn(steps, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    step_logits = (torch.randn(steps, vocab, generator=torch.Generator().manual_seed(1)) * 3).to(device)
     params_a = SamplingParams(seed=7, temperature=0.9, top_p=0.95)
     params_b = SamplingParams(seed=8, temperature=1.3, top_k=50)
     sampler = Sampler()
 
     def alone(params):
-        gen = make_generator(params.seed)
+        gen = make_generator(params.seed, device)
         return [sampler(step_logits[s:s + 1], [row(params, generator=gen)]).token_ids[0]
                 for s in range(steps)]
 
@@ -104,7 +114,7 @@ def test_seeded_reproducible_regardless_of_batch():
     assert ref_a != ref_b
     assert alone(params_a) == ref_a  # a fresh generator with the same seed repeats itself
 
-    gen_a, gen_b = make_generator(7), make_generator(8)
+    gen_a, gen_b = make_generator(7, device), make_generator(8, device)
     noise = torch.Generator().manual_seed(2)
     torch.manual_seed(123)
     got_a, got_b = [], []
@@ -113,13 +123,13 @@ def test_seeded_reproducible_regardless_of_batch():
         # notice (they draw only from their own generators).
         others = [row(SamplingParams()), row(SamplingParams(temperature=0)),
                   row(SamplingParams(repetition_penalty=1.5, logit_bias={3: 2.0}), prompt=[3, 4]),
-                  row(SamplingParams(seed=99, min_p=0.1), generator=make_generator(step))]
+                  row(SamplingParams(seed=99, min_p=0.1), generator=make_generator(step, device))]
         rows = others[: step % 5]
         pos_a = step % 3
         pos_b = (step + 1) % 2
         rows.insert(min(pos_a, len(rows)), row(params_a, generator=gen_a))
         rows.insert(pos_b, row(params_b, generator=gen_b))
-        logits = torch.randn(len(rows), vocab, generator=noise)
+        logits = torch.randn(len(rows), vocab, generator=noise).to(device)
         index_a = next(i for i, r in enumerate(rows) if r.params is params_a)
         index_b = next(i for i, r in enumerate(rows) if r.params is params_b)
         logits[index_a] = step_logits[step]
@@ -218,11 +228,12 @@ def test_mixed_batch_greedy_rows_take_argmax():
     assert [tokens[i] for i in (1, 3, 5)] == logits.float().argmax(-1)[[1, 3, 5]].tolist()
 
 
-def test_logprobs_are_raw_with_ranks():
-    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_with_ranks(device):
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(5)).to(device, torch.bfloat16)
     raw = logits.float().log_softmax(-1)
     rows = [row(SamplingParams(logprobs=5, temperature=0.3, top_k=2, logit_bias={0: 30.0}),
-                generator=make_generator(0)),
+                generator=make_generator(0, device)),
             row(SamplingParams(logprobs=0, temperature=0, repetition_penalty=1.8), prompt=[1]),
             row(SamplingParams(logprobs=-1))]
     out = Sampler()(logits, rows)
