@@ -1,0 +1,164 @@
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`.
+
+It runs the engine core in this process and loops `step()` until every request is done, with a
+tqdm bar showing input and output tokens per second.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.core import EngineCore
+from deepinfer.engine.request import Request
+from deepinfer.kv_cache.prefix_cache import extra_key
+from deepinfer.models.loader import load_model_source
+from deepinfer.output_processor import OutputProcessor
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+# A prompt is text, a list of token ids, or a dict {"prompt": str} / {"prompt_token_ids": [...]}.
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    Keyword arguments are EngineConfig fields with vLLM's names: dtype, max_model_len, seed,
+    block_size, gpu_memory_utilization, cpu_kv_cache_bytes, enable_prefix_caching,
+    num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy.
+    `load_format="dummy"` keeps random weights (for speed measurements of a real shape).
+    """
+
+    def __init__(self, model: str | None = None, *, load_format: str = "auto", **kwargs: Any) -> None:
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        source = load_model_source(model)
+        self.model_id = self.config.model.served_model_name or source.name
+        self.tokenizer = source.tokenizer
+        self.engine = EngineCore(self.config, source, load_weights=load_format == "auto")
+        self.max_model_len = self.engine.max_model_len
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # --------------------------------------------------------------------------------- public
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool | Callable[..., tqdm] = True, priority: Sequence[int] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        priorities = _broadcast(list(priority) if priority is not None else 0, len(prompts), "priority")
+        # Validate every prompt before adding any, so one bad prompt leaves no stray requests.
+        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
+        ids = []
+        for (text, token_ids, sp), prio in zip(prepared, priorities):
+            ids.append(self._add_request(text, token_ids, sp, prio, cache_salt))
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool | Callable[..., tqdm] = True, add_generation_prompt: bool = True,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools, **(chat_template_kwargs or {}))
+            # The template already carries BOS when the model wants one.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ------------------------------------------------------------------------------ internals
+    def _prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):
+            text = prompt.get("prompt")
+            token_ids = prompt.get("prompt_token_ids")
+            if token_ids is None:
+                if text is None:
+                    raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                token_ids = self.tokenizer.encode(text)
+        else:
+            text, token_ids = None, list(prompt)
+        token_ids = [int(t) for t in token_ids]
+        if not token_ids:
+            raise ValueError("the prompt is empty; it needs at least one token")
+        vocab = self.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
+                             f"{self.max_model_len}; it must be shorter to leave room for output")
+        params.verify_token_ids(vocab)
+        return text, token_ids, params
+
+    def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
+                     priority: int, cache_salt: str | None) -> str:
+        request_id = str(next(self._counter))
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
+        key = extra_key(self.model_id, cache_salt)
+        for index, child_id in enumerate(child_ids):
+            child_params = params.for_child(index) if params.n > 1 else params
+            self.engine.add_request(Request(
+                child_id, token_ids, child_params, self.tokenizer.eos_token_ids, max_tokens,
+                priority=priority, cache_salt=cache_salt, extra_key=key,
+                block_size=self.config.cache.block_size,
+                skip_prefix_cache=params.prompt_logprobs is not None))
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            make_bar = use_tqdm if callable(use_tqdm) else tqdm
+            bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        start, n_in, n_out = time.perf_counter(), 0, 0
+        while self.engine.has_unfinished():
+            processed = self.output_processor.process(self.engine.step())
+            if processed.abort_ids:
+                self.engine.abort(processed.abort_ids)
+            for out in processed.request_outputs:
+                if out.finished:
+                    finished[out.request_id] = out
+                    n_in += len(out.prompt_token_ids or ())
+                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                    if bar is not None:
+                        elapsed = time.perf_counter() - start
+                        bar.set_postfix_str(f"est. speed input: {n_in / elapsed:.2f} toks/s, "
+                                            f"output: {n_out / elapsed:.2f} toks/s", refresh=False)
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,18 @@
+"""Shared test fixtures: tiny random-weight HF checkpoints and markers.
+
+Tests that need a GPU carry `@pytest.mark.gpu` and are skipped when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
