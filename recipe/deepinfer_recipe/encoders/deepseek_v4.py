@@ -122,11 +122,14 @@ class DeepSeekV4Encoder(Encoder):
         turns: list[_Turn] = []
         leading = True
         for message in messages:
+            # V4 hoists every system message to the top. V4.1 puts only a first-message system
+            # there; later system (and developer) messages are `<｜System｜>` turns in place.
             if message.role == "system" and (leading or not self.has_system_token):
-                system_texts.append(message.text)  # V4 hoists every system message to the top
+                system_texts.append(message.text)
+                leading = False
                 continue
             leading = False
-            if message.role == "system":
+            if message.role == "system" or (message.role == "developer" and self.has_system_token):
                 turns.append(_Turn("system", self._content_pieces(message)))
             elif message.role in ("user", "developer"):
                 self._append_user(turns, self._content_pieces(message))
@@ -206,6 +209,9 @@ class DeepSeekV4Encoder(Encoder):
             system_block.text(T.TOOLS_FOOTER)
         if fmt.type == "json_schema" and fmt.schema is not None:
             system_block.text("\n\n" + T.RESPONSE_SCHEMA_HEADER + json.dumps(fmt.schema, ensure_ascii=False))
+        elif fmt.type == "json_object" and self.has_system_token:
+            # deepseek-recipe's V4.1 renders json_object as a schema line of {"type": "json_object"}.
+            system_block.text("\n\n" + T.RESPONSE_SCHEMA_HEADER + json.dumps({"type": "json_object"}))
         elif fmt.type == "json_object":
             system_block.text("\n\n" + T.JSON_OBJECT_INSTRUCTIONS)
         system = system_block.build()
