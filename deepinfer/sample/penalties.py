@@ -6,6 +6,7 @@ given (`row_ids` index into the batch), so the sampler can skip rows that need n
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -14,11 +15,12 @@ import torch
 def _flat_index(row_ids: Sequence[int], token_lists: Sequence[Sequence[int]], vocab_size: int,
                 device: torch.device) -> torch.Tensor:
     """Indices into logits.view(-1) of every (row, token) pair: row * vocab_size + token."""
-    flat: list[int] = []
-    for row, tokens in zip(row_ids, token_lists):
-        base = row * vocab_size
-        flat.extend(base + t for t in tokens)
-    return torch.tensor(flat, dtype=torch.long, device=device)
+    # Built on the CPU with one list->tensor conversion (prompts can be long; a Python loop
+    # per token would dominate the step), then moved to the device in one copy.
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    rows = torch.repeat_interleave(torch.tensor(list(row_ids), dtype=torch.long), lengths)
+    return (rows * vocab_size + tokens).to(device, non_blocking=True)
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, row_ids: Sequence[int],

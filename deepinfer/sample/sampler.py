@@ -190,26 +190,33 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int],
                       top_p: Sequence[float]) -> torch.Tensor:
     """Return logits with everything outside each row's top-k and then top-p set to -inf.
 
-    top_k[i] = 0 means no top-k; top_p[i] = 1 means no top-p. Top-k keeps exactly k tokens
-    (ties at the boundary are broken by the sort). Top-p keeps the smallest prefix of the
-    remaining tokens, most likely first, whose probability reaches top_p; a token is kept iff
-    the tokens strictly before it sum to less than top_p, so the most likely always stays.
+    top_k[i] = 0 means no top-k; top_p[i] = 1 means no top-p. Top-k keeps every token whose
+    logit is at least the k-th largest (so ties at the boundary are all kept). Top-p keeps the
+    smallest prefix of the remaining tokens, most likely first, whose probability reaches
+    top_p; a token is kept iff the tokens strictly before it sum to less than top_p, so the
+    most likely token always stays.
     """
     vocab_size = logits.shape[-1]
     device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    positions = torch.arange(vocab_size, device=device)
     k = torch.tensor([vocab_size if v <= 0 else min(v, vocab_size) for v in top_k],
                      dtype=torch.long, device=device)
-    sorted_logits.masked_fill_(positions[None, :] >= k[:, None], float("-inf"))
+    if all(p >= 1.0 for p in top_p):
+        # Top-k only: a partial top-k is much cheaper than sorting the whole vocabulary.
+        k_max = min(vocab_size, max((v for v in top_k if v > 0), default=vocab_size))
+        kth = logits.topk(k_max, dim=-1).values.gather(1, (k.clamp(max=k_max) - 1)[:, None])
+        # Rows without top-k keep everything.
+        kth.masked_fill_((k == vocab_size)[:, None], float("-inf"))
+        return logits.masked_fill(logits < kth, float("-inf"))
 
-    if any(p < 1.0 for p in top_p):
-        p = torch.tensor(list(top_p), dtype=torch.float32, device=device)
-        probs = sorted_logits.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs
-        # Rows with top_p = 1 are exempt: float rounding can push `before` past 1.0 in a long
-        # tail of near-zero probabilities, and those tokens must stay sampleable.
-        drop = (before >= p[:, None]) & (p < 1.0)[:, None]
-        sorted_logits.masked_fill_(drop, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
 
+    p = torch.tensor(list(top_p), dtype=torch.float32, device=device)
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    # Rows with top_p = 1 are exempt: float rounding can push `before` past 1.0 in a long
+    # tail of near-zero probabilities, and those tokens must stay sampleable.
+    drop = (before >= p[:, None]) & (p < 1.0)[:, None]
+    sorted_logits.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -9,7 +9,7 @@ import torch
 from deepinfer.sample import logprobs as logprobs_module
 from deepinfer.sample import penalties
 from deepinfer.sample.logprobs import compute_prompt_logprobs
-from deepinfer.sample.sampler import Sampler, SamplingRow, make_generator
+from deepinfer.sample.sampler import Sampler, SamplingRow, apply_top_k_top_p, make_generator
 from deepinfer.sampling_params import SamplingParams
 
 # A small known distribution; logits are its logs shifted by a constant (softmax ignores it).
@@ -86,6 +86,21 @@ def test_distribution(params, expected):
 def test_distribution_cuda():
     params = SamplingParams(temperature=0.5, top_k=4, top_p=0.95)
     assert_distribution(sample_many(params, device="cuda"), renorm(tempered(0.5), 3))
+
+
+@pytest.mark.parametrize("top_p_row1", [1.0, 0.5], ids=["topk_path", "sort_path"])
+def test_top_k_top_p_mixed_rows_and_ties(top_p_row1):
+    inf = float("-inf")
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0, 0.0],    # k=2: ties at the top
+                           [4.0, 3.0, 2.0, 1.0, 0.0],    # k=0 (off), maybe top-p
+                           [0.0, 1.0, 1.0, 1.0, 5.0]])   # k=2: ties at the boundary kept
+    out = apply_top_k_top_p(logits, [2, 0, 2], [1.0, top_p_row1, 1.0])
+    assert out[0].tolist() == [inf, 3.0, inf, 3.0, inf]
+    assert out[2].tolist() == [inf, 1.0, 1.0, 1.0, 5.0]
+    if top_p_row1 == 1.0:
+        assert out[1].tolist() == logits[1].tolist()
+    else:  # softmax([4, 3, ...]) = [0.64, 0.24, ...]: the first alone reaches 0.5
+        assert out[1].tolist() == [4.0, inf, inf, inf, inf]
 
 
 @pytest.mark.parametrize("device", DEVICES)
