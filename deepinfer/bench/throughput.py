@@ -1,0 +1,100 @@
+"""`deepinfer bench throughput`: N synthetic requests of fixed input/output length, offline.
+
+Prompts are random token ids (seeded, control tokens avoided) so every engine sees the same
+work; each request generates exactly `--output-len` tokens (EOS ignored), greedily. The
+concurrency limit is the engine's `max_num_seqs`: when one request finishes the next starts.
+Prints requests/s and token throughputs; `--output-json` writes them with the machine and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import time
+from typing import Any
+
+
+def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="requests per concurrency level (default: 2 x concurrency, at least 8)")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
+                        help="one or more concurrency levels (max requests in flight)")
+    parser.add_argument("--prompt-seed", type=int, default=0)
+    parser.add_argument("--output-json", default=None)
+
+
+def synthetic_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    special = set(tokenizer.backend.get_added_tokens_decoder()) | set(tokenizer.eos_token_ids)
+    pool = [t for t in range(min(tokenizer.vocab_size, 32000)) if t not in special]
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
+
+
+def machine_description() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    desc = f"{cpu}, {os.cpu_count()} cores"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            desc = f"{torch.cuda.get_device_name()} + {desc}"
+    except ImportError:
+        pass
+    return desc
+
+
+def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
+    from deepinfer import LLM, SamplingParams
+
+    results = []
+    max_c = max(args.concurrency)
+    engine_kwargs = dict(engine_kwargs, max_num_seqs=max_c)
+    llm = LLM(**engine_kwargs)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for concurrency in args.concurrency:
+        n = args.num_prompts or max(8, 2 * concurrency)
+        prompts = synthetic_prompts(llm.tokenizer, n, args.input_len, args.prompt_seed)
+        # Warm-up (first calls allocate and pick kernels); not timed.
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+        # The engine's concurrency limit is max_num_seqs; rebuild its scheduler budget per level.
+        llm.engine.scheduler.config = _with_max_seqs(llm.engine.scheduler.config, concurrency)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+        n_in = sum(len(o.prompt_token_ids) for o in outputs)
+        results.append({
+            "engine": "deepinfer", "model": llm.model_id, "concurrency": concurrency, "num_prompts": n,
+            "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": round(elapsed, 3),
+            "request_throughput": n / elapsed, "output_throughput": n_out / elapsed,
+            "total_token_throughput": (n_in + n_out) / elapsed, "dtype": str(llm.engine.runner.dtype),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_description(),
+        })
+    print(f"{'concurrency':>11} {'requests':>8} {'elapsed s':>9} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>11}")
+    for r in results:
+        print(f"{r['concurrency']:>11} {r['num_prompts']:>8} {r['elapsed_s']:>9.2f} {r['request_throughput']:>7.2f} "
+              f"{r['output_throughput']:>10.1f} {r['total_token_throughput']:>11.1f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def _with_max_seqs(config, max_num_seqs: int):
+    import dataclasses
+
+    return dataclasses.replace(config, max_num_seqs=max_num_seqs)

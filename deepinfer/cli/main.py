@@ -1,0 +1,106 @@
+"""`deepinfer generate | chat | bench throughput`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from deepinfer import envs
+from deepinfer.cli.args import add_engine_args, engine_kwargs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="deepinfer: an LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="complete prompts (default model: SmolLM2-135M-Instruct)")
+    gen.add_argument("prompts", nargs="+")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    _add_sampling_args(gen)
+    add_engine_args(gen)
+
+    chat = commands.add_parser("chat", help="interactive chat with streamed tokens")
+    chat.add_argument("--system", default=None, help="a system message")
+    _add_sampling_args(chat)
+    add_engine_args(chat)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    throughput = bench_commands.add_parser("throughput", help="offline throughput of synthetic requests")
+    from deepinfer.bench.throughput import add_throughput_args
+
+    add_throughput_args(throughput)
+    add_engine_args(throughput)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "chat":
+            return _chat(args)
+        from deepinfer.bench.throughput import run_throughput
+
+        return run_throughput(args, engine_kwargs(args))
+    except (ValueError, OSError) as e:
+        print(f"deepinfer: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+
+
+def _sampling_params(args: argparse.Namespace):
+    from deepinfer import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.sampling_seed)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from deepinfer import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = _sampling_params(args)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    else:
+        outputs = llm.generate(args.prompts, params)
+    for prompt, out in zip(args.prompts, outputs):
+        print(f"--- {prompt!r}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, "
+              f"finish_reason={out.outputs[0].finish_reason}]")
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from deepinfer import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = _sampling_params(args)
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    print("deepinfer chat — an empty line or Ctrl-D ends the session.", flush=True)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        reply = []
+        for delta in llm.stream_chat(history, params):
+            reply.append(delta)
+            print(delta, end="", flush=True)
+        print(flush=True)
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
