@@ -21,8 +21,8 @@ class Lenient(BaseModel):
 def _json_path(data: Any, loc: tuple) -> str:
     """Turn a pydantic error location into a JSON path over the *input*.
 
-    Pydantic puts union member names into `loc` (e.g. "function-after[...]" or a tag); walking
-    the input alongside keeps only the steps that exist in the client's JSON."""
+    Pydantic puts union member names into `loc` (e.g. "str", "list[...]" or a tag); walking the
+    input alongside keeps only the steps that exist in the client's JSON."""
     path = ""
     node = data
     for step in loc:
@@ -32,11 +32,6 @@ def _json_path(data: Any, loc: tuple) -> str:
         elif isinstance(step, str) and isinstance(node, dict) and step in node:
             path += f".{step}" if path else step
             node = node[step]
-        elif isinstance(step, str) and isinstance(node, dict) and step.isidentifier() and not path.endswith(step):
-            # A missing required field: name it, it is what the client must add.
-            if step not in ("str", "list", "dict", "int", "float", "bool", "none"):
-                path += f".{step}" if path else step
-                node = None
     return path
 
 
@@ -46,8 +41,13 @@ def validate(model: type[Model], body: Any) -> Model:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        error = exc.errors()[0]
+        # With unions pydantic reports one error per member; the one that got deepest into the
+        # input is the one that describes what the client meant.
+        error = max(exc.errors(), key=lambda e: len(_json_path(body, tuple(e["loc"]))))
         path = _json_path(body, tuple(error["loc"]))
+        if error["type"] == "missing":
+            field = str(error["loc"][-1])
+            path = f"{path}.{field}" if path else field
         if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
             field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'\"")
             if not path.endswith(field):

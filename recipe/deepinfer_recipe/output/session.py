@@ -1,0 +1,93 @@
+"""One generation's output side: feed token ids, get protocol events; ask for the final object.
+
+    session = OutputSession.for_encoding(encoder, encoding, protocol="chat", model="m")
+    events = session.start()
+    events += session.feed(new_ids)        # as many times as ids arrive
+    events += session.finish("length")     # only if the engine stopped it (EOS is seen in feed)
+    body = session.final_response()
+`session.finished` turns true on EOS or a stop sequence: the engine should stop generating then.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Callable, Literal
+
+from ..encoders.base import Encoder, PromptEncoding
+from ..errors import RecipeError
+from .chat_events import ChatCompletionsStream
+from .messages_events import MessagesStream
+from .parser import OutputParser, default_call_id
+from .responses_events import ResponsesStream
+
+
+class OutputSession:
+    def __init__(
+        self,
+        parser: OutputParser,
+        protocol: Literal["chat", "responses", "messages"],
+        model: str = "",
+        prompt_tokens: int = 0,
+        response_id: str | None = None,
+        created: int | None = None,
+    ):
+        self.parser = parser
+        self.protocol = protocol
+        self.prompt_tokens = prompt_tokens
+        created = int(time.time()) if created is None else created
+        if protocol == "chat":
+            self.stream = ChatCompletionsStream(response_id or f"chatcmpl-{secrets.token_hex(12)}", model, created)
+        elif protocol == "responses":
+            self.stream = ResponsesStream(response_id or f"resp_{secrets.token_hex(12)}", model, created)
+        elif protocol == "messages":
+            self.stream = MessagesStream(response_id or f"msg_{secrets.token_hex(12)}", model)
+        else:
+            raise RecipeError(f"unknown protocol {protocol!r}")
+
+    @classmethod
+    def for_encoding(
+        cls,
+        encoder: Encoder,
+        encoding: PromptEncoding,
+        protocol: Literal["chat", "responses", "messages"],
+        model: str = "",
+        call_id: Callable[[int], str] = default_call_id,
+        **kwargs,
+    ) -> "OutputSession":
+        if encoder.tokenizer is None:
+            raise RecipeError(f"format {encoder.name} has no tokenizer to decode output with")
+        parser = OutputParser(encoder.tokenizer, encoder.markers, encoding.parser_start, encoding.stop, call_id)
+        prompt_tokens = len(encoding.token_ids or [])
+        return cls(parser, protocol, model, prompt_tokens, **kwargs)
+
+    @property
+    def finished(self) -> bool:
+        return self.parser.finished is not None
+
+    def usage(self) -> dict:
+        completion = self.parser.completion_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "reasoning_tokens": self.parser.reasoning_tokens,
+        }
+
+    def start(self) -> list[dict]:
+        return self.stream.start(self.usage()) if self.protocol == "messages" else self.stream.start()
+
+    def _render(self, events) -> list[dict]:
+        out: list[dict] = []
+        for event in events:
+            out.extend(self.stream.on_event(event, self.usage()))
+        return out
+
+    def feed(self, token_ids: list[int]) -> list[dict]:
+        return self._render(self.parser.feed(token_ids))
+
+    def finish(self, reason: Literal["stop", "length"] = "stop") -> list[dict]:
+        return self._render(self.parser.finish(reason))
+
+    def final_response(self) -> dict:
+        return self.stream.final()
