@@ -89,7 +89,10 @@ class OutputParser:
         self.stage = start.stage
         self._strip_leading = not start.continuation
         self._pending = ""  # content held back: may begin a tool block or a stop sequence
-        self._tools = _ToolBlock(markers, call_id) if start.stage == "tool_calls" else None
+        self._tools = None
+        if start.stage == "tool_calls":  # the prompt already opened the block (forced tool choice)
+            self._tools = _ToolBlock(markers, call_id)
+            self._tools.opened()
         self.finished: FinishReason | None = None
         self.stop_sequence: str | None = None
         self.reasoning_tokens = 0
@@ -235,6 +238,9 @@ class _ToolBlock:
         self._params = 0
         self._value_is_string = True
         self.leftover: str | None = None
+
+    def opened(self) -> None:
+        self._state = "invokes"
 
     def push(self, text: str) -> list[Event]:
         self._buf += text

@@ -1,0 +1,80 @@
+"""Request validation: unknown fields ignored, invalid ones named by their JSON path."""
+
+import pytest
+
+from deepinfer_recipe import RequestError, parse_request
+from deepinfer_recipe.conversation import ImagePart, NamedToolChoice
+
+
+@pytest.mark.parametrize(
+    "protocol,body,path",
+    [
+        ("chat", {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "user", "content": [{"type": "bogus"}]}]}, "messages[2].content[0].type"),
+        ("chat", {"messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+        ("chat", {"messages": [{"role": "assistant", "tool_calls": [{"id": "x", "function": {"name": "f"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
+        ("chat", {"messages": [{"role": "user", "content": "a"}], "temperature": 9}, "temperature"),
+        ("chat", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]}, "tools[0].function.parameters"),
+        ("chat", {}, "messages"),
+        ("responses", {"input": [{"type": "function_call", "name": "x"}]}, "input[0].call_id"),
+        ("responses", {"input": [{"role": "user", "content": [{"type": "input_video"}]}]}, "input[0].content[0].type"),
+        ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages[0].content[0].tool_use_id"),
+        ("messages", {"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+    ],
+)
+def test_invalid_field_is_named(protocol, body, path):
+    with pytest.raises(RequestError) as info:
+        parse_request(protocol, body)
+    assert info.value.path == path
+    assert str(info.value).startswith(path + ":")
+
+
+def test_unknown_fields_are_ignored():
+    conversation = parse_request("chat", {
+        "model": "m", "frequency_penalty": 0.5, "user": "u",
+        "messages": [{"role": "user", "content": "hi", "name": "bob", "future_field": {"x": 1}}],
+    })
+    assert conversation.messages[0].text == "hi"
+
+
+def test_chat_fields_reach_the_conversation():
+    conversation = parse_request("chat", {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}},
+        "thinking": {"type": "disabled"}, "reasoning_effort": "max", "stop": "END",
+        "max_completion_tokens": 7, "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}},
+    })
+    assert isinstance(conversation.messages[0].content[1], ImagePart)
+    assert conversation.tool_choice == NamedToolChoice("f")
+    assert conversation.thinking is False and conversation.reasoning_effort == "max"
+    assert conversation.stop == ["END"] and conversation.max_tokens == 7
+    assert conversation.response_format.schema == {"type": "object"}
+
+
+def test_messages_tool_results_become_tool_messages_first():
+    conversation = parse_request("messages", {"max_tokens": 5, "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t"}, {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}, {"type": "text", "text": "more"}]},
+    ]})
+    roles = [m.role for m in conversation.messages]
+    assert roles == ["user", "assistant", "tool", "user"]
+    assert conversation.messages[1].reasoning == "t"
+    assert conversation.messages[1].tool_calls[0].arguments == '{"a": 1}'
+
+
+def test_responses_previous_response_id_is_refused_by_name():
+    with pytest.raises(RequestError) as info:
+        parse_request("responses", {"input": "x", "previous_response_id": "resp_1"})
+    assert info.value.path == "previous_response_id"
+
+
+def test_forced_tool_choice_with_thinking_is_rejected():
+    from deepinfer_recipe import get_encoder
+
+    conversation = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                                          "tools": [{"type": "function", "function": {"name": "f"}}]})
+    with pytest.raises(RequestError) as info:
+        get_encoder("deepseek-v4").encode(conversation)
+    assert info.value.path == "tool_choice"
