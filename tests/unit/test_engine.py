@@ -1,0 +1,109 @@
+"""The engine end to end on a tiny random Llama: preemption, seeds, n>1, stops, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from tests.models.tiny_models import build_tiny_checkpoint
+
+PROMPTS = [[(5 * i + j) % 500 + 2 for j in range(10 + 3 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("llama"))
+    build_tiny_checkpoint("llama", directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_llama):
+    return LLM(tiny_llama, dtype="float32", num_kv_blocks=256, block_size=4)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_preemption_and_resume_give_identical_output(tiny_llama, roomy, params):
+    expected = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params, use_tqdm=False)]
+    # 13 blocks of 4 tokens cannot hold four requests of up to 43 tokens: requests get
+    # preempted, recomputed and resumed.
+    tight = LLM(tiny_llama, dtype="float32", num_kv_blocks=14, block_size=4, max_model_len=48)
+    got = [o.outputs[0].token_ids for o in tight.generate(PROMPTS, params, use_tqdm=False)]
+    assert tight.engine.stats().num_preemptions > 0
+    assert got == expected
+    assert tight.engine.kv_manager.usage() == 0.0
+
+
+def test_seed_is_reproducible_and_n_children_differ(roomy):
+    params = SamplingParams(temperature=1.0, seed=123, n=3, max_tokens=16, ignore_eos=True)
+    first = roomy.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    again = roomy.generate([PROMPTS[1], PROMPTS[0]], params, use_tqdm=False)[1]   # other batch-mates
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) == 3
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+
+
+def test_stop_token_ids_and_max_tokens(roomy):
+    greedy = roomy.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    assert len(greedy.token_ids) == 10 and greedy.finish_reason == "length"
+    stop_at = greedy.token_ids[4]
+    first = greedy.token_ids.index(stop_at)
+    out = roomy.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                    stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_string_is_cut_and_never_streamed(roomy):
+    greedy = roomy.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    words = greedy.text.split()
+    stop = words[3]
+    out = roomy.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=stop),
+                         use_tqdm=False)[0].outputs[0]
+    assert stop not in out.text and out.finish_reason == "stop" and out.stop_reason == stop
+    streamed = "".join(roomy.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                               stop=stop)))
+    assert streamed == out.text
+
+
+def test_prompt_logprobs(roomy):
+    out = roomy.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3),
+                         use_tqdm=False)[0]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPTS[1])
+    for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+        assert PROMPTS[1][position] in entry and len(entry) <= 4
+
+
+def test_too_long_prompt_is_rejected_and_engine_survives(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, block_size=4, max_model_len=32)
+    with pytest.raises(ValueError, match=r"40 tokens long.*max_model_len is 32"):
+        llm.generate([list(range(2, 42))], use_tqdm=False)
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate(PROMPTS[0], SamplingParams(top_p=1.5), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt token ids must be in \[0, 512\)"):
+        llm.generate([[1, 2, 9999]], use_tqdm=False)
+    # Nothing was added by the failed calls; the engine still serves.
+    assert not llm.engine.has_unfinished()
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "length" and len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 32
+
+
+def test_unknown_architecture_and_accelerator(tmp_path, monkeypatch):
+    from deepinfer import envs
+    from deepinfer.models.registry import model_class
+
+    with pytest.raises(ValueError, match="not supported; supported: Gemma3ForCausalLM, LlamaForCausalLM"):
+        model_class({"architectures": ["FancyNewForCausalLM"]})
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "tpu")
+    with pytest.raises(ValueError, match="choose one of auto, cuda, cpu"):
+        envs.accelerator()
+
+
+def test_unknown_engine_argument_names_the_known_ones(tiny_llama):
+    with pytest.raises(TypeError, match="unknown engine argument 'max_num_seq'"):
+        LLM(tiny_llama, max_num_seq=4)
