@@ -46,18 +46,57 @@ def smollm2():
     return source, dict(source.iter_weights()), config, reference
 
 
+# Layers of Gemma 3 compared tensor by tensor: one sliding-window layer and one global layer.
+# (Dequantizing all 236 tensors through transformers' legacy reader takes over a minute here;
+# every tensor kind of a block is covered by these two, and all names are still compared.)
+GEMMA3_LAYERS = (0, 5)
+
+
+def _transformers_gemma3_subset(path: str):
+    """Gemma 3's config as transformers parses it, and the tensors of GEMMA3_LAYERS (plus the
+    embedding and final norm) through transformers' own name map and tensor processor, i.e. the
+    loop of load_gguf_checkpoint(return_tensors=True) restricted to those tensors."""
+    import gguf
+    from gguf.quants import dequantize
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, get_gguf_hf_weights_map,
+                                                          load_gguf_checkpoint)
+
+    reader = gguf.GGUFReader(path)  # the slow part (~15 s for 262k tokens): do it once
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", lambda _path: reader)
+        raw = dict(load_gguf_checkpoint(path, return_tensors=False)["config"])
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS["gemma3"](config=config.to_dict())
+    name_map = get_gguf_hf_weights_map(model, processor)
+    wanted = tuple(f"blk.{i}." for i in GEMMA3_LAYERS)
+    tensors = {}
+    for tensor in reader.tensors:
+        if tensor.name.startswith(wanted) or tensor.name in ("token_embd.weight", "output_norm.weight"):
+            result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name)
+            tensors[name_map[result.name]] = torch.from_numpy(result.weights.copy())
+    return config, tensors, {name_map[t.name] for t in reader.tensors}
+
+
 @pytest.fixture(scope="module")
 def gemma3():
     path = gemma3_270m_gguf_path()
     source = load_model_source(path)
-    config, reference = _transformers_reference(path, source.hf_config)
-    return source, dict(source.iter_weights()), config, reference
+    config, reference, all_names = _transformers_gemma3_subset(path)
+    ours = dict(source.iter_weights())
+    assert set(ours) == all_names
+    return source, ours, config, reference
 
 
 @pytest.mark.parametrize("fixture", ["smollm2", "gemma3"])
 def test_gguf_tensors_equal_transformers(fixture, request):
     source, ours, _, reference = request.getfixturevalue(fixture)
-    assert set(ours) == set(reference)
+    # SmolLM2: every tensor. Gemma 3: the GEMMA3_LAYERS subset (its fixture compares all names).
+    assert set(reference) <= set(ours) and len(reference) > 20
+    if fixture == "smollm2":
+        assert set(ours) == set(reference)
     for name, tensor in reference.items():
         assert ours[name].dtype == torch.float32, name
         assert ours[name].shape == tensor.shape, name
