@@ -152,7 +152,12 @@ def test_same_answer_as_oracle_stream_processor(protocol):
 def test_round_trip_parsed_turn_rerendered_matches_oracle_ids(protocol):
     """Parse the model's turn, send it back as history the way each client would, and check
     the next prompt's ids against the oracle's."""
-    session = session_for(CHAT, protocol)
+    first = {
+        "chat": CHAT,
+        "responses": {"input": "Weather in Paris?", "tools": [{"type": "function", **TOOLS[0]["function"]}]},
+        "messages": {"max_tokens": 9, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]},
+    }[protocol]
+    session = session_for(first, protocol)
     session.feed(OUTPUT)
     final = session.final_response()
     if protocol == "chat":
