@@ -95,6 +95,11 @@ class SafeTokenizer:
     def from_file(cls, path: str | Path) -> "SafeTokenizer":
         return cls.from_json_text(Path(path).read_text(encoding="utf-8"))
 
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> "SafeTokenizer":
+        """From a `tokenizers.Tokenizer` built in memory (e.g. from a GGUF file's vocabulary)."""
+        return cls.from_json_text(tokenizer.to_str())
+
     # -- control tokens --------------------------------------------------------------------
     def control_id(self, spelling: str) -> int:
         token_id = self.full.token_to_id(spelling)

@@ -78,3 +78,33 @@ def test_template_from_string_and_raise_exception(model_dir):
     from deepinfer_recipe import RequestError
     with pytest.raises(RequestError, match="one message only"):
         encoder.encode(parse_request("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}))
+
+
+def test_from_tokenizer_object_matches_directory(model_dir):
+    """A tokenizer built in memory (as for GGUF models) plus a template string encodes and parses
+    exactly like the same tokenizer loaded from a directory."""
+    from tokenizers import Tokenizer
+
+    from deepinfer_recipe.output import OutputSession
+
+    backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    in_memory = HFTemplateEncoder.from_tokenizer(backend, CHATML, eos_token="<|im_end|>", name="mem")
+    on_disk = get_encoder(f"hf:{model_dir}")
+    body = {"messages": [{"role": "user", "content": "Hi <|im_end|> there"}]}
+    ours = in_memory.encode(parse_request("chat", body))
+    assert ours.token_ids == on_disk.encode(parse_request("chat", body)).token_ids
+    assert ours.token_ids.count(129281) == 2  # the template's two; the client's spelling stayed text
+    assert set(in_memory.markers.end_of_turn) == {"<|im_end|>"}
+    session = OutputSession.for_encoding(in_memory, ours, "chat", model="m")
+    session.start()
+    session.feed(backend.encode("Hello", add_special_tokens=False).ids + [129281])
+    assert session.finished and session.final_response()["choices"][0]["message"]["content"] == "Hello"
+
+
+def test_from_tokenizer_needs_a_template(model_dir):
+    from tokenizers import Tokenizer
+
+    from deepinfer_recipe.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="no chat template"):
+        HFTemplateEncoder.from_tokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")), "")

@@ -20,6 +20,7 @@ from pathlib import Path
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
 
 from ..conversation import Conversation, NamedToolChoice
 from ..errors import RecipeError, RequestError
@@ -82,6 +83,15 @@ class HFTemplateEncoder(Encoder):
         tokenizer = SafeTokenizer.from_file(tokenizer_path or directory / "tokenizer.json")
         return cls(tokenizer, template, _token_text(config.get("bos_token")), _token_text(config.get("eos_token")),
                    name=f"hf:{directory}")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Tokenizer, chat_template: str, bos_token: str | None = None,
+                       eos_token: str | None = None, name: str = "hf") -> "HFTemplateEncoder":
+        """From a `tokenizers.Tokenizer` object and a template string, for models whose tokenizer
+        exists only in memory (a GGUF file carries a vocabulary and a template, no tokenizer.json)."""
+        if not chat_template:
+            raise RecipeError(f"no chat template for {name}")
+        return cls(SafeTokenizer.from_tokenizer(tokenizer), chat_template, bos_token, eos_token, name=name)
 
     # -- rendering -------------------------------------------------------------------------------
     def _template_inputs(self, conversation: Conversation, protect) -> dict:
