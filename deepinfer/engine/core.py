@@ -41,8 +41,7 @@ class EngineCore:
         self.platform = current_platform()
         hf_config = source.hf_config
         self.max_model_len = resolve_max_model_len(config, hf_config)
-        self.runner = ModelRunner(config, hf_config, self.platform,
-                                  source.iter_weights() if load_weights else None)
+        self.runner = ModelRunner(config, hf_config, self.platform, source if load_weights else None)
         blocks_per_request = -(-self.max_model_len // config.cache.block_size)
         if self.runner.num_blocks - 1 < blocks_per_request:
             raise ValueError(

@@ -65,9 +65,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+        self._cached: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        # Layers share one RotaryEmbedding per rope setting, and within a forward they all pass
+        # the same positions tensor: look the rows up once.
+        cached = self._cached
+        if cached is None or cached[0] is not positions or cached[1] != q.dtype:
+            cached = (positions, q.dtype, self.cos[positions].to(q.dtype).unsqueeze(1),
+                      self.sin[positions].to(q.dtype).unsqueeze(1))
+            self._cached = cached
+        cos, sin = cached[2], cached[3]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

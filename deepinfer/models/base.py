@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from deepinfer.kv_cache.specs import KVCacheSpec
+from deepinfer.layers.linear import FusedLinear, Int4Blocks, Linear
 
 # (fused parameter name, HF name, shard index)
 FUSED_PROJECTIONS = (
@@ -27,18 +28,6 @@ FUSED_PROJECTIONS = (
     ("gate_up_proj", "gate_proj", 0),
     ("gate_up_proj", "up_proj", 1),
 )
-
-
-class FusedLinear(nn.Linear):
-    """A Linear whose output rows are the concatenation of several HF projections."""
-
-    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = shard_sizes
-
-    def shard(self, index: int) -> slice:
-        start = sum(self.shard_sizes[:index])
-        return slice(start, start + self.shard_sizes[index])
 
 
 class CausalLM(nn.Module):
@@ -61,18 +50,22 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        int4_parts: dict[str, dict[int, Int4Blocks]] = {}   # module name -> shard index -> blocks
         for name, tensor in weights:
             if name.endswith(self.ignored_weight_suffixes):
                 continue
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue  # tied: the embedding is the head
-            target, rows = name, slice(None)
+            target, rows, shard_index = name, slice(None), 0
             for fused, part, index in FUSED_PROJECTIONS:
                 if f".{part}." in name:
                     target = name.replace(f".{part}.", f".{fused}.")
                     module = self.get_submodule(target.rsplit(".", 1)[0])
-                    rows = module.shard(index)
+                    rows, shard_index = module.shard(index), index
                     break
+            if isinstance(tensor, Int4Blocks):
+                int4_parts.setdefault(target.rsplit(".", 1)[0], {})[shard_index] = tensor
+                tensor = tensor.dequantize()
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             param = params[target]
@@ -82,6 +75,11 @@ class CausalLM(nn.Module):
                                  f"expected {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(f"{name}")
+        for module_name, parts in int4_parts.items():
+            module = self.get_submodule(module_name)
+            n_shards = len(getattr(module, "shard_sizes", [0]))
+            if isinstance(module, Linear) and len(parts) == n_shards:  # every shard 4-bit, or none
+                module.set_int4(Int4Blocks.concat([parts[i] for i in range(n_shards)]))
         expected = set()
         for pname, param in params.items():
             if isinstance(self.get_submodule(pname.rsplit(".", 1)[0]), FusedLinear):

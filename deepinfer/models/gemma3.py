@@ -11,7 +11,7 @@ from torch import nn
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers.norm import GemmaRMSNorm
 from deepinfer.models.base import CausalLM
-from deepinfer.models.llama import GatedMLP, LlamaAttention, head_dim_of, layer_types_of
+from deepinfer.models.llama import GatedMLP, LlamaAttention, build_rotaries, head_dim_of, layer_types_of
 
 
 def gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
@@ -24,11 +24,11 @@ def gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_id: int) -> None:
+    def __init__(self, cfg: dict[str, Any], layer_id: int, rotaries: nn.ModuleDict) -> None:
         super().__init__()
         hidden, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         scale = cfg.get("query_pre_attn_scalar", head_dim_of(cfg)) ** -0.5
-        self.self_attn = LlamaAttention(cfg, layer_id, norm_cls=GemmaRMSNorm, scale=scale)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotaries, norm_cls=GemmaRMSNorm, scale=scale)
         self.mlp = GatedMLP(hidden, cfg["intermediate_size"],
                             cfg.get("hidden_activation") or cfg.get("hidden_act", "gelu_pytorch_tanh"))
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
@@ -45,7 +45,9 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.rotary_embs = build_rotaries(cfg)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, self.rotary_embs)
+                                    for i in range(cfg["num_hidden_layers"]))
         self.norm = GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.embed_scale = cfg["hidden_size"] ** 0.5
 

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer.layers.linear import Int4Blocks
+
 from deepinfer.models.loader import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
@@ -329,12 +331,45 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(gguf: GGUFFile, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the file as (HF name, float32 tensor), conversions undone."""
+def read_int4_blocks(gguf: GGUFFile, info: GGUFTensorInfo) -> Int4Blocks | None:
+    """Q4_0 / Q4_1 tensors as 4-bit values with per-32 scale and offset (no precision lost);
+    None for any other type."""
+    from gguf import GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(info.ggml_type)
+    if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) or len(info.shape) != 2:
+        return None
+    rows, cols = info.shape
+    header = 2 if qtype == GGMLQuantizationType.Q4_0 else 4   # f16 scale (+ f16 min for Q4_1)
+    raw = np.frombuffer(gguf._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    blocks = raw.reshape(rows, cols // 32, header + 16)
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == GGMLQuantizationType.Q4_0:
+        offset = -8.0 * scale                        # w = d * (q - 8)
+    else:
+        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)   # w = d * q + m
+    packed = blocks[..., header:]
+    # Within a block, byte j holds element j in its low nibble and element j + 16 in its high one.
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, cols)
+    return Int4Blocks(q, scale, offset)
+
+
+def iter_gguf_weights(gguf: GGUFFile, config: dict, keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the file as (HF name, float32 tensor), conversions undone.
+
+    keep_int4: yield Q4_0/Q4_1 matrices as `Int4Blocks` instead (the model keeps a 4-bit copy).
+    """
     arch = resolve_architecture(gguf.metadata, gguf.path)
     for info in gguf.tensors:
         name = hf_tensor_name(info.name, arch)
         if name is None:
+            continue
+        blocks = read_int4_blocks(gguf, info) if keep_int4 else None
+        if blocks is not None:
+            if arch in ("llama", "mistral") and (".attn_q." in info.name or ".attn_k." in info.name):
+                heads = config["num_attention_heads" if ".attn_q." in info.name else "num_key_value_heads"]
+                blocks = Int4Blocks(*(_unpermute_qk(a, heads) for a in (blocks.q, blocks.scale, blocks.offset)))
+            yield name, blocks
             continue
         try:
             w = gguf.read_tensor(info)

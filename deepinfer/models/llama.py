@@ -13,7 +13,8 @@ from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWind
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_parameters
-from deepinfer.models.base import CausalLM, FusedLinear
+from deepinfer.layers.linear import FusedLinear, Linear
+from deepinfer.models.base import CausalLM
 
 
 def head_dim_of(cfg: dict[str, Any]) -> int:
@@ -31,9 +32,17 @@ def layer_types_of(cfg: dict[str, Any]) -> list[str]:
     return ["sliding_attention" if uses_window else "full_attention"] * n
 
 
+def build_rotaries(cfg: dict[str, Any]) -> nn.ModuleDict:
+    """One RotaryEmbedding per layer type (rope bases differ by type in Gemma 3), shared by
+    every layer of that type so the cos/sin rows are looked up once per forward."""
+    return nn.ModuleDict({t: RotaryEmbedding(head_dim_of(cfg), rope_parameters(cfg, t),
+                                             cfg.get("max_position_embeddings", 8192))
+                          for t in sorted(set(layer_types_of(cfg)))})
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_id: int, *, norm_cls: type[nn.Module] = RMSNorm,
-                 scale: float | None = None) -> None:
+    def __init__(self, cfg: dict[str, Any], layer_id: int, rotaries: nn.ModuleDict, *,
+                 norm_cls: type[nn.Module] = RMSNorm, scale: float | None = None) -> None:
         super().__init__()
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
@@ -44,14 +53,14 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = FusedLinear(hidden, [self.num_heads * self.head_dim,
                                              self.num_kv_heads * self.head_dim,
                                              self.num_kv_heads * self.head_dim], bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
         self.has_qk_norm = cfg.get("model_type") in ("qwen3", "gemma3_text", "gemma3")
         if self.has_qk_norm:
             self.q_norm = norm_cls(self.head_dim, cfg["rms_norm_eps"])
             self.k_norm = norm_cls(self.head_dim, cfg["rms_norm_eps"])
         layer_type = layer_types_of(cfg)[layer_id]
-        self.rotary = RotaryEmbedding(self.head_dim, rope_parameters(cfg, layer_type),
-                                      cfg.get("max_position_embeddings", 8192))
+        # A plain attribute, not a submodule: the model owns it, layers share it.
+        self.__dict__["rotary"] = rotaries[layer_type]
         window = cfg.get("sliding_window") if layer_type == "sliding_attention" else None
         self.attn = Attention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim,
                               scale if scale is not None else self.head_dim ** -0.5, window)
@@ -71,7 +80,7 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,9 +95,9 @@ class GatedMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: dict[str, Any], layer_id: int) -> None:
+    def __init__(self, cfg: dict[str, Any], layer_id: int, rotaries: nn.ModuleDict) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotaries)
         self.mlp = GatedMLP(cfg["hidden_size"], cfg["intermediate_size"], cfg.get("hidden_act", "silu"),
                             bias=bool(cfg.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
@@ -103,7 +112,9 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg["num_hidden_layers"]))
+        self.rotary_embs = build_rotaries(cfg)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_embs)
+                                    for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

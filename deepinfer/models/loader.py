@@ -36,13 +36,16 @@ class ModelSource:
     generation_config: dict = field(default_factory=dict)
     # Produces the weights lazily, so that building a ModelSource (config + tokenizer) is cheap
     # and the dequantized weights exist only while the model copies them in.
-    _weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+    _weights: Callable[[bool], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF parameter name, tensor) pairs; GGUF tensors come dequantized to float32."""
+    def iter_weights(self, keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, tensor) pairs; GGUF tensors come dequantized to float32.
+
+        keep_int4: GGUF Q4_0/Q4_1 matrices come as `Int4Blocks` (see layers/linear.py).
+        """
         if self._weights is None:
             raise ModelLoadError(f"model source {self.path} has no weights")
-        return self._weights()
+        return self._weights(keep_int4)
 
 
 def load_model_source(model: str | None) -> ModelSource:
@@ -89,7 +92,7 @@ def _load_gguf(path: str, name: str | None = None) -> ModelSource:
         hf_config=config,
         tokenizer=tokenizer,
         generation_config=generation_config,
-        _weights=lambda: iter_gguf_weights(gguf, config),
+        _weights=lambda keep_int4: iter_gguf_weights(gguf, config, keep_int4),
     )
 
 
@@ -103,7 +106,7 @@ def _load_hf_dir(path: str, name: str) -> ModelSource:
         hf_config=config,
         tokenizer=tokenizer,
         generation_config=generation_config,
-        _weights=weights,
+        _weights=lambda keep_int4: weights(),
     )
 
 

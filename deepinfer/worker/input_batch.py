@@ -78,7 +78,8 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
             gather = np.zeros(kv_pos.shape, dtype=np.int64)
             for r, table in enumerate(tables[:len(decodes)]):
                 gather[r, :length[r]] = _flat_rows(table, kv_pos[r, :length[r]], block_size)
-            decode_gather, decode_mask = to_dev(gather), to_dev(valid[:, None, :])
+            decode_gather = to_dev(gather)
+            decode_mask = None if valid.all() else to_dev(valid[:, None, :])
 
         prefill_meta = []
         for c, table in zip(prefills, tables[len(decodes):]):

@@ -17,6 +17,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.plan import NewRequestData, RunnerResult, SchedulerPlan
 from deepinfer.kv_cache.specs import KVCacheGroup, group_layers, num_slots
 from deepinfer.layers.attention import forward_context
+from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
 from deepinfer.sample.logprobs import compute_prompt_logprobs
@@ -40,7 +41,7 @@ class RunnerRequestState:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, platform: Platform,
-                 weights=None) -> None:
+                 source: ModelSource | None = None) -> None:
         self.config = config
         self.platform = platform
         self.device = platform.device
@@ -56,9 +57,11 @@ class ModelRunner:
                 self.model = cls(hf_config).eval()
         finally:
             torch.set_default_dtype(previous_dtype)
-        # 2. Load weights (None: keep the random init, for benchmarks of real shapes).
-        if weights is not None:
-            self.model.load_weights(weights)
+        # 2. Load weights (no source: keep the random init, for benchmarks of real shapes). On the
+        # CPU in bf16, GGUF 4-bit matrices also keep a 4-bit copy for small-batch decode.
+        if source is not None:
+            keep_int4 = platform.name == "cpu" and self.dtype == torch.bfloat16
+            self.model.load_weights(source.iter_weights(keep_int4=keep_int4))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         # 3. KV layout: layer groups by KV kind, slots shared across groups (see kv_cache/specs.py).

@@ -41,13 +41,9 @@ class Attention(nn.Module):
             out[start:end] = self._sdpa(q[start:end].unsqueeze(0), keys, values, mask.unsqueeze(0)).squeeze(0)
         return out.reshape(q.shape[0], -1)
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q: [B, Q, H, D], k/v: [B, L, Hkv, D], mask: [B, Q, L] (True = may attend)."""
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q: [B, Q, H, D], k/v: [B, L, Hkv, D], mask: [B, Q, L] (True = may attend; None = all)."""
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.num_kv_heads != self.num_heads:
-            repeat = self.num_heads // self.num_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask.unsqueeze(1),
-                                             scale=self.scale)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else mask.unsqueeze(1),
+                                             scale=self.scale, enable_gqa=self.num_kv_heads != self.num_heads)
         return out.transpose(1, 2)
