@@ -60,7 +60,8 @@ class ModelRunner:
         # 2. Load weights (no source: keep the random init, for benchmarks of real shapes). On the
         # CPU in bf16, GGUF 4-bit matrices also keep a 4-bit copy for small-batch decode.
         if source is not None:
-            keep_int4 = platform.name == "cpu" and self.dtype == torch.bfloat16
+            keep_int4 = (config.model.quantization == "auto" and platform.name == "cpu"
+                         and self.dtype == torch.bfloat16)
             self.model.load_weights(source.iter_weights(keep_int4=keep_int4))
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
