@@ -1,4 +1,4 @@
-"""`deepinfer generate | chat | bench throughput`."""
+"""`deepinfer generate | chat | serve | bench throughput | bench serve`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_sampling_args(chat)
     add_engine_args(chat)
 
+    serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    _add_server_args(serve)
+    add_engine_args(serve)
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     throughput = bench_commands.add_parser("throughput", help="offline throughput of synthetic requests")
@@ -32,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
 
     add_throughput_args(throughput)
     add_engine_args(throughput)
+    bench_serve = bench_commands.add_parser("serve", help="online serving benchmark against a running server")
+    from deepinfer.bench.serve import add_serve_bench_args
+
+    add_serve_bench_args(bench_serve)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
@@ -40,12 +50,49 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "chat":
             return _chat(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.bench_command == "serve":
+            from deepinfer.bench.serve import run_serve_bench
+
+            return run_serve_bench(args)
         from deepinfer.bench.throughput import run_throughput
 
         return run_throughput(args, engine_kwargs(args))
     except (ValueError, OSError) as e:
         print(f"deepinfer: error: {e}", file=sys.stderr)
         return 2
+
+
+def _add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer, or x-api-key)")
+    parser.add_argument("--max-pending-requests", type=int, default=1024,
+                        help="requests in flight beyond this get HTTP 429 (default: 1024)")
+    parser.add_argument("--chat-format", default="auto",
+                        help="auto (the model's chat template; DeepSeek-V4 models: deepseek-v4) | deepseek-v4 | "
+                             "deepseek-v4.1 | hf:DIR")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from deepinfer.config import EngineConfig
+    from deepinfer.entrypoints.api_server import run_server
+
+    kwargs = engine_kwargs(args)
+    if kwargs.pop("load_format") != "auto":
+        raise ValueError("serve loads real weights; --load-format dummy is for offline benchmarks")
+    if args.model_tag is not None:
+        kwargs["model"] = args.model_tag
+    if args.max_pending_requests < 1:
+        raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
+    config = EngineConfig.from_kwargs(**kwargs)
+    run_server(config, host=args.host, port=args.port, api_key=args.api_key,
+               max_pending_requests=args.max_pending_requests, chat_format=args.chat_format,
+               log_level=args.uvicorn_log_level)
+    return 0
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,198 @@
+"""The engine core in its own process, behind two ZMQ sockets (the server's side of DESIGN rule 7).
+
+    front end --PUSH--> [input]  AddRequest | Abort | Shutdown      --PULL--> core process
+    front end <--PULL-- [output] Ready | Failed | StepOutputs      <--PUSH-- core process
+
+The front end binds both sockets (it outlives the core) and the core connects. Messages are
+msgspec msgpack; the engine's own dataclasses (SamplingParams, EngineCoreOutput, EngineStats,
+RequestTimes) travel as they are, so there is no second schema to keep in step.
+
+The busy loop never waits on the front end: while requests are unfinished it drains whatever
+input is queued without blocking, steps once, and pushes that step's outputs. When idle it
+blocks on the input socket for at most HEARTBEAT_S, then pushes an empty StepOutputs, which is
+the heartbeat the front end's health check and metrics gauges rely on.
+
+Handshake: the core loads the model, then sends Ready (or Failed with the error text). Any
+exception in the loop is sent as Failed before the process exits with status 1, so a crashed
+core turns into an unhealthy server, never a hung request.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Union
+
+import msgspec
+import zmq
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.core import EngineStats
+from deepinfer.engine.plan import EngineCoreOutput
+from deepinfer.engine.request import Request, RequestTimes
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+
+
+# ------------------------------------------------------------------------------ messages in
+class AddRequest(msgspec.Struct, tag="add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0
+    cache_salt: Union[str, None] = None
+    extra_key: bytes = b""
+    skip_prefix_cache: bool = False
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+InputMessage = Union[AddRequest, Abort, Shutdown]
+
+
+# ----------------------------------------------------------------------------- messages out
+class Ready(msgspec.Struct, tag="ready"):
+    model_name: str
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    pid: int
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    error: str
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    stats: EngineStats
+    # Core-clock timestamps of requests that finished this step, for queue/prefill/decode
+    # intervals. The front end only subtracts these from each other, never from its own clock.
+    finished_times: dict[str, RequestTimes] = {}
+
+
+OutputMessage = Union[Ready, Failed, StepOutputs]
+
+
+# ------------------------------------------------------------------------------- the process
+class EngineCoreProc:
+    """Owns an EngineCore and the two sockets; `run()` is the busy loop."""
+
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str, block_size: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PULL)
+        self.input.connect(input_address)
+        self.output = self.ctx.socket(zmq.PUSH)
+        self.output.setsockopt(zmq.LINGER, 2000)  # let the last Failed/outputs leave on exit
+        self.output.connect(output_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.core = None
+        # Requests still in the core, kept to read their timestamps when they finish.
+        self.requests: dict[str, Request] = {}
+        self.parent_pid = os.getppid()
+
+    def send(self, message: OutputMessage) -> None:
+        self.output.send(self.encoder.encode(message))
+
+    def load(self) -> None:
+        from deepinfer.engine.core import EngineCore
+        from deepinfer.models.loader import load_model_source
+
+        source = load_model_source(self.config.model.model)
+        self.core = EngineCore(self.config, source)
+        name = self.config.model.served_model_name or source.name
+        self.send(Ready(name, self.core.max_model_len, self.core.runner.num_blocks, self.block_size, os.getpid()))
+
+    def run(self) -> None:
+        core = self.core
+        pending: list[EngineCoreOutput] = []   # abort outputs to report with the next step
+        last_sent = time.monotonic()
+        while True:
+            busy = core.has_unfinished()
+            timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
+            # Drain everything queued; block only while there is nothing to compute.
+            while self.input.poll(timeout_ms):
+                timeout_ms = 0
+                message = self.decoder.decode(self.input.recv())
+                if isinstance(message, Shutdown):
+                    return
+                if isinstance(message, Abort):
+                    pending.extend(core.abort(message.request_ids))
+                else:
+                    self._add(message, pending)
+            outputs = core.step() if core.has_unfinished() else []
+            outputs = pending + outputs
+            pending = []
+            now = time.monotonic()
+            if outputs or now - last_sent >= HEARTBEAT_S:
+                self._publish(outputs)
+                last_sent = now
+            if not busy and os.getppid() != self.parent_pid:
+                logger.warning("the front end process is gone; engine core exiting")
+                return
+
+    def _add(self, message: AddRequest, pending: list[EngineCoreOutput]) -> None:
+        try:
+            request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
+                              frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
+                              cache_salt=message.cache_salt, extra_key=message.extra_key,
+                              block_size=self.block_size, skip_prefix_cache=message.skip_prefix_cache)
+            self.core.add_request(request)
+        except Exception:  # the front end validates; this is a last line, not a crash
+            logger.exception("engine core rejected request %s", message.request_id)
+            pending.append(EngineCoreOutput(message.request_id, [], finish_reason="abort"))
+            return
+        self.requests[message.request_id] = request
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        finished_times = {}
+        for out in outputs:
+            if out.finished:
+                request = self.requests.pop(out.request_id, None)
+                if request is not None:
+                    finished_times[out.request_id] = request.times
+        self.send(StepOutputs(outputs, self.core.stats(), finished_times))
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str) -> None:
+    """Entry point of the core process (multiprocessing target)."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [core] [%(name)s] %(message)s")
+    # SIGTERM from the front end ends the loop through SystemExit, closing sockets cleanly.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
+    proc = EngineCoreProc(config, input_address, output_address, config.cache.block_size)
+    try:
+        proc.load()
+        proc.run()
+    except SystemExit:
+        pass
+    except BaseException:
+        error = traceback.format_exc()
+        logger.error("engine core failed:\n%s", error)
+        try:
+            proc.send(Failed(error))
+        finally:
+            proc.ctx.destroy(linger=2000)
+        os._exit(1)
+    proc.ctx.destroy(linger=1000)

@@ -1,0 +1,53 @@
+"""API errors: one exception type, rendered as an OpenAI or an Anthropic error object.
+
+Routes raise `APIError(status, message, ...)`; the app's exception handlers pick the shape from
+the route (/v1/messages speaks Anthropic, everything else OpenAI). Nothing a client sends may
+crash the server: unexpected exceptions become 500 errors of the same shapes.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+# HTTP status -> (OpenAI error type, Anthropic error type).
+_TYPES = {
+    400: ("invalid_request_error", "invalid_request_error"),
+    401: ("authentication_error", "authentication_error"),
+    404: ("not_found_error", "not_found_error"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "rate_limit_error"),
+    500: ("internal_server_error", "api_error"),
+    503: ("service_unavailable", "overloaded_error"),
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def openai_body(self) -> dict:
+        kind = _TYPES.get(self.status, ("invalid_request_error", ""))[0]
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.code if self.code is not None else self.status}}
+
+    def anthropic_body(self) -> dict:
+        kind = _TYPES.get(self.status, ("", "api_error"))[1]
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = self.anthropic_body() if anthropic else self.openai_body()
+        return JSONResponse(body, status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")

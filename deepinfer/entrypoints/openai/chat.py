@@ -1,0 +1,145 @@
+"""POST /v1/chat/completions and POST /v1/responses.
+
+The recipe's OutputSession produces each protocol's chunks and final objects for one choice;
+here they are merged over n choices, given logprobs and usage (with cached prompt tokens),
+and framed as SSE. OpenAI's streaming usage rule: chunks carry no usage; with
+`stream_options.include_usage` one last chunk with empty `choices` carries it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from deepinfer.entrypoints import conversation, sampling, sse
+from deepinfer.entrypoints.conversation import PreparedConversation
+from deepinfer.entrypoints.errors import APIError, bad_request
+from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
+from deepinfer.frontend.engine_client import EngineDeadError, RequestAbortedError
+
+router = APIRouter()
+
+
+def _openai_usage(prepared: PreparedConversation) -> dict:
+    prompt, completion, cached = prepared.usage_counts()
+    reasoning = sum(s.parser.reasoning_tokens for s in prepared.sessions)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+
+def _stream_options(body: dict) -> bool:
+    options = sampling.field(body, "stream_options", (dict,), {})
+    if options and not body.get("stream"):
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    return bool(sampling.field(options, "include_usage", (bool,), False))
+
+
+# ------------------------------------------------------------------------ chat completions
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    state = get_state(request)
+    body = await read_json(request)
+    stream = sampling.field(body, "stream", (bool,), False)
+    include_usage = _stream_options(body)
+    prepared = conversation.prepare(state, "chat", body)
+    with engine_errors():
+        outputs = conversation.submit(state, prepared)
+    if stream:
+        return sse.streaming_response(_chat_stream(request, state, prepared, outputs, include_usage))
+    async with abort_on_disconnect(request, state.client, prepared.request_id):
+        pending: list[list[dict]] = [[] for _ in prepared.sessions]
+        with engine_errors():
+            try:
+                async for update in conversation.run(state, prepared, outputs):
+                    pending[update.index].extend(update.logprobs)
+            except RequestAbortedError:
+                raise APIError(499, "the client closed the request") from None
+    choices = []
+    for index, session in enumerate(prepared.sessions):
+        choice = session.final_response()["choices"][0]
+        choice["index"] = index
+        if prepared.top_logprobs is not None:
+            choice["logprobs"] = {"content": pending[index]}
+        choices.append(choice)
+    final = prepared.sessions[0].final_response()
+    return JSONResponse({**final, "choices": choices, "usage": _openai_usage(prepared)})
+
+
+async def _chat_stream(request: Request, state, prepared: PreparedConversation, outputs,
+                       include_usage: bool) -> AsyncIterator[str]:
+    pending: list[list[dict]] = [[] for _ in prepared.sessions]
+    async with abort_on_disconnect(request, state.client, prepared.request_id):
+        try:
+            async for update in conversation.run(state, prepared, outputs):
+                pending[update.index].extend(update.logprobs)
+                for chunk in update.events:
+                    chunk.pop("usage", None)
+                    choice = chunk["choices"][0]
+                    choice["index"] = update.index
+                    delta = choice["delta"]
+                    carries_text = delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                    # Logprobs ride on the next chunk that shows text (the parser may hold text back).
+                    if prepared.top_logprobs is not None and pending[update.index] and (
+                            carries_text or choice["finish_reason"]):
+                        choice["logprobs"] = {"content": pending[update.index]}
+                        pending[update.index] = []
+                    yield sse.data(chunk)
+        except RequestAbortedError:
+            return
+        except EngineDeadError as e:
+            yield sse.data(APIError(503, f"the engine is not available: {e}").openai_body())
+            return
+    if include_usage:
+        session = prepared.sessions[0].stream
+        yield sse.data({"id": session.id, "object": "chat.completion.chunk", "created": session.created,
+                        "model": session.model, "choices": [], "usage": _openai_usage(prepared)})
+    yield sse.DONE
+
+
+# ------------------------------------------------------------------------------- responses
+def _responses_usage(prepared: PreparedConversation, usage: dict | None) -> dict:
+    prompt, completion, cached = prepared.usage_counts()
+    usage = dict(usage or {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
+                           "output_tokens_details": {"reasoning_tokens": 0}})
+    usage["input_tokens_details"] = {"cached_tokens": cached}
+    return usage
+
+
+@router.post("/v1/responses")
+async def responses(request: Request):
+    state = get_state(request)
+    body = await read_json(request)
+    stream = sampling.field(body, "stream", (bool,), False)
+    prepared = conversation.prepare(state, "responses", body)
+    with engine_errors():
+        outputs = conversation.submit(state, prepared)
+    if stream:
+        return sse.streaming_response(_responses_stream(request, state, prepared, outputs))
+    async with abort_on_disconnect(request, state.client, prepared.request_id):
+        with engine_errors():
+            try:
+                async for _ in conversation.run(state, prepared, outputs):
+                    pass
+            except RequestAbortedError:
+                raise APIError(499, "the client closed the request") from None
+    final = prepared.sessions[0].final_response()
+    final["usage"] = _responses_usage(prepared, final.get("usage"))
+    return JSONResponse(final)
+
+
+async def _responses_stream(request: Request, state, prepared: PreparedConversation, outputs) -> AsyncIterator[str]:
+    async with abort_on_disconnect(request, state.client, prepared.request_id):
+        try:
+            async for update in conversation.run(state, prepared, outputs):
+                for item in update.events:
+                    if item["type"] in ("response.completed", "response.incomplete"):
+                        item["response"]["usage"] = _responses_usage(prepared, item["response"].get("usage"))
+                    yield sse.event(item)
+        except RequestAbortedError:
+            return
+        except EngineDeadError as e:
+            yield sse.event({"type": "error", "code": "engine_dead", "message": str(e), "param": None,
+                             "sequence_number": 0})

@@ -1,0 +1,90 @@
+"""Request body -> SamplingParams, with the checks that turn bad values into 400s.
+
+Every protocol reads its own names (OpenAI's `max_completion_tokens`, `top_logprobs`, ...;
+Anthropic's `top_k`), plus vLLM's extra sampling fields that clients send through `extra_body`
+(`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...).
+Types are checked here so that a wrong one is a 400 naming the field, never a 500.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer.entrypoints.errors import bad_request
+from deepinfer.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20   # OpenAI's limit for top_logprobs
+MAX_N = 128
+
+_INT = (int,)
+_NUMBER = (int, float)
+
+# vLLM's extra sampling fields, accepted by every OpenAI-style route.
+_EXTRA_FIELDS = {
+    "top_k": _INT, "min_p": _NUMBER, "repetition_penalty": _NUMBER, "min_tokens": _INT,
+    "ignore_eos": (bool,), "stop_token_ids": (list,), "skip_special_tokens": (bool,),
+    "include_stop_str_in_output": (bool,), "allowed_token_ids": (list,),
+}
+
+
+def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    """body[name] if it has one of `kinds` (None counts as absent), else a 400 naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds:   # JSON true is not a number
+        raise bad_request(f"{name} must be {_kind_names(kinds)}, got {value!r}", name)
+    if not isinstance(value, kinds):
+        raise bad_request(f"{name} must be {_kind_names(kinds)}, got {value!r}", name)
+    return value
+
+
+def _kind_names(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", bool: "a boolean", list: "a list", str: "a string",
+             dict: "an object"}
+    return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, where: str = "messages") -> None:
+    """Reject prompt + max_tokens beyond the context, with the numbers (vLLM's wording)."""
+    requested = prompt_len + (max_tokens or 0)
+    if prompt_len >= max_model_len or requested > max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{requested} tokens ({prompt_len} in the {where}, {max_tokens or 0} in the completion). "
+            f"Please reduce the length of the {where} or completion.", "max_tokens")
+
+
+def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int | None = None,
+          stop: list[str] | None = None, n: int = 1, seed: int | None = None, detokenize: bool = True,
+          temperature_default: float = 1.0) -> SamplingParams:
+    """SamplingParams from the common OpenAI fields plus the extras; a bad value is a 400."""
+    kwargs: dict[str, Any] = {
+        "n": n,
+        "temperature": field(body, "temperature", _NUMBER, temperature_default),
+        "top_p": field(body, "top_p", _NUMBER, 1.0),
+        "presence_penalty": field(body, "presence_penalty", _NUMBER, 0.0),
+        "frequency_penalty": field(body, "frequency_penalty", _NUMBER, 0.0),
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "stop": stop or None,
+        "detokenize": detokenize,
+    }
+    bias = field(body, "logit_bias", (dict,))
+    if bias is not None:
+        kwargs["logit_bias"] = bias
+    for name, kinds in _EXTRA_FIELDS.items():
+        value = field(body, name, kinds)
+        if value is not None:
+            kwargs[name] = value
+    if n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
+    try:
+        params = SamplingParams(**kwargs)
+        params.verify_token_ids(vocab_size)
+        return params
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        param = next((k for k in kwargs if message.startswith(k)), None)
+        raise bad_request(message, param) from None

@@ -1,0 +1,1 @@
+"""The server's side of the engine: an async client of the engine core process."""

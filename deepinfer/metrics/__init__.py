@@ -1,0 +1,1 @@
+"""Serving metrics: timings recorded per request (stats.py), exported for Prometheus (prometheus.py)."""
