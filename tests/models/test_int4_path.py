@@ -9,6 +9,9 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.bundled import default_model_path
 from deepinfer.models.gguf_loader import GGUFFile, read_int4_blocks
+from deepinfer.platforms import current_platform
+
+pytestmark = pytest.mark.skipif(current_platform().name != "cpu", reason="the int4 copy is a CPU path")
 
 TEXTS = ["The capital of France is Paris. Paris is famous for",
          "def add(a, b):\n    return", "Water boils at a temperature of"]
