@@ -19,8 +19,9 @@ from typing import Any
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="requests per concurrency level (default: 2 x concurrency, at least 8)")
+    parser.add_argument("--num-prompts", type=int, nargs="+", default=None,
+                        help="requests per concurrency level: one value for all, or one per level "
+                             "(default: 2 x concurrency, at least 8)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1],
@@ -65,8 +66,12 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
     engine_kwargs = dict(engine_kwargs, max_num_seqs=max_c)
     llm = LLM(**engine_kwargs)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    for concurrency in args.concurrency:
-        n = args.num_prompts or max(8, 2 * concurrency)
+    counts = args.num_prompts or [max(8, 2 * c) for c in args.concurrency]
+    if len(counts) == 1:
+        counts = counts * len(args.concurrency)
+    if len(counts) != len(args.concurrency):
+        raise ValueError(f"--num-prompts has {len(counts)} values for {len(args.concurrency)} concurrency levels")
+    for concurrency, n in zip(args.concurrency, counts):
         prompts = synthetic_prompts(llm.tokenizer, n, args.input_len, args.prompt_seed)
         # Warm-up (first calls allocate and pick kernels); not timed.
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
