@@ -42,12 +42,13 @@ class EngineCore:
         hf_config = source.hf_config
         self.max_model_len = resolve_max_model_len(config, hf_config)
         self.runner = ModelRunner(config, hf_config, self.platform, source if load_weights else None)
-        blocks_per_request = -(-self.max_model_len // config.cache.block_size)
-        if self.runner.num_blocks - 1 < blocks_per_request:
+        needed = blocks_for_longest_request(self.runner.groups, self.max_model_len, config)
+        if self.runner.num_blocks - 1 < needed:
             raise ValueError(
-                f"the KV cache holds {(self.runner.num_blocks - 1) * config.cache.block_size} tokens, "
-                f"less than max_model_len={self.max_model_len}; raise the KV budget "
-                "(cpu_kv_cache_bytes / gpu_memory_utilization / num_kv_blocks) or lower max_model_len")
+                f"the KV cache has {self.runner.num_blocks - 1} blocks, but one request of max_model_len="
+                f"{self.max_model_len} tokens needs {needed} across {len(self.runner.groups)} layer groups; "
+                "raise the KV budget (cpu_kv_cache_bytes / gpu_memory_utilization / num_kv_blocks) "
+                "or lower max_model_len")
         self.kv_manager = KVCacheManager(self.runner.groups, self.runner.num_blocks,
                                          config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
@@ -64,6 +65,10 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids:
+            if self.scheduler.num_waiting and not self.scheduler.num_running:
+                # Capacity is checked at start-up, so this means a bug, not a busy engine: fail
+                # loudly rather than spin.
+                raise RuntimeError("the scheduler cannot admit the next waiting request into an idle engine")
             return []
         result = self.runner.execute(plan)
         return self.scheduler.update(plan, result)
@@ -73,6 +78,22 @@ class EngineCore:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters])
+
+
+def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig) -> int:
+    """KV blocks one request of max_model_len tokens holds at its peak, over all layer groups.
+
+    A sliding-window group holds its window plus the chunk being computed, not the whole length.
+    """
+    bs = config.cache.block_size
+    total = 0
+    for group in groups:
+        window = getattr(group.spec, "sliding_window", 0)
+        tokens = max_model_len
+        if window:
+            tokens = min(tokens, window + config.scheduler.max_num_batched_tokens)
+        total += -(-tokens // bs) + 1   # + 1: a window can straddle one more block boundary
+    return total
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:

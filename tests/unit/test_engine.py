@@ -107,3 +107,8 @@ def test_unknown_architecture_and_accelerator(tmp_path, monkeypatch):
 def test_unknown_engine_argument_names_the_known_ones(tiny_llama):
     with pytest.raises(TypeError, match="unknown engine argument 'max_num_seq'"):
         LLM(tiny_llama, max_num_seq=4)
+
+
+def test_kv_pool_too_small_for_max_model_len_is_a_clear_error(tiny_llama):
+    with pytest.raises(ValueError, match=r"one request of max_model_len=64 tokens needs 17"):
+        LLM(tiny_llama, dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64)
