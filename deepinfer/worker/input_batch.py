@@ -67,7 +67,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
             [_flat_rows(t, np.arange(c.start, c.start + c.num_tokens), block_size)
              for c, t in zip(ordered, tables)]) if ordered else np.zeros(0, dtype=np.int64)
 
-        decode_gather = decode_mask = None
+        decode_gather = decode_bias = None
         if decodes:
             qpos = np.array([c.start for c in decodes], dtype=np.int64)
             lo = np.maximum(qpos - window + 1, 0) if window else np.zeros_like(qpos)
@@ -79,7 +79,8 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
             for r, table in enumerate(tables[:len(decodes)]):
                 gather[r, :length[r]] = _flat_rows(table, kv_pos[r, :length[r]], block_size)
             decode_gather = to_dev(gather)
-            decode_mask = None if valid.all() else to_dev(valid[:, None, :])
+            if not valid.all():
+                decode_bias = to_dev(np.where(valid, 0.0, -np.inf).astype(np.float32)[:, None, None, :])
 
         prefill_meta = []
         for c, table in zip(prefills, tables[len(decodes):]):
@@ -90,7 +91,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
             if window:
                 mask &= kv[None, :] > q[:, None] - window
             prefill_meta.append((to_dev(_flat_rows(table, kv, block_size)), to_dev(mask)))
-        group_meta.append(GroupMetadata(to_dev(slot_mapping), decode_gather, decode_mask, prefill_meta))
+        group_meta.append(GroupMetadata(to_dev(slot_mapping), decode_gather, decode_bias, prefill_meta))
 
     attention = AttentionMetadata(
         num_tokens=len(ids), num_decode_tokens=len(decodes), prefill_query_ranges=prefill_ranges,

@@ -16,10 +16,10 @@ class GroupMetadata:
     # [num_tokens] flat cache row (block_id * block_size + offset) to write each new token's K/V.
     slot_mapping: torch.Tensor
     # Decode rows (one query token each), batched: [num_decodes, max_kv_len] flat cache rows to
-    # read, padded with row 0 of the null block, and the mask of the real (unpadded) entries;
-    # None when no row is padded. Each row gathers only its own window, so no causal mask.
+    # read, padded with row 0 of the null block, and an additive bias hiding the padding (None
+    # when no row is padded). Each row gathers only its own window, so no causal mask.
     decode_gather: torch.Tensor | None
-    decode_mask: torch.Tensor | None
+    decode_bias: torch.Tensor | None     # [num_decodes, 1, 1, max_kv_len]: 0 or -inf
     # Prefill/extend rows, one entry per request: (flat rows to read [kv_len], mask [q_len, kv_len]).
     prefill: list[tuple[torch.Tensor, torch.Tensor]]
 
