@@ -36,7 +36,7 @@ def real_model(request):
     directory, name = os.path.split(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    llm = LLM(path, dtype="float32", max_model_len=1024, num_kv_blocks=256)
+    llm = LLM(path, dtype="float32", max_model_len=1024, num_kv_blocks=512)
     prompts = [llm.tokenizer.encode(t) for t in TEXTS]
     reference = []
     for p in prompts:
