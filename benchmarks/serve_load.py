@@ -5,7 +5,7 @@
 Starts `deepinfer serve` (embedded SmolLM2-135M-Instruct) on a free loopback port, then:
   1. a warm-up round of 20 requests, and the RSS of the server + engine core processes;
   2. `--rounds` rounds of `--concurrency` concurrent streaming chat requests (greedy), each
-     asking for the capital of one of three countries. A request passes when its stream ends
+     asking for the capital of one of two countries. A request passes when its stream ends
      with [DONE], finish_reason "stop" and the right city in the text; we also count how many
      streams equal the answer the same prompt got alone (batching may change bf16 rounding);
   3. during the first round, one more stream (1000 tokens, EOS ignored) is dropped after a few
@@ -30,8 +30,10 @@ import time
 import httpx
 import psutil
 
-# Countries whose capital SmolLM2-135M names correctly when asked alone (it does not know Italy's).
-QUESTIONS = {"France": "Paris", "Japan": "Tokyo", "Germany": "Berlin"}
+# Countries whose capital SmolLM2-135M names correctly, with a clear margin at every greedy step
+# (top-2 logprob gap >= 0.6 nat). France's answer starts on a 0.125-nat tie ("The" vs "L'"), which
+# bf16 batch composition can flip; Italy's capital the model does not know.
+QUESTIONS = {"Japan": "Tokyo", "Germany": "Berlin"}
 
 
 def free_port() -> int:

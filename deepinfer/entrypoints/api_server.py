@@ -116,7 +116,7 @@ def _add_common_routes(app: FastAPI) -> None:
         client = get_state(request).client
         if client.healthy:
             return Response(status_code=200)
-        return JSONResponse({"status": "unhealthy", "reason": client.dead_reason}, status_code=503)
+        return JSONResponse({"status": "unhealthy", "reason": client.unhealthy_reason}, status_code=503)
 
     @app.get("/version")
     async def version():

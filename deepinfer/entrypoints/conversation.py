@@ -44,6 +44,7 @@ class PreparedConversation:
     params: SamplingParams
     sessions: list[OutputSession]
     top_logprobs: int | None        # None: logprobs not requested
+    engine_fields: dict             # priority, cache_salt
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
 
@@ -97,12 +98,14 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
     for _ in range(n):
         sessions.append(OutputSession.for_encoding(encoder, encoding, protocol, model=model,
                                                    response_id=prefix + request_id, created=created))
-    return PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs, created)
+    return PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs,
+                                sampling.engine_request_fields(body), created)
 
 
 def submit(state: ServerState, prepared: PreparedConversation) -> AsyncIterator[RequestOutput]:
     """Add the request to the engine (429/503 surface here, before any response starts)."""
-    return state.client.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id)
+    return state.client.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id,
+                                 **prepared.engine_fields)
 
 
 async def run(state: ServerState, prepared: PreparedConversation,

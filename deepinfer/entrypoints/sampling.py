@@ -45,6 +45,20 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
 
 
+def include_usage(body: dict) -> bool:
+    """stream_options.include_usage (OpenAI: only allowed when streaming)."""
+    options = field(body, "stream_options", (dict,), {})
+    if options and not body.get("stream"):
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+    return bool(field(options, "include_usage", (bool,), False))
+
+
+def engine_request_fields(body: dict) -> dict:
+    """vLLM's per-request scheduling fields: `priority` (lower runs first under --policy
+    priority) and `cache_salt` (a tenant's prefix-cache namespace)."""
+    return {"priority": field(body, "priority", _INT, 0), "cache_salt": field(body, "cache_salt", (str,))}
+
+
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, where: str = "messages") -> None:
     """Reject prompt + max_tokens beyond the context, with the numbers (vLLM's wording)."""
     requested = prompt_len + (max_tokens or 0)
@@ -86,5 +100,6 @@ def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int 
         return params
     except (ValueError, TypeError) as e:
         message = str(e)
-        param = next((k for k in kwargs if message.startswith(k)), None)
+        # The longest field name the message starts with ("stop_token_ids", not "stop").
+        param = max((k for k in kwargs if message.startswith(k)), key=len, default=None)
         raise bad_request(message, param) from None

@@ -77,16 +77,18 @@ def engine_errors():
 
 
 @contextlib.asynccontextmanager
-async def abort_on_disconnect(request: Request, client: AsyncEngineClient, request_id: str):
-    """Abort `request_id` in the engine as soon as the HTTP client goes away.
+async def abort_on_disconnect(request: Request, client: AsyncEngineClient, request_ids: list[str]):
+    """Abort `request_ids` in the engine as soon as the HTTP client goes away, and on exit.
 
     Starlette only notices a vanished client when it next writes, and a request still queued
-    in the core writes nothing; polling the connection frees its KV blocks promptly either way."""
+    in the core writes nothing; polling the connection frees its KV blocks promptly either way.
+    Aborting on exit is a no-op for finished requests and stops any left running by an error."""
     async def watch() -> None:
         while True:
             await asyncio.sleep(DISCONNECT_POLL_S)
             if await request.is_disconnected():
-                client.abort(request_id)
+                for request_id in request_ids:
+                    client.abort(request_id)
                 return
 
     task = asyncio.create_task(watch())
@@ -94,3 +96,5 @@ async def abort_on_disconnect(request: Request, client: AsyncEngineClient, reque
         yield
     finally:
         task.cancel()
+        for request_id in request_ids:
+            client.abort(request_id)

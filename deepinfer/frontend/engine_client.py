@@ -39,13 +39,16 @@ from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.metrics.prometheus import ServerMetrics
 from deepinfer.metrics.stats import RequestTimings
 from deepinfer.models.loader import ModelSource
-from deepinfer.output_processor import OutputProcessor, child_request_ids
+from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
+# The core sends something at least every HEARTBEAT_S (0.5 s) when idle and after every step;
+# this much silence means it is stuck (one CPU step of a large prefill takes seconds, not this).
+HEARTBEAT_STALE_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
@@ -96,6 +99,7 @@ class AsyncEngineClient:
         self._tasks: list[asyncio.Task] = []
         self._proc = None
         self._ipc_dir = None
+        self._last_heartbeat = time.monotonic()
 
     # ------------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = 900.0) -> EngineInfo:
@@ -163,7 +167,20 @@ class AsyncEngineClient:
 
     @property
     def healthy(self) -> bool:
+        """The core process is alive and not silent; /health reports this."""
+        return self.alive and time.monotonic() - self._last_heartbeat < HEARTBEAT_STALE_S
+
+    @property
+    def alive(self) -> bool:
         return self.dead_reason is None and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        if self.healthy:
+            return None
+        if not self.alive:
+            return self.dead_reason or "the engine core is not running"
+        return f"the engine core has sent nothing for {time.monotonic() - self._last_heartbeat:.0f} s"
 
     @property
     def num_pending(self) -> int:
@@ -202,7 +219,7 @@ class AsyncEngineClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None) -> _Tracked:
-        if not self.healthy:
+        if not self.alive:
             raise EngineDeadError(self.dead_reason or "the engine core is not running")
         if len(self._requests) >= self.max_pending_requests:
             raise ServerBusyError(f"the server has {len(self._requests)} requests in flight, its limit "
@@ -233,7 +250,7 @@ class AsyncEngineClient:
                 self._parent_of.pop(child_id, None)
             self.metrics.record_finished(tracked.timings, "abort")
             tracked.queue.put_nowait(RequestAbortedError(f"request {request_id} was aborted"))
-        if core_ids and self.healthy:
+        if core_ids and self.alive:
             self._send(Abort(core_ids))
 
     def abort_child(self, request_id: str, index: int) -> None:
@@ -241,7 +258,7 @@ class AsyncEngineClient:
 
         The core answers with an "abort" output for that child, which finishes it here."""
         tracked = self._requests.get(request_id)
-        if tracked is not None and 0 <= index < len(tracked.child_ids) and self.healthy:
+        if tracked is not None and 0 <= index < len(tracked.child_ids) and self.alive:
             tracked.stopped.add(tracked.child_ids[index])
             self._send(Abort([tracked.child_ids[index]]))
 

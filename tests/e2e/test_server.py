@@ -1,7 +1,7 @@
 """End to end: the real server, driven by the official `openai` and `anthropic` SDKs.
 
 The model is the embedded SmolLM2-135M-Instruct; greedy decoding makes answers repeatable
-("Paris" for the capital of France). Generation lengths stay short: the suite must run in a few
+("Tokyo" for the capital of Japan). Generation lengths stay short: the suite must run in a few
 minutes on a 2-core CPU.
 """
 
@@ -19,7 +19,9 @@ import pytest
 from tests.e2e.server_process import start_server, stop_server
 
 MODEL = "SmolLM2-135M-Instruct"
-FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+# Greedy answers must not hinge on a near tie (bf16 batches and prefix-cache hits move logits by
+# ~0.1): for this question the closest top-2 gap along the answer is 1.0 nat.
+JAPAN = [{"role": "user", "content": "What is the capital of Japan?"}]
 MAX_PENDING = 6
 
 
@@ -62,15 +64,15 @@ def test_tokenize_detokenize(server):
     assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] == 2048
     text = httpx.post(f"{server.base_url}/detokenize", headers=server.headers, json={"tokens": ids["tokens"]}).json()
     assert text["prompt"] == "Hello world"
-    chat = httpx.post(f"{server.base_url}/tokenize", headers=server.headers, json={"messages": FRANCE}).json()
+    chat = httpx.post(f"{server.base_url}/tokenize", headers=server.headers, json={"messages": JAPAN}).json()
     assert chat["count"] > ids["count"]   # the chat template adds its turns
 
 
 # -------------------------------------------------------------------------------- chat
 def test_chat_non_streaming(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
+    reply = oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=0, max_tokens=24)
     choice = reply.choices[0]
-    assert "Paris" in choice.message.content
+    assert "Tokyo" in choice.message.content
     assert choice.finish_reason == "stop" and choice.message.role == "assistant"
     assert reply.usage.prompt_tokens > 10 and 0 < reply.usage.completion_tokens <= 24
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
@@ -78,8 +80,8 @@ def test_chat_non_streaming(oai):
 
 
 def test_chat_streaming_matches_non_streaming(oai):
-    full = oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24)
-    chunks = list(oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24,
+    full = oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=0, max_tokens=24)
+    chunks = list(oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=0, max_tokens=24,
                                               stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
@@ -92,7 +94,7 @@ def test_chat_streaming_matches_non_streaming(oai):
 
 
 def test_chat_n_and_logprobs(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=1.0, seed=7, n=3, max_tokens=6,
+    reply = oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=1.0, seed=7, n=3, max_tokens=6,
                                         logprobs=True, top_logprobs=3)
     assert sorted(c.index for c in reply.choices) == [0, 1, 2]
     completion_tokens = 0
@@ -109,20 +111,20 @@ def test_chat_n_and_logprobs(oai):
 
 def test_chat_seed_repeats(oai):
     def sample():
-        return oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=1.0, seed=1234,
+        return oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=1.0, seed=1234,
                                            max_tokens=12).choices[0].message.content
     assert sample() == sample()
 
 
 def test_chat_stop_sequence(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=24, stop=["Paris"])
-    assert "Paris" not in reply.choices[0].message.content
+    reply = oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=0, max_tokens=24, stop=["Tokyo"])
+    assert "Tokyo" not in reply.choices[0].message.content
     assert reply.choices[0].finish_reason == "stop"
-    assert reply.choices[0].message.content.startswith("The capital of France is")
+    assert reply.choices[0].message.content.startswith("The capital of Japan is")
 
 
 def test_chat_max_completion_tokens_length(oai):
-    reply = oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_completion_tokens=3)
+    reply = oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=0, max_completion_tokens=3)
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
 
 
@@ -132,14 +134,14 @@ def test_chat_tools_are_accepted_and_history_round_trips(oai):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
-    messages = FRANCE + [
+    messages = JAPAN + [
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     reply = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, temperature=0, max_tokens=8)
     assert reply.choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError, match="tools"):
-        oai.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=2,
+        oai.chat.completions.create(model=MODEL, messages=JAPAN, max_tokens=2,
                                     tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}])
 
 
@@ -178,11 +180,11 @@ def test_completions_token_ids_prompt(oai, server):
 
 # ----------------------------------------------------------------------------- responses
 def test_responses(oai):
-    reply = oai.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+    reply = oai.responses.create(model=MODEL, input="What is the capital of Japan?", temperature=0,
                                  max_output_tokens=24)
-    assert "Paris" in reply.output_text and reply.status == "completed"
+    assert "Tokyo" in reply.output_text and reply.status == "completed"
     assert reply.usage.input_tokens > 10 and reply.usage.output_tokens > 0
-    events = list(oai.responses.create(model=MODEL, input="What is the capital of France?", temperature=0,
+    events = list(oai.responses.create(model=MODEL, input="What is the capital of Japan?", temperature=0,
                                        max_output_tokens=24, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
@@ -198,42 +200,42 @@ GREEDY = {"temperature": 0}
 
 
 def test_messages(claude):
-    reply = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=FRANCE)
+    reply = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=JAPAN)
     assert reply.type == "message" and reply.role == "assistant"
-    assert "Paris" in reply.content[0].text and reply.stop_reason == "end_turn"
+    assert "Tokyo" in reply.content[0].text and reply.stop_reason == "end_turn"
     assert reply.usage.output_tokens > 0
     assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) > 10
 
 
 def test_messages_streaming_and_stop_sequence(claude):
-    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=FRANCE) as stream:
+    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=JAPAN) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert "Paris" in text and final.content[0].text == text
-    stopped = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=FRANCE,
-                                     stop_sequences=["Paris"])
-    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Paris"
-    assert "Paris" not in stopped.content[0].text
-    capped = claude.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=FRANCE)
+    assert "Tokyo" in text and final.content[0].text == text
+    stopped = claude.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=JAPAN,
+                                     stop_sequences=["Tokyo"])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Tokyo"
+    assert "Tokyo" not in stopped.content[0].text
+    capped = claude.messages.create(model=MODEL, max_tokens=2, extra_body=GREEDY, messages=JAPAN)
     assert capped.stop_reason == "max_tokens" and capped.usage.output_tokens == 2
 
 
 def test_messages_count_tokens(claude, server):
-    count = claude.messages.count_tokens(model=MODEL, messages=FRANCE)
-    ids = httpx.post(f"{server.base_url}/tokenize", headers=server.headers, json={"messages": FRANCE}).json()
+    count = claude.messages.count_tokens(model=MODEL, messages=JAPAN)
+    ids = httpx.post(f"{server.base_url}/tokenize", headers=server.headers, json={"messages": JAPAN}).json()
     assert count.input_tokens == ids["count"]
 
 
 # -------------------------------------------------------------------------------- errors
 def test_error_statuses_openai(oai, server):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
-        oai.chat.completions.create(model="no-such-model", messages=FRANCE)
+        oai.chat.completions.create(model="no-such-model", messages=JAPAN)
     with pytest.raises(openai.BadRequestError, match=r"maximum context length is 2048 tokens.*5000 in the completion"):
-        oai.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=5000)
+        oai.chat.completions.create(model=MODEL, messages=JAPAN, max_tokens=5000)
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        oai.chat.completions.create(model=MODEL, messages=FRANCE, temperature=-1)
+        oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):
-        oai.chat.completions.create(model=MODEL, messages=FRANCE, logprobs=True, top_logprobs=99)
+        oai.chat.completions.create(model=MODEL, messages=JAPAN, logprobs=True, top_logprobs=99)
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         oai.completions.create(model=MODEL, prompt="x", logit_bias={"99999999": 5})
     bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
@@ -245,14 +247,14 @@ def test_error_statuses_openai(oai, server):
 
 def test_error_statuses_anthropic(claude, server):
     with pytest.raises(anthropic.NotFoundError):
-        claude.messages.create(model="no-such-model", max_tokens=4, messages=FRANCE)
+        claude.messages.create(model="no-such-model", max_tokens=4, messages=JAPAN)
     with pytest.raises(anthropic.BadRequestError, match="maximum context length"):
-        claude.messages.create(model=MODEL, max_tokens=5000, messages=FRANCE)
+        claude.messages.create(model=MODEL, max_tokens=5000, messages=JAPAN)
     bad = anthropic.Anthropic(base_url=server.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError):
-        bad.messages.create(model=MODEL, max_tokens=4, messages=FRANCE)
+        bad.messages.create(model=MODEL, max_tokens=4, messages=JAPAN)
     response = httpx.post(f"{server.base_url}/v1/messages", headers={"x-api-key": server.api_key},
-                          json={"model": MODEL, "messages": FRANCE})   # max_tokens is required
+                          json={"model": MODEL, "messages": JAPAN})   # max_tokens is required
     assert response.status_code == 400
     assert response.json()["type"] == "error" and response.json()["error"]["type"] == "invalid_request_error"
 

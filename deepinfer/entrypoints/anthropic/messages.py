@@ -41,7 +41,7 @@ async def messages(request: Request):
         outputs = conversation.submit(state, prepared)
     if stream:
         return sse.streaming_response(_stream(request, state, prepared, outputs))
-    async with abort_on_disconnect(request, state.client, prepared.request_id):
+    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         with engine_errors():
             try:
                 async for _ in conversation.run(state, prepared, outputs):
@@ -54,7 +54,7 @@ async def messages(request: Request):
 
 
 async def _stream(request: Request, state, prepared: PreparedConversation, outputs) -> AsyncIterator[str]:
-    async with abort_on_disconnect(request, state.client, prepared.request_id):
+    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         try:
             async for update in conversation.run(state, prepared, outputs):
                 for item in update.events:

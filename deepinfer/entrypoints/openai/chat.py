@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 
 from deepinfer.entrypoints import conversation, sampling, sse
 from deepinfer.entrypoints.conversation import PreparedConversation
-from deepinfer.entrypoints.errors import APIError, bad_request
+from deepinfer.entrypoints.errors import APIError
 from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
 from deepinfer.frontend.engine_client import EngineDeadError, RequestAbortedError
 
@@ -30,26 +30,19 @@ def _openai_usage(prepared: PreparedConversation) -> dict:
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
-def _stream_options(body: dict) -> bool:
-    options = sampling.field(body, "stream_options", (dict,), {})
-    if options and not body.get("stream"):
-        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-    return bool(sampling.field(options, "include_usage", (bool,), False))
-
-
 # ------------------------------------------------------------------------ chat completions
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     state = get_state(request)
     body = await read_json(request)
     stream = sampling.field(body, "stream", (bool,), False)
-    include_usage = _stream_options(body)
+    include_usage = sampling.include_usage(body)
     prepared = conversation.prepare(state, "chat", body)
     with engine_errors():
         outputs = conversation.submit(state, prepared)
     if stream:
         return sse.streaming_response(_chat_stream(request, state, prepared, outputs, include_usage))
-    async with abort_on_disconnect(request, state.client, prepared.request_id):
+    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         pending: list[list[dict]] = [[] for _ in prepared.sessions]
         with engine_errors():
             try:
@@ -71,7 +64,7 @@ async def chat_completions(request: Request):
 async def _chat_stream(request: Request, state, prepared: PreparedConversation, outputs,
                        include_usage: bool) -> AsyncIterator[str]:
     pending: list[list[dict]] = [[] for _ in prepared.sessions]
-    async with abort_on_disconnect(request, state.client, prepared.request_id):
+    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         try:
             async for update in conversation.run(state, prepared, outputs):
                 pending[update.index].extend(update.logprobs)
@@ -118,7 +111,7 @@ async def responses(request: Request):
         outputs = conversation.submit(state, prepared)
     if stream:
         return sse.streaming_response(_responses_stream(request, state, prepared, outputs))
-    async with abort_on_disconnect(request, state.client, prepared.request_id):
+    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         with engine_errors():
             try:
                 async for _ in conversation.run(state, prepared, outputs):
@@ -131,7 +124,7 @@ async def responses(request: Request):
 
 
 async def _responses_stream(request: Request, state, prepared: PreparedConversation, outputs) -> AsyncIterator[str]:
-    async with abort_on_disconnect(request, state.client, prepared.request_id):
+    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         try:
             async for update in conversation.run(state, prepared, outputs):
                 for item in update.events:

@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse
 
 from deepinfer.entrypoints import sampling, sse
 from deepinfer.entrypoints.errors import APIError, bad_request
-from deepinfer.entrypoints.openai.chat import _stream_options
-from deepinfer.entrypoints.state import ServerState, engine_errors, get_state, read_json
+from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors, get_state, read_json
 from deepinfer.frontend.engine_client import EngineDeadError, RequestAbortedError
 from deepinfer.outputs import CompletionOutput, RequestOutput
 
@@ -76,7 +75,7 @@ async def completions(request: Request):
     body = await read_json(request)
     model = state.check_model(body)
     stream = sampling.field(body, "stream", (bool,), False)
-    include_usage = _stream_options(body)
+    include_usage = sampling.include_usage(body)
     if body.get("echo"):
         raise bad_request("echo is not supported", "echo")
     if body.get("suffix"):
@@ -102,7 +101,8 @@ async def completions(request: Request):
     try:
         with engine_errors():
             for request_id, (text, ids) in zip(request_ids, prompts):
-                streams.append(state.client.generate(ids, params, request_id=request_id, prompt=text))
+                streams.append(state.client.generate(ids, params, request_id=request_id, prompt=text,
+                                                     **sampling.engine_request_fields(body)))
     except APIError:
         for request_id in request_ids:
             state.client.abort(request_id)
@@ -191,24 +191,9 @@ async def _stream(request: Request, state: ServerState, header: dict, merged, re
 
 async def _watch(request: Request, state: ServerState, merged, request_ids: list[str]):
     """Iterate `merged`, aborting every prompt's request if the HTTP client goes away."""
-    from deepinfer.entrypoints.state import DISCONNECT_POLL_S
-
-    async def watch() -> None:
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
-                for request_id in request_ids:
-                    state.client.abort(request_id)
-                return
-
-    task = asyncio.create_task(watch())
-    try:
+    async with abort_on_disconnect(request, state.client, request_ids):
         async for item in merged:
             yield item
-    finally:
-        task.cancel()
-        for request_id in request_ids:   # no-op for finished ones
-            state.client.abort(request_id)
 
 
 async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
