@@ -46,13 +46,14 @@ class Attention(nn.Module):
         Two batched matmuls with the query heads grouped under their KV head. On the CPU this is
         several times faster than SDPA's flash kernel, which is tiled for long queries.
         """
+        # Computed in float32: exact softmax, and on the CPU small float32 matmuls beat bf16 ones.
         batch, group = q.shape[0], self.num_heads // self.num_kv_heads
-        scores = torch.matmul(q.view(batch, self.num_kv_heads, group, self.head_dim), k.permute(0, 2, 3, 1))
-        scores = scores.float() * self.scale                      # [B, Hkv, G, L], softmax in fp32
+        grouped_q = q.view(batch, self.num_kv_heads, group, self.head_dim).float()
+        scores = torch.matmul(grouped_q, k.permute(0, 2, 3, 1).float()) * self.scale   # [B, Hkv, G, L]
         if bias is not None:
             scores = scores + bias
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(probs, v.transpose(1, 2)).view(batch, self.num_heads, self.head_dim)
+        out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(1, 2).float())
+        return out.view(batch, self.num_heads, self.head_dim).to(q.dtype)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """q: [B, Q, H, D], k/v: [B, L, Hkv, D], mask: [B, Q, L] (True = may attend; None = all)."""
