@@ -4,7 +4,7 @@
 
 Starts `deepinfer serve` (embedded SmolLM2-135M-Instruct) on a free loopback port, then:
   1. a warm-up round of 20 requests, and the RSS of the server + engine core processes;
-  2. `--rounds` rounds of `--concurrency` concurrent streaming chat requests (greedy), each
+  2. `--rounds` (3) rounds of `--concurrency` concurrent streaming chat requests (greedy), each
      asking for the capital of one of two countries. A request passes when its stream ends
      with [DONE], finish_reason "stop" and the right city in the text; we also count how many
      streams equal the answer the same prompt got alone (batching may change bf16 rounding);
@@ -59,9 +59,12 @@ def start_server(port: int, log_path: str) -> subprocess.Popen:
     raise SystemExit(f"the server did not start; see {log_path}")
 
 
-def rss_mib(process: subprocess.Popen) -> float:
+def rss_mib(process: subprocess.Popen) -> dict[str, float]:
+    """RSS of the HTTP front end, of the engine core process, and their sum."""
     root = psutil.Process(process.pid)
-    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]) / (1 << 20)
+    front = root.memory_info().rss / (1 << 20)
+    core = sum(p.memory_info().rss for p in root.children(recursive=True)) / (1 << 20)
+    return {"front_end": round(front, 1), "engine_core": round(core, 1), "total": round(front + core, 1)}
 
 
 def metric(base_url: str, name: str) -> float:
@@ -125,26 +128,33 @@ async def run_round(http: httpx.AsyncClient, n: int, reference: dict[str, str], 
 
 async def main_async(args: argparse.Namespace, base_url: str, server: subprocess.Popen) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as http:
+
+    def new_client() -> httpx.AsyncClient:
+        # A fresh connection pool per round: a pooled connection idle past the server's
+        # keep-alive timeout can be closed just as it is reused (an HTTP race, not a server error).
+        return httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits)
+
+    async with new_client() as http:
         reference = {c: (await stream_chat(http, question(c)))[0] for c in QUESTIONS}
         await run_round(http, 20, reference, with_drop=False)     # warm-up
-        report = {"reference": reference, "rss_mib_after_warmup": round(rss_mib(server), 1), "rounds": []}
-        for index in range(args.rounds):
+    report = {"reference": reference, "rss_mib_after_warmup": rss_mib(server), "rounds": []}
+    for index in range(args.rounds):
+        async with new_client() as http:
             result = await run_round(http, args.concurrency, reference, with_drop=index == 0)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and metric(base_url, "kv_cache_usage_perc") > 0:
-                await asyncio.sleep(0.2)
-            result["kv_usage_after"] = metric(base_url, "kv_cache_usage_perc")
-            result["running_after"] = metric(base_url, "num_requests_running")
-            result["rss_mib_after"] = round(rss_mib(server), 1)
-            report["rounds"].append(result)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and metric(base_url, "kv_cache_usage_perc") > 0:
+            await asyncio.sleep(0.2)
+        result["kv_usage_after"] = metric(base_url, "kv_cache_usage_perc")
+        result["running_after"] = metric(base_url, "num_requests_running")
+        result["rss_mib_after"] = rss_mib(server)
+        report["rounds"].append(result)
     return report
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--log", default="/tmp/deepinfer-serve-load.log")
     args = parser.parse_args()
     port = free_port()
@@ -155,7 +165,7 @@ def main() -> int:
         os.killpg(server.pid, signal.SIGINT)
         server.wait(30)
     rounds = report["rounds"]
-    rss = [report["rss_mib_after_warmup"]] + [r["rss_mib_after"] for r in rounds]
+    rss = [report["rss_mib_after_warmup"]["total"]] + [r["rss_mib_after"]["total"] for r in rounds]
     report["rss_growth_last_round_mib"] = round(rss[-1] - rss[-2], 1)
     ok = (all(r["passed"] == r["requests"] and r["kv_usage_after"] == 0 and r["running_after"] == 0 for r in rounds)
           and rounds[0]["dropped_stream_chunks"] == 5

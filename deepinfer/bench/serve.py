@@ -248,7 +248,7 @@ def plot(results: list[Result], path: str) -> None:
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib") from None
+        raise ValueError("--plot needs matplotlib: pip install 'deepinfer[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

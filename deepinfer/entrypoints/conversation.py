@@ -70,7 +70,6 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
         raise bad_request("the conversation renders to an empty prompt", "messages")
 
     n, top_logprobs, seed = 1, None, conversation.seed
-    temperature_default = 1.0
     if protocol == "chat":
         n = sampling.field(body, "n", (int,), 1)
         if sampling.field(body, "logprobs", (bool,), False):
@@ -90,7 +89,7 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
     where = "input" if protocol == "responses" else "messages"
     sampling.check_context(len(prompt_ids), max_tokens, state.max_model_len, where)
     params = sampling.build(body, vocab_size=state.client.vocab_size, max_tokens=max_tokens, logprobs=top_logprobs,
-                            n=n, seed=seed, detokenize=False, temperature_default=temperature_default)
+                            n=n, seed=seed, detokenize=False)
     request_id = state.client.new_request_id()
     sessions = []
     created = int(time.time())

@@ -70,12 +70,12 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, w
 
 
 def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int | None = None,
-          stop: list[str] | None = None, n: int = 1, seed: int | None = None, detokenize: bool = True,
-          temperature_default: float = 1.0) -> SamplingParams:
+          stop: list[str] | None = None, n: int = 1, seed: int | None = None,
+          detokenize: bool = True) -> SamplingParams:
     """SamplingParams from the common OpenAI fields plus the extras; a bad value is a 400."""
     kwargs: dict[str, Any] = {
         "n": n,
-        "temperature": field(body, "temperature", _NUMBER, temperature_default),
+        "temperature": field(body, "temperature", _NUMBER, 1.0),   # OpenAI's and Anthropic's default
         "top_p": field(body, "top_p", _NUMBER, 1.0),
         "presence_penalty": field(body, "presence_penalty", _NUMBER, 0.0),
         "frequency_penalty": field(body, "frequency_penalty", _NUMBER, 0.0),

@@ -95,6 +95,7 @@ async def completions(request: Request):
         sampling.check_context(len(ids), max_tokens, state.max_model_len, "prompt")
     params = sampling.build(body, vocab_size=state.client.vocab_size, max_tokens=max_tokens, logprobs=logprobs,
                             stop=stop, n=n, seed=sampling.field(body, "seed", (int,)))
+    engine_fields = sampling.engine_request_fields(body)
     response_id = f"cmpl-{secrets.token_hex(12)}"
     request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
     streams = []
@@ -102,7 +103,7 @@ async def completions(request: Request):
         with engine_errors():
             for request_id, (text, ids) in zip(request_ids, prompts):
                 streams.append(state.client.generate(ids, params, request_id=request_id, prompt=text,
-                                                     **sampling.engine_request_fields(body)))
+                                                     **engine_fields))
     except APIError:
         for request_id in request_ids:
             state.client.abort(request_id)
