@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from deepinfer.kv_cache.specs import KVCacheSpec
 from deepinfer.layers.norm import GemmaRMSNorm
 from deepinfer.models.base import CausalLM
-from deepinfer.models.llama import GatedMLP, LlamaAttention, build_rotaries, head_dim_of, layer_types_of
+from deepinfer.models.llama import GatedMLP, LlamaAttention, build_rotaries, head_dim_of, kv_cache_specs_of
 
 
 def gemma3_layer_types(cfg: dict[str, Any]) -> list[str]:
@@ -85,7 +85,4 @@ class Gemma3ForCausalLM(CausalLM):
         return logits
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        cfg = self.hf_config
-        heads, dim = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], head_dim_of(cfg)
-        return [SlidingWindowSpec(heads, dim, dtype, cfg["sliding_window"]) if t == "sliding_attention"
-                else FullAttentionSpec(heads, dim, dtype) for t in layer_types_of(cfg)]
+        return kv_cache_specs_of(self.hf_config, dtype)

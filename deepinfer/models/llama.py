@@ -32,6 +32,13 @@ def layer_types_of(cfg: dict[str, Any]) -> list[str]:
     return ["sliding_attention" if uses_window else "full_attention"] * n
 
 
+def kv_cache_specs_of(cfg: dict[str, Any], dtype: torch.dtype) -> list[KVCacheSpec]:
+    """Per layer: a sliding-window spec for sliding layers, a full-attention spec otherwise."""
+    heads, dim = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], head_dim_of(cfg)
+    return [SlidingWindowSpec(heads, dim, dtype, cfg["sliding_window"]) if t == "sliding_attention"
+            else FullAttentionSpec(heads, dim, dtype) for t in layer_types_of(cfg)]
+
+
 def build_rotaries(cfg: dict[str, Any]) -> nn.ModuleDict:
     """One RotaryEmbedding per layer type (rope bases differ by type in Gemma 3), shared by
     every layer of that type so the cos/sin rows are looked up once per forward."""
@@ -135,10 +142,7 @@ class LlamaForCausalLM(CausalLM):
         return self.model(input_ids, positions)
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        cfg = self.hf_config
-        heads, dim = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], head_dim_of(cfg)
-        return [SlidingWindowSpec(heads, dim, dtype, cfg["sliding_window"]) if t == "sliding_attention"
-                else FullAttentionSpec(heads, dim, dtype) for t in layer_types_of(cfg)]
+        return kv_cache_specs_of(self.hf_config, dtype)
 
 
 # Same code, different config fields (see LlamaAttention and layer_types_of).
