@@ -105,6 +105,13 @@ def load_hf_directory(directory: str):
         generation_config=generation_config or _eos_from_config(config),
     )
 
+    if not any(f.endswith(".safetensors") or f == SAFETENSORS_INDEX for f in os.listdir(directory)):
+        # A config-only directory serves random-weight runs of a real shape (load_format="dummy");
+        # asking it for weights is the error.
+        def no_weights() -> Iterator[tuple[str, torch.Tensor]]:
+            raise ModelLoadError(f"no *.safetensors weights in {directory}")
+
+        return config, generation_config, tokenizer, no_weights
     paths = safetensors_files(directory)
     for p in paths:
         check_safetensors(p)
