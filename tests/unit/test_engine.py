@@ -112,3 +112,17 @@ def test_unknown_engine_argument_names_the_known_ones(tiny_llama):
 def test_kv_pool_too_small_for_max_model_len_is_a_clear_error(tiny_llama):
     with pytest.raises(ValueError, match=r"one request of max_model_len=64 tokens needs 17"):
         LLM(tiny_llama, dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64)
+
+
+def test_config_only_directory_serves_random_weights_and_names_missing_weights(tiny_llama, tmp_path):
+    import shutil
+
+    from deepinfer.models.loader import ModelLoadError
+
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tiny_llama}/{name}", tmp_path / name)
+    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=32)
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights in"):
+        LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)
