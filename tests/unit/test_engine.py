@@ -121,8 +121,8 @@ def test_config_only_directory_serves_random_weights_and_names_missing_weights(t
 
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(f"{tiny_llama}/{name}", tmp_path / name)
-    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=32)
+    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=64)
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights in"):
-        LLM(str(tmp_path), dtype="float32", num_kv_blocks=32)
+        LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
