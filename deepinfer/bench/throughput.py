@@ -62,21 +62,18 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
     from deepinfer import LLM, SamplingParams
 
     results = []
-    max_c = max(args.concurrency)
-    engine_kwargs = dict(engine_kwargs, max_num_seqs=max_c)
-    llm = LLM(**engine_kwargs)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     counts = args.num_prompts or [max(8, 2 * c) for c in args.concurrency]
     if len(counts) == 1:
         counts = counts * len(args.concurrency)
     if len(counts) != len(args.concurrency):
         raise ValueError(f"--num-prompts has {len(counts)} values for {len(args.concurrency)} concurrency levels")
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for concurrency, n in zip(args.concurrency, counts):
+        # The concurrency limit is the engine's max_num_seqs: one engine per level.
+        llm = LLM(**dict(engine_kwargs, max_num_seqs=concurrency))
         prompts = synthetic_prompts(llm.tokenizer, n, args.input_len, args.prompt_seed)
         # Warm-up (first calls allocate and pick kernels); not timed.
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        # The engine's concurrency limit is max_num_seqs; rebuild its scheduler budget per level.
-        llm.engine.scheduler.config = _with_max_seqs(llm.engine.scheduler.config, concurrency)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
@@ -98,8 +95,3 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
             json.dump(results, f, indent=2)
     return 0
 
-
-def _with_max_seqs(config, max_num_seqs: int):
-    import dataclasses
-
-    return dataclasses.replace(config, max_num_seqs=max_num_seqs)

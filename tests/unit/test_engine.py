@@ -126,3 +126,21 @@ def test_config_only_directory_serves_random_weights_and_names_missing_weights(t
     assert len(out[0].outputs[0].token_ids) == 4
     with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights in"):
         LLM(str(tmp_path), dtype="float32", num_kv_blocks=64)
+
+
+def test_cli_bench_throughput_and_generate(tiny_llama, tmp_path, capsys):
+    import json
+
+    from deepinfer.cli.main import main
+
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--model", tiny_llama, "--dtype", "float32", "--num-kv-blocks", "256",
+                 "--concurrency", "1", "4", "--num-prompts", "2", "8", "--input-len", "8", "--output-len", "4",
+                 "--output-json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    assert [(r["concurrency"], r["num_prompts"]) for r in rows] == [(1, 2), (4, 8)]
+    assert all(r["output_throughput"] > 0 for r in rows)
+    assert main(["generate", "--model", tiny_llama, "--dtype", "float32", "--num-kv-blocks", "256",
+                 "--max-tokens", "3", "w5 w6 w7"]) == 0
+    assert "[3 tokens, finish_reason=length]" in capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "missing"), "x"]) == 2
