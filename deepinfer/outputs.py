@@ -62,6 +62,8 @@ class RequestOutput:
     finished: True once every sample has finished.
     metrics: timing and usage figures attached by the front end (None when not collected).
     num_cached_tokens: prompt tokens served from the prefix cache.
+    error: why the engine failed the request (its outputs then finish with "abort"), e.g. a
+        structured-output grammar that did not compile in time; None otherwise.
     """
 
     request_id: str
@@ -72,3 +74,4 @@ class RequestOutput:
     finished: bool
     metrics: Any = None
     num_cached_tokens: int = 0
+    error: str | None = None

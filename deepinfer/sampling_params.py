@@ -39,11 +39,46 @@ class SamplingType(enum.IntEnum):
 
 @dataclass(kw_only=True)
 class StructuredOutputsParams:
-    """Placeholder for constrained decoding (json / regex / choice / grammar).
+    """Constrain the output to a language (vLLM's shape): set exactly one of the five kinds.
 
-    A later issue gives it fields and behaviour; until then `SamplingParams` rejects any value,
-    so nobody can believe a constraint is being enforced when it is not.
+    json: a JSON Schema (dict or JSON text); the output is one JSON value valid under it.
+    regex: a regular expression the whole output must match.
+    choice: a list of strings; the output is exactly one of them.
+    grammar: an EBNF grammar (GBNF / xgrammar dialect, start rule `root`).
+    json_object: any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    disable_any_whitespace: JSON only; emit compact JSON (no free whitespace between tokens).
+    compile_timeout_s: give up on this request if its grammar is not compiled within this many
+        seconds (None: the engine's `structured_outputs_compile_timeout_s`).
     """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    compile_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
+                             f"json_object; got {kinds or 'none'}")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+            self.choice = list(self.choice)
+        if self.compile_timeout_s is not None and not self.compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs.compile_timeout_s must be positive, got {self.compile_timeout_s}")
+
+    @property
+    def kind(self) -> str:
+        """Which of the five kinds is set: "json" | "regex" | "choice" | "grammar" | "json_object"."""
+        for name in ("json", "regex", "choice", "grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "json_object"
 
 
 @dataclass(kw_only=True)
@@ -78,7 +113,8 @@ class SamplingParams:
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     detokenize: produce text at all (stop strings need it).
     output_kind: CUMULATIVE, DELTA or FINAL_ONLY (see RequestOutputKind).
-    structured_outputs: reserved for constrained decoding; must be None for now.
+    structured_outputs: constrain the output to a JSON Schema, regex, choice or EBNF grammar
+        (see StructuredOutputsParams; deepinfer/sample/structured/ enforces it).
     """
 
     n: int = 1
@@ -183,8 +219,10 @@ class SamplingParams:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        if self.structured_outputs is not None:
-            raise ValueError("structured_outputs is not implemented yet; it must be None")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     # ---------------------------------------------------------------------------- queries
     @property

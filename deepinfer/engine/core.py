@@ -1,7 +1,8 @@
 """The engine core: model runner + KV manager + scheduler, stepped in a loop.
 
     step():  plan = scheduler.schedule()
-             result = runner.execute(plan)
+             plan.grammar_bitmask = <start filling the structured-output masks in a worker>
+             result = runner.execute(plan)          # the runner applies the masks before sampling
              return scheduler.update(plan, result)
 
 The offline `LLM` drives it in-process; the server (a later issue) runs it in its own process.
@@ -19,9 +20,14 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
+from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+# How long an idle engine sleeps on a compiling grammar before looking at its inputs again.
+GRAMMAR_IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -52,8 +58,14 @@ class EngineCore:
         self.kv_manager = KVCacheManager(self.runner.groups, self.runner.num_blocks,
                                          config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.structured = StructuredOutputManager(
+            source.tokenizer, hf_config["vocab_size"], f"{source.path}:{source.tokenizer.vocab_size}",
+            compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s)
 
     def add_request(self, request: Request) -> None:
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None and request.grammar is None:
+            request.grammar = self.structured.grammar_for(constraint)   # compiles from now on
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> list[EngineCoreOutput]:
@@ -63,15 +75,23 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        failed = self.scheduler.poll_grammars()
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids:
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 # Capacity is checked at start-up, so this means a bug, not a busy engine: fail
                 # loudly rather than spin.
                 raise RuntimeError("the scheduler cannot admit the next waiting request into an idle engine")
-            return []
+            if not failed and self.scheduler.waiting_for_grammar:
+                # Nothing to compute but compiles in flight: sleep on one instead of spinning.
+                self.scheduler.waiting_for_grammar[0].grammar.wait(GRAMMAR_IDLE_WAIT_S)
+            return failed
+        requests = self.scheduler.requests
+        plan.grammar_bitmask = self.structured.start_bitmask(
+            {c.request_id: requests[c.request_id].grammar for c in plan.chunks
+             if c.sample and requests[c.request_id].grammar is not None})
         result = self.runner.execute(plan)
-        return self.scheduler.update(plan, result)
+        return failed + self.scheduler.update(plan, result)
 
     def stats(self) -> EngineStats:
         counters = self.kv_manager.pool.counters

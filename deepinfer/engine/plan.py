@@ -45,7 +45,9 @@ class SchedulerPlan:
     chunks: list[ScheduledChunk]
     finished_request_ids: list[str]   # the runner drops their state
     num_scheduled_tokens: int
-    grammar_bitmask: Any = None       # per sampled row, filled by structured output (later issue)
+    # Structured output: a sample.structured.StepBitmask with one row per sampled request that
+    # has a grammar, filled by a worker thread while the forward runs; None when no row has one.
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -76,6 +78,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str | None = None              # with finish_reason "abort": why the request failed
 
     @property
     def finished(self) -> bool:

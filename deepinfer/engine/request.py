@@ -13,6 +13,7 @@ from deepinfer.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"   # its structured-output grammar is compiling
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -59,9 +60,11 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
-    # Slots for later issues: draft tokens to verify this step, and the grammar matcher.
+    # Draft tokens to verify this step (a later issue), and the structured-output grammar
+    # (a sample.structured.RequestGrammar: compile handle, then matcher) when constrained.
     spec_token_ids: list[int] = field(default_factory=list)
     grammar: Any = None
+    error: str | None = None      # why the request failed (e.g. its grammar did not compile)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -6,6 +6,9 @@ running requests closer to their target, then admits waiting requests while budg
 slots and KV blocks last. A prompt longer than the budget is computed in chunks (chunked
 prefill); a prefix-cache hit starts a request further along; a preempted request starts again
 from zero and recomputes (its blocks are usually still cached, so that is mostly a hit).
+A request with a structured-output grammar waits outside the queue (WAITING_FOR_GRAMMAR) while
+its grammar compiles in a worker; `poll_grammars` moves it into the queue once compiled, so a
+slow compile delays that request alone.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from deepinfer.engine.plan import (EngineCoreOutput, NewRequestData, RunnerResul
                                    SchedulerPlan)
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.sample.structured.grammar import GrammarState
 
 
 class Scheduler:
@@ -28,6 +32,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []     # kept sorted by the policy's key
         self.running: list[Request] = []     # in admission order
+        self.waiting_for_grammar: list[Request] = []   # compiling; not schedulable yet
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []   # told to the runner in the next plan
@@ -40,7 +45,11 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_order = next(self._arrivals)
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        if request.grammar is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+        else:
+            self._enqueue(request)
 
     def abort(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = []
@@ -50,12 +59,32 @@ class Scheduler:
                 continue
             if request in self.waiting:
                 self.waiting.remove(request)
+            if request in self.waiting_for_grammar:
+                self.waiting_for_grammar.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
             outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort"))
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
+
+    def poll_grammars(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar compiled; fail those whose compile failed or timed out."""
+        outputs = []
+        for request in list(self.waiting_for_grammar):
+            state = request.grammar.poll()
+            if state is GrammarState.COMPILING:
+                continue
+            self.waiting_for_grammar.remove(request)
+            if state is GrammarState.READY:
+                request.status = RequestStatus.WAITING
+                self._enqueue(request)
+            else:
+                request.error = request.grammar.error
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                outputs.append(EngineCoreOutput(request.request_id, [], finish_reason="abort",
+                                                error=request.error))
+        return outputs
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if self.config.policy == "priority":
@@ -189,6 +218,8 @@ class Scheduler:
             finish: RequestStatus | None = None
             for token_id in result.sampled_token_ids.get(chunk.request_id, []):
                 request.append_output_token(token_id)
+                if request.grammar is not None:
+                    request.grammar.accept(token_id)   # the sampled token was inside the mask
                 new_tokens.append(token_id)
                 finish = self._check_stop(request, token_id)
                 if finish is not None:
@@ -238,3 +269,7 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    @property
+    def num_waiting_for_grammar(self) -> int:
+        return len(self.waiting_for_grammar)

@@ -88,8 +88,10 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
     max_tokens = conversation.max_tokens
     where = "input" if protocol == "responses" else "messages"
     sampling.check_context(len(prompt_ids), max_tokens, state.max_model_len, where)
+    fmt = conversation.response_format
     params = sampling.build(body, vocab_size=state.client.vocab_size, max_tokens=max_tokens, logprobs=top_logprobs,
-                            n=n, seed=seed, detokenize=False)
+                            n=n, seed=seed, detokenize=False,
+                            response_format={"type": fmt.type, "schema": fmt.schema})
     request_id = state.client.new_request_id()
     sessions = []
     created = int(time.time())

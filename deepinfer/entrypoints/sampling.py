@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer.entrypoints.errors import bad_request
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sample.structured import validate as validate_structured_outputs
+from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_TOP_LOGPROBS = 20   # OpenAI's limit for top_logprobs
 MAX_N = 128
@@ -69,9 +70,50 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, w
             f"Please reduce the length of the {where} or completion.", "max_tokens")
 
 
+_STRUCTURED_FIELDS = {"json": (dict, str), "regex": (str,), "choice": (list,), "grammar": (str,),
+                      "json_object": (bool,), "disable_any_whitespace": (bool,), "compile_timeout_s": _NUMBER}
+
+
+def structured_outputs(body: dict, response_format: dict | None = None) -> StructuredOutputsParams | None:
+    """The output constraint: vLLM's `structured_outputs` (extra_body) or OpenAI's
+    `response_format` ({"type": "json_object"} or {"type": "json_schema", "schema": ...}, already
+    unpacked by the recipe). An invalid schema, regex or grammar is a 400 with xgrammar's reason."""
+    raw = field(body, "structured_outputs", (dict,))
+    fmt = response_format if response_format and response_format.get("type") != "text" else None
+    if raw is not None and fmt is not None:
+        raise bad_request("give either response_format or structured_outputs, not both", "structured_outputs")
+    if raw is not None:
+        param = "structured_outputs"
+        unknown = sorted(set(raw) - set(_STRUCTURED_FIELDS))
+        if unknown:
+            raise bad_request(f"structured_outputs has unknown fields {unknown}; known: "
+                              f"{', '.join(_STRUCTURED_FIELDS)}", param)
+        kwargs = {name: field(raw, name, kinds) for name, kinds in _STRUCTURED_FIELDS.items()}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        kwargs.setdefault("disable_any_whitespace", False)
+    elif fmt is not None:
+        param = "response_format"
+        if fmt["type"] == "json_object":
+            kwargs = {"json_object": True}
+        elif fmt.get("schema") is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema", param)
+        else:
+            # OpenAI's strict: true promises output that matches the schema; deepinfer always
+            # enforces the schema, so strict only changes what the schema itself may say.
+            kwargs = {"json": fmt["schema"]}
+    else:
+        return None
+    try:
+        constraint = StructuredOutputsParams(**kwargs)
+        validate_structured_outputs(constraint)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), param) from None
+    return constraint
+
+
 def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int | None = None,
           stop: list[str] | None = None, n: int = 1, seed: int | None = None,
-          detokenize: bool = True) -> SamplingParams:
+          detokenize: bool = True, response_format: dict | None = None) -> SamplingParams:
     """SamplingParams from the common OpenAI fields plus the extras; a bad value is a 400."""
     kwargs: dict[str, Any] = {
         "n": n,
@@ -84,6 +126,7 @@ def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int 
         "logprobs": logprobs,
         "stop": stop or None,
         "detokenize": detokenize,
+        "structured_outputs": structured_outputs(body, response_format),
     }
     bias = field(body, "logit_bias", (dict,))
     if bias is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from deepinfer.entrypoints.errors import APIError
-from deepinfer.frontend.engine_client import AsyncEngineClient, EngineDeadError, ServerBusyError
+from deepinfer.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestFailedError, ServerBusyError
 
 DISCONNECT_POLL_S = 0.5
 
@@ -67,13 +67,15 @@ async def read_json(request: Request) -> dict:
 
 @contextlib.contextmanager
 def engine_errors():
-    """Engine-side refusals as HTTP errors: queue full 429, engine gone 503."""
+    """Engine-side refusals as HTTP errors: queue full 429, engine gone 503, request failed 500."""
     try:
         yield
     except ServerBusyError as e:
         raise APIError(429, str(e), code="rate_limit_exceeded") from None
     except EngineDeadError as e:
         raise APIError(503, f"the engine is not available: {e}") from None
+    except RequestFailedError as e:
+        raise APIError(500, f"the request failed: {e}") from None
 
 
 @contextlib.asynccontextmanager

@@ -59,6 +59,10 @@ class RequestAbortedError(RuntimeError):
     """The request was aborted (its client went away) while someone still waited on it."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone (e.g. its grammar did not compile in time)."""
+
+
 class ServerBusyError(RuntimeError):
     """The pending-request limit is reached (HTTP 429)."""
 
@@ -210,6 +214,8 @@ class AsyncEngineClient:
                 item = await tracked.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
                 yield item
                 if item.finished:
                     return

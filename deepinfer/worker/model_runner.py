@@ -121,6 +121,8 @@ class ModelRunner:
         if sample_rows:
             index = torch.tensor([inputs.last_token_index[i] for i in sample_rows], device=self.device)
             logits = self.model.compute_logits(hidden[index])
+            if plan.grammar_bitmask is not None:   # structured output: disallowed tokens -> -inf
+                plan.grammar_bitmask.apply(logits, [inputs.chunks[i].request_id for i in sample_rows])
             rows = [self._sampling_row(inputs.chunks[i].request_id) for i in sample_rows]
             sampled = self.sampler(logits, rows)
             for row, i in enumerate(sample_rows):

@@ -60,8 +60,8 @@ def test_normalisation():
     ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
     ({"stop": "x", "detokenize": False}, "stop strings need detokenize=True"),
     ({"output_kind": "delta"}, "output_kind must be a RequestOutputKind, got 'delta'"),
-    ({"structured_outputs": StructuredOutputsParams()},
-     "structured_outputs is not implemented yet; it must be None"),
+    ({"structured_outputs": {"regex": "a+"}},
+     "structured_outputs must be a StructuredOutputsParams, got dict"),
 ])
 def test_validation_names_field_and_range(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -118,3 +118,17 @@ def test_outputs_shape():
     assert out.finished()
     req = RequestOutput("r1", "p", [7], None, [out], finished=True)
     assert req.outputs[0].text == "hi" and req.metrics is None and req.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({}, "needs exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({"regex": "a", "choice": ["a"]}, "got ['regex', 'choice']"),
+    ({"choice": []}, "choice must be a non-empty list"),
+    ({"regex": "a", "compile_timeout_s": 0}, "compile_timeout_s must be positive"),
+])
+def test_structured_outputs_needs_one_kind(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        StructuredOutputsParams(**kwargs)
+    assert message in str(info.value)
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+    assert StructuredOutputsParams(json={"type": "object"}).kind == "json"

@@ -1,0 +1,59 @@
+"""One step's token bitmask: filled on the CPU beside the forward, applied to the logits after it.
+
+The engine core asks the manager for a `StepBitmask` right after scheduling; a worker thread
+fills one int32 row per constrained request (bit t of a row set = token t allowed) while the
+runner builds inputs and runs the model. The runner calls `apply` on the logits of the sampled
+rows, which waits for the fill (usually long done) and sets every disallowed logit to -inf
+before the sampler sees them. Unconstrained rows are untouched.
+
+Thread safety: the fill reads the matchers; the scheduler advances them only in `update`, after
+`runner.execute` returned, and `apply` has waited for the fill by then, so the two never overlap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+
+
+class StepBitmask:
+    def __init__(self, rows: dict[str, int], bitmask: torch.Tensor, blocked: Future) -> None:
+        self.rows = rows            # request id -> its row in `bitmask`
+        self.bitmask = bitmask      # int32 [len(rows), ceil(vocab / 32)], on the CPU
+        # Future of bool [len(rows), vocab]: True where a token is NOT allowed. The worker
+        # unpacks the bits too, so only the masked fill is left on the engine loop.
+        self._blocked = blocked
+
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
+        """Mask logits in place; logits row i belongs to request_ids[i]."""
+        logit_rows = [i for i, rid in enumerate(request_ids) if rid in self.rows]
+        if not logit_rows:
+            return
+        blocked = self._blocked.result().to(logits.device)   # re-raises a failed fill here
+        mask_rows = [self.rows[request_ids[i]] for i in logit_rows]
+        if logit_rows == list(range(logits.shape[0])) and mask_rows == list(range(blocked.shape[0])):
+            logits.masked_fill_(blocked, float("-inf"))   # every row constrained, same order
+            return
+        index = torch.tensor(logit_rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(blocked[torch.tensor(mask_rows)], float("-inf"))
+
+
+# _BYTE_BITS[b, j] is bit j of byte b: unpacking a byte is one table lookup.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, words] -> bool [rows, vocab_size]; token t is bit t % 32 of word t // 32.
+
+    The int32 words are read as little-endian bytes (byte k of word w holds tokens 32w + 8k ...),
+    which is how xgrammar lays them out on every platform torch runs on.
+    A model whose logits are wider than the grammar's vocabulary (padded embedding rows) gets
+    False for the extra ids: no tokenizer string, never allowed.
+    """
+    rows = bitmask.shape[0]
+    bits = _BYTE_BITS[bitmask.contiguous().view(torch.uint8).long()].view(rows, -1)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.cat([bits, bits.new_zeros(rows, vocab_size - bits.shape[1])], dim=1)
