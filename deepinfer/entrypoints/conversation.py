@@ -22,8 +22,9 @@ from deepinfer_recipe.errors import RecipeError
 from deepinfer_recipe.output import OutputSession
 
 from deepinfer.entrypoints import sampling
-from deepinfer.entrypoints.errors import bad_request
-from deepinfer.entrypoints.state import ServerState
+from deepinfer.entrypoints.errors import APIError, bad_request
+from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors
+from deepinfer.frontend.engine_client import RequestAbortedError
 from deepinfer.outputs import Logprob, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -137,6 +138,21 @@ async def run(state: ServerState, prepared: PreparedConversation,
                 logprobs = [chat_logprob(entry, token_id, prepared.top_logprobs)
                             for token_id, entry in zip(completion.token_ids, completion.logprobs)]
             yield ChoiceUpdate(completion.index, events, logprobs)
+
+
+async def run_to_end(request, state: ServerState, prepared: PreparedConversation,
+                     outputs: AsyncIterator[RequestOutput]) -> list[list[dict]]:
+    """Run a non-streamed request to its end, aborting it if the client goes away; returns each
+    choice's token logprobs (empty lists unless asked for)."""
+    logprobs: list[list[dict]] = [[] for _ in prepared.sessions]
+    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
+        with engine_errors():
+            try:
+                async for update in run(state, prepared, outputs):
+                    logprobs[update.index].extend(update.logprobs)
+            except RequestAbortedError:
+                raise APIError(499, "the client closed the request") from None
+    return logprobs
 
 
 def chat_logprob(entry: dict[int, Logprob], token_id: int, top: int) -> dict:

@@ -41,13 +41,7 @@ async def messages(request: Request):
         outputs = conversation.submit(state, prepared)
     if stream:
         return sse.streaming_response(_stream(request, state, prepared, outputs))
-    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
-        with engine_errors():
-            try:
-                async for _ in conversation.run(state, prepared, outputs):
-                    pass
-            except RequestAbortedError:
-                raise APIError(499, "the client closed the request") from None
+    await conversation.run_to_end(request, state, prepared, outputs)
     final = prepared.sessions[0].final_response()
     final["usage"] = _usage(prepared)
     return JSONResponse(final)

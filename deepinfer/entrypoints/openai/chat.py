@@ -42,14 +42,7 @@ async def chat_completions(request: Request):
         outputs = conversation.submit(state, prepared)
     if stream:
         return sse.streaming_response(_chat_stream(request, state, prepared, outputs, include_usage))
-    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
-        pending: list[list[dict]] = [[] for _ in prepared.sessions]
-        with engine_errors():
-            try:
-                async for update in conversation.run(state, prepared, outputs):
-                    pending[update.index].extend(update.logprobs)
-            except RequestAbortedError:
-                raise APIError(499, "the client closed the request") from None
+    pending = await conversation.run_to_end(request, state, prepared, outputs)
     choices = []
     for index, session in enumerate(prepared.sessions):
         choice = session.final_response()["choices"][0]
@@ -111,13 +104,7 @@ async def responses(request: Request):
         outputs = conversation.submit(state, prepared)
     if stream:
         return sse.streaming_response(_responses_stream(request, state, prepared, outputs))
-    async with abort_on_disconnect(request, state.client, [prepared.request_id]):
-        with engine_errors():
-            try:
-                async for _ in conversation.run(state, prepared, outputs):
-                    pass
-            except RequestAbortedError:
-                raise APIError(499, "the client closed the request") from None
+    await conversation.run_to_end(request, state, prepared, outputs)
     final = prepared.sessions[0].final_response()
     final["usage"] = _responses_usage(prepared, final.get("usage"))
     return JSONResponse(final)
