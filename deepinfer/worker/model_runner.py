@@ -33,7 +33,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class RunnerRequestState:
     token_ids: list[int]          # prompt + sampled tokens, as far as the runner knows
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]   # kept beside token_ids so the sampler gets them without a copy
     params: SamplingParams
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
@@ -128,7 +129,9 @@ class ModelRunner:
             for row, i in enumerate(sample_rows):
                 request_id = inputs.chunks[i].request_id
                 token = sampled.token_ids[row]
-                self.requests[request_id].token_ids.append(token)
+                state = self.requests[request_id]
+                state.token_ids.append(token)
+                state.output_token_ids.append(token)
                 result.sampled_token_ids[request_id] = [token]
                 if sampled.logprobs[row] is not None:
                     result.logprobs[request_id] = [sampled.logprobs[row].to_dict()]
@@ -143,24 +146,24 @@ class ModelRunner:
         generator = None
         if new.sampling_params.seed is not None:
             generator = torch.Generator(device=self.device)
-        return RunnerRequestState(new.prompt_token_ids + new.output_token_ids, len(new.prompt_token_ids),
-                                  new.sampling_params, new.eos_token_ids, generator)
+        return RunnerRequestState(new.prompt_token_ids + new.output_token_ids, list(new.prompt_token_ids),
+                                  list(new.output_token_ids), new.sampling_params, new.eos_token_ids, generator)
 
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]
-        output_ids = state.token_ids[state.num_prompt_tokens:]
+        output_ids = state.output_token_ids
         if state.generator is not None:
             # NOTE: reseeded from (seed, position) every step, so a seeded request draws the same
             # tokens whatever it is batched with, and again after a preemption and recompute.
             state.generator.manual_seed((state.params.seed * 1_000_003 + len(output_ids)) % 2**63)
-        return SamplingRow(state.params, state.token_ids[:state.num_prompt_tokens], output_ids,
+        return SamplingRow(state.params, state.prompt_token_ids, output_ids,
                            state.generator, state.eos_token_ids)
 
     def _prompt_logprobs(self, chunk, hidden: torch.Tensor, last_index: int):
         """Logprobs of the prompt tokens this chunk predicts: position p predicts token p + 1."""
         state = self.requests[chunk.request_id]
         first_index = last_index - chunk.num_tokens + 1
-        end = min(chunk.start + chunk.num_tokens, state.num_prompt_tokens - 1)  # last position predicting a prompt token
+        end = min(chunk.start + chunk.num_tokens, len(state.prompt_token_ids) - 1)  # last position predicting a prompt token
         entries: list = [None] if chunk.start == 0 else []
         if end > chunk.start:
             rows = hidden[first_index:first_index + (end - chunk.start)]
