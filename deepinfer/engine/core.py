@@ -93,6 +93,12 @@ class EngineCore:
         result = self.runner.execute(plan)
         return failed + self.scheduler.update(plan, result)
 
+    def check_idle(self) -> None:
+        """With no request left, every KV block must be free: log any that is not (a leak)."""
+        held = self.kv_manager.pool.blocks_in_use()
+        if held:
+            logger.error("KV blocks still referenced with no request in the engine (block: refs): %s", held)
+
     def stats(self) -> EngineStats:
         counters = self.kv_manager.pool.counters
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),

@@ -138,6 +138,8 @@ class EngineCoreProc:
                 else:
                     self._add(message, pending)
             outputs = core.step() if core.has_unfinished() else []
+            if busy and not core.has_unfinished():
+                core.check_idle()
             outputs = pending + outputs
             pending = []
             now = time.monotonic()

@@ -60,6 +60,10 @@ class BlockPool:
         """Fraction of allocatable blocks in use (cached free blocks count as free)."""
         return 1.0 - len(self._free) / (self.num_blocks - 1)
 
+    def blocks_in_use(self) -> dict[int, int]:
+        """Block id -> reference count for every block outside the free queue (for leak checks)."""
+        return {b.block_id: b.ref_count for b in self.blocks[1:] if b.block_id not in self._free}
+
     def allocate(self, n: int) -> list[int] | None:
         """Take n blocks (evicting cached ones, oldest first), or None if fewer are free."""
         if n > len(self._free):
