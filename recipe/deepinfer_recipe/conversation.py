@@ -65,6 +65,7 @@ class ToolDefinition:
     description: str | None = None
     parameters: dict | None = None  # JSON Schema of the arguments object
     strict: bool | None = None
+    schema_path: str | None = None  # where `parameters` sits in the request, for error messages
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Conversation:
     messages: list[Message]
     tools: list[ToolDefinition] = field(default_factory=list)
     tool_choice: ToolChoice = "auto"
+    parallel_tool_calls: bool = True  # False: at most one tool call per turn
     # None means "the format's default" (DeepSeek-V4: thinking on, like deepseek-recipe).
     thinking: bool | None = None
     reasoning_effort: str | None = None  # one of EFFORT_LEVELS or None

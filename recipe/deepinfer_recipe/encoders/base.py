@@ -21,6 +21,8 @@ class OutputMarkers:
     dsml_calls: str = "tool_calls"  # tag names after the DSML token
     dsml_invoke: str = "invoke"
     dsml_parameter: str = "parameter"
+    tool_call_start: str | None = None  # Hermes-style call tags (HF templates)
+    tool_call_end: str | None = None
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,12 @@ class PromptEncoding:
     parser_start: ParserStart
     token_ids: list[int] | None = None  # None when the format's tokenizer is unavailable
     stop: list[str] = field(default_factory=list)
+    # For a forced tool call: an xgrammar structural tag (JSON) describing the only text the
+    # model may emit (see tools/constraint.py); None when the output is unconstrained.
+    constraint: dict | None = None
 
     def to_json(self) -> dict:
-        data = {"format": self.format, "token_ids": self.token_ids}
+        data = {"format": self.format, "token_ids": self.token_ids, "constraint": self.constraint}
         data.update(self.rendered.to_json())
         data["parser_start"] = {
             "stage": self.parser_start.stage,
@@ -61,7 +66,12 @@ class Encoder:
     def render(self, conversation) -> tuple[RenderedPrompt, ParserStart]:  # pragma: no cover
         raise NotImplementedError
 
+    def tool_constraint(self, conversation) -> dict | None:
+        """The structural tag a forced tool choice imposes on the output (None: unconstrained)."""
+        return None
+
     def encode(self, conversation, parallel: bool = True) -> PromptEncoding:
         rendered, start = self.render(conversation)
+        constraint = self.tool_constraint(conversation)
         ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
-        return PromptEncoding(self.name, rendered, start, ids, list(conversation.stop))
+        return PromptEncoding(self.name, rendered, start, ids, list(conversation.stop), constraint)

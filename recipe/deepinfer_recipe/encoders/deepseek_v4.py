@@ -24,6 +24,7 @@ from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, Te
 from ..errors import RequestError
 from ..prompt import PromptBuilder, RenderedPrompt
 from ..tokenize import SafeTokenizer, load_deepseek_v4_tokenizer
+from ..tools.constraint import dsml_constraint, offered_tools
 from . import deepseek_text as T
 from .base import Encoder, OutputMarkers, ParserStart
 
@@ -101,6 +102,14 @@ class DeepSeekV4Encoder(Encoder):
 
     def effort_text(self, effort: str | None) -> str:
         return T.v4_effort_text(effort)
+
+    def tool_constraint(self, conversation: Conversation) -> dict | None:
+        tools, forced = offered_tools(conversation)
+        if not forced:
+            return None
+        names = self.dsml_names
+        return dsml_constraint(tools, conversation.parallel_tool_calls, T.DSML, names.invoke, names.calls,
+                               v41=names is T.V41_DSML)
 
     # -- conversation → turns ------------------------------------------------------------------
     def _content_pieces(self, message: Message) -> list[tuple[bool, str]]:

@@ -22,11 +22,13 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from ..conversation import Conversation, NamedToolChoice
+from ..conversation import Conversation
 from ..errors import RecipeError, RequestError
 from ..prompt import PromptBuilder, RenderedPrompt
 from ..tokenize import SafeTokenizer
+from ..tools.constraint import HermesTags, hermes_constraint, offered_tools
 from .base import Encoder, OutputMarkers, ParserStart
+from .inline import inline_tool_messages, template_messages
 
 _END_OF_TURN_CANDIDATES = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
@@ -62,8 +64,14 @@ class HFTemplateEncoder(Encoder):
         self._control_pattern = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
         ends = tuple(s for s in (self.eos_token, *_END_OF_TURN_CANDIDATES) if s and tokenizer.has_control(s))
         think = tokenizer.has_control("<think>") and tokenizer.has_control("</think>")
+        # Tool calls use the Hermes/Qwen convention; its tags are single tokens where the
+        # tokenizer has them (then only those ids open and close a call), else plain text.
+        self.call_tags = HermesTags(start_is_token=tokenizer.has_control(HermesTags.start),
+                                    end_is_token=tokenizer.has_control(HermesTags.end))
         self.markers = OutputMarkers(end_of_turn=ends, think_start="<think>" if think else None,
-                                     think_end="</think>" if think else None)
+                                     think_end="</think>" if think else None,
+                                     tool_call_start=HermesTags.start, tool_call_end=HermesTags.end)
+        self.renders_tools = self._template_renders_tools()
 
     @classmethod
     def from_directory(cls, path: str | Path, tokenizer_path: str | None = None) -> "HFTemplateEncoder":
@@ -94,25 +102,29 @@ class HFTemplateEncoder(Encoder):
         return cls(SafeTokenizer.from_tokenizer(tokenizer), chat_template, bos_token, eos_token, name=name)
 
     # -- rendering -------------------------------------------------------------------------------
+    def _template_renders_tools(self) -> bool:
+        """Whether the template shows the model a tool list (SmolLM2's, Gemma 3's do not)."""
+        probe = "deepinfer_probe_tool"
+        tools = [{"type": "function", "function": {"name": probe, "description": "", "parameters": {"type": "object"}}}]
+        try:
+            text = self._template.render(messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                         add_generation_prompt=True, bos_token=self.bos_token, eos_token=self.eos_token)
+        except Exception:  # noqa: BLE001 - a template that chokes on tools does not render them
+            return False
+        return probe in text
+
     def _template_inputs(self, conversation: Conversation, protect) -> dict:
-        messages = []
-        for m in conversation.messages:
-            item: dict = {"role": "system" if m.role == "developer" else m.role, "content": protect(m.text)}
-            if m.reasoning:
-                item["reasoning_content"] = protect(m.reasoning)
-            if m.tool_calls:
-                item["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {"name": protect(c.name), "arguments": _arguments(c.arguments, protect)}}
-                    for c in m.tool_calls
-                ]
-            if m.tool_call_id:
-                item["tool_call_id"] = m.tool_call_id
-            messages.append(item)
+        offered, _ = offered_tools(conversation)
+        # A template without tool support gets tools, calls and results written into the
+        # messages in the Hermes convention (inline.py); the parser reads calls back the same way.
+        if self.renders_tools:
+            messages = template_messages(conversation.messages, protect)
+        else:
+            messages = inline_tool_messages(conversation.messages, offered, protect)
         tools = None
-        if conversation.tools and conversation.tool_choice != "none":
+        if offered and self.renders_tools:
             tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters or {}}}
-                     for t in conversation.tools
-                     if not isinstance(conversation.tool_choice, NamedToolChoice) or t.name == conversation.tool_choice.name]
+                     for t in offered]
         last = conversation.messages[-1] if conversation.messages else None
         continuing = bool(last and last.role == "assistant" and last.prefix)
         inputs = {"messages": messages, "tools": tools, "add_generation_prompt": not continuing,
@@ -120,6 +132,10 @@ class HFTemplateEncoder(Encoder):
         if conversation.thinking is not None or conversation.reasoning_effort == "none":
             inputs["enable_thinking"] = conversation.thinking_enabled(default=True)
         return inputs
+
+    def tool_constraint(self, conversation: Conversation) -> dict | None:
+        tools, forced = offered_tools(conversation)
+        return hermes_constraint(tools, conversation.parallel_tool_calls, self.call_tags) if forced else None
 
     def _render_text(self, inputs: dict) -> str:
         try:
@@ -151,7 +167,8 @@ class HFTemplateEncoder(Encoder):
         text = builder.build()
         if text.text != real:  # pragma: no cover - construction guarantees it
             raise RecipeError("internal error: rendered text changed while marking control tokens")
-        return text, ParserStart("content", False, False)
+        offered, _ = offered_tools(conversation)
+        return text, ParserStart("content", False, bool(offered))
 
     @staticmethod
     def _tool_strings(conversation: Conversation) -> list[str]:
@@ -190,14 +207,3 @@ def _variants(strings: list[str]) -> list[str]:
             if escaped != value:
                 out.append(escaped)
     return out
-
-
-def _arguments(arguments: str, protect):
-    """HF templates expect arguments as a mapping (most `tojson` them); protect string values."""
-    try:
-        parsed = json.loads(arguments)
-    except ValueError:
-        return protect(arguments)
-    if not isinstance(parsed, dict):
-        return protect(arguments)
-    return {key: protect(value) if isinstance(value, str) else value for key, value in parsed.items()}

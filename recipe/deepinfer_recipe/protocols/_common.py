@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import RequestError
+from ..tools.schema_check import check_tool_schema
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -86,9 +87,7 @@ def normalize_strict_schema(schema: Any) -> Any:
 
 
 def require_object_schema(schema: Any, path: str) -> None:
-    if schema is None:
-        return
-    if not isinstance(schema, dict) or schema.get("type") != "object":
-        raise RequestError('tool parameters must be a JSON Schema with type "object"', path)
+    """A tool's parameters: an object schema whose keywords have valid shapes (400 naming the field)."""
+    check_tool_schema(schema, path)
 
 

@@ -148,6 +148,7 @@ class ChatCompletionRequest(Lenient):
     top_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = None
     stream: bool = False
+    parallel_tool_calls: bool | None = None
 
 
 def _parts(content) -> list:
@@ -170,9 +171,10 @@ def tool_definitions(items, path: str) -> list[ToolDefinition]:
     tools = []
     for index, item in enumerate(items or []):
         fn = item.function
-        require_object_schema(fn.parameters, f"{path}[{index}].function.parameters")
+        where = f"{path}[{index}].function.parameters"
+        require_object_schema(fn.parameters, where)
         params = normalize_strict_schema(fn.parameters) if fn.strict and fn.parameters else fn.parameters
-        tools.append(ToolDefinition(fn.name, fn.description, params, fn.strict))
+        tools.append(ToolDefinition(fn.name, fn.description, params, fn.strict, where))
     return tools
 
 
@@ -204,6 +206,7 @@ def to_conversation(body: dict) -> Conversation:
         messages=messages,
         tools=tool_definitions(request.tools, "tools"),
         tool_choice=choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
         thinking=None if request.thinking is None else request.thinking.type == "enabled",
         reasoning_effort=request.reasoning_effort,
         response_format=fmt,

@@ -77,6 +77,7 @@ class Tool(Lenient):
 class ToolChoice(Lenient):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
+    disable_parallel_tool_use: bool = False
 
 
 class Thinking(Lenient):
@@ -147,8 +148,9 @@ def to_conversation(body: dict) -> Conversation:
     for index, tool in enumerate(request.tools or []):
         if tool.type not in (None, "custom"):
             continue  # hosted server tools (web_search_..., bash_...) are not ours to run
-        require_object_schema(tool.input_schema, f"tools[{index}].input_schema")
-        tools.append(ToolDefinition(tool.name, tool.description, tool.input_schema))
+        where = f"tools[{index}].input_schema"
+        require_object_schema(tool.input_schema, where)
+        tools.append(ToolDefinition(tool.name, tool.description, tool.input_schema, schema_path=where))
     choice: Any = "auto"
     if request.tool_choice is not None:
         kind = request.tool_choice.type
@@ -158,6 +160,7 @@ def to_conversation(body: dict) -> Conversation:
             choice = NamedToolChoice(request.tool_choice.name)
         else:
             choice = {"any": "required"}.get(kind, kind)
+    parallel = not (request.tool_choice is not None and request.tool_choice.disable_parallel_tool_use)
     thinking = None
     if request.thinking is not None:
         thinking = request.thinking.type != "disabled"
@@ -165,6 +168,7 @@ def to_conversation(body: dict) -> Conversation:
         messages=_messages(request),
         tools=tools,
         tool_choice=choice,
+        parallel_tool_calls=parallel,
         thinking=thinking,
         reasoning_effort=request.output_config.effort if request.output_config else None,
         stop=list(request.stop_sequences or []),

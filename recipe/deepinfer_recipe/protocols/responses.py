@@ -127,6 +127,7 @@ class ResponsesRequest(Lenient):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     stream: bool = False
+    parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
 
 
@@ -187,9 +188,10 @@ def to_conversation(body: dict) -> Conversation:
             continue  # hosted tools are not ours to run
         if not tool.name:
             raise RequestError("a function tool needs a name", f"tools[{index}].name")
-        require_object_schema(tool.parameters, f"tools[{index}].parameters")
+        where = f"tools[{index}].parameters"
+        require_object_schema(tool.parameters, where)
         params = normalize_strict_schema(tool.parameters) if tool.strict and tool.parameters else tool.parameters
-        tools.append(ToolDefinition(tool.name, tool.description, params, tool.strict))
+        tools.append(ToolDefinition(tool.name, tool.description, params, tool.strict, where))
     choice = request.tool_choice or "auto"
     if isinstance(choice, NamedChoice):
         choice = NamedToolChoice(choice.name)
@@ -201,6 +203,7 @@ def to_conversation(body: dict) -> Conversation:
         messages=_messages(request),
         tools=tools,
         tool_choice=choice,
+        parallel_tool_calls=request.parallel_tool_calls is not False,
         reasoning_effort=request.reasoning.effort if request.reasoning else None,
         response_format=fmt,
         max_tokens=request.max_output_tokens,
