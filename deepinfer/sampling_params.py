@@ -39,13 +39,15 @@ class SamplingType(enum.IntEnum):
 
 @dataclass(kw_only=True)
 class StructuredOutputsParams:
-    """Constrain the output to a language (vLLM's shape): set exactly one of the five kinds.
+    """Constrain the output to a language (vLLM's shape): set exactly one of the six kinds.
 
     json: a JSON Schema (dict or JSON text); the output is one JSON value valid under it.
     regex: a regular expression the whole output must match.
     choice: a list of strings; the output is exactly one of them.
     grammar: an EBNF grammar (GBNF / xgrammar dialect, start rule `root`).
     json_object: any JSON object (OpenAI's `response_format: {"type": "json_object"}`).
+    structural_tag: an xgrammar structural tag (dict or JSON text), e.g. the tool-call format the
+        recipe returns for a forced tool choice.
     disable_any_whitespace: JSON only; emit compact JSON (no free whitespace between tokens).
     compile_timeout_s: give up on this request if its grammar is not compiled within this many
         seconds (None: the engine's `structured_outputs_compile_timeout_s`).
@@ -56,15 +58,16 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
     compile_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
-        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+        kinds = [name for name in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
                  if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
             raise ValueError("structured_outputs needs exactly one of json, regex, choice, grammar, "
-                             f"json_object; got {kinds or 'none'}")
+                             f"json_object, structural_tag; got {kinds or 'none'}")
         if self.choice is not None:
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
@@ -74,8 +77,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which of the five kinds is set: "json" | "regex" | "choice" | "grammar" | "json_object"."""
-        for name in ("json", "regex", "choice", "grammar"):
+        """Which kind is set: "json" | "regex" | "choice" | "grammar" | "structural_tag" | "json_object"."""
+        for name in ("json", "regex", "choice", "grammar", "structural_tag"):
             if getattr(self, name) is not None:
                 return name
         return "json_object"

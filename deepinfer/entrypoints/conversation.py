@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from deepinfer_recipe import RequestError, parse_request
 from deepinfer_recipe.errors import RecipeError
 from deepinfer_recipe.output import OutputSession
+from deepinfer_recipe.tools.constraint import offered_tools
 
 from deepinfer.entrypoints import sampling
 from deepinfer.entrypoints.errors import APIError, bad_request
@@ -90,9 +91,12 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
     where = "input" if protocol == "responses" else "messages"
     sampling.check_context(len(prompt_ids), max_tokens, state.max_model_len, where)
     fmt = conversation.response_format
+    if encoding.constraint is not None:   # a forced tool choice: the recipe's tool-call format
+        sampling.check_tool_schemas(offered_tools(conversation)[0])
     params = sampling.build(body, vocab_size=state.client.vocab_size, max_tokens=max_tokens, logprobs=top_logprobs,
                             n=n, seed=seed, detokenize=False,
-                            response_format={"type": fmt.type, "schema": fmt.schema})
+                            response_format={"type": fmt.type, "schema": fmt.schema},
+                            tool_constraint=encoding.constraint)
     request_id = state.client.new_request_id()
     sessions = []
     created = int(time.time())

@@ -8,6 +8,7 @@ Types are checked here so that a wrong one is a 400 naming the field, never a 50
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from deepinfer.entrypoints.errors import bad_request
@@ -71,18 +72,27 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, w
 
 
 _STRUCTURED_FIELDS = {"json": (dict, str), "regex": (str,), "choice": (list,), "grammar": (str,),
-                      "json_object": (bool,), "disable_any_whitespace": (bool,), "compile_timeout_s": _NUMBER}
+                      "json_object": (bool,), "structural_tag": (dict, str), "disable_any_whitespace": (bool,), "compile_timeout_s": _NUMBER}
 
 
-def structured_outputs(body: dict, response_format: dict | None = None) -> StructuredOutputsParams | None:
-    """The output constraint: vLLM's `structured_outputs` (extra_body) or OpenAI's
+def structured_outputs(body: dict, response_format: dict | None = None,
+                       tool_constraint: dict | None = None) -> StructuredOutputsParams | None:
+    """The output constraint: vLLM's `structured_outputs` (extra_body), OpenAI's
     `response_format` ({"type": "json_object"} or {"type": "json_schema", "schema": ...}, already
-    unpacked by the recipe). An invalid schema, regex or grammar is a 400 with xgrammar's reason."""
+    unpacked by the recipe), or the structural tag the recipe returns for a forced tool choice.
+    An invalid schema, regex or grammar is a 400 with xgrammar's reason."""
     raw = field(body, "structured_outputs", (dict,))
     fmt = response_format if response_format and response_format.get("type") != "text" else None
     if raw is not None and fmt is not None:
         raise bad_request("give either response_format or structured_outputs, not both", "structured_outputs")
-    if raw is not None:
+    if tool_constraint is not None and (raw is not None or fmt is not None):
+        raise bad_request("a forced tool_choice already constrains the output; drop "
+                          f"{'structured_outputs' if raw is not None else 'response_format'} or use tool_choice auto",
+                          "tool_choice")
+    if tool_constraint is not None:
+        param = "tool_choice"
+        kwargs = {"structural_tag": tool_constraint}
+    elif raw is not None:
         param = "structured_outputs"
         unknown = sorted(set(raw) - set(_STRUCTURED_FIELDS))
         if unknown:
@@ -111,9 +121,25 @@ def structured_outputs(body: dict, response_format: dict | None = None) -> Struc
     return constraint
 
 
+def check_tool_schemas(tools) -> None:
+    """Each forced tool's parameters must compile as a JSON Schema: a 400 naming the tool's field
+    (like `tools[1].function.parameters`) with xgrammar's reason, before the request is queued."""
+    for tool in tools:
+        if not tool.parameters:
+            continue
+        try:
+            validate_structured_outputs(StructuredOutputsParams(json=tool.parameters))
+        except (ValueError, TypeError) as e:
+            reason = str(e).removeprefix("invalid structured_outputs.json: ")
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)   # xgrammar's time and source line
+            where = f"{tool.schema_path}: " if tool.schema_path else ""
+            raise bad_request(f"{where}invalid JSON Schema for tool {tool.name!r}: {reason}", tool.schema_path) from None
+
+
 def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int | None = None,
           stop: list[str] | None = None, n: int = 1, seed: int | None = None,
-          detokenize: bool = True, response_format: dict | None = None) -> SamplingParams:
+          detokenize: bool = True, response_format: dict | None = None,
+          tool_constraint: dict | None = None) -> SamplingParams:
     """SamplingParams from the common OpenAI fields plus the extras; a bad value is a 400."""
     kwargs: dict[str, Any] = {
         "n": n,
@@ -126,7 +152,7 @@ def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int 
         "logprobs": logprobs,
         "stop": stop or None,
         "detokenize": detokenize,
-        "structured_outputs": structured_outputs(body, response_format),
+        "structured_outputs": structured_outputs(body, response_format, tool_constraint),
     }
     bias = field(body, "logit_bias", (dict,))
     if bias is not None:

@@ -121,7 +121,7 @@ def test_outputs_shape():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({}, "needs exactly one of json, regex, choice, grammar, json_object; got none"),
+    ({}, "needs exactly one of json, regex, choice, grammar, json_object, structural_tag; got none"),
     ({"regex": "a", "choice": ["a"]}, "got ['regex', 'choice']"),
     ({"choice": []}, "choice must be a non-empty list"),
     ({"regex": "a", "compile_timeout_s": 0}, "compile_timeout_s must be positive"),

@@ -64,6 +64,9 @@ def cache_key(params: StructuredOutputsParams) -> tuple:
         spec = json.dumps(params.choice)
     elif kind == "json_object":
         spec = ""
+    elif kind == "structural_tag":
+        tag = params.structural_tag if isinstance(params.structural_tag, dict) else json.loads(params.structural_tag)
+        spec = json.dumps(tag, sort_keys=True, separators=(",", ":"))
     else:
         spec = getattr(params, kind)
     return (kind, spec, params.disable_any_whitespace)
@@ -86,8 +89,10 @@ def validate(params: StructuredOutputsParams) -> None:
             xgr.Grammar.from_regex(_choice_regex(params.choice))
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(params.grammar)
+        elif kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(_schema_text(params.structural_tag))
     except json.JSONDecodeError as e:
-        raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        raise ValueError(f"structured_outputs.{kind} is not valid JSON: {e}") from None
     except ValueError:
         raise
     except Exception as e:  # xgrammar raises RuntimeError / its own types for parse errors
@@ -148,4 +153,6 @@ class XGrammarBackend:
             return self.compiler.compile_regex(params.regex)
         if kind == "choice":
             return self.compiler.compile_regex(_choice_regex(params.choice))
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(_schema_text(params.structural_tag))
         return self.compiler.compile_grammar(params.grammar)

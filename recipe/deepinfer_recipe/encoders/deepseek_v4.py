@@ -24,7 +24,7 @@ from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, Te
 from ..errors import RequestError
 from ..prompt import PromptBuilder, RenderedPrompt
 from ..tokenize import SafeTokenizer, load_deepseek_v4_tokenizer
-from ..tools.constraint import dsml_constraint, offered_tools
+from ..tools.constraint import dsml_constraint, offered_tools, parallel_calls
 from . import deepseek_text as T
 from .base import Encoder, OutputMarkers, ParserStart
 
@@ -108,7 +108,7 @@ class DeepSeekV4Encoder(Encoder):
         if not forced:
             return None
         names = self.dsml_names
-        return dsml_constraint(tools, conversation.parallel_tool_calls, T.DSML, names.invoke, names.calls,
+        return dsml_constraint(tools, parallel_calls(conversation), T.DSML, names.invoke, names.calls,
                                v41=names is T.V41_DSML)
 
     # -- conversation → turns ------------------------------------------------------------------

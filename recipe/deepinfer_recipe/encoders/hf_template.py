@@ -26,7 +26,7 @@ from ..conversation import Conversation
 from ..errors import RecipeError, RequestError
 from ..prompt import PromptBuilder, RenderedPrompt
 from ..tokenize import SafeTokenizer
-from ..tools.constraint import HermesTags, hermes_constraint, offered_tools
+from ..tools.constraint import HermesTags, hermes_constraint, offered_tools, parallel_calls
 from .base import Encoder, OutputMarkers, ParserStart
 from .inline import inline_tool_messages, template_messages
 
@@ -135,7 +135,7 @@ class HFTemplateEncoder(Encoder):
 
     def tool_constraint(self, conversation: Conversation) -> dict | None:
         tools, forced = offered_tools(conversation)
-        return hermes_constraint(tools, conversation.parallel_tool_calls, self.call_tags) if forced else None
+        return hermes_constraint(tools, parallel_calls(conversation), self.call_tags) if forced else None
 
     def _render_text(self, inputs: dict) -> str:
         try:

@@ -5,6 +5,10 @@ The parser is fed ids as the sampler produces them. It acts on a control marker 
 produced by ordinary tokens are text. So a model that writes "<｜end▁of▁sentence｜>" or a DSML
 tag as characters (e.g. quoting a prompt) produces text, never a tool call or an early end.
 deepseek-recipe matches these markers in decoded text; this is where we deliberately differ.
+
+HF-template models call tools Hermes-style (`<tool_call>{...}</tool_call>`, hermes_calls.py).
+Where the tokenizer has `<tool_call>` as a token, only its id opens a call, as above; where it
+does not (SmolLM2), the tag can only be recognised in the text.
 """
 
 from __future__ import annotations
@@ -12,56 +16,19 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from dataclasses import dataclass
-from typing import Callable, Literal, Union
+from typing import Callable, Literal
 
 from ..encoders.base import OutputMarkers, ParserStart
 from ..tokenize import SafeTokenizer
 from .detokenize import IncrementalDetokenizer
+from .hermes_calls import HermesCallBlock
+from .parser_events import (  # noqa: F401 - re-exported: the renderers import them from here
+    ContentDelta, Event, Finished, FinishReason, ReasoningDelta, ToolCallDelta, ToolCallEnd, ToolCallStart,
+)
 
 # Stands for one emitted DSML id inside the tool-call buffer. A lone surrogate can never come out
 # of UTF-8 decoding, so text cannot forge it.
 _MARK = "\ud800"
-
-FinishReason = Literal["stop", "length", "tool_calls", "stop_sequence"]
-
-
-@dataclass
-class ReasoningDelta:
-    text: str
-
-
-@dataclass
-class ContentDelta:
-    text: str
-
-
-@dataclass
-class ToolCallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass
-class ToolCallDelta:
-    index: int
-    arguments: str  # a piece of the JSON arguments text
-
-
-@dataclass
-class ToolCallEnd:
-    index: int
-    arguments: str  # the whole JSON arguments text
-
-
-@dataclass
-class Finished:
-    reason: FinishReason
-    stop_sequence: str | None = None
-
-
-Event = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallDelta, ToolCallEnd, Finished]
 
 
 def default_call_id(index: int) -> str:
@@ -81,9 +48,15 @@ class OutputParser:
         ids = lambda s: tokenizer.control_id(s) if s and tokenizer.has_control(s) else None  # noqa: E731
         self._eos = {ids(s) for s in markers.end_of_turn} - {None}
         self._think_start, self._think_end, self._dsml = ids(markers.think_start), ids(markers.think_end), ids(markers.dsml)
-        self._spelling = {i: tokenizer.full.id_to_token(i) for i in (self._think_start, self._think_end, self._dsml) if i is not None}
+        self._call_open, self._call_close = ids(markers.tool_call_start), ids(markers.tool_call_end)
+        marker_ids = (self._think_start, self._think_end, self._dsml, self._call_open, self._call_close)
+        self._spelling = {i: tokenizer.full.id_to_token(i) for i in marker_ids if i is not None}
         self._markers = markers
         self._parse_tools = start.parse_tool_calls and self._dsml is not None
+        # Hermes-style calls; `_open_text` is set when the opening tag is plain text, not a token.
+        self._hermes = start.parse_tool_calls and markers.tool_call_start is not None
+        self._open_text = markers.tool_call_start if self._hermes and self._call_open is None else None
+        self._after_call = False  # drop the whitespace between consecutive calls
         self._stop = [s for s in (stop or []) if s]
         self._call_id = call_id
         self.stage = start.stage
@@ -121,7 +94,9 @@ class OutputParser:
         if self._pending:
             events += self._emit_content(self._pending, final=True)
             self._pending = ""
-        if self._tools is not None:
+        if isinstance(self._tools, HermesCallBlock):
+            events += self._close_call()
+        elif self._tools is not None:
             events += self._tools.close()
             self._collect(events)
         return events + [self._finish(reason)]
@@ -150,6 +125,11 @@ class OutputParser:
             return self._tool_text("<" + _MARK)
         if token_id == self._dsml and self.stage == "tool_calls":
             return self._tool_text(_MARK)
+        if token_id == self._call_open and self._hermes and self.stage == "content":
+            events = self._emit_content(self._pending + self._detok.flush(), final=True)
+            return events if self.finished else events + self._open_call(self._spelling[token_id])
+        if token_id == self._call_close and isinstance(self._tools, HermesCallBlock):
+            return self._tool_text(self._detok.flush()) + self._close_call()
         if token_id in self._spelling:  # a marker where it has no meaning: keep it visible
             return self._text(self._detok.flush() + self._spelling[token_id])
         return self._text(self._detok.push(token_id))
@@ -171,6 +151,20 @@ class OutputParser:
 
     def _emit_content(self, text: str, final: bool) -> list[Event]:
         events: list[Event] = []
+        if self._after_call:
+            text = text.lstrip()
+            self._pending = ""
+            if not text:
+                return events
+            self._after_call = False
+        if self._open_text is not None:
+            at = text.find(self._open_text)
+            if at >= 0 and not any(0 <= text.find(stop) < at for stop in self._stop):
+                events = self._emit_content(text[:at], final=True)
+                if self.finished:
+                    return events
+                events += self._open_call(self._open_text)
+                return events + self._tool_text(text[at + len(self._open_text):])
         for stop in self._stop:
             at = text.find(stop)
             if at >= 0:
@@ -193,6 +187,8 @@ class OutputParser:
         if self._parse_tools:
             match = re.search(r"\s*<?$", text)
             hold = len(text) - match.start()
+        if self._open_text is not None:
+            hold = max(hold, _partial_suffix(text, self._open_text))
         for stop in self._stop:
             for size in range(min(len(stop) - 1, len(text)), 0, -1):
                 if text.endswith(stop[:size]):
@@ -200,7 +196,34 @@ class OutputParser:
                     break
         return hold
 
+    def _open_call(self, spelling: str) -> list[Event]:
+        self._pending = ""
+        self.stage = "tool_calls"
+        end_text = self._markers.tool_call_end if self._call_close is None else None
+        self._tools = HermesCallBlock(len(self.tool_calls), self._call_id, spelling, end_text)
+        return []
+
+    def _close_call(self, rest: str | None = None) -> list[Event]:
+        """End the Hermes block (closing token or end of output), then go on with `rest`."""
+        block, events = self._tools, []
+        if not block.done:
+            events = block.close()
+            self._collect(events)
+        self._tools, self.stage = None, "content"
+        if block.leftover is not None:  # not a call after all: it was text (never re-scanned)
+            self.content += block.leftover
+            events.append(ContentDelta(block.leftover))
+        else:
+            self._after_call = True
+        if rest:
+            events += self._emit_content(rest, final=False)
+        return events
+
     def _tool_text(self, text: str) -> list[Event]:
+        if isinstance(self._tools, HermesCallBlock):
+            events, rest = self._tools.push(text) if text else ([], None)
+            self._collect(events)
+            return events + self._close_call(rest) if rest is not None else events
         events = self._tools.push(text)
         self._collect(events)
         if self._tools.leftover is not None:  # malformed markup: show it as content instead

@@ -47,6 +47,12 @@ def offered_tools(conversation: Conversation) -> tuple[list[ToolDefinition], boo
     return tools, choice == "required"
 
 
+def parallel_calls(conversation: Conversation) -> bool:
+    """Whether a forced turn may hold several calls: not for a named tool (OpenAI and Anthropic
+    force exactly that call), nor with `parallel_tool_calls: false` / `disable_parallel_tool_use`."""
+    return conversation.parallel_tool_calls and not isinstance(conversation.tool_choice, NamedToolChoice)
+
+
 @dataclass(frozen=True)
 class HermesTags:
     """How one Hermes-style call is delimited, and whether each tag is a single token."""
