@@ -95,3 +95,27 @@ def test_dsml_constraint_at_token_level_with_the_v4_tokenizer():
     for token_id in ids:
         assert matcher.accept_token(token_id), encoder.tokenizer.decode([token_id])
     assert matcher.accept_token(next(iter(tokenizer.eos_token_ids))) and matcher.is_terminated()
+
+
+def test_hermes_tag_tokens_at_token_level(tmp_path):
+    """With `<tool_call>` / `</tool_call>` as tokens, the grammar admits the tag ids (which the
+    parser acts on) and not the same tags spelled with ordinary tokens."""
+    data = json.loads(deepseek_v4_tokenizer_path().read_text(encoding="utf-8"))
+    for offset, content in enumerate(("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>")):
+        data["added_tokens"].append({"id": 129280 + offset, "content": content, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    (tmp_path / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content }}",
+                                                                "eos_token": "<|im_end|>"}), encoding="utf-8")
+    encoder = get_encoder(f"hf:{tmp_path}")
+    constraint = encoder.tool_constraint(Conversation([Message("user", [TextPart("q")])], tools=[WEATHER, TIME],
+                                                      tool_choice="required"))
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"), tokenizer_config={"eos_token": "<|im_end|>"})
+    compiled = xgr.GrammarCompiler(make_tokenizer_info(tokenizer, tokenizer.backend.get_vocab_size())).compile_structural_tag(
+        json.dumps(constraint))
+    body = call_text("get_weather", '{"city": "Paris", "days": 2}')[len("<tool_call>"):-len("</tool_call>")]
+    ids = [129282] + encoder.tokenizer.encode_plain(body) + [129283, 129281]
+    matcher = xgr.GrammarMatcher(compiled)
+    assert all(matcher.accept_token(i) for i in ids) and matcher.is_terminated()
+    spelled = xgr.GrammarMatcher(compiled)
+    assert not all(spelled.accept_token(i) for i in encoder.tokenizer.encode_plain("<tool_call>"))
