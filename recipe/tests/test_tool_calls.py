@@ -214,6 +214,8 @@ def test_token_tags_only_count_as_ids(qwen):
     [call] = final["choices"][0]["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris", "days": 2}
     assert final["choices"][0]["finish_reason"] == "tool_calls"
+    broken, _ = run(qwen, encoding, [129282] + qwen.tokenizer.encode_plain("oops") + [129283, 129281])
+    assert broken["choices"][0]["message"]["content"] == "<tool_call>oops</tool_call>"
 
 
 def test_list_form_malformed_block_and_tool_choice_none(plain):
@@ -224,6 +226,8 @@ def test_list_form_malformed_block_and_tool_choice_none(plain):
     broken = "<tool_call>not json</tool_call> ok"
     final, _ = run(plain, encode(plain), text_ids(plain, broken))
     assert final["choices"][0]["message"]["content"] == broken and final["choices"][0]["finish_reason"] == "stop"
+    final, _ = run(plain, encode(plain), text_ids(plain, "<tool_call>cut", end=False), finish="length")
+    assert final["choices"][0]["message"]["content"] == "<tool_call>cut"
     final, _ = run(plain, encode(plain, tool_choice="none"), text_ids(plain, CALL))
     assert final["choices"][0]["message"]["content"] == CALL
 

@@ -24,11 +24,12 @@ _CLOSING = re.compile(r"\s*\}?\s*$")
 
 
 class HermesCallBlock:
-    def __init__(self, index_base: int, call_id: Callable[[int], str], start_text: str, end_text: str | None):
+    def __init__(self, index_base: int, call_id: Callable[[int], str], start_text: str, end_spelling: str,
+                 end_is_token: bool):
         self._index = index_base
         self._call_id = call_id
-        self._start_text = start_text  # how the block opened, for `leftover`
-        self._end_text = end_text  # None: the closing tag is a token the parser sees
+        self._start_text, self._end_spelling = start_text, end_spelling  # the tags, for `leftover`
+        self._end_text = None if end_is_token else end_spelling  # None: the parser sees the closing id
         self._buf = ""
         self._args_at: int | None = None  # offset in _buf of the streamed arguments object
         self._sent = 0  # characters of the arguments already sent
@@ -81,7 +82,7 @@ class HermesCallBlock:
             value = None
         calls = value if isinstance(value, list) else [value]
         if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
-            self.leftover = self._start_text + self._buf + (self._end_text or "" if closed else "")
+            self.leftover = self._start_text + self._buf + (self._end_spelling if closed else "")
             return events
         for call in calls:
             arguments = call.get("arguments", call.get("parameters", {}))

@@ -199,8 +199,8 @@ class OutputParser:
     def _open_call(self, spelling: str) -> list[Event]:
         self._pending = ""
         self.stage = "tool_calls"
-        end_text = self._markers.tool_call_end if self._call_close is None else None
-        self._tools = HermesCallBlock(len(self.tool_calls), self._call_id, spelling, end_text)
+        self._tools = HermesCallBlock(len(self.tool_calls), self._call_id, spelling, self._markers.tool_call_end,
+                                      end_is_token=self._call_close is not None)
         return []
 
     def _close_call(self, rest: str | None = None) -> list[Event]:
