@@ -216,6 +216,8 @@ def test_token_tags_only_count_as_ids(qwen):
     assert final["choices"][0]["finish_reason"] == "tool_calls"
     broken, _ = run(qwen, encoding, [129282] + qwen.tokenizer.encode_plain("oops") + [129283, 129281])
     assert broken["choices"][0]["message"]["content"] == "<tool_call>oops</tool_call>"
+    cut, _ = run(qwen, encoding, [129282] + qwen.tokenizer.encode_plain("oops"), finish="length")
+    assert cut["choices"][0]["message"]["content"] == "<tool_call>oops"
 
 
 def test_list_form_malformed_block_and_tool_choice_none(plain):

@@ -49,9 +49,9 @@ class HermesCallBlock:
             self._buf += text
         return self._stream(), None
 
-    def close(self) -> list[Event]:
-        """The closing token was seen, or the output ended inside the block."""
-        return self._finish(closed=self._end_text is None)
+    def close(self, end_seen: bool) -> list[Event]:
+        """The closing token was seen (`end_seen`), or the output ended inside the block."""
+        return self._finish(closed=end_seen)
 
     # -- internals -------------------------------------------------------------------------------
     def _stream(self) -> list[Event]:

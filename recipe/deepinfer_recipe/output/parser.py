@@ -129,7 +129,7 @@ class OutputParser:
             events = self._emit_content(self._pending + self._detok.flush(), final=True)
             return events if self.finished else events + self._open_call(self._spelling[token_id])
         if token_id == self._call_close and isinstance(self._tools, HermesCallBlock):
-            return self._tool_text(self._detok.flush()) + self._close_call()
+            return self._tool_text(self._detok.flush()) + self._close_call(end_seen=True)
         if token_id in self._spelling:  # a marker where it has no meaning: keep it visible
             return self._text(self._detok.flush() + self._spelling[token_id])
         return self._text(self._detok.push(token_id))
@@ -203,11 +203,11 @@ class OutputParser:
                                       end_is_token=self._call_close is not None)
         return []
 
-    def _close_call(self, rest: str | None = None) -> list[Event]:
-        """End the Hermes block (closing token or end of output), then go on with `rest`."""
+    def _close_call(self, rest: str | None = None, end_seen: bool = False) -> list[Event]:
+        """End the Hermes block (closing tag seen, or end of output), then go on with `rest`."""
         block, events = self._tools, []
         if not block.done:
-            events = block.close()
+            events = block.close(end_seen)
             self._collect(events)
         self._tools, self.stage = None, "content"
         if block.leftover is not None:  # not a call after all: it was text (never re-scanned)
