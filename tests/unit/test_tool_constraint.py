@@ -119,3 +119,22 @@ def test_hermes_tag_tokens_at_token_level(tmp_path):
     assert all(matcher.accept_token(i) for i in ids) and matcher.is_terminated()
     spelled = xgr.GrammarMatcher(compiled)
     assert not all(spelled.accept_token(i) for i in encoder.tokenizer.encode_plain("<tool_call>"))
+
+
+def test_structural_tag_kind_validates_and_keys_canonically():
+    from deepinfer.sample.structured import validate
+    from deepinfer.sample.structured.backend import cache_key
+    from deepinfer.sampling_params import StructuredOutputsParams
+
+    constraint = hermes_constraint([WEATHER], parallel=True)
+    params = StructuredOutputsParams(structural_tag=constraint)
+    assert params.kind == "structural_tag"
+    validate(params)
+    reordered = json.loads(json.dumps(constraint, sort_keys=True))
+    assert cache_key(StructuredOutputsParams(structural_tag=json.dumps(reordered, indent=2))) == cache_key(params)
+    broken = {"type": "structural_tag", "format": {"type": "json_schema",
+                                                   "json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}
+    with pytest.raises(ValueError, match="nowhere"):
+        validate(StructuredOutputsParams(structural_tag=broken))
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(structural_tag=constraint, regex="a")
