@@ -12,6 +12,7 @@ Generation stays short (greedy, small max_tokens): the suite runs on a 2-core CP
 from __future__ import annotations
 
 import json
+import uuid
 
 import anthropic
 import httpx
@@ -34,6 +35,12 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 GREEDY = {"temperature": 0}
+
+
+def fresh() -> dict:
+    """A new prefix-cache namespace: a request compared with another computes its whole prompt
+    the same way (a cache hit can move logits enough to flip a greedy near tie)."""
+    return {"cache_salt": uuid.uuid4().hex}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +71,7 @@ def check_call(name: str, arguments: str, expected_name: str | None = None) -> d
 def test_chat_required_tool_call_stream_and_result(oai):
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                   max_tokens=48, **GREEDY)
-    reply = oai.chat.completions.create(**kwargs)
+    reply = oai.chat.completions.create(**kwargs, extra_body=fresh())
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
@@ -73,7 +80,7 @@ def test_chat_required_tool_call_stream_and_result(oai):
 
     # The streamed deltas assemble to the same call.
     names, arguments, ids, finish = {}, {}, {}, None
-    for chunk in oai.chat.completions.create(**kwargs, stream=True):
+    for chunk in oai.chat.completions.create(**kwargs, stream=True, extra_body=fresh()):
         for delta_call in chunk.choices[0].delta.tool_calls or []:
             if delta_call.id:
                 ids[delta_call.index] = delta_call.id
@@ -132,11 +139,11 @@ def test_responses_required_function_call(oai):
               "parameters": t["function"]["parameters"]} for t in TOOLS]
     kwargs = dict(model=MODEL, input="What is the weather in Paris?", tools=tools, tool_choice="required",
                   parallel_tool_calls=False, max_output_tokens=48, **GREEDY)
-    reply = oai.responses.create(**kwargs)
+    reply = oai.responses.create(**kwargs, extra_body=fresh())
     [item] = [o for o in reply.output if o.type == "function_call"]
     assert reply.status == "completed" and item.call_id
     check_call(item.name, item.arguments)
-    events = list(oai.responses.create(**kwargs, stream=True))
+    events = list(oai.responses.create(**kwargs, stream=True, extra_body=fresh()))
     streamed = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     [done] = [e for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
     assert streamed == item.arguments and done.item.name == item.name
@@ -149,14 +156,14 @@ CLAUDE_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["de
 
 def test_messages_any_tool_use_stream_and_result(claude):
     kwargs = dict(model=MODEL, max_tokens=48, messages=ASK, tools=CLAUDE_TOOLS,
-                  tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY)
-    reply = claude.messages.create(**kwargs)
+                  tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    reply = claude.messages.create(**kwargs, extra_body={**GREEDY, **fresh()})
     assert reply.stop_reason == "tool_use"
     [block] = [b for b in reply.content if b.type == "tool_use"]
     assert block.id
     check_call(block.name, json.dumps(block.input))
 
-    with claude.messages.stream(**kwargs) as stream:
+    with claude.messages.stream(**kwargs, extra_body={**GREEDY, **fresh()}) as stream:
         final = stream.get_final_message()
     [streamed] = [b for b in final.content if b.type == "tool_use"]
     assert (streamed.name, streamed.input) == (block.name, block.input) and final.stop_reason == "tool_use"
