@@ -8,7 +8,6 @@ them and with a template that ignores tools (SmolLM2's case), where tools are wr
 import json
 
 import pytest
-
 from deepinfer_recipe import RequestError, get_encoder, parse_request
 from deepinfer_recipe.output import OutputSession
 from deepinfer_recipe.tokenize import deepseek_v4_tokenizer_path

@@ -13,14 +13,14 @@ import json
 
 import pytest
 import xgrammar as xgr
-
-from deepinfer.sample.structured.backend import make_tokenizer_info
-from deepinfer.tokenizer import Tokenizer
 from deepinfer_recipe import Message, TextPart, ToolCall, get_encoder, parse_request
 from deepinfer_recipe.conversation import Conversation, NamedToolChoice, ToolDefinition
 from deepinfer_recipe.encoders.inline import call_text
 from deepinfer_recipe.tokenize import deepseek_v4_tokenizer_path
 from deepinfer_recipe.tools.constraint import hermes_constraint
+
+from deepinfer.sample.structured.backend import make_tokenizer_info
+from deepinfer.tokenizer import Tokenizer
 
 WEATHER = ToolDefinition("get_weather", "weather", {
     "type": "object", "required": ["city", "days"], "additionalProperties": False,

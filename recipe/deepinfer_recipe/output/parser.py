@@ -22,8 +22,16 @@ from ..encoders.base import OutputMarkers, ParserStart
 from ..tokenize import SafeTokenizer
 from .detokenize import IncrementalDetokenizer
 from .hermes_calls import HermesCallBlock
-from .parser_events import (  # noqa: F401 - re-exported: the renderers import them from here
-    ContentDelta, Event, Finished, FinishReason, ReasoningDelta, ToolCallDelta, ToolCallEnd, ToolCallStart,
+# The event types live in parser_events.py; the renderers import them from here as well.
+from .parser_events import (
+    ContentDelta,
+    Event,
+    Finished,
+    FinishReason,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
 )
 
 # Stands for one emitted DSML id inside the tool-call buffer. A lone surrogate can never come out
@@ -45,7 +53,7 @@ class OutputParser:
         call_id: Callable[[int], str] = default_call_id,
     ):
         self._detok = IncrementalDetokenizer(tokenizer)
-        ids = lambda s: tokenizer.control_id(s) if s and tokenizer.has_control(s) else None  # noqa: E731
+        ids = lambda s: tokenizer.control_id(s) if s and tokenizer.has_control(s) else None
         self._eos = {ids(s) for s in markers.end_of_turn} - {None}
         self._think_start, self._think_end, self._dsml = ids(markers.think_start), ids(markers.think_end), ids(markers.dsml)
         self._call_open, self._call_close = ids(markers.tool_call_start), ids(markers.tool_call_end)
