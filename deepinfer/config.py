@@ -14,6 +14,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none")
+ATTENTION_BACKENDS = ("auto", "reference", "triton")
 POLICIES = ("fcfs", "priority")
 
 
@@ -27,8 +28,16 @@ class ModelConfig:
     # auto: on the CPU in bf16, GGUF 4-bit matrices also keep a 4-bit copy used for small
     # batches (layers/linear.py); none: dense dequantized weights only (the reference path).
     quantization: str = "auto"
+    # auto: triton on CUDA, reference on the CPU. reference stays selectable everywhere: it is
+    # what the fast path is checked against.
+    attention_backend: str = "auto"
+    # CUDA graphs for decode steps (vLLM's flag name): True runs every step eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
@@ -97,3 +106,13 @@ class EngineConfig:
             parts[owners[name]][name] = value
         return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
                    SchedulerConfig(**parts["scheduler"]))
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
+    model_len = hf_config.get("max_position_embeddings") or 2048
+    wanted = config.model.max_model_len
+    if wanted is None:
+        return model_len
+    if wanted > model_len:
+        raise ValueError(f"max_model_len={wanted} is longer than the model's context ({model_len})")
+    return wanted

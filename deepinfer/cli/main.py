@@ -1,4 +1,4 @@
-"""`deepinfer generate | chat | serve | bench throughput | bench serve`."""
+"""`deepinfer generate | chat | serve | bench throughput | bench latency | bench serve`."""
 
 from __future__ import annotations
 
@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
 
     add_throughput_args(throughput)
     add_engine_args(throughput)
+    latency = bench_commands.add_parser("latency", help="end-to-end latency of one batch (prefill, decode per step)")
+    from deepinfer.bench.latency import add_latency_args
+
+    add_latency_args(latency)
+    add_engine_args(latency)
     bench_serve = bench_commands.add_parser("serve", help="online serving benchmark against a running server")
     from deepinfer.bench.serve import add_serve_bench_args
 
@@ -56,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
             from deepinfer.bench.serve import run_serve_bench
 
             return run_serve_bench(args)
+        if args.bench_command == "latency":
+            from deepinfer.bench.latency import run_latency
+
+            return run_latency(args, engine_kwargs(args))
         from deepinfer.bench.throughput import run_throughput
 
         return run_throughput(args, engine_kwargs(args))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.engine.plan import EngineCoreOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
@@ -120,13 +120,3 @@ def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig)
             tokens = min(tokens, window + config.scheduler.max_num_batched_tokens)
         total += -(-tokens // bs) + 1   # + 1: a window can straddle one more block boundary
     return total
-
-
-def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
-    model_len = hf_config.get("max_position_embeddings") or 2048
-    wanted = config.model.max_model_len
-    if wanted is None:
-        return model_len
-    if wanted > model_len:
-        raise ValueError(f"max_model_len={wanted} is longer than the model's context ({model_len})")
-    return wanted

@@ -35,10 +35,19 @@ def _flat_rows(block_table: np.ndarray, positions: np.ndarray, block_size: int) 
     return block_table[positions // block_size] * block_size + positions % block_size
 
 
+def padded_block_table(tables: list[np.ndarray], width: int | None = None) -> np.ndarray:
+    """Rows of block ids, right-padded with the null block 0, as int32 (what the kernels read)."""
+    width = width if width is not None else max((len(t) for t in tables), default=1)
+    out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+    for r, table in enumerate(tables):
+        out[r, :len(table)] = table
+    return out
+
+
 def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
                       groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
                       layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      device: torch.device) -> StepInputs:
+                      device: torch.device, backend: str = "reference", decode_splits: int = 1) -> StepInputs:
     decodes = [c for c in chunks if c.num_tokens == 1 and not c.prompt_logprobs]
     prefills = [c for c in chunks if not (c.num_tokens == 1 and not c.prompt_logprobs)]
     ordered = decodes + prefills
@@ -66,6 +75,10 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
         slot_mapping = np.concatenate(
             [_flat_rows(t, np.arange(c.start, c.start + c.num_tokens), block_size)
              for c, t in zip(ordered, tables)]) if ordered else np.zeros(0, dtype=np.int64)
+        if backend == "triton":
+            group_meta.append(GroupMetadata(to_dev(slot_mapping), None, None, [],
+                                            block_table=to_dev(padded_block_table(tables))))
+            continue
 
         decode_gather = decode_bias = None
         if decodes:
@@ -96,6 +109,12 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
     attention = AttentionMetadata(
         num_tokens=len(ids), num_decode_tokens=len(decodes), prefill_query_ranges=prefill_ranges,
         groups=group_meta, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot,
-        kv_caches=kv_caches)
+        kv_caches=kv_caches, block_size=block_size, backend=backend)
+    if backend == "triton":
+        attention.seq_lens = to_dev(np.array([c.start + c.num_tokens for c in ordered], dtype=np.int32))
+        lengths = [c.num_tokens for c in prefills]
+        attention.prefill_query_start = to_dev(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        attention.max_prefill_len = max(lengths, default=0)
+        attention.num_decode_splits = decode_splits
     return StepInputs(ordered, to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions),
                       attention, last_index)

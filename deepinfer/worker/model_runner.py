@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.config import EngineConfig
-from deepinfer.engine.plan import NewRequestData, RunnerResult, SchedulerPlan
+from deepinfer.config import EngineConfig, resolve_max_model_len
+from deepinfer.engine.plan import NewRequestData, RunnerResult, ScheduledChunk, SchedulerPlan
 from deepinfer.kv_cache.specs import KVCacheGroup, group_layers, num_slots
 from deepinfer.layers.attention import forward_context
 from deepinfer.models.loader import ModelSource
@@ -24,6 +25,9 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.input_batch import build_step_inputs
+
+if TYPE_CHECKING:
+    from deepinfer.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, platform: Platform,
                  source: ModelSource | None = None) -> None:
         self.config = config
+        self.hf_config = hf_config
         self.platform = platform
         self.device = platform.device
         self.dtype = platform.default_dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
@@ -74,6 +79,10 @@ class ModelRunner:
         for g in self.groups:
             for slot, layer in enumerate(g.layer_ids):
                 self.layer_to_group[layer], self.layer_to_slot[layer] = g.group_id, slot
+        self.attention_backend = self._attention_backend()
+        self.max_blocks_per_seq = -(-self._max_model_len() // self.block_size)
+        if platform.name == "cuda":
+            self._profile_peak_memory()   # the KV budget is what is left after the peak
         self.num_blocks = self._num_blocks()
         spec = self.groups[0].spec
         rows = self.num_blocks * self.block_size
@@ -87,6 +96,52 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.attention_backend == "triton":
+            from deepinfer.worker.cuda_graphs import DecodeGraphs   # imports triton: CUDA only
+
+            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if not config.model.enforce_eager:
+                self.decode_graphs = DecodeGraphs(
+                    self.model, len(self.groups), spec.num_kv_heads, min(config.scheduler.max_num_seqs, 512),
+                    self.max_blocks_per_seq, self.block_size, self.layer_to_group, self.layer_to_slot,
+                    self.kv_caches, self.device)
+                self.decode_graphs.capture()
+
+    def _attention_backend(self) -> str:
+        choice = self.config.model.attention_backend
+        if choice == "auto":
+            choice = "triton" if self.platform.name == "cuda" else "reference"
+        if choice == "triton" and self.platform.name != "cuda":
+            raise ValueError("attention_backend='triton' needs CUDA; this platform is "
+                             f"{self.platform.name} (use 'reference' or 'auto')")
+        return choice
+
+    def _max_model_len(self) -> int:
+        return resolve_max_model_len(self.config, self.hf_config)
+
+    @torch.inference_mode()
+    def _profile_peak_memory(self) -> None:
+        """Run the largest step the scheduler may plan (max_num_batched_tokens of prefill, then
+        logits and sampling for max_num_seqs rows) on a throwaway KV cache, so that the memory
+        query that sizes the real pool sees the activation peak, not only the weights."""
+        tokens = min(self.config.scheduler.max_num_batched_tokens, self._max_model_len())
+        rows = min(self.config.scheduler.max_num_seqs, tokens)
+        blocks = -(-tokens // self.block_size) + 1
+        spec = self.groups[0].spec
+        caches = [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size, dtype=self.dtype,
+                               device=self.device),) * 2 for _ in range(num_slots(self.groups))]
+        chunk = ScheduledChunk("profile", 0, tokens, [list(range(1, blocks)) for _ in self.groups], sample=True)
+        inputs = build_step_inputs([chunk], {"profile": [0] * tokens}, self.groups, self.block_size,
+                                   self.layer_to_group, self.layer_to_slot, caches, self.device,
+                                   backend=self.attention_backend)
+        with forward_context(inputs.attention):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        logits = self.model.compute_logits(hidden[:rows])
+        torch.softmax(logits, dim=-1).sum().item()      # the sampler's largest temporary
+        del caches, inputs, hidden, logits
+        self.platform.synchronize()
+        torch.cuda.empty_cache()
 
     @property
     def bytes_per_block(self) -> int:
@@ -113,15 +168,33 @@ class ModelRunner:
             return result
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
+        decode_splits = 1
+        graphs = self.decode_graphs
+        use_graph = (graphs is not None and all(c.num_tokens == 1 and not c.prompt_logprobs for c in plan.chunks)
+                     and graphs.bucket_for(len(plan.chunks)) is not None)
+        if self.attention_backend == "triton":
+            # A graph replays with its bucket's split count; eager steps pick theirs the same way.
+            batch = graphs.bucket_for(len(plan.chunks)) if use_graph else len(plan.chunks)
+            from deepinfer.layers.attention.triton_decode import num_splits_for
+
+            decode_splits = num_splits_for(batch, self.groups[0].spec.num_kv_heads, self.num_sms)
         inputs = build_step_inputs(plan.chunks, token_ids, self.groups, self.block_size,
-                                   self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
-        with forward_context(inputs.attention):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+                                   self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device,
+                                   backend=self.attention_backend, decode_splits=decode_splits)
+        if use_graph:
+            hidden = None
+            all_logits = graphs.run(inputs)    # one-token rows only: logits for every row
+        else:
+            with forward_context(inputs.attention):
+                hidden = self.model(inputs.input_ids, inputs.positions)
 
         sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample]
         if sample_rows:
-            index = torch.tensor([inputs.last_token_index[i] for i in sample_rows], device=self.device)
-            logits = self.model.compute_logits(hidden[index])
+            if use_graph:   # the graph computed every row's logits; keep the sampled rows'
+                logits = all_logits if len(sample_rows) == len(inputs.chunks) else all_logits[sample_rows]
+            else:
+                index = torch.tensor([inputs.last_token_index[i] for i in sample_rows], device=self.device)
+                logits = self.model.compute_logits(hidden[index])
             if plan.grammar_bitmask is not None:   # structured output: disallowed tokens -> -inf
                 plan.grammar_bitmask.apply(logits, [inputs.chunks[i].request_id for i in sample_rows])
             rows = [self._sampling_row(inputs.chunks[i].request_id) for i in sample_rows]

@@ -144,3 +144,19 @@ def test_cli_bench_throughput_and_generate(tiny_llama, tmp_path, capsys):
                  "--max-tokens", "3", "w5 w6 w7"]) == 0
     assert "[3 tokens, finish_reason=length]" in capsys.readouterr().out
     assert main(["generate", "--model", str(tmp_path / "missing"), "x"]) == 2
+
+
+def test_cli_bench_latency(tiny_llama, tmp_path):
+    import json
+
+    from deepinfer.cli.main import main
+
+    out_json = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", tiny_llama, "--dtype", "float32", "--num-kv-blocks", "256",
+                 "--batch-size", "3", "--input-len", "8", "--output-len", "5", "--num-iters", "2",
+                 "--num-iters-warmup", "1", "--output-json", str(out_json)]) == 0
+    result = json.loads(out_json.read_text())
+    assert result["batch_size"] == 3 and result["attention_backend"] == "reference"
+    assert result["avg_latency_s"] > result["prefill_s"] > 0 and result["decode_tok_s"] > 0
+    assert set(result["percentiles_s"]) == {"10", "25", "50", "75", "90", "99"}
+    assert main(["bench", "latency", "--model", tiny_llama, "--output-len", "0"]) == 2

@@ -2,7 +2,8 @@
 
 Model files call `Attention(...)(q, k, v)` and never see batching details: the runner sets the
 step's `AttentionMetadata` around the forward (see `forward_context`). Backends: `reference`
-(plain PyTorch, CPU and CUDA; what parity tests use). Fast CUDA kernels come beside it.
+(plain PyTorch, CPU and CUDA; what parity tests use) and `triton` (CUDA only: the paged kernels
+in triton_decode.py and triton_prefill.py, compared against the reference in tests).
 """
 
 from deepinfer.layers.attention.layer import Attention

@@ -28,6 +28,8 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, group.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, group.slot_mapping, v.to(v_cache.dtype))
 
+        if meta.backend == "triton":
+            return self._triton(meta, group, q, k_cache, v_cache).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         n_dec = meta.num_decode_tokens
         if n_dec:
@@ -39,6 +41,23 @@ class Attention(nn.Module):
             values = v_cache[rows].unsqueeze(0)
             out[start:end] = self._sdpa(q[start:end].unsqueeze(0), keys, values, mask.unsqueeze(0)).squeeze(0)
         return out.reshape(q.shape[0], -1)
+
+    def _triton(self, meta, group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The Triton kernels, reading K/V through the block tables (decode rows come first)."""
+        from deepinfer.layers.attention.triton_decode import paged_decode_attention
+        from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
+
+        out = torch.empty_like(q)
+        n_dec = meta.num_decode_tokens
+        if n_dec:
+            paged_decode_attention(q[:n_dec], k_cache, v_cache, group.block_table[:n_dec], meta.seq_lens[:n_dec],
+                                   self.scale, self.sliding_window, meta.block_size, meta.num_decode_splits,
+                                   out=out[:n_dec])
+        if meta.max_prefill_len:
+            paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
+                                    meta.prefill_query_start, meta.max_prefill_len, self.scale,
+                                    self.sliding_window, meta.block_size, out=out[n_dec:])
+        return out
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """One query per row. q: [B, H, D], k/v: [B, L, Hkv, D], bias: [B, 1, 1, L] (0 / -inf) or None.

@@ -22,6 +22,9 @@ class GroupMetadata:
     decode_bias: torch.Tensor | None     # [num_decodes, 1, 1, max_kv_len]: 0 or -inf
     # Prefill/extend rows, one entry per request: (flat rows to read [kv_len], mask [q_len, kv_len]).
     prefill: list[tuple[torch.Tensor, torch.Tensor]]
+    # Triton backend: [num_seqs, max_blocks] int32 block ids per row (decodes first), 0-padded.
+    # The reference fields above are left empty then, and this one is None for the reference.
+    block_table: torch.Tensor | None = None
 
 
 @dataclass
@@ -34,6 +37,18 @@ class AttentionMetadata:
     layer_to_group: list[int]
     layer_to_slot: list[int]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per slot: (K, V) as [rows, kv_heads, head_dim]
+    block_size: int = 16
+    # "reference" (plain PyTorch, the fields of GroupMetadata above) or "triton" (the kernels in
+    # triton_decode.py / triton_prefill.py, which read the block tables directly).
+    backend: str = "reference"
+    # Triton backend, shared by every group: KV length per row including this step's tokens
+    # [num_seqs] int32 (decodes first), where each prefill row starts in q counted from the
+    # first prefill token [num_prefills + 1] int32, the longest prefill chunk, and the number of
+    # sequence splits of the decode kernel (fixed per batch size so CUDA graphs stay valid).
+    seq_lens: torch.Tensor | None = None
+    prefill_query_start: torch.Tensor | None = None
+    max_prefill_len: int = 0
+    num_decode_splits: int = 1
 
 
 _current: AttentionMetadata | None = None

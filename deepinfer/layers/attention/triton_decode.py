@@ -1,0 +1,155 @@
+"""Paged decode attention in Triton: one query token per sequence, GQA, split along the sequence.
+
+Layout (the core's, see worker/input_batch.py): K and V caches are [rows, kv_heads, head_dim]
+with row = block_id * block_size + offset; `block_table[b, i]` is the i-th block of sequence b;
+`seq_lens[b]` counts the KV positions including this step's token (already written).
+
+One program per (sequence, KV head, split). The program loads the G query heads that share its
+KV head as one [G, D] tile, so each K/V element is read once for the whole group, and streams
+its share of the sequence with an online softmax. Splitting the sequence keeps the GPU's
+multiprocessors busy when the batch is small (batch 1 has only `kv_heads` programs otherwise);
+a second kernel merges the splits by their log-sum-exp. A sliding window just moves the start.
+
+The split count is a host-side choice that does not depend on the lengths, so a CUDA graph
+captured for a batch size stays valid whatever the sequences' lengths are at replay.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
+    scale,
+    stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    head_ok = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if WINDOW > 0:   # a constexpr: one compiled kernel per window size, no runtime branch
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    # Each split takes a whole number of BLOCK_N tiles of [lo, seq_len).
+    tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    start = lo + split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for n in range(start, end, BLOCK_N):
+        pos = n + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(block_table_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        rows = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        k = tl.load(k_cache_ptr + rows[:, None] * stride_kr + kv_head * stride_kh + dims[None, :],
+                    mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+        if IEEE:   # float32 caches: exact products, not TF32 (parity tests run in float32)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + rows[:, None] * stride_vr + kv_head * stride_vh + dims[None, :],
+                    mask=pos_ok[:, None] & dim_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # An empty split (short sequence, or a padded row with seq_len 0) reports lse = -inf.
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(o_part_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :],
+             out, mask=head_ok[:, None] & dim_ok[None, :])
+    tl.store(lse_part_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, DIM_PAD)
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(lse_part_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)                                  # 0 for empty splits
+    total = tl.sum(w, 0)
+    o = tl.load(o_part_ptr + seq * stride_ob + head * stride_oh + splits[:, None] * stride_os + dims[None, :],
+                mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_outb + head * stride_outh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Enough splits to give every multiprocessor about two programs, at most MAX_SPLITS."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, batch * num_kv_heads)))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int | None, block_size: int, num_splits: int,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, H, D] -> [B, H, D]. `window` None or 0: full attention."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    dim_pad = triton.next_power_of_2(head_dim)
+    o_part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    block_n = 64 if dim_pad <= 128 else 32
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
+        scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
+        IEEE=k_cache.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    _merge_splits_kernel[(batch, num_heads)](
+        o_part, lse_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+    )
+    return out
