@@ -21,6 +21,7 @@ from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
+from deepinfer.spec_decode import SpecDecodeStats, build_speculative_decoder
 from deepinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class EngineStats:
     prefix_cache_queries: list[int]   # per layer group, in tokens
     prefix_cache_hits: list[int]
     prefix_cache_evictions: list[int]  # per layer group, in blocks
+    spec_decode: SpecDecodeStats | None = None   # cumulative; None without speculative decoding
 
 
 class EngineCore:
@@ -57,7 +59,11 @@ class EngineCore:
                 "or lower max_model_len")
         self.kv_manager = KVCacheManager(self.runner.groups, self.runner.num_blocks,
                                          config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.spec = None
+        if config.speculative is not None:
+            # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
+            self.spec = build_speculative_decoder(config, self.runner, source, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec)
         self.structured = StructuredOutputManager(
             source.tokenizer, hf_config["vocab_size"], f"{source.path}:{source.tokenizer.vocab_size}",
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s)
@@ -103,7 +109,8 @@ class EngineCore:
         counters = self.kv_manager.pool.counters
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
                            self.scheduler.num_preemptions, [c.queries for c in counters],
-                           [c.hits for c in counters], [c.evictions for c in counters])
+                           [c.hits for c in counters], [c.evictions for c in counters],
+                           self.spec.stats.copy() if self.spec is not None else None)
 
 
 def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig) -> int:

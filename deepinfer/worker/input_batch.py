@@ -2,7 +2,10 @@
 
 Rows are ordered decode-first: chunks of exactly one token (a request generating) are batched
 into one attention call per layer; longer chunks (prefill, or prefill on top of cached blocks)
-are attended one request at a time. Index arithmetic is done in numpy on the host.
+are attended one request at a time. A chunk verifying speculative drafts (its last
+len(spec_token_ids) tokens are the drafts, not yet known to the runner) is short and joins the
+decode rows one query token per row, each row gathering its own causal prefix. Index arithmetic
+is done in numpy on the host.
 """
 
 from __future__ import annotations
@@ -39,8 +42,11 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
                       groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
                       layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       device: torch.device) -> StepInputs:
-    decodes = [c for c in chunks if c.num_tokens == 1 and not c.prompt_logprobs]
-    prefills = [c for c in chunks if not (c.num_tokens == 1 and not c.prompt_logprobs)]
+    def is_decode(c: ScheduledChunk) -> bool:
+        return (c.num_tokens == 1 or bool(c.spec_token_ids)) and not c.prompt_logprobs
+
+    decodes = [c for c in chunks if is_decode(c)]
+    prefills = [c for c in chunks if not is_decode(c)]
     ordered = decodes + prefills
 
     ids: list[int] = []
@@ -49,11 +55,14 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
     prefill_ranges: list[tuple[int, int]] = []
     for chunk in ordered:
         row_start = len(ids)
-        ids.extend(token_ids[chunk.request_id][chunk.start:chunk.start + chunk.num_tokens])
+        num_known = chunk.num_tokens - len(chunk.spec_token_ids)
+        ids.extend(token_ids[chunk.request_id][chunk.start:chunk.start + num_known])
+        ids.extend(chunk.spec_token_ids)
         pos_parts.append(np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int64))
         last_index.append(len(ids) - 1)
-        if chunk.num_tokens != 1 or chunk.prompt_logprobs:
+        if not is_decode(chunk):
             prefill_ranges.append((row_start, len(ids)))
+    num_decode_tokens = sum(c.num_tokens for c in decodes)
     positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
@@ -69,14 +78,16 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
 
         decode_gather = decode_bias = None
         if decodes:
-            qpos = np.array([c.start for c in decodes], dtype=np.int64)
+            qpos = positions[:num_decode_tokens]
+            # Each decode row's block table (a verifying chunk has several rows, one table).
+            row_tables = [t for c, t in zip(decodes, tables) for _ in range(c.num_tokens)]
             lo = np.maximum(qpos - window + 1, 0) if window else np.zeros_like(qpos)
             length = qpos - lo + 1
             span = np.arange(int(length.max()), dtype=np.int64)
             kv_pos = lo[:, None] + span[None, :]
             valid = span[None, :] < length[:, None]
             gather = np.zeros(kv_pos.shape, dtype=np.int64)
-            for r, table in enumerate(tables[:len(decodes)]):
+            for r, table in enumerate(row_tables):
                 gather[r, :length[r]] = _flat_rows(table, kv_pos[r, :length[r]], block_size)
             decode_gather = to_dev(gather)
             if not valid.all():
@@ -94,7 +105,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
         group_meta.append(GroupMetadata(to_dev(slot_mapping), decode_gather, decode_bias, prefill_meta))
 
     attention = AttentionMetadata(
-        num_tokens=len(ids), num_decode_tokens=len(decodes), prefill_query_ranges=prefill_ranges,
+        num_tokens=len(ids), num_decode_tokens=num_decode_tokens, prefill_query_ranges=prefill_ranges,
         groups=group_meta, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot,
         kv_caches=kv_caches)
     return StepInputs(ordered, to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions),

@@ -1,0 +1,92 @@
+"""Step-cost model: how long a forward of b sequences verifying e drafts each takes.
+
+Profiled once at start-up on the real runner (`profile_step_cost`): for a few batch sizes b and
+draft counts per sequence e in {0, k/2, k}, time a decode-shaped forward of b * (1 + e) tokens
+(the shape verification steps have). `cost(b, num_tokens)` interpolates linearly in e within a
+measured batch size and linearly in b between measured batch sizes; past the largest measured
+batch it scales the largest curve by b / b_max (more sequences, proportionally more work).
+
+On a GPU the curve is nearly flat at small batches (weights dominate: verifying is almost free)
+and turns linear once the batch is compute bound; on a CPU it is close to linear throughout.
+That difference is exactly what the adaptive admission in policy.py exploits.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class StepCostModel:
+    def __init__(self, table: dict[int, list[tuple[float, float]]]) -> None:
+        """table: batch size -> [(drafts per sequence, seconds)], at least one point each."""
+        if not table or any(not points for points in table.values()):
+            raise ValueError("the step-cost table needs at least one batch size with one point")
+        self.batch_sizes = sorted(table)
+        # Timings on a shared machine are noisy; a step never gets cheaper with more drafts or
+        # more sequences, so each curve is made non-decreasing, and so is each point over b.
+        self.curves: dict[int, list[tuple[float, float]]] = {}
+        previous: dict[float, float] = {}
+        for b in self.batch_sizes:
+            curve, floor = [], 0.0
+            for e, seconds in sorted(table[b]):
+                floor = max(floor, seconds, previous.get(e, 0.0))
+                curve.append((e, floor))
+                previous[e] = floor
+            self.curves[b] = curve
+
+    def cost(self, num_seqs: int, num_tokens: int) -> float:
+        """Seconds for a step of num_seqs sequences and num_tokens query tokens in all."""
+        num_seqs = max(num_seqs, 1)
+        per_seq = max(num_tokens / num_seqs - 1.0, 0.0)
+        sizes = self.batch_sizes
+        if num_seqs >= sizes[-1]:
+            return _interp(self.curves[sizes[-1]], per_seq) * num_seqs / sizes[-1]
+        if num_seqs <= sizes[0]:
+            return _interp(self.curves[sizes[0]], per_seq)
+        hi = bisect.bisect_left(sizes, num_seqs)
+        b0, b1 = sizes[hi - 1], sizes[hi]
+        c0, c1 = _interp(self.curves[b0], per_seq), _interp(self.curves[b1], per_seq)
+        return c0 + (c1 - c0) * (num_seqs - b0) / (b1 - b0)
+
+    def describe(self) -> str:
+        return "; ".join(f"b={b}: " + ", ".join(f"e={e:g} {1e3 * s:.2f} ms" for e, s in self.curves[b])
+                         for b in self.batch_sizes)
+
+
+def _interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through the points, extended linearly past the last (flat if one point)."""
+    if len(points) == 1:
+        return points[0][1]
+    xs = [p[0] for p in points]
+    i = min(max(bisect.bisect_right(xs, x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) if x1 != x0 else y1
+
+
+def profile_step_cost(time_forward, k: int, max_num_seqs: int, max_num_batched_tokens: int,
+                      batch_sizes: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> StepCostModel:
+    """time_forward(b, q) runs one forward of b sequences of q query tokens and returns seconds.
+
+    Each shape runs once to warm up, then `repeats` times; the minimum is kept (the least
+    disturbed by whatever else the machine does).
+    """
+    table: dict[int, list[tuple[float, float]]] = {}
+    draft_counts = sorted({0, max(k // 2, 1), k})
+    start = time.perf_counter()
+    for b in batch_sizes:
+        if b > max_num_seqs:
+            break
+        for e in draft_counts:
+            if b * (1 + e) > max_num_batched_tokens:
+                break
+            time_forward(b, 1 + e)
+            seconds = min(time_forward(b, 1 + e) for _ in range(repeats))
+            table.setdefault(b, []).append((float(e), seconds))
+    model = StepCostModel(table)
+    logger.info("speculative decoding step-cost profile (%.1f s): %s", time.perf_counter() - start,
+                model.describe())
+    return model
