@@ -11,6 +11,7 @@ The offline `LLM` drives it in-process; the server (a later issue) runs it in it
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
@@ -96,7 +97,10 @@ class EngineCore:
         plan.grammar_bitmask = self.structured.start_bitmask(
             {c.request_id: requests[c.request_id].grammar for c in plan.chunks
              if c.sample and requests[c.request_id].grammar is not None})
+        start = time.perf_counter()
         result = self.runner.execute(plan)
+        if self.spec is not None:   # the runner returns host lists, so the step has finished
+            self.spec.observe_step(plan.chunks, time.perf_counter() - start)
         return failed + self.scheduler.update(plan, result)
 
     def check_idle(self) -> None:

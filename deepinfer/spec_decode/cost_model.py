@@ -9,15 +9,24 @@ batch it scales the largest curve by b / b_max (more sequences, proportionally m
 On a GPU the curve is nearly flat at small batches (weights dominate: verifying is almost free)
 and turns linear once the batch is compute bound; on a CPU it is close to linear throughout.
 That difference is exactly what the adaptive admission in policy.py exploits.
+
+A start-up profile on a shared machine can catch a bad moment, so the table keeps learning:
+`observe` takes the measured time of each decode-shaped step and moves the nearest measured
+point (nearest batch size in log scale, nearest draft count) towards it by ONLINE_RATE, as a
+ratio to what the table predicted (so an observation at b=20 corrects the b=16 point by how
+wrong the table was at b=20, not by the raw time of a larger batch).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import math
 import time
 
 logger = logging.getLogger(__name__)
+
+ONLINE_RATE = 0.05     # weight of one observed step in its table point
 
 
 class StepCostModel:
@@ -26,13 +35,17 @@ class StepCostModel:
         if not table or any(not points for points in table.values()):
             raise ValueError("the step-cost table needs at least one batch size with one point")
         self.batch_sizes = sorted(table)
+        self._raw = {b: dict(table[b]) for b in self.batch_sizes}
+        self._smooth()
+
+    def _smooth(self) -> None:
         # Timings on a shared machine are noisy; a step never gets cheaper with more drafts or
         # more sequences, so each curve is made non-decreasing, and so is each point over b.
         self.curves: dict[int, list[tuple[float, float]]] = {}
         previous: dict[float, float] = {}
         for b in self.batch_sizes:
             curve, floor = [], 0.0
-            for e, seconds in sorted(table[b]):
+            for e, seconds in sorted(self._raw[b].items()):
                 floor = max(floor, seconds, previous.get(e, 0.0))
                 curve.append((e, floor))
                 previous[e] = floor
@@ -51,6 +64,17 @@ class StepCostModel:
         b0, b1 = sizes[hi - 1], sizes[hi]
         c0, c1 = _interp(self.curves[b0], per_seq), _interp(self.curves[b1], per_seq)
         return c0 + (c1 - c0) * (num_seqs - b0) / (b1 - b0)
+
+    def observe(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        """Fold one measured decode-shaped step into the nearest table point."""
+        predicted = self.cost(num_seqs, num_tokens)
+        if predicted <= 0 or seconds <= 0:
+            return
+        b = min(self.batch_sizes, key=lambda size: abs(math.log(size) - math.log(max(num_seqs, 1))))
+        per_seq = max(num_tokens / max(num_seqs, 1) - 1.0, 0.0)
+        e = min(self._raw[b], key=lambda point: abs(point - per_seq))
+        self._raw[b][e] *= (1.0 - ONLINE_RATE) + ONLINE_RATE * seconds / predicted
+        self._smooth()
 
     def describe(self) -> str:
         return "; ".join(f"b={b}: " + ", ".join(f"e={e:g} {1e3 * s:.2f} ms" for e, s in self.curves[b])

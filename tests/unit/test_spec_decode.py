@@ -305,3 +305,14 @@ def test_rejected_drafts_release_their_blocks_and_nothing_leaks(seed, verificati
                 assert len(request.block_ids[0]) <= -(-request.num_tokens // bs)
     assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens > 0
     assert manager.pool.blocks_in_use() == {}
+
+
+def test_cost_model_corrects_a_bad_profile_point_online():
+    # The profile caught a stall at b=4, e=5 (10 s); the real step takes ~1 s.
+    cost = StepCostModel({4: [(0.0, 0.5), (5.0, 10.0)]})
+    for _ in range(200):
+        cost.observe(4, 24, 1.0)
+    assert cost.cost(4, 24) == pytest.approx(1.0, rel=0.05)
+    assert cost.cost(4, 4) == pytest.approx(0.5)      # the point observations did not touch
+    cost.observe(5, 5, 0.5)                           # a nearby batch size corrects by ratio
+    assert cost.cost(4, 4) == pytest.approx(0.5, rel=0.01)
