@@ -96,7 +96,8 @@ class EngineCore:
         requests = self.scheduler.requests
         plan.grammar_bitmask = self.structured.start_bitmask(
             {c.request_id: requests[c.request_id].grammar for c in plan.chunks
-             if c.sample and requests[c.request_id].grammar is not None})
+             if c.sample and requests[c.request_id].grammar is not None},
+            {c.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids})
         start = time.perf_counter()
         result = self.runner.execute(plan)
         if self.spec is not None:   # the runner returns host lists, so the step has finished

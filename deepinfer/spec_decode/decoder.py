@@ -8,9 +8,10 @@ Each step the scheduler calls `plan(running, budget, base_tokens)` before it bui
      budget left after every running request's own tokens.
 After the step, `observe(request_id, verified, accepted)` feeds calibration and the counters.
 
-Requests under a structured-output grammar are not drafted for: their mask would have to be
-filled at every draft position, which the grammar pipeline does not do yet (they decode
-normally, so output stays exact).
+Requests under a structured-output grammar keep only the drafts their grammar allows (a draft
+outside it would be rejected anyway) and never a draft past the grammar's end; the bitmask is
+then filled for every draft position (structured/manager.py), so verification samples from the
+same masked distribution plain decoding would.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 from deepinfer.config import SpeculativeConfig
 from deepinfer.spec_decode.calibration import AcceptanceCalibrator
 from deepinfer.spec_decode.cost_model import StepCostModel
-from deepinfer.spec_decode.drafter import Drafter, DraftRequest
+from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
 from deepinfer.spec_decode.metrics import SpecDecodeStats
 from deepinfer.spec_decode.policy import Candidate, admit_adaptive, admit_fixed
 
@@ -34,6 +35,21 @@ if TYPE_CHECKING:
     from deepinfer.engine.request import Request
 
 logger = logging.getLogger(__name__)
+
+
+def _grammar_prefix(grammar, token_ids: list[int]) -> int:
+    """Leading drafts the grammar accepts, stopping before any that would end the grammar (no
+    mask exists after the end). The matcher is left as it was."""
+    accepted, ended = 0, False
+    for token_id in token_ids:
+        if not grammar.accept(token_id):
+            break
+        accepted += 1
+        if grammar.is_terminated:
+            ended = True
+            break
+    grammar.rollback(accepted)
+    return accepted - 1 if ended else accepted
 
 
 class SpeculativeDecoder:
@@ -58,7 +74,7 @@ class SpeculativeDecoder:
         self.drafter.release({r.request_id for r in running})
         wanted = []
         for r in running:
-            if r.num_tokens - r.num_computed_tokens != 1 or r.grammar is not None:
+            if r.num_tokens - r.num_computed_tokens != 1:
                 continue
             # Positions must stay inside the context, and drafts past max_tokens are wasted.
             room = min(self.k, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens)
@@ -67,6 +83,12 @@ class SpeculativeDecoder:
         if not wanted or budget <= 0:
             return {}
         drafts = self.drafter.propose(wanted)
+        grammars = {r.request_id: r.grammar for r in running if r.grammar is not None}
+        for request_id, grammar in grammars.items():
+            draft = drafts.get(request_id)
+            if draft is not None and draft.token_ids:
+                n = _grammar_prefix(grammar, draft.token_ids)
+                drafts[request_id] = Draft(draft.token_ids[:n], draft.confidences[:n])
         candidates = []
         for w in wanted:
             draft = drafts.get(w.request_id)

@@ -45,7 +45,7 @@ def _generator(state: RunnerRequestState) -> torch.Generator | None:
 
 
 def verify_chunks(runner: ModelRunner, chunks: list[ScheduledChunk], last_indices: list[int],
-                  hidden: torch.Tensor, result: RunnerResult) -> None:
+                  hidden: torch.Tensor, result: RunnerResult, grammar_bitmask=None) -> None:
     index: list[int] = []
     requests = []
     for chunk, last in zip(chunks, last_indices):
@@ -54,6 +54,8 @@ def verify_chunks(runner: ModelRunner, chunks: list[ScheduledChunk], last_indice
         state = runner.requests[chunk.request_id]
         requests.append(VerifyRequest(drafts, _rows(state, drafts), _generator(state)))
     logits = runner.model.compute_logits(hidden[torch.tensor(index, device=runner.device)])
+    if grammar_bitmask is not None:   # structured output: row j masked as after drafts 1..j
+        grammar_bitmask.apply(logits, [(c.request_id, j) for c in chunks for j in range(len(c.spec_token_ids) + 1)])
     offset = 0
     for chunk, request, verdict in zip(chunks, requests, verify(logits, requests)):
         state = runner.requests[chunk.request_id]

@@ -140,7 +140,7 @@ class ModelRunner:
         verify_rows = [i for i, c in enumerate(inputs.chunks) if c.spec_token_ids]
         if verify_rows:   # speculative decoding: sample at every draft position, keep what passes
             verify_chunks(self, [inputs.chunks[i] for i in verify_rows],
-                          [inputs.last_token_index[i] for i in verify_rows], hidden, result)
+                          [inputs.last_token_index[i] for i in verify_rows], hidden, result, plan.grammar_bitmask)
 
         for i, chunk in enumerate(inputs.chunks):
             if chunk.prompt_logprobs:

@@ -108,19 +108,49 @@ def test_draft_model_must_share_the_tokenizer(tiny, tmp_path):
             speculative_config={"method": "draft_model", "model": other})
 
 
-def test_default_model_greedy_is_identical_with_speculation():
+DEFAULT_KWARGS = dict(dtype="float32", max_model_len=512, num_kv_blocks=160, max_num_seqs=4)
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    """The default model without and with n-gram speculation (adaptive)."""
+    return LLM(**DEFAULT_KWARGS), LLM(**DEFAULT_KWARGS, speculative_config={"method": "ngram"})
+
+
+def test_default_model_greedy_is_identical_with_speculation(default_pair):
+    base, ngram = default_pair
     texts = ["Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
              "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
              "Once upon a time, in a small village by the sea, there lived"]
-    kwargs = dict(dtype="float32", max_model_len=512, num_kv_blocks=160, max_num_seqs=4)
-    base = LLM(**kwargs)
     prompts = [base.tokenizer.encode(t) for t in texts]
     params = greedy(logprobs=None)
-    reference = base.generate(prompts, params, use_tqdm=False)
-    for spec in ({"method": "ngram", "verification": "adaptive"},
-                 {"method": "draft_model", "model": "default", "verification": "fixed", "num_speculative_tokens": 3}):
-        llm = LLM(**kwargs, speculative_config=spec)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
-        assert llm.spec_decode_stats.num_accepted_tokens > 0
-        del llm
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in ngram.generate(prompts, params, use_tqdm=False)] == reference
+    assert ngram.spec_decode_stats.num_accepted_tokens > 0
+    draft = LLM(**DEFAULT_KWARGS, speculative_config={"method": "draft_model", "model": "default",
+                                                      "verification": "fixed", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in draft.generate(prompts, params, use_tqdm=False)] == reference
+    assert draft.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_structured_output_with_speculation_is_identical_and_valid(default_pair):
+    import json
+    import re
+
+    from deepinfer.sampling_params import StructuredOutputsParams
+
+    base, ngram = default_pair
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"},
+                                                         "minItems": 3}}, "required": ["items"]}
+    chats = [[{"role": "user", "content": 'Answer in JSON: {"items": ["apple", "apple", "apple"]}'}],
+             [{"role": "user", "content": "Write abababababab"}]]
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=r"(ab){3,12}"))]
+    before = ngram.spec_decode_stats.num_accepted_tokens
+    expected = base.chat(chats, params, use_tqdm=False)
+    got = ngram.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert re.fullmatch(r"(ab){3,12}", got[1].outputs[0].text)
+    if got[0].outputs[0].finish_reason == "stop":
+        assert len(json.loads(got[0].outputs[0].text)["items"]) >= 3
+    assert ngram.spec_decode_stats.num_accepted_tokens > before   # drafts ran under the grammar
