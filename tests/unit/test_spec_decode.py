@@ -318,3 +318,20 @@ def test_cost_model_corrects_a_bad_profile_point_online():
     # step says the point is 20 % high, and it moves by ONLINE_RATE of that.
     cost.observe(5, 5, 0.5)
     assert cost.cost(4, 4) == pytest.approx(0.5 * (0.95 + 0.05 * 0.8))
+
+
+def test_spec_stats_cross_the_engine_process_boundary():
+    import msgspec
+
+    from deepinfer.engine.core import EngineStats
+    from deepinfer.engine.core_proc import OutputMessage, StepOutputs
+
+    stats = SpecDecodeStats(2)
+    stats.record(2, 1)
+    message = StepOutputs([], EngineStats(1, 0, 0.5, 0, [1], [0], [0], stats))
+    decoded = msgspec.msgpack.Decoder(OutputMessage).decode(msgspec.msgpack.Encoder().encode(message))
+    assert decoded.stats.spec_decode == stats
+    assert decoded.stats.spec_decode.mean_accepted_length == 2.0
+    plain = msgspec.msgpack.Decoder(OutputMessage).decode(msgspec.msgpack.Encoder().encode(
+        StepOutputs([], EngineStats(1, 0, 0.5, 0, [1], [0], [0]))))
+    assert plain.stats.spec_decode is None
