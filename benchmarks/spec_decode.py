@@ -158,19 +158,19 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     base = {(r["workload"], r["batch"], r["mode"]): r["tok_s"] for r in rows}
     for r in rows:
-        key = (r["workload"], r["batch"])
-        none, fixed = base.get(key + ("none",)), base.get(key + ("fixed",))
+        none = base.get((r["workload"], r["batch"], "none"))
+        fixed = base.get((r["workload"], r["batch"], "fixed"))
+        vs_none = f"{r['tok_s'] / none:.2f}x" if none else "-"
+        vs_fixed = f"{r['tok_s'] / fixed:.2f}x" if fixed and r["mode"] != "none" else "-"
         spec = r["spec"]
-        print(f"| {r['workload']} | {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | "
-              f"{r['tok_s'] / none:.2f}x | " if none else f"| {r['workload']} | {r['batch']} | {r['mode']} | "
-              f"{r['tok_s']:.1f} | - | ", end="")
-        print(f"{r['tok_s'] / fixed:.2f}x | " if fixed and r["mode"] != "none" else "- | ", end="")
         if spec:
-            per_pos = " ".join(f"{p:.2f}" for p in spec["acceptance_per_pos"])
-            print(f"{spec['mean_accepted_length']:.2f} | {per_pos} (verified {spec['verified']} of "
-                  f"{spec['proposed']} proposed) |")
+            length = f"{spec['mean_accepted_length']:.2f}"
+            curve = (" ".join(f"{p:.2f}" for p in spec["acceptance_per_pos"])
+                     + f" (verified {spec['verified']} of {spec['proposed']} proposed)")
         else:
-            print("1.00 | - |")
+            length, curve = "1.00", "-"
+        print(f"| {r['workload']} | {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {vs_none} | {vs_fixed} | "
+              f"{length} | {curve} |")
     for when, description in costs.items():
         print(f"\nadaptive step-cost table, {when}: {description}")
     if args.output_json:
