@@ -10,11 +10,13 @@ On a GPU the curve is nearly flat at small batches (weights dominate: verifying 
 and turns linear once the batch is compute bound; on a CPU it is close to linear throughout.
 That difference is exactly what the adaptive admission in policy.py exploits.
 
-A start-up profile on a shared machine can catch a bad moment, so the table keeps learning:
-`observe` takes the measured time of each decode-shaped step and moves the nearest measured
-point (nearest batch size in log scale, nearest draft count) towards it by ONLINE_RATE, as a
-ratio to what the table predicted (so an observation at b=20 corrects the b=16 point by how
-wrong the table was at b=20, not by the raw time of a larger batch).
+A start-up profile on a shared machine can catch a bad moment. The profile interleaves its
+shapes (a stall hits one repeat of several shapes, not every repeat of one) and keeps each
+shape's fastest run; and the table keeps learning: `observe` takes the measured time of each
+decode-shaped step and moves the two draft-count points around it at the nearest measured
+batch size (log scale) towards it, weighted by distance and by ONLINE_RATE, as a ratio to what
+the table predicted (so an observation at b=20 corrects the b=16 curve by how wrong the table
+was at b=20, not by the raw time of a larger batch).
 """
 
 from __future__ import annotations
@@ -72,8 +74,14 @@ class StepCostModel:
             return
         b = min(self.batch_sizes, key=lambda size: abs(math.log(size) - math.log(max(num_seqs, 1))))
         per_seq = max(num_tokens / max(num_seqs, 1) - 1.0, 0.0)
-        e = min(self._raw[b], key=lambda point: abs(point - per_seq))
-        self._raw[b][e] *= (1.0 - ONLINE_RATE) + ONLINE_RATE * seconds / predicted
+        points = sorted(self._raw[b])
+        hi = min(max(bisect.bisect_left(points, per_seq), 1), len(points) - 1) if len(points) > 1 else 0
+        lo = max(hi - 1, 0)
+        span = points[hi] - points[lo]
+        w_hi = 1.0 if span == 0 else min(max((per_seq - points[lo]) / span, 0.0), 1.0)
+        for e, weight in ((points[lo], 1.0 - w_hi), (points[hi], w_hi)):
+            if weight > 0:
+                self._raw[b][e] *= 1.0 + ONLINE_RATE * weight * (seconds / predicted - 1.0)
         self._smooth()
 
     def describe(self) -> str:
@@ -95,21 +103,24 @@ def profile_step_cost(time_forward, k: int, max_num_seqs: int, max_num_batched_t
                       batch_sizes: tuple[int, ...] = (1, 4, 16, 64), repeats: int = 3) -> StepCostModel:
     """time_forward(b, q) runs one forward of b sequences of q query tokens and returns seconds.
 
-    Each shape runs once to warm up, then `repeats` times; the minimum is kept (the least
-    disturbed by whatever else the machine does).
+    Every shape runs once to warm up, then the shapes take turns `repeats` times and each keeps
+    its fastest run (the least disturbed by whatever else the machine does).
     """
-    table: dict[int, list[tuple[float, float]]] = {}
     draft_counts = sorted({0, max(k // 2, 1), k})
+    shapes = [(b, e) for b in batch_sizes if b <= max_num_seqs
+              for e in draft_counts if b * (1 + e) <= max_num_batched_tokens]
+    if not shapes:
+        shapes = [(1, 0)]
     start = time.perf_counter()
-    for b in batch_sizes:
-        if b > max_num_seqs:
-            break
-        for e in draft_counts:
-            if b * (1 + e) > max_num_batched_tokens:
-                break
-            time_forward(b, 1 + e)
-            seconds = min(time_forward(b, 1 + e) for _ in range(repeats))
-            table.setdefault(b, []).append((float(e), seconds))
+    best = {shape: float("inf") for shape in shapes}
+    for shape in shapes:
+        time_forward(shape[0], 1 + shape[1])
+    for _ in range(repeats):
+        for shape in shapes:
+            best[shape] = min(best[shape], time_forward(shape[0], 1 + shape[1]))
+    table: dict[int, list[tuple[float, float]]] = {}
+    for (b, e), seconds in best.items():
+        table.setdefault(b, []).append((float(e), seconds))
     model = StepCostModel(table)
     logger.info("speculative decoding step-cost profile (%.1f s): %s", time.perf_counter() - start,
                 model.describe())
