@@ -2,10 +2,11 @@
 
 Rows are ordered decode-first: chunks of exactly one token (a request generating) are batched
 into one attention call per layer; longer chunks (prefill, or prefill on top of cached blocks)
-are attended one request at a time. A chunk verifying speculative drafts (its last
-len(spec_token_ids) tokens are the drafts, not yet known to the runner) is short and joins the
-decode rows one query token per row, each row gathering its own causal prefix. Index arithmetic
-is done in numpy on the host.
+are attended one request at a time. A chunk verifying speculative drafts has its drafts
+(`spec_token_ids`, not yet known to the runner) as its last tokens, and takes the prefill path:
+its queries share one gather of the request's KV (as decode rows, each query would gather its
+own copy, which costs several times more at batch 64 on the CPU). Index arithmetic is done in
+numpy on the host.
 """
 
 from __future__ import annotations
@@ -42,11 +43,8 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
                       groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
                       layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       device: torch.device) -> StepInputs:
-    def is_decode(c: ScheduledChunk) -> bool:
-        return (c.num_tokens == 1 or bool(c.spec_token_ids)) and not c.prompt_logprobs
-
-    decodes = [c for c in chunks if is_decode(c)]
-    prefills = [c for c in chunks if not is_decode(c)]
+    decodes = [c for c in chunks if c.num_tokens == 1 and not c.prompt_logprobs]
+    prefills = [c for c in chunks if not (c.num_tokens == 1 and not c.prompt_logprobs)]
     ordered = decodes + prefills
 
     ids: list[int] = []
@@ -60,9 +58,8 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
         ids.extend(chunk.spec_token_ids)
         pos_parts.append(np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int64))
         last_index.append(len(ids) - 1)
-        if not is_decode(chunk):
+        if chunk.num_tokens != 1 or chunk.prompt_logprobs:
             prefill_ranges.append((row_start, len(ids)))
-    num_decode_tokens = sum(c.num_tokens for c in decodes)
     positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
@@ -78,16 +75,14 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
 
         decode_gather = decode_bias = None
         if decodes:
-            qpos = positions[:num_decode_tokens]
-            # Each decode row's block table (a verifying chunk has several rows, one table).
-            row_tables = [t for c, t in zip(decodes, tables) for _ in range(c.num_tokens)]
+            qpos = np.array([c.start for c in decodes], dtype=np.int64)
             lo = np.maximum(qpos - window + 1, 0) if window else np.zeros_like(qpos)
             length = qpos - lo + 1
             span = np.arange(int(length.max()), dtype=np.int64)
             kv_pos = lo[:, None] + span[None, :]
             valid = span[None, :] < length[:, None]
             gather = np.zeros(kv_pos.shape, dtype=np.int64)
-            for r, table in enumerate(row_tables):
+            for r, table in enumerate(tables[:len(decodes)]):
                 gather[r, :length[r]] = _flat_rows(table, kv_pos[r, :length[r]], block_size)
             decode_gather = to_dev(gather)
             if not valid.all():
@@ -105,7 +100,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
         group_meta.append(GroupMetadata(to_dev(slot_mapping), decode_gather, decode_bias, prefill_meta))
 
     attention = AttentionMetadata(
-        num_tokens=len(ids), num_decode_tokens=num_decode_tokens, prefill_query_ranges=prefill_ranges,
+        num_tokens=len(ids), num_decode_tokens=len(decodes), prefill_query_ranges=prefill_ranges,
         groups=group_meta, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot,
         kv_caches=kv_caches)
     return StepInputs(ordered, to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions),
