@@ -29,22 +29,22 @@ import time
 from deepinfer import LLM, SamplingParams
 
 PARAGRAPHS = [
-    "The river rose slowly through the night, and by morning the lower fields were under water. "
-    "Farmers moved their animals to the hill behind the church, where the ground stayed dry.",
-    "Our office will be closed on Monday for maintenance. Please save your work on Friday evening, "
-    "log out of every shared computer, and take any personal items home with you.",
-    "To make the bread, mix the flour, water, salt and yeast, then knead the dough for ten minutes. "
-    "Let it rise for two hours, shape it into a loaf, and bake it until the crust is brown.",
-    "The library opens at nine and closes at six. Members may borrow up to five books at a time "
-    "and keep them for three weeks; late returns cost ten cents per book per day.",
-    "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n"
-    "    return 2 * (width + height)\n",
-    "Dear team, thank you for your hard work this quarter. Sales grew by twelve percent, costs "
-    "fell slightly, and two new customers signed long contracts with us in March.",
-    "The train to the coast leaves from platform four at half past eight. It stops at every town "
-    "along the valley and reaches the sea a little after eleven o'clock.",
-    "Water boils at one hundred degrees Celsius at sea level. On a high mountain the air pressure "
-    "is lower, so water boils at a lower temperature and food takes longer to cook.",
+    ("The river rose slowly through the night, and by morning the lower fields were under water. "
+     "Farmers moved their animals to the hill behind the church, where the ground stayed dry."),
+    ("Our office will be closed on Monday for maintenance. Please save your work on Friday evening, "
+     "log out of every shared computer, and take any personal items home with you."),
+    ("To make the bread, mix the flour, water, salt and yeast, then knead the dough for ten minutes. "
+     "Let it rise for two hours, shape it into a loaf, and bake it until the crust is brown."),
+    ("The library opens at nine and closes at six. Members may borrow up to five books at a time "
+     "and keep them for three weeks; late returns cost ten cents per book per day."),
+    ("def area(width, height):\n    return width * height\n\ndef perimeter(width, height):\n"
+     "    return 2 * (width + height)\n"),
+    ("Dear team, thank you for your hard work this quarter. Sales grew by twelve percent, costs "
+     "fell slightly, and two new customers signed long contracts with us in March."),
+    ("The train to the coast leaves from platform four at half past eight. It stops at every town "
+     "along the valley and reaches the sea a little after eleven o'clock."),
+    ("Water boils at one hundred degrees Celsius at sea level. On a high mountain the air pressure "
+     "is lower, so water boils at a lower temperature and food takes longer to cook."),
 ]
 COPY_TASKS = [
     "Repeat the following text exactly, word for word:\n\n{}",
@@ -71,8 +71,8 @@ def conversations(workload: str, n: int) -> list[list[dict]]:
 
 
 def build(args: argparse.Namespace, mode: str) -> LLM:
-    kwargs = dict(max_num_seqs=max(args.batch_sizes), max_model_len=args.max_model_len,
-                  load_format=args.load_format)
+    kwargs = {"max_num_seqs": max(args.batch_sizes), "max_model_len": args.max_model_len,
+              "load_format": args.load_format}
     if args.dtype:
         kwargs["dtype"] = args.dtype
     if mode != "none":

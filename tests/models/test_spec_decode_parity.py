@@ -64,7 +64,7 @@ def test_greedy_is_identical_with_speculation(tiny, spec, budget):
 
 
 def test_preemption_with_speculation_gives_identical_output(tiny):
-    directory, other, reference, arch = tiny
+    directory, _, reference, arch = tiny
     if arch != "llama":
         pytest.skip("sliding-window models free blocks as they go; the pool below does not force preemption")
     # 35 blocks of 4 tokens cannot hold the four requests at once (~60 blocks): preemption.
@@ -108,7 +108,7 @@ def test_draft_model_must_share_the_tokenizer(tiny, tmp_path):
             speculative_config={"method": "draft_model", "model": other})
 
 
-DEFAULT_KWARGS = dict(dtype="float32", max_model_len=512, num_kv_blocks=160, max_num_seqs=4)
+DEFAULT_KWARGS = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 160, "max_num_seqs": 4}
 
 
 @pytest.fixture(scope="module")
