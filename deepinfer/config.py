@@ -9,6 +9,7 @@ stored here; the engine keeps them beside the config.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
 POLICIES = ("fcfs", "priority")
+SPEC_METHODS = ("ngram", "draft_model", "mtp")
+SPEC_VERIFICATION = ("adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -88,24 +91,85 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (DSpark): `speculative_config={...}` / `--speculative-config JSON`.
+
+    method: ngram (prompt lookup, model-free) | draft_model (a second model sharing the
+        tokenizer, `model`) | mtp (the model's own multi-token-prediction head).
+    num_speculative_tokens: drafts proposed per request and step (k).
+    verification: adaptive (each step admits the draft positions whose expected accepted tokens
+        per unit of step cost pay off, across the batch) | fixed (every proposed draft, up to k).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    model: str | None = None               # the draft model (draft_model only)
+    verification: str = "adaptive"
+    prompt_lookup_max: int = 4             # ngram: longest suffix n-gram searched for
+    prompt_lookup_min: int = 1             # ngram: shortest
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"speculative_config.{name} {why}, got {getattr(self, name)!r}")
+
+        if self.method not in SPEC_METHODS:
+            raise bad("method", f"must be one of {', '.join(SPEC_METHODS)}")
+        if (isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int)
+                or not 1 <= self.num_speculative_tokens <= 64):
+            raise bad("num_speculative_tokens", "must be an integer in [1, 64]")
+        if self.verification not in SPEC_VERIFICATION:
+            raise bad("verification", f"must be one of {', '.join(SPEC_VERIFICATION)}")
+        if self.method == "draft_model" and not self.model:
+            raise bad("model", "must name the draft model (a path) when method is 'draft_model'")
+        if self.method != "draft_model" and self.model is not None:
+            raise bad("model", f"is only used by method 'draft_model' (method is {self.method!r})")
+        if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
+            raise bad("prompt_lookup_min", "must be an integer >= 1")
+        if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise bad("prompt_lookup_max", "must be an integer >= prompt_lookup_min")
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """From a dict, a JSON string (the CLI flag), an instance, or None (no speculation)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword arguments; unknown names are an error."""
+        speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
         owners = {f.name: part for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
                                                    ("scheduler", SchedulerConfig))
                   for f in dataclasses.fields(klass)}
         for name, value in kwargs.items():
             if name not in owners:
-                raise TypeError(f"unknown engine argument {name!r}; known: {', '.join(sorted(owners))}")
+                raise TypeError(f"unknown engine argument {name!r}; known: "
+                                f"{', '.join(sorted([*owners, 'speculative_config']))}")
             parts[owners[name]][name] = value
         return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
-                   SchedulerConfig(**parts["scheduler"]))
+                   SchedulerConfig(**parts["scheduler"]), speculative)
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:

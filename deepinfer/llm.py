@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
@@ -24,6 +25,8 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 
+logger = logging.getLogger(__name__)
+
 # A prompt is text, a list of token ids, or a dict {"prompt": str} / {"prompt_token_ids": [...]}.
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -35,6 +38,9 @@ class LLM:
     block_size, gpu_memory_utilization, cpu_kv_cache_bytes, enable_prefix_caching,
     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy.
     `load_format="dummy"` keeps random weights (for speed measurements of a real shape).
+    `speculative_config={"method": "ngram" | "draft_model" | "mtp", "num_speculative_tokens": 5,
+    "model": PATH, "verification": "adaptive" | "fixed"}` turns on speculative decoding; its
+    counters are in `llm.spec_decode_stats` and logged after each generate.
     """
 
     def __init__(self, model: str | None = None, *, load_format: str = "auto", **kwargs: Any) -> None:
@@ -52,6 +58,12 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def spec_decode_stats(self):
+        """Cumulative speculative-decoding counters (spec_decode.SpecDecodeStats), or None."""
+        spec = self.engine.spec
+        return None if spec is None else spec.stats.copy()
 
     # --------------------------------------------------------------------------------- public
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -177,6 +189,8 @@ class LLM:
                         bar.update(1)
         if bar is not None:
             bar.close()
+        if self.engine.spec is not None:
+            logger.info("Speculative decoding (cumulative): %s", self.engine.spec.stats.summary())
         return [finished[i] for i in request_ids]
 
 

@@ -27,10 +27,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                         help="dummy: random weights of the model's shape (speed measurements)")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+                             '"verification": "adaptive"}\'; method ngram | draft_model (with "model": PATH) | mtp')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = [f.name for k in (ModelConfig, CacheConfig, SchedulerConfig) for f in dataclasses.fields(k)]
     out = {name: getattr(args, name) for name in names if hasattr(args, name)}
     out["load_format"] = args.load_format
+    if getattr(args, "speculative_config", None) is not None:
+        out["speculative_config"] = args.speculative_config   # JSON text, parsed by EngineConfig
     return out

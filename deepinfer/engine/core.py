@@ -11,6 +11,7 @@ The offline `LLM` drives it in-process; the server (a later issue) runs it in it
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
@@ -21,6 +22,7 @@ from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
+from deepinfer.spec_decode import SpecDecodeStats, build_speculative_decoder
 from deepinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ class EngineStats:
     prefix_cache_queries: list[int]   # per layer group, in tokens
     prefix_cache_hits: list[int]
     prefix_cache_evictions: list[int]  # per layer group, in blocks
+    spec_decode: SpecDecodeStats | None = None   # cumulative; None without speculative decoding
 
 
 class EngineCore:
@@ -57,7 +60,11 @@ class EngineCore:
                 "or lower max_model_len")
         self.kv_manager = KVCacheManager(self.runner.groups, self.runner.num_blocks,
                                          config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len)
+        self.spec = None
+        if config.speculative is not None:
+            # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
+            self.spec = build_speculative_decoder(config, self.runner, source, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec)
         self.structured = StructuredOutputManager(
             source.tokenizer, hf_config["vocab_size"], f"{source.path}:{source.tokenizer.vocab_size}",
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s)
@@ -89,8 +96,12 @@ class EngineCore:
         requests = self.scheduler.requests
         plan.grammar_bitmask = self.structured.start_bitmask(
             {c.request_id: requests[c.request_id].grammar for c in plan.chunks
-             if c.sample and requests[c.request_id].grammar is not None})
+             if c.sample and requests[c.request_id].grammar is not None},
+            {c.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids})
+        start = time.perf_counter()
         result = self.runner.execute(plan)
+        if self.spec is not None:   # the runner returns host lists, so the step has finished
+            self.spec.observe_step(plan.chunks, time.perf_counter() - start)
         return failed + self.scheduler.update(plan, result)
 
     def check_idle(self) -> None:
@@ -103,7 +114,8 @@ class EngineCore:
         counters = self.kv_manager.pool.counters
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
                            self.scheduler.num_preemptions, [c.queries for c in counters],
-                           [c.hits for c in counters], [c.evictions for c in counters])
+                           [c.hits for c in counters], [c.evictions for c in counters],
+                           self.spec.stats.copy() if self.spec is not None else None)
 
 
 def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig) -> int:

@@ -9,6 +9,9 @@ from zero and recomputes (its blocks are usually still cached, so that is mostly
 A request with a structured-output grammar waits outside the queue (WAITING_FOR_GRAMMAR) while
 its grammar compiles in a worker; `poll_grammars` moves it into the queue once compiled, so a
 slow compile delays that request alone.
+Speculative decoding (spec_decode/) is the same rule with a longer target: a generating request
+may also compute draft tokens, which the runner verifies; after the step its num_computed_tokens
+counts only the accepted ones, and KV blocks past its known tokens go back to the pool.
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ from deepinfer.engine.plan import (EngineCoreOutput, NewRequestData, RunnerResul
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.sample.structured.grammar import GrammarState
+from deepinfer.spec_decode import SpeculativeDecoder
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
+                 spec: SpeculativeDecoder | None = None) -> None:
         self.config = config
+        self.spec = spec
         self.kv = kv_manager
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []     # kept sorted by the policy's key
@@ -101,6 +107,10 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
         scheduled: set[str] = set()
+        drafts: dict[str, list[int]] = {}
+        if self.spec is not None and self.running:
+            base = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
+            drafts = self.spec.plan(self.running, budget - base, base)
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -110,16 +120,20 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.allocate(request, num_new):
-                victim = self._pick_victim(exclude=scheduled)
-                self._preempt(victim)
-                if victim is request:
-                    break
+            spec = drafts.get(request.request_id, [])[:budget - num_new]
+            # Drafts are optional: with no room for them, verify none rather than preempt for them.
+            if not spec or not self.kv.allocate(request, num_new + len(spec)):
+                spec = []
+                while not self.kv.allocate(request, num_new):
+                    victim = self._pick_victim(exclude=scheduled)
+                    self._preempt(victim)
+                    if victim is request:
+                        break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the list shrank, same index is the next request
-            chunks.append(self._chunk(request, num_new))
+            chunks.append(self._chunk(request, num_new, spec))
             scheduled.add(request.request_id)
-            budget -= num_new
+            budget -= num_new + len(spec)
             i += 1
 
         # 2. Waiting requests in policy order, while budget, slots and blocks last.
@@ -155,16 +169,18 @@ class Scheduler:
         return SchedulerPlan(new_requests, chunks, finished,
                              self.config.max_num_batched_tokens - budget)
 
-    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+    def _chunk(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
+        request.spec_token_ids = spec or []
         return ScheduledChunk(
             request_id=request.request_id,
             start=start,
-            num_tokens=num_new,
+            num_tokens=num_new + len(request.spec_token_ids),   # drafts ride after the known tokens
             block_ids=[list(ids) for ids in request.block_ids],
             sample=start + num_new == request.num_tokens,
             prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                              and start < request.num_prompt_tokens),
+            spec_token_ids=request.spec_token_ids,
         )
 
     def _pick_victim(self, exclude: set[str]) -> Request:
@@ -187,6 +203,9 @@ class Scheduler:
         """Recompute-style preemption: free all blocks; the request starts over when resumed."""
         self.running.remove(request)
         self.kv.free(request)
+        if self.spec is not None:
+            self.spec.forget(request.request_id)
+        request.spec_token_ids = []
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -207,8 +226,11 @@ class Scheduler:
             request = self.requests.get(chunk.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += chunk.num_tokens
-            self.kv.cache_computed_blocks(request)
+            num_spec = len(chunk.spec_token_ids)
+            # Drafts count as computed only once accepted (below): publish known tokens' blocks only.
+            request.num_computed_tokens += chunk.num_tokens - num_spec
+            if not num_spec:
+                self.kv.cache_computed_blocks(request)
             prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
             if not chunk.sample:
                 if prompt_logprobs:
@@ -216,7 +238,8 @@ class Scheduler:
                 continue
             new_tokens: list[int] = []
             finish: RequestStatus | None = None
-            for token_id in result.sampled_token_ids.get(chunk.request_id, []):
+            sampled = result.sampled_token_ids.get(chunk.request_id, [])
+            for token_id in sampled:
                 request.append_output_token(token_id)
                 if request.grammar is not None:
                     request.grammar.accept(token_id)   # the sampled token was inside the mask
@@ -224,6 +247,17 @@ class Scheduler:
                 finish = self._check_stop(request, token_id)
                 if finish is not None:
                     break
+            if num_spec:
+                # The runner returns the accepted drafts then one token of its own: the KV of
+                # exactly those drafts is valid (same tokens at the same positions); the rest
+                # was computed for rejected tokens and is dropped.
+                num_accepted = max(len(sampled) - 1, 0)
+                self.spec.observe(request.request_id, num_spec, num_accepted)
+                request.spec_token_ids = []
+                if finish is None:
+                    request.num_computed_tokens += num_accepted
+                    self.kv.cache_computed_blocks(request)
+                    self.kv.free_tail(request)
             if request.times.first_token is None and new_tokens:
                 request.times.first_token = now
             logprobs = result.logprobs.get(chunk.request_id)
@@ -253,6 +287,9 @@ class Scheduler:
         return None
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        if self.spec is not None:
+            self.spec.forget(request.request_id)   # e.g. aborted while its drafts were in flight
+        request.spec_token_ids = []
         request.status = status
         request.times.finished = time.monotonic()
         if request in self.running:

@@ -340,6 +340,8 @@ class AsyncEngineClient:
                 level = logging.INFO if s.num_running or s.num_waiting else logging.DEBUG
                 logger.log(level, "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, in flight here: %d",
                            s.num_running, s.num_waiting, 100 * s.kv_cache_usage, len(self._requests))
+                if s.spec_decode is not None and s.spec_decode.num_drafts:
+                    logger.log(level, "Speculative decoding: %s", s.spec_decode.summary())
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is None:

@@ -117,6 +117,19 @@ class KVCacheManager:
                     self.pool.cache(g, ids[i], request.block_hashes[i])
         request.num_published_blocks = max(request.num_published_blocks, num_full)
 
+    def free_tail(self, request: Request) -> None:
+        """Give back blocks past the request's known tokens: they held KV of rejected drafts.
+
+        The next step computes the last known token, so cdiv(num_tokens, block_size) blocks stay.
+        Tail blocks were never published (only computed, accepted tokens are), so they go to the
+        front of the free queue as empty blocks.
+        """
+        keep = _cdiv(request.num_tokens, self.block_size)
+        for ids in request.block_ids:
+            if len(ids) > keep:
+                self.pool.free(ids[keep:][::-1])
+                del ids[keep:]
+
     def free(self, request: Request) -> None:
         for ids in request.block_ids:
             self.pool.free(ids[::-1])

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from deepinfer.engine.core import EngineStats
 from deepinfer.metrics.stats import RequestTimings
+from deepinfer.spec_decode.metrics import SpecDecodeStats
 
 PREFIX = "deepinfer:"
 
@@ -64,8 +65,18 @@ class ServerMetrics:
                                                _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("request_generation_tokens", "Output length per request.",
                                                    _TOKEN_BUCKETS)
+        # Speculative decoding (vLLM's spec_decode_* names); per position: accepted drafts at
+        # position j, so acceptance at j = num_accepted_tokens_per_pos{position=j} / num_drafts.
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "Verifications (a request's drafts checked once).")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position in the draft.", extra=["position"])
+        self.spec_verified_per_pos = counter("spec_decode_num_verified_tokens_per_pos",
+                                             "Draft tokens verified, by position in the draft.", extra=["position"])
         # The core's counters are cumulative; Prometheus counters only go up by increments.
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_spec = SpecDecodeStats()
 
     # --------------------------------------------------------------------------- recording
     def record_engine_stats(self, stats: EngineStats) -> None:
@@ -78,6 +89,20 @@ class ServerMetrics:
         self._last_queries = _advance(self.prefix_cache_queries, self._last_queries, queries)
         self._last_hits = _advance(self.prefix_cache_hits, self._last_hits, hits)
         self._last_preemptions = _advance(self.num_preemptions, self._last_preemptions, stats.num_preemptions)
+        if stats.spec_decode is not None:
+            self._record_spec(stats.spec_decode)
+
+    def _record_spec(self, spec: SpecDecodeStats) -> None:
+        last = self._last_spec
+        _advance(self.spec_num_drafts, last.num_drafts, spec.num_drafts)
+        _advance(self.spec_num_draft_tokens, last.num_draft_tokens, spec.num_draft_tokens)
+        _advance(self.spec_num_accepted_tokens, last.num_accepted_tokens, spec.num_accepted_tokens)
+        for j, (accepted, verified) in enumerate(zip(spec.accepted_per_pos, spec.verified_per_pos)):
+            prev_a = last.accepted_per_pos[j] if j < len(last.accepted_per_pos) else 0
+            prev_v = last.verified_per_pos[j] if j < len(last.verified_per_pos) else 0
+            _advance(self.spec_accepted_per_pos.labels(self.model_name, str(j)), prev_a, accepted)
+            _advance(self.spec_verified_per_pos.labels(self.model_name, str(j)), prev_v, verified)
+        self._last_spec = spec.copy()
 
     def record_first_output(self, timings: RequestTimings) -> None:
         self.prompt_tokens.inc(timings.num_prompt_tokens)

@@ -2,7 +2,11 @@
 
 Rows are ordered decode-first: chunks of exactly one token (a request generating) are batched
 into one attention call per layer; longer chunks (prefill, or prefill on top of cached blocks)
-are attended one request at a time. Index arithmetic is done in numpy on the host.
+are attended one request at a time. A chunk verifying speculative drafts has its drafts
+(`spec_token_ids`, not yet known to the runner) as its last tokens, and takes the prefill path:
+its queries share one gather of the request's KV (as decode rows, each query would gather its
+own copy, which costs several times more at batch 64 on the CPU). Index arithmetic is done in
+numpy on the host.
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
     prefill_ranges: list[tuple[int, int]] = []
     for chunk in ordered:
         row_start = len(ids)
-        ids.extend(token_ids[chunk.request_id][chunk.start:chunk.start + chunk.num_tokens])
+        num_known = chunk.num_tokens - len(chunk.spec_token_ids)
+        ids.extend(token_ids[chunk.request_id][chunk.start:chunk.start + num_known])
+        ids.extend(chunk.spec_token_ids)
         pos_parts.append(np.arange(chunk.start, chunk.start + chunk.num_tokens, dtype=np.int64))
         last_index.append(len(ids) - 1)
         if chunk.num_tokens != 1 or chunk.prompt_logprobs:

@@ -24,6 +24,7 @@ from deepinfer.platforms import Platform
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec_decode.runner_ops import verify_chunks
 from deepinfer.worker.input_batch import build_step_inputs
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ class ModelRunner:
             with forward_context(inputs.attention):
                 hidden = self.model(inputs.input_ids, inputs.positions)
 
-        sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample]
+        sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample and not c.spec_token_ids]
         if sample_rows:
             if use_graph:   # the graph computed every row's logits; keep the sampled rows'
                 logits = all_logits if len(sample_rows) == len(inputs.chunks) else all_logits[sample_rows]
@@ -208,6 +209,11 @@ class ModelRunner:
                 result.sampled_token_ids[request_id] = [token]
                 if sampled.logprobs[row] is not None:
                     result.logprobs[request_id] = [sampled.logprobs[row].to_dict()]
+
+        verify_rows = [i for i, c in enumerate(inputs.chunks) if c.spec_token_ids]
+        if verify_rows:   # speculative decoding: sample at every draft position, keep what passes
+            verify_chunks(self, [inputs.chunks[i] for i in verify_rows],
+                          [inputs.last_token_index[i] for i in verify_rows], hidden, result, plan.grammar_bitmask)
 
         for i, chunk in enumerate(inputs.chunks):
             if chunk.prompt_logprobs:

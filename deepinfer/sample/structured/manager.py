@@ -92,17 +92,40 @@ class StructuredOutputManager:
                     del self._cache[key]
 
     # ------------------------------------------------------------------------------ bitmask
-    def start_bitmask(self, grammars: dict[str, RequestGrammar]) -> StepBitmask | None:
-        """Start filling one bitmask row per request that samples under a grammar this step."""
+    def start_bitmask(self, grammars: dict[str, RequestGrammar],
+                      drafts: dict[str, list[int]] | None = None) -> StepBitmask | None:
+        """Start filling one bitmask row per request that samples under a grammar this step.
+
+        A request verifying speculative drafts d_1..d_m gets m + 1 rows, keyed (request_id, j):
+        row j is the mask after d_1..d_j. The fill advances the matcher through the drafts and
+        rolls it back, so it ends where it started (the drafts were cut to the grammar's valid
+        prefix when proposed; the scheduler accepts only what the verifier keeps).
+        """
         if not grammars:
             return None
-        rows = {request_id: row for row, request_id in enumerate(grammars)}
+        rows: dict = {}
+        items = []
+        for request_id, grammar in grammars.items():
+            chain = (drafts or {}).get(request_id) or []
+            if chain:
+                for j in range(len(chain) + 1):
+                    rows[(request_id, j)] = len(rows)
+            else:
+                rows[request_id] = len(rows)
+            items.append((grammar, chain))
         bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        items = list(grammars.values())
 
         def fill() -> torch.Tensor:
-            for row, grammar in enumerate(items):
+            row = 0
+            for grammar, chain in items:
                 grammar.fill_bitmask(bitmask, row)
+                row += 1
+                for token_id in chain:
+                    accepted = grammar.accept(token_id)
+                    assert accepted, "drafts are cut to the grammar's valid prefix when proposed"
+                    grammar.fill_bitmask(bitmask, row)
+                    row += 1
+                grammar.rollback(len(chain))
             return ~unpack_bitmask(bitmask, self.vocab_size)
 
         return StepBitmask(rows, bitmask, self._fill_pool.submit(fill))

@@ -1,0 +1,30 @@
+"""The hook for a model's own multi-token-prediction head (DeepSeek-V4's MTP / DSpark drafter).
+
+A model that carries such a head exposes `propose_mtp(requests) -> {request_id: Draft}` (it
+runs the head on the hidden states of its last forward and returns drafts with the head's own
+confidences). No model deepinfer ships has one yet, so building this drafter for any of them
+fails at start-up with a message that says so, instead of silently decoding without drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
+
+
+class MTPDrafter(Drafter):
+    name = "mtp"
+
+    def __init__(self, model, num_speculative_tokens: int) -> None:
+        propose = getattr(model, "propose_mtp", None)
+        if propose is None:
+            raise ValueError(
+                f"speculative_config.method 'mtp' is not available for this model: "
+                f"{type(model).__name__} has no multi-token-prediction head "
+                "(use method 'ngram', or 'draft_model' with a smaller model sharing the tokenizer)")
+        self._propose = propose
+        self.k = num_speculative_tokens
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        return self._propose(requests)

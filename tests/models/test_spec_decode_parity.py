@@ -1,0 +1,156 @@
+"""Speculative decoding is lossless end to end: greedy tokens (and logprobs) identical with and
+without it, for the n-gram and draft-model drafters, fixed and adaptive verification, on tiny
+parity models (full attention, sliding window, Gemma 3's two layer groups) and on the default
+SmolLM2 model; and the run must actually have accepted and rejected drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from tests.models.tiny_models import build_tiny_checkpoint
+
+NEW_TOKENS = 40
+# Repeated spans (n-gram hits) beside plain ones; one longer than a 16-token block.
+PROMPTS = [[(7 * i + 3) % 60 + 2 for i in range(24)] * 2, [5, 6, 7, 8] * 4 + [9, 10], [11, 12, 13],
+           [(11 * i) % 300 + 2 for i in range(40)]]
+
+
+def greedy(logprobs: int | None = 3) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs)
+
+
+def assert_same(reference, outputs) -> None:
+    for ref, out in zip(reference, outputs):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        for ours, theirs in zip(out.outputs[0].logprobs, ref.outputs[0].logprobs):
+            for token_id, lp in theirs.items():
+                assert ours[token_id].logprob == pytest.approx(lp.logprob, abs=1e-4)
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral", "gemma3"])
+def tiny(request, tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp(request.param))
+    build_tiny_checkpoint(request.param, directory)
+    other = str(tmp_path_factory.mktemp(request.param + "-draft"))
+    build_tiny_checkpoint(request.param, other, seed=1)     # same tokenizer, other weights
+    base = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128)
+    return directory, other, base.generate(PROMPTS, greedy(), use_tqdm=False), request.param
+
+
+@pytest.mark.parametrize("spec, budget", [
+    ({"method": "ngram", "verification": "fixed"}, 2048),
+    ({"method": "ngram", "verification": "adaptive", "num_speculative_tokens": 3}, 16),
+    ({"method": "draft_model", "verification": "fixed", "model": "other", "num_speculative_tokens": 2}, 16),
+    ({"method": "draft_model", "verification": "adaptive", "model": "self"}, 2048),
+], ids=["ngram-fixed", "ngram-adaptive-chunked", "draft-other-fixed-chunked", "draft-self-adaptive"])
+def test_greedy_is_identical_with_speculation(tiny, spec, budget):
+    directory, other, reference, _ = tiny
+    spec = dict(spec)
+    if "model" in spec:
+        spec["model"] = {"self": directory, "other": other}[spec["model"]]
+    llm = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128, max_num_batched_tokens=budget,
+              speculative_config=spec)
+    assert_same(reference, llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    stats = llm.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    # A random draft model of other weights is (almost) never right: that run checks rollback.
+    # The target as its own draft is never wrong; n-gram drafts are both right and wrong.
+    if spec.get("model") != other:
+        assert stats.num_accepted_tokens > 0
+    if spec.get("model") != directory:
+        assert stats.num_draft_tokens > stats.num_accepted_tokens
+    assert llm.engine.kv_manager.pool.blocks_in_use() == {}
+
+
+def test_preemption_with_speculation_gives_identical_output(tiny):
+    directory, _, reference, arch = tiny
+    if arch != "llama":
+        pytest.skip("sliding-window models free blocks as they go; the pool below does not force preemption")
+    # 35 blocks of 4 tokens cannot hold the four requests at once (~60 blocks): preemption.
+    tight = LLM(directory, dtype="float32", num_kv_blocks=36, block_size=4, max_model_len=96,
+                max_num_batched_tokens=16, speculative_config={"method": "ngram", "verification": "fixed"})
+    assert_same(reference, tight.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert tight.engine.stats().num_preemptions > 0
+    assert tight.engine.kv_manager.pool.blocks_in_use() == {}
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny):
+    directory = tiny[0]
+    llm = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128,
+              speculative_config={"method": "ngram", "verification": "fixed"})
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert first == again and all(len(t) == NEW_TOKENS for t in first)
+    assert llm.spec_decode_stats.num_drafts > 0
+
+
+def test_mtp_is_refused_for_a_model_without_an_mtp_head(tiny):
+    with pytest.raises(ValueError, match="'mtp' is not available for this model"):
+        LLM(tiny[0], dtype="float32", num_kv_blocks=256, max_model_len=128, speculative_config={"method": "mtp"})
+
+
+def test_draft_model_must_share_the_tokenizer(tiny, tmp_path):
+    import json
+    import os
+
+    other = str(tmp_path / "other-vocab")
+    build_tiny_checkpoint("llama", other)
+    with open(os.path.join(other, "tokenizer.json")) as f:
+        tok = json.load(f)
+    tok["model"]["vocab"] = {f"x{i}": i for i in range(len(tok["model"]["vocab"]))}
+    tok["model"]["unk_token"] = "x0"
+    with open(os.path.join(other, "tokenizer.json"), "w") as f:
+        json.dump(tok, f)
+    with pytest.raises(ValueError, match="does not share the target's tokenizer"):
+        LLM(tiny[0], dtype="float32", num_kv_blocks=256, max_model_len=128,
+            speculative_config={"method": "draft_model", "model": other})
+
+
+DEFAULT_KWARGS = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 160, "max_num_seqs": 4}
+
+
+@pytest.fixture(scope="module")
+def default_pair():
+    """The default model without and with n-gram speculation (adaptive)."""
+    return LLM(**DEFAULT_KWARGS), LLM(**DEFAULT_KWARGS, speculative_config={"method": "ngram"})
+
+
+def test_default_model_greedy_is_identical_with_speculation(default_pair):
+    base, ngram = default_pair
+    texts = ["Repeat this sentence exactly: The quick brown fox jumps over the lazy dog near the river bank.",
+             "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+             "Once upon a time, in a small village by the sea, there lived"]
+    prompts = [base.tokenizer.encode(t) for t in texts]
+    params = greedy(logprobs=None)
+    reference = [o.outputs[0].token_ids for o in base.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in ngram.generate(prompts, params, use_tqdm=False)] == reference
+    assert ngram.spec_decode_stats.num_accepted_tokens > 0
+    draft = LLM(**DEFAULT_KWARGS, speculative_config={"method": "draft_model", "model": "default",
+                                                      "verification": "fixed", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in draft.generate(prompts, params, use_tqdm=False)] == reference
+    assert draft.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_structured_output_with_speculation_is_identical_and_valid(default_pair):
+    import json
+    import re
+
+    from deepinfer.sampling_params import StructuredOutputsParams
+
+    base, ngram = default_pair
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"},
+                                                         "minItems": 3}}, "required": ["items"]}
+    chats = [[{"role": "user", "content": 'Answer in JSON: {"items": ["apple", "apple", "apple"]}'}],
+             [{"role": "user", "content": "Write abababababab"}]]
+    params = [SamplingParams(temperature=0, max_tokens=48, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=r"(ab){3,12}"))]
+    before = ngram.spec_decode_stats.num_accepted_tokens
+    expected = base.chat(chats, params, use_tqdm=False)
+    got = ngram.chat(chats, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert re.fullmatch(r"(ab){3,12}", got[1].outputs[0].text)
+    if got[0].outputs[0].finish_reason == "stop":
+        assert len(json.loads(got[0].outputs[0].text)["items"]) >= 3
+    assert ngram.spec_decode_stats.num_accepted_tokens > before   # drafts ran under the grammar

@@ -1,0 +1,337 @@
+"""Speculative decoding without a model: the verifier keeps the target distribution, the
+admission rules, calibration, n-gram lookup, config errors, metrics, and KV release on rejection."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from deepinfer.config import EngineConfig, SchedulerConfig, SpeculativeConfig
+from deepinfer.engine.plan import RunnerResult
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
+from deepinfer.sample.sampler import SamplingRow
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec_decode import Draft, Drafter, SpeculativeDecoder
+from deepinfer.spec_decode.calibration import AcceptanceCalibrator
+from deepinfer.spec_decode.cost_model import StepCostModel
+from deepinfer.spec_decode.metrics import SpecDecodeStats
+from deepinfer.spec_decode.ngram import NgramDrafter
+from deepinfer.spec_decode.policy import Candidate, admit_adaptive, admit_fixed
+from deepinfer.spec_decode.verifier import VerifyRequest, target_probs, verify
+from tests.unit.test_scheduler_fuzz import check_references
+
+
+# ------------------------------------------------------------------------------ verifier
+def chi2_critical(df: int, z: float = 3.09) -> float:
+    """Upper 0.1 % point of chi-square with df degrees of freedom (Wilson-Hilferty)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2(observed: Counter, probs: torch.Tensor, n: int) -> tuple[float, int]:
+    stat, cells = 0.0, 0
+    for token, p in enumerate(probs.tolist()):
+        if p > 0:
+            stat += (observed.get(token, 0) - n * p) ** 2 / (n * p)
+            cells += 1
+        else:
+            assert observed.get(token, 0) == 0, f"token {token} has probability 0 but was emitted"
+    return stat, cells - 1
+
+
+SAMPLING_CASES = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLING_CASES, ids=["plain", "top-k", "top-p", "all"])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """Emitted tokens follow the target's processed distribution at the first and the second
+    position, whatever the drafts; the draft tokens are chosen where a broken rule would show:
+    one with a middling target probability, one the target never emits."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, n = 8, 24000
+    logits = torch.randn(3, vocab, generator=gen) * 1.5     # the target's rows 0, 1, 2
+    rows = [SamplingRow(params, [1], []) for _ in range(3)]
+    p = target_probs(logits.clone(), rows)
+    order = p[0].argsort(descending=True).tolist()
+    d1 = order[1]                                  # likely, but far from certain
+    d2 = int(p[1].argmin())                        # often impossible under top-k / top-p
+    torch.manual_seed(1234)
+    requests = [VerifyRequest([d1, d2], [SamplingRow(params, [1], [])] * 3) for _ in range(n)]
+    results = verify(logits.repeat(n, 1), requests)
+
+    first = Counter(r.token_ids[0] for r in results)
+    stat, df = chi2(first, p[0], n)
+    assert stat < chi2_critical(df), f"first token: chi2 {stat:.1f} with {df} df"
+    accepted_first = sum(r.num_accepted >= 1 for r in results) / n
+    assert accepted_first == pytest.approx(p[0, d1].item(), abs=0.02)
+    assert 0 < accepted_first < 1   # both branches ran
+
+    # Given the first draft was accepted, the second emitted token follows row 1.
+    second = [r.token_ids[1] for r in results if r.num_accepted >= 1]
+    stat, df = chi2(Counter(second), p[1], len(second))
+    assert stat < chi2_critical(df), f"second token: chi2 {stat:.1f} with {df} df"
+
+
+def test_rejection_sampling_test_detects_a_biased_rule():
+    """The chi-square check has teeth: accepting every draft (a lossy rule) fails it."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 8, generator=gen)
+    p = target_probs(logits.clone(), [SamplingRow(SamplingParams(temperature=1.0), [1], [])])[0]
+    n, draft = 6000, int(p.argsort()[-2])
+    biased = Counter({draft: n // 2})
+    biased.update(torch.multinomial(p, n - n // 2, replacement=True, generator=gen).tolist())
+    stat, df = chi2(biased, p, n)
+    assert stat > chi2_critical(df)
+
+
+def test_greedy_verification_matches_argmax_and_mixes_with_sampled_rows():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 4.0],     # greedy request
+                           [0.0, 9.0, 0.0], [9.0, 0.0, 0.0]])                      # sampled request
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.0)
+    hot = SamplingParams(temperature=0.01)
+    results = verify(logits, [
+        VerifyRequest([1, 2], [SamplingRow(greedy, [0], [])] * 3),   # 1 matches, 2 does not (argmax 0)
+        VerifyRequest([1], [SamplingRow(hot, [0], [])] * 2),          # near-greedy: accepted, then 0
+    ])
+    assert results[0].token_ids == [1, 0] and results[0].num_accepted == 1
+    assert results[1].token_ids == [1, 0] and results[1].num_accepted == 1
+
+
+def test_seeded_verification_is_reproducible():
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def run():
+        gen = torch.Generator().manual_seed(99)
+        return verify(logits, [VerifyRequest([3, 4, 5], [SamplingRow(params, [0], [])] * 4, gen)])[0]
+
+    assert run() == run()
+
+
+# ------------------------------------------------------------------------------ admission
+def test_fixed_admits_whole_drafts_in_order_under_the_budget():
+    candidates = [Candidate(f"r{i}", [0.9, 0.5, 0.1, 0.05, 0.01]) for i in range(3)]
+    assert admit_fixed(candidates, 12) == {"r0": 5, "r1": 5, "r2": 2}
+    assert admit_fixed(candidates, 0) == {}
+
+
+def test_adaptive_verifies_everything_when_verification_is_free():
+    candidates = [Candidate("a", [0.9, 0.5, 0.1]), Candidate("b", [0.2, 0.01])]
+    assert admit_adaptive(candidates, 100, 2, 2, lambda t: 1.0) == {"a": 3, "b": 2}
+
+
+def test_adaptive_takes_slots_by_survival_and_stops_when_they_stop_paying():
+    # Step cost: 10 ms fixed + 1 ms per token. Two generating requests, 2 base tokens (12 ms):
+    # a slot pays while its q beats the running expected tokens per token-cost.
+    candidates = [Candidate("a", [0.95, 0.9, 0.85, 0.3, 0.2]), Candidate("b", [0.4, 0.1])]
+    admitted = admit_adaptive(candidates, 100, 2, 2, lambda t: 10.0 + t)
+    assert admitted == {"a": 3, "b": 1}
+    # Best prefix by brute force agrees.
+    slots = sorted([q for c in candidates for q in c.survival], reverse=True)
+    rates = [(2 + sum(slots[:p])) / (12 + p) for p in range(len(slots) + 1)]
+    assert sum(admitted.values()) == max(range(len(rates)), key=rates.__getitem__)
+
+
+def test_adaptive_never_takes_a_later_draft_without_the_earlier_ones_and_respects_budget():
+    candidates = [Candidate(f"r{i}", [1.0, 1.0, 1.0, 1.0]) for i in range(4)]
+    admitted = admit_adaptive(candidates, 6, 4, 4, lambda t: 1.0)
+    assert sum(admitted.values()) == 6
+    # Ties go to the earlier position, so equal chains share the budget breadth first.
+    assert admitted == {"r0": 2, "r1": 2, "r2": 1, "r3": 1}
+    falling = [Candidate("a", [0.9, 0.9, 0.9]), Candidate("b", [0.95, 0.5])]
+    assert admit_adaptive(falling, 4, 2, 2, lambda t: 1.0) == {"a": 3, "b": 1}
+
+
+def test_adaptive_verifies_less_per_request_at_large_batch_on_a_compute_bound_curve():
+    # GPU-like: a flat step until 64 tokens, then linear.
+    cost = StepCostModel({1: [(0.0, 1.0), (5.0, 1.0)], 64: [(0.0, 1.0), (2.0, 2.0), (5.0, 4.0)]})
+    one = admit_adaptive([Candidate("x", [0.8, 0.6, 0.45, 0.3, 0.2])], 100, 1, 1, lambda t: cost.cost(1, t))
+    many = [Candidate(f"r{i}", [0.8, 0.6, 0.45, 0.3, 0.2]) for i in range(64)]
+    big = admit_adaptive(many, 10_000, 64, 64, lambda t: cost.cost(64, t))
+    assert one == {"x": 5}
+    assert 0 < sum(big.values()) / 64 < 5
+
+
+def test_cost_model_interpolates_and_is_monotone():
+    cost = StepCostModel({1: [(0.0, 1.0), (5.0, 2.0)], 4: [(0.0, 3.0), (5.0, 2.5)]})   # noisy point
+    assert cost.cost(1, 1) == pytest.approx(1.0)
+    assert cost.cost(1, 6) == pytest.approx(2.0)
+    assert cost.cost(1, 3.5) == pytest.approx(1.5)
+    assert cost.cost(4, 24) >= cost.cost(4, 4) == pytest.approx(3.0)   # never cheaper with drafts
+    assert cost.cost(8, 8) == pytest.approx(6.0)                       # scaled past the largest b
+    assert cost.cost(2, 2) == pytest.approx(1.0 + (3.0 - 1.0) / 3)
+
+
+# ----------------------------------------------------------------------------- calibration
+def test_calibration_learns_acceptance_the_confidence_understates():
+    cal = AcceptanceCalibrator(num_positions=3)
+    assert cal.estimate(0, 0.25) == pytest.approx(0.25)          # no evidence: the raw confidence
+    rng = random.Random(0)
+    for _ in range(400):
+        accepted = 0
+        while accepted < 3 and rng.random() < 0.9:
+            accepted += 1
+        cal.observe([0.25, 0.25, 0.25], accepted)
+    for position in range(3):
+        assert cal.estimate(position, 0.25) == pytest.approx(0.9, abs=0.05)
+    assert cal.estimate(0, 0.95) == pytest.approx(0.95)         # another bucket: untouched
+    assert cal.survival([0.25, 0.25])[1] == pytest.approx(0.81, abs=0.08)
+
+
+def test_calibration_chains_the_prior_to_unobserved_positions():
+    cal = AcceptanceCalibrator(num_positions=3)
+    for _ in range(50):
+        cal.observe([0.1], 1)        # position 0 always accepted; positions 1, 2 never verified
+    assert cal.estimate(1, 0.1) > 0.8 and cal.estimate(2, 0.1) > 0.8
+
+
+# ---------------------------------------------------------------------------------- ngram
+def test_ngram_proposes_what_followed_the_latest_match_with_confidence_by_match_length():
+    drafter = NgramDrafter(4, min_n=1, max_n=3)
+    text = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 7, 8, 6, 1, 2, 3]
+    draft = drafter.lookup(text, 4)
+    assert draft.token_ids == [7, 8, 6, 1]          # the most recent [1, 2, 3] was followed by 7 8 6 1
+    long = drafter.lookup([5, 6, 7, 1, 2, 3, 4, 0, 5, 6, 7, 1, 2, 3], 2)
+    assert long.token_ids == [4, 0]
+    assert long.confidences[0] > draft.confidences[0]   # 6-token match beats a 3-token one
+    assert drafter.lookup([1, 2, 3, 4], 4).token_ids == []
+    assert drafter.lookup(text, 0).token_ids == []
+
+
+# -------------------------------------------------------------------------- config, metrics
+@pytest.mark.parametrize("value, field", [
+    ({"method": "eagle"}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "verification": "sometimes"}, "verification"),
+    ({"method": "draft_model"}, "model"),
+    ({"method": "ngram", "model": "/x"}, "model"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+    ({"method": "ngram", "k": 3}, "unknown field"),
+    ('{"method": ', "not valid JSON"),
+])
+def test_bad_speculative_config_names_the_field(value, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_kwargs(speculative_config=value)
+
+
+def test_speculative_config_from_json_and_cli():
+    from argparse import ArgumentParser
+
+    from deepinfer.cli.args import add_engine_args, engine_kwargs
+
+    parser = ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    config = EngineConfig.from_kwargs(**{k: v for k, v in engine_kwargs(args).items() if k != "load_format"})
+    assert config.speculative == SpeculativeConfig("ngram", 3)
+    assert config.speculative.verification == "adaptive"
+
+
+def test_prometheus_exports_spec_decode_counters():
+    from deepinfer.engine.core import EngineStats
+    from deepinfer.metrics.prometheus import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    stats = SpecDecodeStats(3)
+    stats.record(3, 2)
+    stats.record(1, 0)
+    metrics.record_engine_stats(EngineStats(1, 0, 0.1, 0, [0], [0], [0], stats))
+    stats.record(2, 2)
+    metrics.record_engine_stats(EngineStats(1, 0, 0.1, 0, [0], [0], [0], stats.copy()))
+    text = metrics.render().decode()
+    assert 'deepinfer:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'deepinfer:spec_decode_num_draft_tokens_total{model_name="m"} 6.0' in text
+    assert 'deepinfer:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text
+    assert 'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+    assert stats.mean_accepted_length == pytest.approx(1 + 4 / 3)
+    assert stats.acceptance_rate_per_pos == pytest.approx([2 / 3, 1.0, 0.0])
+
+
+# ------------------------------------------------------------------- KV release on rejection
+class RandomDrafter(Drafter):
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+
+    def propose(self, requests):
+        return {r.request_id: Draft([7] * r.max_drafts, [0.9] * r.max_drafts)
+                for r in requests if self.rng.random() < 0.8}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("verification", ["fixed", "adaptive"])
+def test_rejected_drafts_release_their_blocks_and_nothing_leaks(seed, verification):
+    rng = random.Random(seed)
+    bs = 4
+    specs = [FullAttentionSpec(1, 4, torch.float32), SlidingWindowSpec(1, 4, torch.float32, sliding_window=6)]
+    manager = KVCacheManager(group_layers(specs), 40, bs)
+    config = SpeculativeConfig("ngram", 4, verification=verification)
+    cost = StepCostModel({1: [(0.0, 1.0), (4.0, 1.2)]})
+    spec = SpeculativeDecoder(config, RandomDrafter(rng), max_model_len=64, cost_model=cost)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=4),
+                          manager, max_model_len=64, spec=spec)
+    for i in range(8):
+        n = rng.randint(1, 14)
+        scheduler.add_request(Request(f"r{i}", [100 + i % 2] * 5 + list(range(1, n)), SamplingParams(max_tokens=20),
+                                      frozenset({0}), rng.randint(1, 20), block_size=bs))
+    steps = 0
+    while scheduler.has_unfinished():
+        steps += 1
+        assert steps < 500
+        plan = scheduler.schedule()
+        sampled = {}
+        for c in plan.chunks:
+            if c.sample:
+                accepted = rng.randint(0, len(c.spec_token_ids))
+                sampled[c.request_id] = list(c.spec_token_ids[:accepted]) + [5]
+        if steps % 7 == 0 and scheduler.running:
+            scheduler.abort([rng.choice(scheduler.running).request_id])
+        scheduler.update(plan, RunnerResult(sampled))
+        check_references(scheduler)
+        for request in scheduler.running:
+            if request.num_tokens - request.num_computed_tokens == 1:
+                # Only the blocks the known tokens need: nothing held for rejected drafts.
+                assert len(request.block_ids[0]) <= -(-request.num_tokens // bs)
+    assert spec.stats.num_draft_tokens > spec.stats.num_accepted_tokens > 0
+    assert manager.pool.blocks_in_use() == {}
+
+
+def test_cost_model_corrects_a_bad_profile_point_online():
+    # The profile caught a stall at b=4, e=5 (10 s); the real step takes ~1 s.
+    cost = StepCostModel({4: [(0.0, 0.5), (5.0, 10.0)]})
+    for _ in range(200):
+        cost.observe(4, 24, 1.0)
+    assert cost.cost(4, 24) == pytest.approx(1.0, rel=0.05)
+    assert cost.cost(4, 4) == pytest.approx(0.5)      # the point observations did not touch
+    # b=5 maps to the b=4 point; the table predicted 0.625 s there (scaled by 5/4), so a 0.5 s
+    # step says the point is 20 % high, and it moves by ONLINE_RATE of that.
+    cost.observe(5, 5, 0.5)
+    assert cost.cost(4, 4) == pytest.approx(0.5 * (0.95 + 0.05 * 0.8))
+
+
+def test_spec_stats_cross_the_engine_process_boundary():
+    import msgspec
+
+    from deepinfer.engine.core import EngineStats
+    from deepinfer.engine.core_proc import OutputMessage, StepOutputs
+
+    stats = SpecDecodeStats(2)
+    stats.record(2, 1)
+    message = StepOutputs([], EngineStats(1, 0, 0.5, 0, [1], [0], [0], stats))
+    decoded = msgspec.msgpack.Decoder(OutputMessage).decode(msgspec.msgpack.Encoder().encode(message))
+    assert decoded.stats.spec_decode == stats
+    assert decoded.stats.spec_decode.mean_accepted_length == 2.0
+    plain = msgspec.msgpack.Decoder(OutputMessage).decode(msgspec.msgpack.Encoder().encode(
+        StepOutputs([], EngineStats(1, 0, 0.5, 0, [1], [0], [0]))))
+    assert plain.stats.spec_decode is None
