@@ -47,7 +47,7 @@ CASES = [   # (heads, kv_heads, head_dim, window, dtype)
 
 
 def random_batch(rng: random.Random, num_blocks: int):
-    """Chunks (decodes first as the runner orders them) with distinct random block tables."""
+    """Decodes, verifications of draft tokens and prefill chunks, with distinct random tables."""
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     chunks = []
@@ -57,9 +57,13 @@ def random_batch(rng: random.Random, num_blocks: int):
         num_tokens = 1 if decode else rng.randint(1, 90 if not INTERPRETED else 40)
         if decode:
             context += 1     # a decode has at least its previous token
+        drafts = []
+        if decode and rng.random() < 0.5:   # a speculative verification: 1 known token + drafts
+            drafts = [7] * rng.randint(1, 5)
+            num_tokens += len(drafts)
         total = context + num_tokens
         blocks = [free.pop() for _ in range(-(-total // BS))]
-        chunks.append(ScheduledChunk(f"r{i}", context, num_tokens, [blocks], sample=True))
+        chunks.append(ScheduledChunk(f"r{i}", context, num_tokens, [blocks], sample=True, spec_token_ids=drafts))
     return chunks
 
 
@@ -78,7 +82,7 @@ def test_triton_matches_reference(case, seed):
     cache = [(torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE),
               torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE))]
     chunks = random_batch(rng, num_blocks)
-    token_ids = {c.request_id: [1] * (c.start + c.num_tokens) for c in chunks}
+    token_ids = {c.request_id: [1] * (c.start + c.num_tokens - len(c.spec_token_ids)) for c in chunks}
     layer = Attention(0, heads, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window)
     num_tokens = sum(c.num_tokens for c in chunks)
     q = torch.randn(num_tokens, heads, head_dim, dtype=dtype, device=DEVICE)
