@@ -171,7 +171,8 @@ class ModelRunner:
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
         decode_splits = 1
         graphs = self.decode_graphs
-        use_graph = (graphs is not None and all(c.num_tokens == 1 and not c.prompt_logprobs for c in plan.chunks)
+        use_graph = (graphs is not None
+                     and all(c.num_tokens == 1 and not c.prompt_logprobs and not c.spec_token_ids for c in plan.chunks)
                      and graphs.bucket_for(len(plan.chunks)) is not None)
         if self.attention_backend == "triton":
             # A graph replays with its bucket's split count; eager steps pick theirs the same way.
