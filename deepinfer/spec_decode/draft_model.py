@@ -58,8 +58,10 @@ class DraftModelDrafter(Drafter):
         source = load_model_source(draft_path)
         _check_same_tokenizer(source, target_tokenizer, target_vocab_size, draft_path)
         config = EngineConfig(
+            # Eager: drafting steps vary in shape, and graphs would take memory the target's KV
+            # budget did not leave (the target sizes its pool before the draft model loads).
             ModelConfig(model=draft_path, dtype=target_config.model.dtype,
-                        quantization=target_config.model.quantization),
+                        quantization=target_config.model.quantization, enforce_eager=True),
             # As many blocks as the target has: the draft never holds more tokens than it does.
             CacheConfig(block_size=target_config.cache.block_size, num_kv_blocks=num_blocks,
                         enable_prefix_caching=False))

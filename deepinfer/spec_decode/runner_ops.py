@@ -84,7 +84,8 @@ def time_forward(runner: ModelRunner, num_seqs: int, num_query: int, context: in
     token_ids = {c.request_id: [0] * (context + 1) for c in chunks}
     start = time.perf_counter()
     inputs = build_step_inputs(chunks, token_ids, runner.groups, bs, runner.layer_to_group,
-                               runner.layer_to_slot, runner.kv_caches, runner.device)
+                               runner.layer_to_slot, runner.kv_caches, runner.device,
+                               backend=runner.attention_backend, decode_splits=runner.decode_splits(len(chunks)))
     with forward_context(inputs.attention):
         hidden = runner.model(inputs.input_ids, inputs.positions)
     runner.model.compute_logits(hidden).argmax(dim=-1).tolist()   # .tolist() waits for the device

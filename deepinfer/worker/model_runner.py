@@ -109,6 +109,14 @@ class ModelRunner:
                     self.kv_caches, self.device)
                 self.decode_graphs.capture()
 
+    def decode_splits(self, batch: int) -> int:
+        """Sequence splits of the Triton decode kernel for a batch of this many rows."""
+        if self.attention_backend != "triton":
+            return 1
+        from deepinfer.layers.attention.triton_decode import num_splits_for
+
+        return num_splits_for(batch, self.groups[0].spec.num_kv_heads, self.num_sms)
+
     def _attention_backend(self) -> str:
         choice = self.config.model.attention_backend
         if choice == "auto":
@@ -169,17 +177,12 @@ class ModelRunner:
             return result
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
-        decode_splits = 1
         graphs = self.decode_graphs
         use_graph = (graphs is not None
                      and all(c.num_tokens == 1 and not c.prompt_logprobs and not c.spec_token_ids for c in plan.chunks)
                      and graphs.bucket_for(len(plan.chunks)) is not None)
-        if self.attention_backend == "triton":
-            # A graph replays with its bucket's split count; eager steps pick theirs the same way.
-            batch = graphs.bucket_for(len(plan.chunks)) if use_graph else len(plan.chunks)
-            from deepinfer.layers.attention.triton_decode import num_splits_for
-
-            decode_splits = num_splits_for(batch, self.groups[0].spec.num_kv_heads, self.num_sms)
+        # A graph replays with its bucket's split count; eager steps pick theirs the same way.
+        decode_splits = self.decode_splits(graphs.bucket_for(len(plan.chunks)) if use_graph else len(plan.chunks))
         inputs = build_step_inputs(plan.chunks, token_ids, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device,
                                    backend=self.attention_backend, decode_splits=decode_splits)
