@@ -139,24 +139,7 @@ class Sampler:
     @staticmethod
     def _sample_random(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Steps 4-6 on rows that all have temperature > 0. x is [len(rows), vocab] float32."""
-        device = x.device
-        temps = [row.params.temperature for row in rows]
-        if any(t != 1.0 for t in temps):
-            x = x / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
-
-        top_k = [row.params.top_k for row in rows]
-        top_p = [row.params.top_p for row in rows]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            x = apply_top_k_top_p(x, top_k, top_p)
-
-        probs = x.softmax(dim=-1)
-        min_p = [row.params.min_p for row in rows]
-        if any(m > 0 for m in min_p):
-            threshold = (torch.tensor(min_p, dtype=torch.float32, device=device)
-                         * probs.max(dim=-1).values)
-            # Rows with min_p = 0 have threshold 0, which removes nothing.
-            probs = probs.masked_fill(probs < threshold[:, None], 0.0)
-
+        probs = sampling_probs(x, rows)
         noise = torch.empty_like(probs)
         seeded = [i for i, row in enumerate(rows) if row.generator is not None]
         if len(seeded) < len(rows):
@@ -184,6 +167,28 @@ class Sampler:
         for i, entry in zip(wanted, computed):
             result[i] = entry
         return result
+
+
+def sampling_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Steps 4-5 on float32 logits of rows with temperature > 0: temperature, top-k / top-p,
+    min-p -> the distribution a token is drawn from (each row sums to 1). Speculative decoding's
+    verifier uses it too, so drafts are judged against exactly what the sampler would draw from."""
+    device = x.device
+    temps = [row.params.temperature for row in rows]
+    if any(t != 1.0 for t in temps):
+        x = x / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
+    top_k = [row.params.top_k for row in rows]
+    top_p = [row.params.top_p for row in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        x = apply_top_k_top_p(x, top_k, top_p)
+    probs = x.softmax(dim=-1)
+    min_p = [row.params.min_p for row in rows]
+    if any(m > 0 for m in min_p):
+        threshold = torch.tensor(min_p, dtype=torch.float32, device=device) * probs.max(dim=-1).values
+        # Rows with min_p = 0 have threshold 0, which removes nothing.
+        probs = probs.masked_fill(probs < threshold[:, None], 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int],

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.sample.sampler import Sampler, SamplingRow, _needs_edit, apply_top_k_top_p
+from deepinfer.sample.sampler import Sampler, SamplingRow, _needs_edit, sampling_probs
 
 
 @dataclass
@@ -70,7 +70,7 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[Veri
     if random_ids:
         index = torch.tensor([j for i in random_ids for j in range(offsets[i], offsets[i + 1])],
                              dtype=torch.long, device=x.device)
-        probs = target_probs(x[index], [rows[j] for j in index.tolist()])
+        probs = sampling_probs(x[index], [rows[j] for j in index.tolist()])
         for i, result in zip(random_ids, _accept_random(probs, [requests[i] for i in random_ids])):
             results[i] = result
     return results  # type: ignore[return-value]
@@ -81,24 +81,6 @@ def _accept_greedy(drafts: list[int], argmax: list[int]) -> VerifyResult:
     while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
         accepted += 1
     return VerifyResult(drafts[:accepted] + [argmax[accepted]], accepted)
-
-
-def target_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Sampler steps 4-5 (temperature, top-k/top-p, min-p) on edited float32 logits -> probs."""
-    device = x.device
-    temps = torch.tensor([row.params.temperature for row in rows], dtype=torch.float32, device=device)
-    x = x / temps[:, None]
-    top_k = [row.params.top_k for row in rows]
-    top_p = [row.params.top_p for row in rows]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        x = apply_top_k_top_p(x, top_k, top_p)
-    probs = x.softmax(dim=-1)
-    min_p = [row.params.min_p for row in rows]
-    if any(m > 0 for m in min_p):
-        threshold = torch.tensor(min_p, dtype=torch.float32, device=device) * probs.max(dim=-1).values
-        probs = probs.masked_fill(probs < threshold[:, None], 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
 
 
 def _accept_random(probs: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[VerifyResult]:

@@ -33,16 +33,6 @@ def server(tmp_path_factory):
     stop_server(srv)
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=120)
-
-
 def metric(server, name: str) -> float:
     text = httpx.get(f"{server.base_url}/metrics").text
     match = re.search(rf"^deepinfer:{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)

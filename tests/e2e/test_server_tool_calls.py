@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import uuid
 
-import anthropic
 import httpx
 import jsonschema
 import openai
@@ -48,16 +47,6 @@ def server(tmp_path_factory):
     srv = start_server(str(tmp_path_factory.mktemp("tool-calls") / "server.log"))
     yield srv
     stop_server(srv)
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=server.api_key, max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def claude(server):
-    return anthropic.Anthropic(base_url=server.base_url, api_key=server.api_key, max_retries=0, timeout=120)
 
 
 def check_call(name: str, arguments: str, expected_name: str | None = None) -> dict:

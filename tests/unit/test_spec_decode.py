@@ -16,7 +16,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
-from deepinfer.sample.sampler import SamplingRow
+from deepinfer.sample.sampler import SamplingRow, sampling_probs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode import Draft, Drafter, SpeculativeDecoder
 from deepinfer.spec_decode.calibration import AcceptanceCalibrator
@@ -24,7 +24,7 @@ from deepinfer.spec_decode.cost_model import StepCostModel
 from deepinfer.spec_decode.metrics import SpecDecodeStats
 from deepinfer.spec_decode.ngram import NgramDrafter
 from deepinfer.spec_decode.policy import Candidate, admit_adaptive, admit_fixed
-from deepinfer.spec_decode.verifier import VerifyRequest, target_probs, verify
+from deepinfer.spec_decode.verifier import VerifyRequest, verify
 from tests.unit.test_scheduler_fuzz import check_references
 
 
@@ -63,7 +63,7 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     vocab, n = 8, 24000
     logits = torch.randn(3, vocab, generator=gen) * 1.5     # the target's rows 0, 1, 2
     rows = [SamplingRow(params, [1], []) for _ in range(3)]
-    p = target_probs(logits.clone(), rows)
+    p = sampling_probs(logits.clone(), rows)
     order = p[0].argsort(descending=True).tolist()
     d1 = order[1]                                  # likely, but far from certain
     d2 = int(p[1].argmin())                        # often impossible under top-k / top-p
@@ -88,7 +88,7 @@ def test_rejection_sampling_test_detects_a_biased_rule():
     """The chi-square check has teeth: accepting every draft (a lossy rule) fails it."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 8, generator=gen)
-    p = target_probs(logits.clone(), [SamplingRow(SamplingParams(temperature=1.0), [1], [])])[0]
+    p = sampling_probs(logits.clone(), [SamplingRow(SamplingParams(temperature=1.0), [1], [])])[0]
     n, draft = 6000, int(p.argsort()[-2])
     biased = Counter({draft: n // 2})
     biased.update(torch.multinomial(p, n - n // 2, replacement=True, generator=gen).tolist())
