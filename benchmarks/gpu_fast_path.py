@@ -6,7 +6,9 @@ measured in the same run.
 
 Prints and writes (JSON):
   ceilings  device-to-device copy bandwidth, bf16 8192^3 matmul rate
-  (a)       batch-1 decode tok/s at 1k context, and the roofline = bandwidth / weight bytes
+  check     greedy tokens of the overlapped loop equal the plain loop's (async_scheduling)
+  (a)       batch-1 decode tok/s at 1k context, and the roofline = bandwidth / weight bytes;
+            also with the plain loop, and a profile: device time per step vs wall time per step
   (b)       one 8k-token prefill, as a fraction of the measured matmul rate
   (c)       offline throughput, N requests of 1024 in / 256 out, beside the floor
             = FLOPs / matmul rate + (weights per decode step + KV read) bytes / bandwidth
@@ -101,6 +103,23 @@ def prefill_attention_kernels(c: dict, tokens: int = 8192) -> dict:
             "prefill_attn_layer_sdpa_ms": sdpa, "prefill_attn_sdpa_tflop_s": flops / sdpa / 1e9}
 
 
+def decode_profile(llm, prompt: list[int], steps: int = 32) -> dict:
+    """Device time per decode step (sum of kernel times) against wall time per step, and the
+    kernels that take it: the gap between the two is host time the device waited for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer import SamplingParams
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=steps + 1, **GREEDY), use_tqdm=False))
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    device_us = sum(e.self_device_time_total for e in events)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12), flush=True)
+    # The prefill step is included in both; at 1k tokens it is small beside 32 decode steps.
+    return {"profile_wall_ms_per_step": wall * 1e3 / (steps + 1),
+            "profile_device_ms_per_step": device_us / 1e3 / (steps + 1)}
+
+
 def hf_anchor(config_dir: str, vocab: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -174,14 +193,36 @@ def main() -> None:
     report(result, "weight_gb", runner.weight_bytes / 1e9, args.out)
     report(result, "kv_blocks", runner.num_blocks, args.out)
 
-    # (a) batch-1 decode at 1k context.
+    # Check: the overlapped loop and the plain loop give the same greedy tokens.
+    core = llm.engine
+    overlapped = core.async_scheduling
+    check_prompts = random_prompts(8, 300, vocab, seed=4)
+    check_params = [SamplingParams(max_tokens=24 + 5 * i, **GREEDY) for i in range(8)]
+    outs = []
+    for mode in (True, False):
+        core.async_scheduling = mode
+        outs.append([o.outputs[0].token_ids for o in llm.generate(check_prompts, check_params, use_tqdm=False)])
+    core.async_scheduling = overlapped
+    report(result, "check_overlapped_equals_plain_loop", outs[0] == outs[1], args.out)
+
+    # (a) batch-1 decode at 1k context, with each loop.
     prompt = random_prompts(1, 1024, vocab, seed=1)
     llm.generate(prompt, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)   # warm-up
-    prefill_1k = timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False))
-    total = timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=257, **GREEDY), use_tqdm=False))
-    report(result, "decode_b1_1k_tok_s", 256 / (total - prefill_1k), args.out)
+
+    def decode_b1() -> float:
+        prefill_1k = timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False))
+        total = timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=257, **GREEDY), use_tqdm=False))
+        return 256 / (total - prefill_1k)
+
+    report(result, "async_scheduling", overlapped, args.out)
+    report(result, "decode_b1_1k_tok_s", decode_b1(), args.out)
     report(result, "roofline_tok_s", bandwidth / runner.weight_bytes, args.out)
     report(result, "decode_fraction_of_roofline", result["decode_b1_1k_tok_s"] / result["roofline_tok_s"], args.out)
+    core.async_scheduling = not overlapped
+    report(result, f"decode_b1_1k_tok_s_async_{not overlapped}", decode_b1(), args.out)
+    core.async_scheduling = overlapped
+    for key, value in decode_profile(llm, prompt).items():
+        report(result, key, value, args.out)
 
     # (b) one 8k-token prefill.
     long_prompt = random_prompts(1, 8192, vocab, seed=2)

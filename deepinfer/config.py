@@ -77,6 +77,9 @@ class SchedulerConfig:
     # Structured output: a request whose grammar is not compiled within this many seconds fails
     # (alone); a request may set a shorter or longer limit of its own.
     structured_outputs_compile_timeout_s: float = 30.0
+    # Overlapped scheduling (vLLM's flag name): plan and launch step N+1 while the device runs step
+    # N. None: on with CUDA (without speculative decoding), off on the CPU. See engine/core.py.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

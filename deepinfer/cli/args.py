@@ -18,7 +18,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 continue
             flag = "--" + f.name.replace("_", "-")
             hint = str(hints[f.name])
-            if hint == "bool":
+            if hint in ("bool", "bool | None", "typing.Optional[bool]"):   # None: decided at start-up
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 kind = int if "int" in hint else float if "float" in hint else str

@@ -1,11 +1,27 @@
 """The engine core: model runner + KV manager + scheduler, stepped in a loop.
 
+Plain loop (`async_scheduling=False`):
+
     step():  plan = scheduler.schedule()
              plan.grammar_bitmask = <start filling the structured-output masks in a worker>
              result = runner.execute(plan)          # the runner applies the masks before sampling
              return scheduler.update(plan, result)
 
-The offline `LLM` drives it in-process; the server (a later issue) runs it in its own process.
+Overlapped loop (`async_scheduling=True`, the default on CUDA): the host plans and queues the
+forward of step N+1 while the device still runs step N, applies N's result while N+1's forward
+runs, and only then queues N+1's sampling, so grammar masks and penalties see N's token:
+
+    step():  plan = scheduler.schedule()            # N's sampled tokens count as known
+             forward = runner.forward(plan)         # queued behind N; inputs from N's device tokens
+             outputs = scheduler.update(*in_flight) # waits for N only; matchers advance
+             plan.grammar_bitmask = <fill the masks for N+1>
+             in_flight = (plan, runner.sample(forward, plan.grammar_bitmask))
+
+Both loops give identical tokens. The overlapped one finds a stop one step late: a request
+that stopped on N's token has its N+1 chunk computed and that result ignored. Speculative
+decoding runs the plain loop: which drafts to verify depends on the previous step's tokens.
+
+The offline `LLM` drives it in-process; the server runs it in its own process.
 """
 
 from __future__ import annotations
@@ -15,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
-from deepinfer.engine.plan import EngineCoreOutput
+from deepinfer.engine.plan import EngineCoreOutput, SchedulerPlan
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
@@ -23,7 +39,7 @@ from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.spec_decode import SpecDecodeStats, build_speculative_decoder
-from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +84,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(
             source.tokenizer, hf_config["vocab_size"], f"{source.path}:{source.tokenizer.vocab_size}",
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s)
+        self.async_scheduling = resolve_async_scheduling(config, self.platform.name)
+        self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
 
     def add_request(self, request: Request) -> None:
         constraint = request.sampling_params.structured_outputs
@@ -79,12 +97,14 @@ class EngineCore:
         return self.scheduler.abort(request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
         failed = self.scheduler.poll_grammars()
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids:
+            if self._in_flight is not None:
+                return failed + self._apply_in_flight()
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 # Capacity is checked at start-up, so this means a bug, not a busy engine: fail
                 # loudly rather than spin.
@@ -93,16 +113,35 @@ class EngineCore:
                 # Nothing to compute but compiles in flight: sleep on one instead of spinning.
                 self.scheduler.waiting_for_grammar[0].grammar.wait(GRAMMAR_IDLE_WAIT_S)
             return failed
+        outputs = failed
+        if not self.async_scheduling:
+            # The masks fill in a worker while the forward runs.
+            plan.grammar_bitmask = self._start_bitmask(plan)
+            start = time.perf_counter()
+            result = self.runner.execute(plan)
+            if self.spec is not None:   # the result is on the host: the step has finished
+                self.spec.observe_step(plan.chunks, time.perf_counter() - start)
+            return outputs + self.scheduler.update(plan, result)
+        forward = self.runner.forward(plan)
+        if self._in_flight is not None:
+            outputs += self._apply_in_flight()   # the device runs `forward` meanwhile
+        plan.grammar_bitmask = self._start_bitmask(plan)
+        self._in_flight = (plan, self.runner.sample(forward, plan.grammar_bitmask))
+        return outputs
+
+    def _start_bitmask(self, plan: SchedulerPlan):
+        """Start filling the structured-output masks of the plan's sampled, constrained requests
+        (not of those that stopped since it was made: their matcher is done)."""
         requests = self.scheduler.requests
-        plan.grammar_bitmask = self.structured.start_bitmask(
-            {c.request_id: requests[c.request_id].grammar for c in plan.chunks
-             if c.sample and requests[c.request_id].grammar is not None},
-            {c.request_id: c.spec_token_ids for c in plan.chunks if c.spec_token_ids})
-        start = time.perf_counter()
-        result = self.runner.execute(plan)
-        if self.spec is not None:   # the runner returns host lists, so the step has finished
-            self.spec.observe_step(plan.chunks, time.perf_counter() - start)
-        return failed + self.scheduler.update(plan, result)
+        constrained = [c for c in plan.chunks
+                       if c.sample and c.request_id in requests and requests[c.request_id].grammar is not None]
+        return self.structured.start_bitmask({c.request_id: requests[c.request_id].grammar for c in constrained},
+                                             {c.request_id: c.spec_token_ids for c in constrained if c.spec_token_ids})
+
+    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+        plan, launched = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update(plan, self.runner.collect(launched))
 
     def check_idle(self) -> None:
         """With no request left, every KV block must be free: log any that is not (a leak)."""
@@ -116,6 +155,18 @@ class EngineCore:
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters],
                            self.spec.stats.copy() if self.spec is not None else None)
+
+
+def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:
+    """None (the default): overlapped on CUDA, where the host has a device to run ahead of; plain
+    on the CPU, where the forward runs on the host and nothing overlaps."""
+    wanted = config.scheduler.async_scheduling
+    if wanted and config.speculative is not None:
+        raise ValueError("async_scheduling does not combine with speculative_config: verifying drafts "
+                         "needs the previous step's tokens on the host (set async_scheduling=False)")
+    if wanted is None:
+        return platform_name == "cuda" and config.speculative is None
+    return wanted
 
 
 def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig) -> int:

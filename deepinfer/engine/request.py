@@ -51,7 +51,13 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
+    # Positions whose KV is computed or scheduled: advanced when a chunk is scheduled, so that
+    # with overlapped scheduling the next step can be planned before this one's result is in.
     num_computed_tokens: int = 0
+    # Overlapped scheduling: positions and sampled tokens of chunks scheduled in steps whose
+    # result the scheduler has not applied yet (always 0 between steps of the plain loop).
+    num_tokens_in_flight: int = 0
+    num_samples_in_flight: int = 0
     num_cached_tokens: int = 0    # prefix-cache hit at first admission (reported as usage)
     block_ids: list[list[int]] = field(default_factory=list)   # one block table per layer group
     block_hashes: list[bytes] = field(default_factory=list)    # of every full block of all_token_ids
@@ -81,6 +87,11 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_kv_ready_tokens(self) -> int:
+        """Positions whose KV was written by steps whose result has been applied."""
+        return self.num_computed_tokens - self.num_tokens_in_flight
 
     @property
     def sort_key(self) -> tuple[int, int]:

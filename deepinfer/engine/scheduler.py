@@ -12,6 +12,11 @@ slow compile delays that request alone.
 Speculative decoding (spec_decode/) is the same rule with a longer target: a generating request
 may also compute draft tokens, which the runner verifies; after the step its num_computed_tokens
 counts only the accepted ones, and KV blocks past its known tokens go back to the pool.
+Overlapped scheduling (engine/core.py) plans step N+1 before step N's result is applied: a
+request whose token is still being sampled on the device counts it as known
+(`num_samples_in_flight`), so it is scheduled to compute that token's position, whose id the
+runner takes from the device. A request stopped by that token is found one step late; its extra
+chunk is dropped or its result ignored.
 """
 
 from __future__ import annotations
@@ -116,8 +121,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(self._target(request) - request.num_computed_tokens, budget)
+            if num_new <= 0 or self._at_length_limit(request, request.num_samples_in_flight):
                 i += 1
                 continue
             spec = drafts.get(request.request_id, [])[:budget - num_new]
@@ -139,6 +144,10 @@ class Scheduler:
         # 2. Waiting requests in policy order, while budget, slots and blocks last.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_tokens_in_flight:
+                # Preempted while a step of it is still in flight: readmit it once that step's
+                # result has been applied (and ignored), so no stale result meets the new chunks.
+                break
             hit_blocks, num_hit = self.kv.find_prefix_hit(request)
             num_new = request.num_tokens - num_hit
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -169,19 +178,29 @@ class Scheduler:
         return SchedulerPlan(new_requests, chunks, finished,
                              self.config.max_num_batched_tokens - budget)
 
+    @staticmethod
+    def _target(request: Request) -> int:
+        """Tokens the request has, counting those still being sampled on the device."""
+        return request.num_tokens + request.num_samples_in_flight
+
     def _chunk(self, request: Request, num_new: int, spec: list[int] | None = None) -> ScheduledChunk:
         start = request.num_computed_tokens
         request.spec_token_ids = spec or []
-        return ScheduledChunk(
+        chunk = ScheduledChunk(
             request_id=request.request_id,
             start=start,
             num_tokens=num_new + len(request.spec_token_ids),   # drafts ride after the known tokens
             block_ids=[list(ids) for ids in request.block_ids],
-            sample=start + num_new == request.num_tokens,
+            sample=start + num_new == self._target(request),
             prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                              and start < request.num_prompt_tokens),
             spec_token_ids=request.spec_token_ids,
         )
+        # Drafts count as computed only once accepted (update); the known tokens count now.
+        request.num_computed_tokens += num_new
+        request.num_tokens_in_flight += num_new
+        request.num_samples_in_flight += chunk.sample
+        return chunk
 
     def _pick_victim(self, exclude: set[str]) -> Request:
         """The running request to preempt: lowest priority, then latest arrival."""
@@ -224,11 +243,13 @@ class Scheduler:
         now = time.monotonic()
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+            if request is None:
+                continue  # finished or aborted while the step ran
             num_spec = len(chunk.spec_token_ids)
-            # Drafts count as computed only once accepted (below): publish known tokens' blocks only.
-            request.num_computed_tokens += chunk.num_tokens - num_spec
+            request.num_tokens_in_flight -= chunk.num_tokens - num_spec
+            request.num_samples_in_flight -= chunk.sample
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted after this step was scheduled: it recomputes instead
             if not num_spec:
                 self.kv.cache_computed_blocks(request)
             prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
@@ -282,9 +303,15 @@ class Scheduler:
         if params.stop_token_ids and token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if self._at_length_limit(request):
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _at_length_limit(self, request: Request, extra_tokens: int = 0) -> bool:
+        """Whether the request stops for length once it has `extra_tokens` more output tokens."""
+        num_output = request.num_output_tokens + extra_tokens
+        return (num_output >= request.sampling_params.min_tokens
+                and (num_output >= request.max_tokens or request.num_tokens + extra_tokens >= self.max_model_len))
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if self.spec is not None:

@@ -110,7 +110,9 @@ class KVCacheManager:
         """Publish the hashes of blocks that became full and computed in the last step."""
         if not self.enable_prefix_caching or request.skip_prefix_cache:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        # Only blocks whose KV a finished step wrote: with overlapped scheduling the next step
+        # is already scheduled, and it may yet be dropped (its request finished).
+        num_full = min(request.num_kv_ready_tokens // self.block_size, len(request.block_hashes))
         for g, ids in enumerate(request.block_ids):
             for i in range(request.num_published_blocks, num_full):
                 if ids[i] != NULL_BLOCK_ID:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.outputs import Logprob
+from deepinfer.platforms.transfer import to_host_async
 
 # Bound on the float32 scratch of one chunk of prompt positions (elements, i.e. 256 MiB), so
 # prompt_logprobs over a long prompt and a large vocabulary never materialises all at once.
@@ -45,30 +46,64 @@ class TopLogprobs:
         return out
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                 num_top: list[int]) -> list[TopLogprobs]:
-    """Raw logprobs for each row of `logits` [rows, vocab] at `token_ids` [rows].
+@dataclass
+class LogprobTensors:
+    """The tensors behind a list of TopLogprobs, before they become Python numbers.
+
+    Kept apart so that a step can start the device-to-host copy (`to_host`) and read the
+    numbers later (`tolist`), without waiting on the device in between (overlapped scheduling).
+    """
+
+    token_ids: torch.Tensor     # [rows]
+    chosen: torch.Tensor        # [rows] logprob of token_ids
+    ranks: torch.Tensor         # [rows]
+    top_ids: torch.Tensor | None      # [rows, k_max], None when no row wants a top-k
+    top_values: torch.Tensor | None
+    wanted: list[int]           # per row: how many of the top entries it wants
+
+    def to_host(self) -> LogprobTensors:
+        """Copies on the host, started without waiting (pinned memory); valid once the step's
+        device work is done (the runner waits on its event before `tolist`)."""
+        return LogprobTensors(*(None if t is None else to_host_async(t) for t in
+                                (self.token_ids, self.chosen, self.ranks, self.top_ids, self.top_values)),
+                              self.wanted)
+
+    def tolist(self) -> list[TopLogprobs]:
+        if self.top_ids is not None:
+            top_ids, top_values = self.top_ids.tolist(), self.top_values.tolist()
+        else:
+            top_ids = top_values = [[] for _ in self.wanted]
+        return [
+            TopLogprobs(token_id=tid, logprob=lp, rank=rank, top_token_ids=ids[:k], top_logprobs=values[:k])
+            for tid, lp, rank, ids, values, k in zip(
+                self.token_ids.tolist(), self.chosen.tolist(), self.ranks.tolist(), top_ids, top_values,
+                self.wanted)
+        ]
+
+
+def top_logprob_tensors(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> LogprobTensors:
+    """Raw logprobs for each row of `logits` [rows, vocab] at `token_ids` [rows], on the device.
 
     num_top[i] is how many top entries row i wants (-1 = the whole vocabulary).
     """
     vocab_size = logits.shape[-1]
     logprobs = logits.to(torch.float32).log_softmax(dim=-1)
-    chosen = logprobs.gather(1, token_ids.view(-1, 1).to(logprobs.device)).squeeze(1)
+    token_ids = token_ids.view(-1).to(logprobs.device)
+    chosen = logprobs.gather(1, token_ids.view(-1, 1)).squeeze(1)
     # rank = 1 + number of tokens strictly more likely; ties share the better rank.
     ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
     wanted = [vocab_size if k == -1 else min(k, vocab_size) for k in num_top]
     k_max = max(wanted, default=0)
+    top_values = top_ids = None
     if k_max > 0:
         top_values, top_ids = logprobs.topk(k_max, dim=-1)
-        top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    else:
-        top_values = top_ids = [[] for _ in wanted]
-    return [
-        TopLogprobs(token_id=tid, logprob=lp, rank=rank,
-                    top_token_ids=ids[:k], top_logprobs=values[:k])
-        for tid, lp, rank, ids, values, k in zip(
-            token_ids.tolist(), chosen.tolist(), ranks.tolist(), top_ids, top_values, wanted)
-    ]
+    return LogprobTensors(token_ids, chosen, ranks, top_ids, top_values, wanted)
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                 num_top: list[int]) -> list[TopLogprobs]:
+    """Raw logprobs for each row of `logits` [rows, vocab] at `token_ids` [rows], as Python objects."""
+    return top_logprob_tensors(logits, token_ids, num_top).tolist()
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer.platforms.transfer import to_device
+
 
 def _flat_index(row_ids: Sequence[int], token_lists: Sequence[Sequence[int]], vocab_size: int,
                 device: torch.device) -> torch.Tensor:
@@ -20,7 +22,7 @@ def _flat_index(row_ids: Sequence[int], token_lists: Sequence[Sequence[int]], vo
     tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long)
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
     rows = torch.repeat_interleave(torch.tensor(list(row_ids), dtype=torch.long), lengths)
-    return (rows * vocab_size + tokens).to(device, non_blocking=True)
+    return to_device(rows * vocab_size + tokens, device)
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, row_ids: Sequence[int],
@@ -30,7 +32,7 @@ def apply_allowed_token_ids(logits: torch.Tensor, row_ids: Sequence[int],
     keep = torch.zeros(logits.numel(), dtype=torch.bool, device=logits.device)
     keep[_flat_index(row_ids, allowed, vocab_size, logits.device)] = True
     keep = keep.view_as(logits)
-    rows = torch.tensor(list(row_ids), dtype=torch.long, device=logits.device)
+    rows = to_device(list(row_ids), logits.device, torch.long)
     # Only the listed rows are restricted; the others keep their whole vocabulary.
     restricted = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     restricted[rows] = True
@@ -42,8 +44,7 @@ def apply_logit_bias(logits: torch.Tensor, row_ids: Sequence[int],
     """Add each row's {token_id: bias} to its logits."""
     vocab_size = logits.shape[-1]
     index = _flat_index(row_ids, [list(b) for b in biases], vocab_size, logits.device)
-    values = torch.tensor([v for b in biases for v in b.values()], dtype=logits.dtype,
-                          device=logits.device)
+    values = to_device([v for b in biases for v in b.values()], logits.device, logits.dtype)
     logits.view(-1).index_add_(0, index, values)
 
 
@@ -71,7 +72,7 @@ def apply_penalties(logits: torch.Tensor, row_ids: Sequence[int],
     vocab_size = logits.shape[-1]
     num = len(row_ids)
     local = list(range(num))
-    rows = torch.tensor(list(row_ids), dtype=torch.long, device=device)
+    rows = to_device(list(row_ids), device, torch.long)
     sub = logits[rows]  # a copy of just these rows; written back at the end
 
     # counts[i, t] = how often row i generated token t.
@@ -81,15 +82,15 @@ def apply_penalties(logits: torch.Tensor, row_ids: Sequence[int],
     counts = counts.view(num, vocab_size)
     generated = counts > 0
 
-    rep = torch.tensor(list(repetition), dtype=torch.float32, device=device)[:, None]
-    if bool((rep != 1).any()):
+    rep = to_device(list(repetition), device, torch.float32)[:, None]
+    if any(r != 1 for r in repetition):   # decided on the host: no wait for the device
         seen = torch.zeros(num * vocab_size, dtype=torch.bool, device=device)
         seen[_flat_index(local, prompt_token_ids, vocab_size, device)] = True
         seen = seen.view(num, vocab_size) | generated
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalized, sub)
 
-    freq = torch.tensor(list(frequency), dtype=torch.float32, device=device)[:, None]
-    pres = torch.tensor(list(presence), dtype=torch.float32, device=device)[:, None]
+    freq = to_device(list(frequency), device, torch.float32)[:, None]
+    pres = to_device(list(presence), device, torch.float32)[:, None]
     sub = sub - freq * counts - pres * generated.to(torch.float32)
     logits[rows] = sub

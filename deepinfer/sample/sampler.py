@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.sample import penalties
-from deepinfer.sample.logprobs import TopLogprobs, top_logprobs
+from deepinfer.platforms.transfer import to_device, to_host_async
+from deepinfer.sample.logprobs import LogprobTensors, TopLogprobs, top_logprob_tensors
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -56,6 +57,28 @@ class SamplerOutput:
     logprobs: list[TopLogprobs | None]
 
 
+@dataclass
+class DeviceSample:
+    """A sampler's result still on the device: nothing in it has waited for the device."""
+
+    token_ids: torch.Tensor               # [rows] int64
+    logprob_rows: list[int]               # the rows that asked for logprobs
+    logprobs: LogprobTensors | None       # their entries, in that order
+
+    def to_host(self) -> DeviceSample:
+        """Start the device-to-host copies (see logprobs.to_host_async)."""
+        return DeviceSample(to_host_async(self.token_ids), self.logprob_rows,
+                            None if self.logprobs is None else self.logprobs.to_host())
+
+    def tolist(self) -> SamplerOutput:
+        """Python values (waits for the device where the tensors still live there)."""
+        logprobs: list[TopLogprobs | None] = [None] * len(self.token_ids)
+        if self.logprobs is not None:
+            for row, entry in zip(self.logprob_rows, self.logprobs.tolist()):
+                logprobs[row] = entry
+        return SamplerOutput(self.token_ids.tolist(), logprobs)
+
+
 def _needs_edit(params: SamplingParams, row: SamplingRow) -> bool:
     """True when steps 1-3 change this row's logits."""
     return (params.logit_bias is not None or params.allowed_token_ids is not None
@@ -67,6 +90,11 @@ class Sampler:
     """Stateless: all per-request state arrives in the rows (and their generators)."""
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).tolist()
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> DeviceSample:
+        """Sample every row without waiting for the device (the runner copies the result back
+        while the next step is prepared)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
@@ -78,7 +106,8 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             token_ids = self._sample(logits, rows)
-        return SamplerOutput(token_ids.tolist(), self._logprobs(logits, rows, token_ids))
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        return DeviceSample(token_ids, wanted, self._logprobs(logits, rows, token_ids, wanted))
 
     # ----------------------------------------------------------------------- general path
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -92,7 +121,7 @@ class Sampler:
             return self._sample_random(x, rows)
         token_ids = x.argmax(dim=-1)  # greedy rows: argmax of the edited logits
         if random_rows:
-            index = torch.tensor(random_rows, dtype=torch.long, device=x.device)
+            index = to_device(random_rows, x.device, torch.long)
             token_ids[index] = self._sample_random(x[index], [rows[i] for i in random_rows])
         return token_ids
 
@@ -155,18 +184,12 @@ class Sampler:
 
     # --------------------------------------------------------------------------- logprobs
     @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow],
-                  token_ids: torch.Tensor) -> list[TopLogprobs | None]:
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        result: list[TopLogprobs | None] = [None] * len(rows)
+    def _logprobs(logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor,
+                  wanted: list[int]) -> LogprobTensors | None:
         if not wanted:
-            return result
-        index = torch.tensor(wanted, dtype=torch.long, device=logits.device)
-        computed = top_logprobs(logits[index], token_ids[index],
-                                [rows[i].params.logprobs for i in wanted])
-        for i, entry in zip(wanted, computed):
-            result[i] = entry
-        return result
+            return None
+        index = to_device(wanted, logits.device, torch.long)
+        return top_logprob_tensors(logits[index], token_ids[index], [rows[i].params.logprobs for i in wanted])
 
 
 def sampling_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -176,7 +199,7 @@ def sampling_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     device = x.device
     temps = [row.params.temperature for row in rows]
     if any(t != 1.0 for t in temps):
-        x = x / torch.tensor(temps, dtype=torch.float32, device=device)[:, None]
+        x = x / to_device(temps, device, torch.float32)[:, None]
     top_k = [row.params.top_k for row in rows]
     top_p = [row.params.top_p for row in rows]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -184,7 +207,7 @@ def sampling_probs(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor
     probs = x.softmax(dim=-1)
     min_p = [row.params.min_p for row in rows]
     if any(m > 0 for m in min_p):
-        threshold = torch.tensor(min_p, dtype=torch.float32, device=device) * probs.max(dim=-1).values
+        threshold = to_device(min_p, device, torch.float32) * probs.max(dim=-1).values
         # Rows with min_p = 0 have threshold 0, which removes nothing.
         probs = probs.masked_fill(probs < threshold[:, None], 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -203,8 +226,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int],
     """
     vocab_size = logits.shape[-1]
     device = logits.device
-    k = torch.tensor([vocab_size if v <= 0 else min(v, vocab_size) for v in top_k],
-                     dtype=torch.long, device=device)
+    k = to_device([vocab_size if v <= 0 else min(v, vocab_size) for v in top_k], device, torch.long)
     if all(p >= 1.0 for p in top_p):
         # Top-k only: a partial top-k is much cheaper than sorting the whole vocabulary.
         k_max = min(vocab_size, max((v for v in top_k if v > 0), default=vocab_size))
@@ -217,7 +239,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Sequence[int],
     kth = sorted_logits.gather(1, (k - 1)[:, None])
     sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
 
-    p = torch.tensor(list(top_p), dtype=torch.float32, device=device)
+    p = to_device(list(top_p), device, torch.float32)
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs
     # Rows with top_p = 1 are exempt: float rounding can push `before` past 1.0 in a long

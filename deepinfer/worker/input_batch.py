@@ -19,6 +19,7 @@ import torch
 from deepinfer.engine.plan import ScheduledChunk
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.layers.attention.metadata import AttentionMetadata, GroupMetadata
+from deepinfer.platforms.transfer import to_device
 
 
 @dataclass
@@ -72,7 +73,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
     positions = np.concatenate(pos_parts) if pos_parts else np.zeros(0, dtype=np.int64)
 
     def to_dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(a).to(device, non_blocking=True)
+        return to_device(torch.from_numpy(a), device)   # queued: the device may be busy
 
     group_meta = []
     for group in groups:

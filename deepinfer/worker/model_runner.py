@@ -4,12 +4,21 @@ Construction reads top to bottom in the order of the work: build the model -> lo
 size the KV pool from the memory budget -> allocate the KV tensors. `execute(plan)` keeps a
 small state per request (its token ids, sampling params, RNG), builds the step's inputs, runs
 the forward, samples, and returns a `RunnerResult`.
+
+`execute(plan)` runs three parts in a row; overlapped scheduling (engine/core.py) calls them
+apart, and none of the first two waits for the device:
+  forward(plan)          queue the forward and the logits of the rows to sample
+  sample(step, masks)    queue sampling (grammar masks and penalties see every earlier token)
+                         and the copy of the tokens to the host
+  collect(launched)      wait for that step alone, return its RunnerResult
+Until collected, each sampled token is a PLACEHOLDER in the request's token list; a forward that
+needs it as input takes it from the device tensor of the step before.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,10 +31,11 @@ from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
 from deepinfer.sample.logprobs import compute_prompt_logprobs
-from deepinfer.sample.sampler import Sampler, SamplingRow
+from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.runner_ops import verify_chunks
-from deepinfer.worker.input_batch import build_step_inputs
+from deepinfer.platforms.transfer import to_device
+from deepinfer.worker.input_batch import StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
     from deepinfer.worker.cuda_graphs import DecodeGraphs
@@ -33,6 +43,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A sampled token whose value is still on the device (see the module docstring).
+PLACEHOLDER = -1
 
 
 @dataclass
@@ -43,6 +55,28 @@ class RunnerRequestState:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
+    num_placeholders: int = 0     # trailing sampled tokens not collected yet (overlapped scheduling)
+
+
+@dataclass
+class ForwardStep:
+    """A step whose forward is queued: what sampling needs from it."""
+
+    plan: SchedulerPlan
+    inputs: StepInputs | None             # None: nothing to compute
+    hidden: torch.Tensor | None           # None when a CUDA graph ran (it returns logits only)
+    sample_rows: list[int]                # rows of inputs.chunks sampled this step
+    logits: torch.Tensor | None           # [len(sample_rows), vocab]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued; `ModelRunner.collect` turns it into a RunnerResult."""
+
+    result: RunnerResult                  # what is known on the host already (verify, prompt logprobs)
+    sampled_request_ids: list[str] = field(default_factory=list)   # one per sampled row
+    sample: DeviceSample | None = None    # host copies under way
+    done: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already done
 
 
 class ModelRunner:
@@ -97,6 +131,8 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
+        # The last launched step's sampled tokens (device) and each request's row in them.
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if self.attention_backend == "triton":
             from deepinfer.worker.cuda_graphs import DecodeGraphs   # imports triton: CUDA only
@@ -166,15 +202,18 @@ class ModelRunner:
         return max(budget // self.bytes_per_block, 2)
 
     # ------------------------------------------------------------------------------- execute
-    @torch.inference_mode()
     def execute(self, plan: SchedulerPlan) -> RunnerResult:
+        return self.collect(self.sample(self.forward(plan), plan.grammar_bitmask))
+
+    @torch.inference_mode()
+    def forward(self, plan: SchedulerPlan) -> ForwardStep:
+        """Queue the step's forward and the logits of its sampled rows."""
         for request_id in plan.finished_request_ids:
             self.requests.pop(request_id, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
-        result = RunnerResult(sampled_token_ids={})
         if plan.is_empty:
-            return result
+            return ForwardStep(plan, None, None, [], None)
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
         graphs = self.decode_graphs
@@ -186,44 +225,103 @@ class ModelRunner:
         inputs = build_step_inputs(plan.chunks, token_ids, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device,
                                    backend=self.attention_backend, decode_splits=decode_splits)
+        self._fill_placeholders(inputs)
+        hidden = logits = None
+        sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample and not c.spec_token_ids]
         if use_graph:
-            hidden = None
             all_logits = graphs.run(inputs)    # one-token rows only: logits for every row
+            if sample_rows:   # keep the sampled rows'
+                logits = all_logits if len(sample_rows) == len(inputs.chunks) else all_logits[sample_rows]
         else:
             with forward_context(inputs.attention):
                 hidden = self.model(inputs.input_ids, inputs.positions)
-
-        sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample and not c.spec_token_ids]
-        if sample_rows:
-            if use_graph:   # the graph computed every row's logits; keep the sampled rows'
-                logits = all_logits if len(sample_rows) == len(inputs.chunks) else all_logits[sample_rows]
-            else:
-                index = torch.tensor([inputs.last_token_index[i] for i in sample_rows], device=self.device)
+            if sample_rows:
+                index = to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
                 logits = self.model.compute_logits(hidden[index])
-            if plan.grammar_bitmask is not None:   # structured output: disallowed tokens -> -inf
-                plan.grammar_bitmask.apply(logits, [inputs.chunks[i].request_id for i in sample_rows])
-            rows = [self._sampling_row(inputs.chunks[i].request_id) for i in sample_rows]
-            sampled = self.sampler(logits, rows)
-            for row, i in enumerate(sample_rows):
-                request_id = inputs.chunks[i].request_id
-                token = sampled.token_ids[row]
+        return ForwardStep(plan, inputs, hidden, sample_rows, logits)
+
+    @torch.inference_mode()
+    def sample(self, step: ForwardStep, grammar_bitmask=None) -> LaunchedStep:
+        """Queue sampling after a forward; returns without waiting for the device (except for
+        draft verification and prompt logprobs, which need host values at once)."""
+        launched = LaunchedStep(RunnerResult(sampled_token_ids={}))
+        result, inputs = launched.result, step.inputs
+        if inputs is None:
+            return launched
+        if step.sample_rows:
+            logits = step.logits
+            request_ids = [inputs.chunks[i].request_id for i in step.sample_rows]
+            if grammar_bitmask is not None:   # structured output: disallowed tokens -> -inf
+                grammar_bitmask.apply(logits, request_ids)
+            # Every earlier step is collected by now, so penalties and seeds see real tokens.
+            # (A request that stopped on the last collected token is sampled once more here;
+            # the scheduler ignores that token.)
+            assert all(self.requests[r].num_placeholders == 0 for r in request_ids), "sampling before collecting"
+            sample = self.sampler.sample(logits, [self._sampling_row(r) for r in request_ids])
+            for request_id in request_ids:
                 state = self.requests[request_id]
-                state.token_ids.append(token)
-                state.output_token_ids.append(token)
-                result.sampled_token_ids[request_id] = [token]
-                if sampled.logprobs[row] is not None:
-                    result.logprobs[request_id] = [sampled.logprobs[row].to_dict()]
+                state.token_ids.append(PLACEHOLDER)
+                state.output_token_ids.append(PLACEHOLDER)
+                state.num_placeholders += 1
+            self._last_sampled = (sample.token_ids, {r: row for row, r in enumerate(request_ids)})
+            launched.sampled_request_ids = request_ids
+            launched.sample = sample.to_host()
 
         verify_rows = [i for i, c in enumerate(inputs.chunks) if c.spec_token_ids]
         if verify_rows:   # speculative decoding: sample at every draft position, keep what passes
             verify_chunks(self, [inputs.chunks[i] for i in verify_rows],
-                          [inputs.last_token_index[i] for i in verify_rows], hidden, result, plan.grammar_bitmask)
+                          [inputs.last_token_index[i] for i in verify_rows], step.hidden, result, grammar_bitmask)
 
         for i, chunk in enumerate(inputs.chunks):
             if chunk.prompt_logprobs:
                 result.prompt_logprobs[chunk.request_id] = self._prompt_logprobs(
-                    chunk, hidden, inputs.last_token_index[i])
+                    chunk, step.hidden, inputs.last_token_index[i])
+        if self.platform.name == "cuda":
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        return launched
+
+    def collect(self, launched: LaunchedStep) -> RunnerResult:
+        """Wait for a launched step and return its result; the requests' placeholders for its
+        tokens get their values."""
+        result = launched.result
+        if launched.sample is None:
+            return result
+        if launched.done is not None:
+            launched.done.synchronize()   # this step only; a step launched after it keeps running
+        sampled = launched.sample.tolist()
+        for row, request_id in enumerate(launched.sampled_request_ids):
+            token = sampled.token_ids[row]
+            result.sampled_token_ids[request_id] = [token]
+            if sampled.logprobs[row] is not None:
+                result.logprobs[request_id] = [sampled.logprobs[row].to_dict()]
+            state = self.requests.get(request_id)
+            if state is not None:   # else dropped since (finished, preempted): nothing to fill
+                # Steps are collected in launch order, so this step's token is the oldest placeholder.
+                state.token_ids[len(state.token_ids) - state.num_placeholders] = token
+                state.output_token_ids[len(state.output_token_ids) - state.num_placeholders] = token
+                state.num_placeholders -= 1
         return result
+
+    def _fill_placeholders(self, inputs) -> None:
+        """Input tokens sampled by the previous step but not collected yet: copy them from its
+        device tensor (a device-side gather, so the host never waits for them)."""
+        rows, sources = [], []
+        for i, chunk in enumerate(inputs.chunks):
+            state = self.requests[chunk.request_id]
+            if not state.num_placeholders:
+                continue
+            known_end = chunk.start + chunk.num_tokens - len(chunk.spec_token_ids)
+            if known_end <= len(state.token_ids) - state.num_placeholders:
+                continue
+            # Only the last launched step can be uncollected when another launches, and a request
+            # samples one token per step: one placeholder, the chunk's last known token.
+            assert state.num_placeholders == 1 and known_end == len(state.token_ids), "placeholder out of order"
+            rows.append(inputs.last_token_index[i] - len(chunk.spec_token_ids))
+            sources.append(self._last_sampled[1][chunk.request_id])
+        if rows:
+            tokens = self._last_sampled[0]
+            inputs.input_ids[to_device(rows, self.device, torch.long)] = tokens[to_device(sources, self.device, torch.long)]
 
     def _new_state(self, new: NewRequestData) -> RunnerRequestState:
         generator = None
@@ -250,7 +348,7 @@ class ModelRunner:
         entries: list = [None] if chunk.start == 0 else []
         if end > chunk.start:
             rows = hidden[first_index:first_index + (end - chunk.start)]
-            targets = torch.tensor(state.token_ids[chunk.start + 1:end + 1], device=self.device)
+            targets = to_device(state.token_ids[chunk.start + 1:end + 1], self.device, torch.long)
             logits = self.model.compute_logits(rows)
             entries += [t.to_dict() for t in compute_prompt_logprobs(logits, targets, state.params.prompt_logprobs)]
         return entries

@@ -17,6 +17,8 @@ from concurrent.futures import Future
 
 import torch
 
+from deepinfer.platforms.transfer import to_device
+
 
 class StepBitmask:
     def __init__(self, rows: dict[str, int], bitmask: torch.Tensor, blocked: Future) -> None:
@@ -31,13 +33,13 @@ class StepBitmask:
         logit_rows = [i for i, rid in enumerate(request_ids) if rid in self.rows]
         if not logit_rows:
             return
-        blocked = self._blocked.result().to(logits.device)   # re-raises a failed fill here
+        blocked = to_device(self._blocked.result(), logits.device)   # re-raises a failed fill here
         mask_rows = [self.rows[request_ids[i]] for i in logit_rows]
         if logit_rows == list(range(logits.shape[0])) and mask_rows == list(range(blocked.shape[0])):
             logits.masked_fill_(blocked, float("-inf"))   # every row constrained, same order
             return
-        index = torch.tensor(logit_rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(blocked[torch.tensor(mask_rows)], float("-inf"))
+        index = to_device(logit_rows, logits.device, torch.long)
+        logits[index] = logits[index].masked_fill(blocked[to_device(mask_rows, logits.device, torch.long)], float("-inf"))
 
 
 # _BYTE_BITS[b, j] is bit j of byte b: unpacking a byte is one table lookup.

