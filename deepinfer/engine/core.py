@@ -83,7 +83,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec)
         self.structured = StructuredOutputManager(
             source.tokenizer, hf_config["vocab_size"], f"{source.path}:{source.tokenizer.vocab_size}",
-            compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s)
+            compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s,
+            unpack_on_host=self.platform.name == "cpu")
         self.async_scheduling = resolve_async_scheduling(config, self.platform.name)
         self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
 

@@ -113,6 +113,35 @@ def test_step_bitmask_masks_only_constrained_rows():
     assert torch.isinf(every).sum() == 14
 
 
+@pytest.mark.parametrize("unpack_on_host", [True, False], ids=["unpacked-in-worker", "packed-to-device"])
+def test_batched_fill_masks_like_one_row_at_a_time(unpack_on_host):
+    """Several rows filled by xgrammar's batch matcher (and, as on a GPU, left packed until
+    apply) mask exactly what each grammar allows on its own; a draft chain's rows too."""
+    m = StructuredOutputManager(tiny_tokenizer(), 40, "tiny", compile_timeout_s=30, unpack_on_host=unpack_on_host)
+    try:
+        ids = {w: WORDS.index(w) for w in WORDS}
+        grammars = {"r0": ready_grammar(m, regex="(ab|a)c"), "r1": ready_grammar(m, choice=["ba", "c"]),
+                    "r2": ready_grammar(m, choice=["abc", "acb"])}
+        grammars["r1"].accept(ids["b"])
+        expected = {rid: allowed(g, 40) for rid, g in grammars.items()}
+        chain_grammar = ready_grammar(m, choice=["abc", "acb"])
+        step = m.start_bitmask({**grammars, "chain": chain_grammar}, {"chain": [ids["a"], ids["c"]]})
+        rows = ["r0", "r1", "r2", ("chain", 0), ("chain", 1), ("chain", 2)]
+        logits = torch.zeros(len(rows), 40)
+        step.apply(logits, rows)
+        got = [set(torch.nonzero(~torch.isinf(row)).flatten().tolist()) for row in logits]
+        assert got[:3] == [expected["r0"], expected["r1"], expected["r2"]]
+        reference = ready_grammar(m, choice=["abc", "acb"])   # same grammar, its own matcher
+        chain_expected = [allowed(reference, 40)]
+        for token in (ids["a"], ids["c"]):
+            assert reference.accept(token)
+            chain_expected.append(allowed(reference, 40))
+        assert got[3:] == chain_expected and got[5] == {ids["b"]}
+        assert allowed(chain_grammar, 40) == chain_expected[0]   # the chain's fill rolled back
+    finally:
+        m.shutdown()
+
+
 def test_cache_is_keyed_by_tokenizer_and_canonical_grammar(manager):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}}
     ready_grammar(manager, json=schema)

@@ -7,7 +7,8 @@ rows, which waits for the fill (usually long done) and sets every disallowed log
 before the sampler sees them. Unconstrained rows are untouched.
 
 Thread safety: the fill reads the matchers; the scheduler advances them only in `update`, after
-`runner.execute` returned, and `apply` has waited for the fill by then, so the two never overlap.
+the runner sampled the step (`apply` waited for the fill by then), and the next fill starts
+after that update, so the two never overlap (plain and overlapped loop alike).
 """
 
 from __future__ import annotations
@@ -33,7 +34,11 @@ class StepBitmask:
         logit_rows = [i for i, rid in enumerate(request_ids) if rid in self.rows]
         if not logit_rows:
             return
-        blocked = to_device(self._blocked.result(), logits.device)   # re-raises a failed fill here
+        filled = self._blocked.result()   # re-raises a failed fill here
+        if filled.dtype == torch.int32:   # packed rows (GPU): copy 32x fewer bytes, unpack there
+            blocked = ~unpack_bitmask(to_device(filled, logits.device), logits.shape[-1])
+        else:
+            blocked = to_device(filled, logits.device)
         mask_rows = [self.rows[request_ids[i]] for i in logit_rows]
         if logit_rows == list(range(logits.shape[0])) and mask_rows == list(range(blocked.shape[0])):
             logits.masked_fill_(blocked, float("-inf"))   # every row constrained, same order
@@ -42,8 +47,8 @@ class StepBitmask:
         logits[index] = logits[index].masked_fill(blocked[to_device(mask_rows, logits.device, torch.long)], float("-inf"))
 
 
-# _BYTE_BITS[b, j] is bit j of byte b: unpacking a byte is one table lookup.
-_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+# _BYTE_BITS[b, j] is bit j of byte b: unpacking a byte is one table lookup. One copy per device.
+_BYTE_BITS = {torch.device("cpu"): ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()}
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -55,7 +60,10 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     False for the extra ids: no tokenizer string, never allowed.
     """
     rows = bitmask.shape[0]
-    bits = _BYTE_BITS[bitmask.contiguous().view(torch.uint8).long()].view(rows, -1)
+    table = _BYTE_BITS.get(bitmask.device)
+    if table is None:
+        table = _BYTE_BITS[bitmask.device] = to_device(_BYTE_BITS[torch.device("cpu")], bitmask.device)
+    bits = table[bitmask.contiguous().view(torch.uint8).long()].view(rows, -1)
     if bits.shape[1] >= vocab_size:
         return bits[:, :vocab_size]
     return torch.cat([bits, bits.new_zeros(rows, vocab_size - bits.shape[1])], dim=1)
