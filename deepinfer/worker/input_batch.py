@@ -5,8 +5,10 @@ into one attention call per layer; longer chunks (prefill, or prefill on top of 
 are attended one request at a time. A chunk verifying speculative drafts has its drafts
 (`spec_token_ids`, not yet known to the runner) as its last tokens, and takes the prefill path:
 its queries share one gather of the request's KV (as decode rows, each query would gather its
-own copy, which costs several times more at batch 64 on the CPU). Index arithmetic is done in
-numpy on the host.
+own copy, which costs several times more at batch 64 on the CPU). On the Triton backend the
+kernels read the block tables instead of gathered rows, and long prefill chunks that start at
+position 0 are attended by SDPA's flash kernel over the step's own K/V (FRESH_SDPA_MIN_TOKENS).
+Index arithmetic is done in numpy on the host.
 """
 
 from __future__ import annotations
@@ -21,6 +23,13 @@ from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.layers.attention.metadata import AttentionMetadata, GroupMetadata
 from deepinfer.platforms.transfer import to_device
 
+# Triton backend: a fresh chunk (one that starts at position 0, so this step holds all its K/V)
+# this long or longer attends with SDPA's flash kernel over the step's own K/V; see
+# layers/attention/layer.py. Shorter ones stay in the paged prefill kernel, whose one launch
+# covers every short chunk of the step: a flash call per short chunk would launch fewer
+# programs (128-query tiles x heads) than the GPU has multiprocessors, once per chunk and layer.
+FRESH_SDPA_MIN_TOKENS = 512
+
 
 @dataclass
 class StepInputs:
@@ -34,6 +43,16 @@ class StepInputs:
 
 def _window(group: KVCacheGroup) -> int | None:
     return getattr(group.spec, "sliding_window", None)
+
+
+def _flash_takes(group: KVCacheGroup, device: torch.device) -> bool:
+    """Whether SDPA's flash backend takes this group's K/V as they are. On CUDA it wants fp16 or
+    bf16 and a head size <= 256 (and pads, i.e. copies, one not a multiple of 8); the CPU's flash
+    kernel (Triton's interpreter in tests) takes any."""
+    spec = group.spec
+    if device.type != "cuda":
+        return True
+    return spec.dtype in (torch.float16, torch.bfloat16) and spec.head_size <= 256 and spec.head_size % 8 == 0
 
 
 def _flat_rows(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -52,7 +71,8 @@ def padded_block_table(tables: list[np.ndarray], width: int | None = None) -> np
 def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
                       groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
                       layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                      device: torch.device, backend: str = "reference", decode_splits: int = 1) -> StepInputs:
+                      device: torch.device, backend: str = "reference", decode_splits: int = 1,
+                      fresh_sdpa_min_tokens: int = FRESH_SDPA_MIN_TOKENS) -> StepInputs:
     decodes = [c for c in chunks if c.num_tokens == 1 and not c.prompt_logprobs]
     prefills = [c for c in chunks if not (c.num_tokens == 1 and not c.prompt_logprobs)]
     ordered = decodes + prefills
@@ -83,8 +103,22 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
             [_flat_rows(t, np.arange(c.start, c.start + c.num_tokens), block_size)
              for c, t in zip(ordered, tables)]) if ordered else np.zeros(0, dtype=np.int64)
         if backend == "triton":
-            group_meta.append(GroupMetadata(to_dev(slot_mapping), None, None, [],
-                                            block_table=to_dev(padded_block_table(tables))))
+            # Plain causal SDPA is exact for a fresh chunk only if no window cuts it: the last
+            # query (position n - 1) sees keys > n - 1 - window, i.e. all of them when window >= n.
+            # A window that cuts the chunk would need a mask, and flash takes none.
+            flash = _flash_takes(group, device)
+            sdpa_ranges, kernel_rows = [], []
+            for i, (c, token_range) in enumerate(zip(prefills, prefill_ranges)):
+                if (flash and c.start == 0 and c.num_tokens >= fresh_sdpa_min_tokens
+                        and (not window or window >= c.num_tokens)):
+                    sdpa_ranges.append(token_range)
+                else:
+                    kernel_rows.append(i)
+            group_meta.append(GroupMetadata(
+                to_dev(slot_mapping), None, None, [], block_table=to_dev(padded_block_table(tables)),
+                sdpa_prefill_ranges=sdpa_ranges,
+                kernel_prefill_rows=to_dev(np.array(kernel_rows, dtype=np.int32)) if kernel_rows else None,
+                kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0)))
             continue
 
         decode_gather = decode_bias = None
@@ -121,7 +155,6 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
         attention.seq_lens = to_dev(np.array([c.start + c.num_tokens for c in ordered], dtype=np.int32))
         lengths = [c.num_tokens for c in prefills]
         attention.prefill_query_start = to_dev(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
-        attention.max_prefill_len = max(lengths, default=0)
         attention.num_decode_splits = decode_splits
     return StepInputs(ordered, to_dev(np.asarray(ids, dtype=np.int64)), to_dev(positions),
                       attention, last_index)

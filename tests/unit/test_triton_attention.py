@@ -1,12 +1,16 @@
 """The Triton attention kernels against the reference backend, through the real step inputs.
 
-Random batches mix decodes with prefill chunks on top of cached prefixes, block tables are
-random permutations of the pool, and windows are on or off. Runs on a GPU, or on the CPU under
-Triton's interpreter (TRITON_INTERPRET=1) where triton is installed; skipped otherwise.
+Random batches mix decodes, fresh prefill chunks (from position 0: SDPA's flash kernel over the
+step's own K/V when long enough and no window cuts them) and chunks on top of cached prefixes
+(the paged prefill kernel); block tables are random permutations of the pool, and windows are
+on or off. The prefill kernel's tile split is also checked directly, on small tiles. Runs on a
+GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1) where triton is installed;
+skipped otherwise.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -46,42 +50,39 @@ CASES = [   # (heads, kv_heads, head_dim, window, dtype)
 ]
 
 
+MIN_FRESH = 8   # fresh chunks this long go to SDPA in these tests (the engine's threshold is 512)
+
+
 def random_batch(rng: random.Random, num_blocks: int):
-    """Decodes, verifications of draft tokens and prefill chunks, with distinct random tables."""
+    """Decodes, verifications of draft tokens, fresh prefill chunks (from position 0) and chunks
+    on cached prefixes, with distinct random tables."""
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     chunks = []
     for i in range(rng.randint(1, 6)):
-        decode = rng.random() < 0.5
-        context = rng.randint(0, 150 if not INTERPRETED else 60)
-        num_tokens = 1 if decode else rng.randint(1, 90 if not INTERPRETED else 40)
-        if decode:
-            context += 1     # a decode has at least its previous token
+        kind = rng.choice(["decode", "fresh", "extend"])
+        context = 0 if kind == "fresh" else rng.randint(0, 150 if not INTERPRETED else 100)
+        num_tokens = 1 if kind == "decode" else rng.randint(1, 90 if not INTERPRETED else 40)
         drafts = []
-        if decode and rng.random() < 0.5:   # a speculative verification: 1 known token + drafts
-            drafts = [7] * rng.randint(1, 5)
-            num_tokens += len(drafts)
+        if kind == "decode":
+            context += 1     # a decode has at least its previous token
+            if rng.random() < 0.5:   # a speculative verification: 1 known token + drafts
+                drafts = [7] * rng.randint(1, 5)
+                num_tokens += len(drafts)
         total = context + num_tokens
         blocks = [free.pop() for _ in range(-(-total // BS))]
         chunks.append(ScheduledChunk(f"r{i}", context, num_tokens, [blocks], sample=True, spec_token_ids=drafts))
     return chunks
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
-@pytest.mark.parametrize("seed", range(3 if not INTERPRETED else 1))
-def test_triton_matches_reference(case, seed):
-    heads, kv_heads, head_dim, window, dtype = case
-    if INTERPRETED and dtype == torch.bfloat16:
-        dtype = torch.float16   # the interpreter runs on NumPy, which has no bfloat16
-    rng = random.Random(seed)
+def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, decode_splits=1, num_blocks=80):
+    """The layer's output under the reference and the triton backend, and the triton step inputs."""
     torch.manual_seed(seed)
-    num_blocks = 80
     spec = (SlidingWindowSpec(kv_heads, head_dim, dtype, sliding_window=window) if window
             else FullAttentionSpec(kv_heads, head_dim, dtype))
     groups = group_layers([spec])
     cache = [(torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE),
               torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE))]
-    chunks = random_batch(rng, num_blocks)
     token_ids = {c.request_id: [1] * (c.start + c.num_tokens - len(c.spec_token_ids)) for c in chunks}
     layer = Attention(0, heads, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window)
     num_tokens = sum(c.num_tokens for c in chunks)
@@ -93,11 +94,141 @@ def test_triton_matches_reference(case, seed):
     for backend in ("reference", "triton"):
         caches = [(kc.clone(), vc.clone()) for kc, vc in cache]
         inputs = build_step_inputs(chunks, token_ids, groups, BS, [0], [0], caches, DEVICE, backend=backend,
-                                   decode_splits=rng.choice([1, 3, 8]))
+                                   decode_splits=decode_splits, fresh_sdpa_min_tokens=MIN_FRESH)
         with forward_context(inputs.attention):
             outs[backend] = layer(q, k, v).float()
-    tol = 2e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(outs["triton"], outs["reference"], atol=tol, rtol=tol)
+    return outs["reference"], outs["triton"], inputs
+
+
+def expected_split(inputs, window, dtype):
+    """(SDPA token ranges, kernel prefill rows) the dispatch rule gives for these step inputs."""
+    flash = DEVICE.type != "cuda" or dtype != torch.float32
+    prefills = inputs.chunks[inputs.attention.num_decode_tokens:]
+    sdpa, kernel = [], []
+    for i, (c, token_range) in enumerate(zip(prefills, inputs.attention.prefill_query_ranges)):
+        if flash and c.start == 0 and c.num_tokens >= MIN_FRESH and (window is None or window >= c.num_tokens):
+            sdpa.append(token_range)
+        else:
+            kernel.append(i)
+    return sdpa, kernel
+
+
+def kernel_rows(group) -> list[int]:
+    return [] if group.kernel_prefill_rows is None else group.kernel_prefill_rows.tolist()
+
+
+def tolerance(dtype):
+    return 2e-4 if dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
+@pytest.mark.parametrize("seed", range(3 if not INTERPRETED else 2))
+def test_triton_matches_reference(case, seed):
+    heads, kv_heads, head_dim, window, dtype = case
+    if INTERPRETED and dtype == torch.bfloat16:
+        dtype = torch.float16   # the interpreter runs on NumPy, which has no bfloat16
+    rng = random.Random(seed)
+    chunks = random_batch(rng, 80)
+    ref, out, inputs = run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed,
+                                    decode_splits=rng.choice([1, 3, 8]))
+    group = inputs.attention.groups[0]
+    assert (group.sdpa_prefill_ranges, kernel_rows(group)) == expected_split(inputs, window, dtype)
+    torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("window", [None, 10, 30], ids=["full", "window<chunk", "window>=chunk"])
+def test_fresh_chunks_dispatch(window):
+    """A decode, a long fresh chunk, a fresh chunk under the threshold and one on a cached prefix:
+    the long fresh one goes to SDPA unless a window shorter than it cuts it; all match the reference."""
+    dtype = torch.float16 if INTERPRETED else torch.bfloat16
+    chunks = [ScheduledChunk("dec", 30, 1, [[1, 2]], sample=True),
+              ScheduledChunk("fresh", 0, 24, [[3, 4]], sample=True),
+              ScheduledChunk("short", 0, MIN_FRESH - 1, [[5]], sample=True),
+              ScheduledChunk("extend", 40, 20, [[6, 7, 8, 9]], sample=True)]
+    ref, out, inputs = run_backends(chunks, 8, 2, 64, window, dtype, seed=0)
+    group = inputs.attention.groups[0]
+    if window == 10:
+        assert group.sdpa_prefill_ranges == [] and kernel_rows(group) == [0, 1, 2]
+        assert group.kernel_max_prefill_len == 24
+    else:
+        assert group.sdpa_prefill_ranges == [(1, 25)] and kernel_rows(group) == [1, 2]
+        assert group.kernel_max_prefill_len == 20
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_one_fresh_chunk_step():
+    """A step that is one fresh chunk returns SDPA's output as it is (no kernel launch, no copy)."""
+    dtype = torch.float16 if INTERPRETED else torch.bfloat16
+    chunks = [ScheduledChunk("fresh", 0, 40, [[4, 2, 7]], sample=True)]
+    ref, out, inputs = run_backends(chunks, 32, 8, 128, None, dtype, seed=1)
+    group = inputs.attention.groups[0]
+    assert group.sdpa_prefill_ranges == [(0, 40)] and group.kernel_prefill_rows is None
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def dense_prefill_reference(q, k_cache, v_cache, tables, seq_lens, q_lens, scale, window):
+    """Each chunk's causal (windowed) attention, computed densely in float32 from gathered rows."""
+    outs, start = [], 0
+    for table, seq_len, q_len in zip(tables, seq_lens, q_lens):
+        pos = torch.arange(seq_len, device=q.device)
+        rows = table[pos // BS].long() * BS + pos % BS
+        keys, values = k_cache[rows].float(), v_cache[rows].float()
+        group = q.shape[1] // k_cache.shape[1]
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        qs = q[start:start + q_len].float()
+        scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
+        q_pos = pos[seq_len - q_len:]
+        visible = pos[None, :] <= q_pos[:, None]
+        if window:
+            visible &= pos[None, :] > q_pos[:, None] - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
+        start += q_len
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 2), (16, 32, 4, 2)],
+                         ids=lambda c: f"m{c[0]}n{c[1]}")
+@pytest.mark.parametrize("window", [None, 5, 16, 40])
+@pytest.mark.parametrize("head_dim,dtype", [(32, torch.float32), (48, torch.float16)])
+def test_prefill_kernel_tile_split(config, window, head_dim, dtype):
+    """The kernel's three key ranges (window edge, unmasked middle, diagonal) on small tiles, so
+    that chunks span many of them: contexts and chunk lengths not multiples of any tile size,
+    a head size that is not a power of two, a window shorter than a tile and one longer."""
+    from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, num_blocks = 4, 2, 48
+    # (Picked so that on each config some tile's window edge or diagonal falls exactly on a key
+    # tile boundary, where an off-by-one in the split would go unmasked.)
+    contexts, q_lens = [0, 37, 70, 5, 0, 80, 68], [45, 29, 1, 50, 10, 1, 5]
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    perm = torch.randperm(num_blocks - 1) + 1
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(perm[used:used + -(-n // BS)].to(torch.int32))
+        used += len(tables[-1])
+    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    k_cache = torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=DEVICE)
+    query_start = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=DEVICE)
+    scale = head_dim ** -0.5
+    out = torch.full_like(q, float("nan"))
+    # Attend sequences 0, 1 and 3 only: sequence 2's rows must stay untouched.
+    picked = torch.tensor([3, 0, 1, 6, 4, 5], dtype=torch.int32, device=DEVICE)
+    paged_prefill_attention(q, k_cache, v_cache, table.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32,
+                            device=DEVICE), query_start, max(q_lens), scale, window, BS, out=out,
+                            seq_ids=picked, config=config)
+    ref = dense_prefill_reference(q, k_cache, v_cache, [t.to(DEVICE) for t in tables], seq_lens, q_lens,
+                                  scale, window)
+    skipped = slice(int(query_start[2]), int(query_start[3]))
+    assert out[skipped].isnan().all()
+    keep = torch.ones(q.shape[0], dtype=torch.bool, device=DEVICE)
+    keep[skipped] = False
+    torch.testing.assert_close(out[keep].float(), ref[keep], atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
 def test_empty_and_padded_decode_rows_are_zero():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deepinfer.layers.attention.metadata import get_forward_context
 
@@ -29,7 +30,7 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, group.slot_mapping, v.to(v_cache.dtype))
 
         if meta.backend == "triton":
-            return self._triton(meta, group, q, k_cache, v_cache).reshape(q.shape[0], -1)
+            return self._triton(meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         n_dec = meta.num_decode_tokens
         if n_dec:
@@ -42,22 +43,48 @@ class Attention(nn.Module):
             out[start:end] = self._sdpa(q[start:end].unsqueeze(0), keys, values, mask.unsqueeze(0)).squeeze(0)
         return out.reshape(q.shape[0], -1)
 
-    def _triton(self, meta, group, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The Triton kernels, reading K/V through the block tables (decode rows come first)."""
+    def _triton(self, meta, group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The CUDA fast path (decode rows come first). Decodes and most prefill rows read K/V
+        through the block tables with the Triton kernels; long fresh prefill chunks (position 0
+        onwards, chosen per group in worker/input_batch.py) attend with SDPA's flash kernel over
+        this step's own k/v: the rows just written to the cache, in the same dtype (the runner
+        allocates the cache in the model's dtype)."""
         from deepinfer.layers.attention.triton_decode import paged_decode_attention
         from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
 
+        fresh = group.sdpa_prefill_ranges
+        if len(fresh) == 1 and fresh[0] == (0, q.shape[0]):
+            return self._causal_flash(q, k, v)   # the step is one fresh chunk: no copy into `out`
         out = torch.empty_like(q)
         n_dec = meta.num_decode_tokens
         if n_dec:
             paged_decode_attention(q[:n_dec], k_cache, v_cache, group.block_table[:n_dec], meta.seq_lens[:n_dec],
                                    self.scale, self.sliding_window, meta.block_size, meta.num_decode_splits,
                                    out=out[:n_dec])
-        if meta.max_prefill_len:
+        if group.kernel_prefill_rows is not None:
             paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
-                                    meta.prefill_query_start, meta.max_prefill_len, self.scale,
-                                    self.sliding_window, meta.block_size, out=out[n_dec:])
+                                    meta.prefill_query_start, group.kernel_max_prefill_len, self.scale,
+                                    self.sliding_window, meta.block_size, out=out[n_dec:],
+                                    seq_ids=group.kernel_prefill_rows)
+        for start, end in fresh:
+            out[start:end] = self._causal_flash(q[start:end], k[start:end], v[start:end])
         return out
+
+    def _causal_flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of one chunk over its own keys, q: [L, H, D], k/v: [L, Hkv, D] -> [L, H, D].
+
+        Only SDPA's flash backend is allowed: on CUDA the default order may pick cuDNN first, and
+        a silent fall back to the math backend would materialise [H, L, L] scores (4 GiB at 8k
+        tokens); if flash refuses, this raises instead. The views are [1, H, L, D] over the
+        token-major tensors, which is the layout flash works in ([1, L, H, D] with the last dim
+        contiguous), so no copy is made going in, and the result transposes back contiguous.
+        """
+        q4, k4, v4 = q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=self.scale,
+                                                 enable_gqa=self.num_kv_heads != self.num_heads)
+        return out.transpose(1, 2).squeeze(0)
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """One query per row. q: [B, H, D], k/v: [B, L, Hkv, D], bias: [B, 1, 1, L] (0 / -inf) or None.

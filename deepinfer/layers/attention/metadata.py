@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,15 @@ class GroupMetadata:
     # Triton backend: [num_seqs, max_blocks] int32 block ids per row (decodes first), 0-padded.
     # The reference fields above are left empty then, and this one is None for the reference.
     block_table: torch.Tensor | None = None
+    # Triton backend, how this group's prefill rows are attended (a group's sliding window
+    # decides, so it is per group). Fresh chunks (the chunk starts at position 0, is long enough
+    # to fill the GPU, and no window cuts it) attend over this step's own K/V with SDPA's flash
+    # kernel: their token ranges in the step, on the host. Every other prefill row goes to the
+    # paged prefill kernel: their indices among the prefill rows [n] int32 (None: there are
+    # none) and the longest of those chunks (the kernel's grid).
+    sdpa_prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
+    kernel_prefill_rows: torch.Tensor | None = None
+    kernel_max_prefill_len: int = 0
 
 
 @dataclass
@@ -43,11 +52,10 @@ class AttentionMetadata:
     backend: str = "reference"
     # Triton backend, shared by every group: KV length per row including this step's tokens
     # [num_seqs] int32 (decodes first), where each prefill row starts in q counted from the
-    # first prefill token [num_prefills + 1] int32, the longest prefill chunk, and the number of
-    # sequence splits of the decode kernel (fixed per batch size so CUDA graphs stay valid).
+    # first prefill token [num_prefills + 1] int32, and the number of sequence splits of the
+    # decode kernel (fixed per batch size so CUDA graphs stay valid).
     seq_lens: torch.Tensor | None = None
     prefill_query_start: torch.Tensor | None = None
-    max_prefill_len: int = 0
     num_decode_splits: int = 1
 
 

@@ -4,11 +4,20 @@ Each sequence contributes `q_len` query tokens (rows `query_start[s]:query_start
 that sit at the end of its `seq_lens[s]` KV positions: the first `seq_lens[s] - q_len` are a
 cached prefix (prefix-cache hit, or earlier chunks of a chunked prefill) and the chunk's own K/V
 are already written to the paged cache. So every key is read through the block table, and one
-kernel covers a fresh prompt, a chunk on top of a prefix, and a sliding window.
+kernel covers a fresh prompt, a chunk on top of a prefix, and a sliding window. (The attention
+layer sends long fresh prompts to SDPA's flash kernel instead, see layer.py; this kernel is the
+one for chunks on cached prefixes, windows that cut a chunk, and batches of short chunks.)
 
 One program per (query tile, sequence, query head), flash-attention style (online softmax in
-fp32). The key range of a tile is cut to what its causal mask and window can see, so a causal
-prefill does about half the work of a full one and a windowed one only its window.
+fp32, in base 2: log2(e) is folded into the scale so each score costs one exp2). The key range
+of a tile is cut to what its causal mask and window can see, and split in three:
+
+    [lo, mid_lo)       window edge: some queries of the tile no longer see these keys  (masked)
+    [mid_lo, mid_hi)   every query of the tile sees every key                        (no mask)
+    [mid_hi, hi)       the diagonal: later keys are hidden from earlier queries        (masked)
+
+so the mask arithmetic and the "row saw nothing yet" guard run only on the few edge tiles. For
+a chunk of 1k queries on 7k cached keys nearly every tile is in the middle part.
 """
 
 from __future__ import annotations
@@ -17,18 +26,81 @@ import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims, dim_ok,
+    qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Fold keys [n, n + BLOCK_N) into the running (acc, l_i, m_i) of one query tile.
+
+    MASKED=False is only called on tiles that every query of the tile sees whole, so it loads
+    without bounds checks and skips the causal/window mask.
+    """
+    k_pos = n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k_ok = k_pos < hi
+        block = tl.load(block_table_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        load_mask = k_ok[:, None] & dim_ok[None, :]
+    else:
+        block = tl.load(block_table_ptr + seq * stride_bt + k_pos // BLOCK_SIZE)
+        load_mask = dim_ok[None, :]
+    rows = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
+    k_ptrs = k_cache_ptr + rows[:, None] * stride_kr + kv_head * stride_kh + dims[None, :]
+    v_ptrs = v_cache_ptr + rows[:, None] * stride_vr + kv_head * stride_vh + dims[None, :]
+    if EVEN_DIM and not MASKED:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=load_mask, other=0.0)
+
+    if IEEE:   # float32 caches: exact products, not TF32 (parity tests run in float32)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+    if MASKED:
+        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # A row that has seen no key yet keeps m = -inf (its l and acc stay 0); exponentiate
+        # against 0 instead so that -inf - -inf makes no NaN.
+        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(scores, 1))   # finite: the tile has a visible key per row
+        m_exp = m_new
+    alpha = tl.math.exp2(m_i - m_exp)
+    p = tl.math.exp2(scores - m_exp[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    if EVEN_DIM and not MASKED:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=load_mask, other=0.0)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr,
-    scale,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, seq_ids_ptr,
+    qk_scale,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
+    # The grid's first axis runs over query tiles in reverse: under a causal mask the last tiles
+    # of a chunk see the most keys, and starting them first shortens the tail of the launch.
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    seq = tl.load(seq_ids_ptr + tl.program_id(1))
     head = tl.program_id(2)
     kv_head = head // GROUP
 
@@ -47,70 +119,93 @@ def _prefill_kernel(
     q = tl.load(q_ptr + (q_start + m_offs)[:, None] * stride_qt + head * stride_qh + dims[None, :],
                 mask=m_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    # Keys this tile can see: causal up to its last query, and inside the window of its first.
+    # The tile's queries are positions [first_q, hi). Causal: all of them see keys < first_q + 1,
+    # the last sees keys < hi. Window: the first sees keys > first_q - WINDOW, the last only keys
+    # > hi - 1 - WINDOW. The unmasked middle is cut on BLOCK_N boundaries inside both limits, and
+    # lo <= mid_lo <= mid_hi <= hi holds, so the three loops cover [lo, hi) exactly once.
     first_q = context + tile * BLOCK_M
     hi = tl.minimum(first_q + BLOCK_M, seq_len)
+    mid_hi = ((first_q + 1) // BLOCK_N) * BLOCK_N
     lo = 0
+    mid_lo = 0
     if WINDOW > 0:   # a constexpr: one compiled kernel per window size
         lo = (tl.maximum(first_q - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
+        mid_lo = tl.cdiv(tl.maximum(hi - WINDOW, 0), BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(tl.maximum(mid_lo, lo), mid_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
-    for n in range(lo, hi, BLOCK_N):
-        k_pos = n + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < hi
-        block = tl.load(block_table_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
-        rows = block.to(tl.int64) * BLOCK_SIZE + k_pos % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + rows[:, None] * stride_kr + kv_head * stride_kh + dims[None, :],
-                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-        if IEEE:   # float32 caches: exact products, not TF32 (parity tests run in float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            scores = tl.dot(q, tl.trans(k)) * scale
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if WINDOW > 0:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
-        scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows that saw nothing yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + rows[:, None] * stride_vr + kv_head * stride_vh + dims[None, :],
-                    mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    if WINDOW > 0:
+        for n in range(lo, mid_lo, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
+                dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+                BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE)
+    for n in range(mid_lo, mid_hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
+            dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, False, IEEE)
+    for n in range(mid_hi, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
+            dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE)
 
+    # Every real query sees at least its own key, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & dim_ok[None, :])
 
 
+def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for sm_90 under Triton 3.6.
+
+    bf16/fp16: 128-query tiles on two warpgroups (the Q tile stays in registers for the whole
+    key loop; the wider it is, the more tensor-core work per key tile loaded) and 64-key tiles
+    behind a 3-stage copy pipeline: at head_dim 128 that is 96 KiB of shared memory and 184
+    registers a thread, no spills (read off ptxas for sm_90; 4 warps would spill). At head_dim
+    256 the tiles halve and the pipeline is 2 deep (96 KiB, 166 registers). float32 caches are
+    for parity tests only (IEEE products run on the FMA units): 16-query tiles, which compile
+    without spilling at every head size.
+    """
+    if dtype == torch.float32:
+        return (16, 32, 4, 1) if head_dim <= 128 else (16, 32, 8, 1)
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 8, 2
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             max_query_len: int, scale: float, window: int | None, block_size: int,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, H, D] (the chunks back to back) -> [T, H, D]."""
+                            out: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
+                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """q: [T, H, D] (the chunks back to back) -> [T, H, D].
+
+    `seq_ids` (int32) picks the sequences to attend (rows of block_table / seq_lens, chunks of
+    query_start); the others' rows of `out` are left untouched. None: all of them.
+    `max_query_len` is the longest chunk among those picked. `config` overrides
+    (BLOCK_M, BLOCK_N, num_warps, num_stages), for benchmarks and tests.
+    """
     num_tokens, num_heads, head_dim = q.shape
-    num_seqs = seq_lens.shape[0]
     group = num_heads // k_cache.shape[1]
     dim_pad = triton.next_power_of_2(head_dim)
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens == 0:
+    if seq_ids is None:
+        seq_ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=q.device)
+    if num_tokens == 0 or seq_ids.shape[0] == 0 or max_query_len == 0:
         return out
-    block_m = 128 if dim_pad <= 128 else 64
-    block_n = 64 if dim_pad <= 128 else 32
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, k_cache.dtype)
+    grid = (triton.cdiv(max_query_len, block_m), seq_ids.shape[0], num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_table, seq_lens, query_start, scale,
+        q, k_cache, v_cache, out, block_table, seq_lens, query_start, seq_ids, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, WINDOW=window or 0, IEEE=k_cache.dtype == torch.float32, num_warps=8, num_stages=2,
+        BLOCK_N=block_n, WINDOW=window or 0, EVEN_DIM=head_dim == dim_pad,
+        IEEE=k_cache.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     return out
