@@ -70,14 +70,17 @@ def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
         raise ValueError("q, k and the rotary tables must be contiguous in their last dim")
     if tokens:
         half = head_dim // 2
+        # Padded to powers of two (tl.arange needs them), and to at least 2 so that no tile has a
+        # dimension of 1 (Gemma 3 270M has a single KV head).
+        heads_pad = max(2, triton.next_power_of_2(num_heads))
+        half_pad = max(2, triton.next_power_of_2(half))
         _rotary_kernel[(tokens,)](
             q, k, positions, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
             num_heads, k.shape[1], half,
-            # Padded to powers of two (tl.arange needs them), and to at least 2 so that no tile has
-            # a dimension of 1 (Gemma 3 270M has a single KV head).
-            HEADS_PAD=max(2, triton.next_power_of_2(num_heads)),
-            KV_HEADS_PAD=max(2, triton.next_power_of_2(k.shape[1])),
-            HALF_PAD=max(2, triton.next_power_of_2(half)), num_warps=4,
+            HEADS_PAD=heads_pad, KV_HEADS_PAD=max(2, triton.next_power_of_2(k.shape[1])), HALF_PAD=half_pad,
+            # About 8 elements of each half per thread (Llama-3-8B's 32 x 64 q tile: 8 warps), so
+            # that large head counts do not run out of registers.
+            num_warps=max(4, min(16, heads_pad * half_pad // 256)),
         )
     return q, k
