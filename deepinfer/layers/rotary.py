@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepinfer.layers import fused
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -54,7 +56,10 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rope to q and k of shape [tokens, heads, head_dim] at the given positions."""
+    """Applies rope to q and k of shape [tokens, heads, head_dim] at the given positions.
+
+    On the CUDA fast path (attention backend "triton") one Triton kernel rotates q and k in
+    place (deepinfer/layers/fused/rotary.py); the PyTorch code below is the reference."""
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_position: int) -> None:
         super().__init__()
@@ -68,6 +73,9 @@ class RotaryEmbedding(nn.Module):
         self._cached: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if fused.enabled():
+            from deepinfer.layers.fused.rotary import apply_rotary_
+            return apply_rotary_(positions, q, k, self.cos, self.sin)
         # Layers share one RotaryEmbedding per rope setting, and within a forward they all pass
         # the same positions tensor: look the rows up once.
         cached = self._cached

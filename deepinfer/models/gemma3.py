@@ -36,9 +36,18 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x)))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) as in LlamaDecoderLayer. Gemma's post-norms apply to a block's
+        output before it joins the residual stream, so they stay plain norms; the pre-norms take
+        the add (one kernel each on the fast path)."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma3Model(nn.Module):
@@ -54,10 +63,10 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # NOTE: HF rounds the scale to the activation dtype before multiplying; so do we.
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        hidden, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class Gemma3ForCausalLM(CausalLM):

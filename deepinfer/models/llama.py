@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from deepinfer.layers import fused
 from deepinfer.layers.attention import Attention
+from deepinfer.layers.linear import FusedLinear, Linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_parameters
-from deepinfer.layers.linear import FusedLinear, Linear
 from deepinfer.models.base import CausalLM
 
 
@@ -91,7 +92,11 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused.enabled():   # CUDA fast path: one kernel (deepinfer/layers/fused/activation.py)
+            from deepinfer.layers.fused.activation import act_and_mul
+            return self.down_proj(act_and_mul(gate_up, self.act))
+        gate, up = gate_up.chunk(2, dim=-1)
         if self.act == "silu":
             gate = F.silu(gate)
         elif self.act == "gelu_pytorch_tanh":
@@ -110,9 +115,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) in and out: the residual stream is `residual`, and `hidden` is the
+        last block's output not yet added to it. Each norm adds it in and normalises the sum in
+        one step (one kernel on the fast path); the first layer gets residual None."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -125,10 +139,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -26,8 +26,12 @@ class Attention(nn.Module):
         meta = get_forward_context()
         group = meta.groups[meta.layer_to_group[self.layer_id]]
         k_cache, v_cache = meta.kv_caches[meta.layer_to_slot[self.layer_id]]
-        k_cache.index_copy_(0, group.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, group.slot_mapping, v.to(v_cache.dtype))
+        if meta.backend == "triton":   # both caches in one kernel (deepinfer/layers/fused/kv_write.py)
+            from deepinfer.layers.fused.kv_write import write_kv_cache
+            write_kv_cache(k, v, k_cache, v_cache, group.slot_mapping)
+        else:
+            k_cache.index_copy_(0, group.slot_mapping, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, group.slot_mapping, v.to(v_cache.dtype))
 
         if meta.backend == "triton":
             return self._triton(meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)

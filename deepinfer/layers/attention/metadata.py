@@ -76,3 +76,10 @@ def get_forward_context() -> AttentionMetadata:
     if _current is None:
         raise RuntimeError("attention called outside a forward_context (the runner sets it)")
     return _current
+
+
+def current_backend() -> str | None:
+    """The attention backend of the forward in progress, or None outside a forward_context.
+
+    Layers other than attention read it to pick their fast path (see deepinfer/layers/fused/)."""
+    return None if _current is None else _current.backend
