@@ -124,7 +124,8 @@ def hf_anchor(config_dir: str, vocab: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(config_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    with torch.device("cuda"):   # random init on the GPU: seconds, not minutes on the host
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     out = {}
     for batch, new in ((1, 64), (32, 64)):
         ids = torch.tensor(random_prompts(batch, 1024, vocab, seed=batch), device="cuda")
