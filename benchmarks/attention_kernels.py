@@ -121,10 +121,10 @@ def causal_flops(heads: int, head_dim: int, context: int, q_len: int) -> float:
     return 4 * heads * head_dim * q_len * average_keys
 
 
-def flash(q, k, v, **kwargs):
+def flash(q, k, v, backend: str = "FLASH_ATTENTION", **kwargs):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(getattr(SDPBackend, backend)):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kwargs)
 
 
@@ -180,13 +180,15 @@ def case_prefill(matmul: float, failures: list[str], tokens: int = 8192) -> None
         tokens, HEAD_DIM ** -0.5, None, BLOCK)
     q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (step.q, step.k, step.v))
     anchor = lambda: flash(q4, k4, v4, is_causal=True)
-    check("engine path (SDPA flash) vs reference", ours, ref, failures)
+    check("engine path (SDPA cuDNN/flash) vs reference", ours, ref, failures)
     check("paged prefill kernel vs reference", kernel(), ref, failures)
     check("engine path vs SDPA flash", ours, lambda: anchor().transpose(1, 2)[0], failures)
     flops = causal_flops(HEADS, HEAD_DIM, 0, tokens)
-    timed("engine path (fresh chunk -> SDPA flash)", step.attention_call(fast), flops, matmul)
+    timed("engine path (fresh chunk -> SDPA cuDNN/flash)", step.attention_call(fast), flops, matmul)
     timed("paged prefill kernel (same chunk)", kernel, flops, matmul)
     timed("SDPA flash, is_causal (anchor)", anchor, flops, matmul)
+    timed("SDPA cuDNN, is_causal (anchor)", lambda: flash(q4, k4, v4, backend="CUDNN_ATTENTION", is_causal=True),
+          flops, matmul)
 
 
 def case_extend(matmul: float, failures: list[str], context: int = 7168, q_len: int = 1024) -> None:
