@@ -24,9 +24,10 @@ for stage in "$@"; do
     kernels)
       timeout 90 python3 benchmarks/attention_kernels.py && timeout 60 python3 benchmarks/fused_kernels.py ;;
     structured)
-      timeout 240 python3 benchmarks/structured_throughput.py ;;
+      timeout 120 python3 benchmarks/structured_throughput.py &&
+        timeout 200 python3 benchmarks/structured_throughput.py --shape llama3-8b ;;
     spec)
-      timeout 300 python3 benchmarks/spec_decode.py --output-json "$OUT/spec_decode.json" ;;
+      timeout 300 python3 benchmarks/spec_decode.py --num-kv-blocks 8192 --output-json "$OUT/spec_decode.json" ;;
     *)
       echo "unknown stage $stage (tests, kernels, fast_path, structured, spec)"; status=2; continue ;;
   esac

@@ -75,6 +75,8 @@ def build(args: argparse.Namespace, mode: str) -> LLM:
               "load_format": args.load_format}
     if args.dtype:
         kwargs["dtype"] = args.dtype
+    if args.num_kv_blocks:   # on a GPU: the engines of all modes share the card, each sized alike
+        kwargs["num_kv_blocks"] = args.num_kv_blocks
     if mode != "none":
         spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
                 "verification": mode}
@@ -112,6 +114,8 @@ def main() -> None:
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV blocks per engine (default: the memory budget; one engine per mode is built)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--workloads", nargs="+", choices=["copy", "chat"], default=["copy", "chat"])
     parser.add_argument("--modes", nargs="+", choices=["none", "fixed", "adaptive"],
