@@ -137,8 +137,7 @@ class EngineCore:
         constrained = [c for c in plan.chunks
                        if c.sample and c.request_id in requests and requests[c.request_id].grammar is not None]
         return self.structured.start_bitmask({c.request_id: requests[c.request_id].grammar for c in constrained},
-                                             {c.request_id: c.spec_token_ids for c in constrained if c.spec_token_ids},
-                                             in_worker=not self.async_scheduling)
+                                             {c.request_id: c.spec_token_ids for c in constrained if c.spec_token_ids})
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
         plan, launched = self._in_flight

@@ -113,12 +113,10 @@ def test_step_bitmask_masks_only_constrained_rows():
     assert torch.isinf(every).sum() == 14
 
 
-@pytest.mark.parametrize("in_worker", [True, False], ids=["in-worker", "inline"])
-@pytest.mark.parametrize("unpack_on_host", [True, False], ids=["unpacked-on-host", "packed-to-device"])
-def test_batched_fill_masks_like_one_row_at_a_time(unpack_on_host, in_worker):
-    """Several rows filled by xgrammar's batch matcher (in the worker, or inline as the
-    overlapped loop does; unpacked, or left packed until apply as on a GPU) mask exactly what
-    each grammar allows on its own; a draft chain's rows too."""
+@pytest.mark.parametrize("unpack_on_host", [True, False], ids=["unpacked-in-worker", "packed-to-device"])
+def test_batched_fill_masks_like_one_row_at_a_time(unpack_on_host):
+    """Several rows filled by xgrammar's batch matcher (and, as on a GPU, left packed until
+    apply) mask exactly what each grammar allows on its own; a draft chain's rows too."""
     m = StructuredOutputManager(tiny_tokenizer(), 40, "tiny", compile_timeout_s=30, unpack_on_host=unpack_on_host)
     try:
         ids = {w: WORDS.index(w) for w in WORDS}
@@ -127,8 +125,7 @@ def test_batched_fill_masks_like_one_row_at_a_time(unpack_on_host, in_worker):
         grammars["r1"].accept(ids["b"])
         expected = {rid: allowed(g, 40) for rid, g in grammars.items()}
         chain_grammar = ready_grammar(m, choice=["abc", "acb"])
-        step = m.start_bitmask({**grammars, "chain": chain_grammar}, {"chain": [ids["a"], ids["c"]]},
-                               in_worker=in_worker)
+        step = m.start_bitmask({**grammars, "chain": chain_grammar}, {"chain": [ids["a"], ids["c"]]})
         rows = ["r0", "r1", "r2", ("chain", 0), ("chain", 1), ("chain", 2)]
         logits = torch.zeros(len(rows), 40)
         step.apply(logits, rows)
