@@ -7,20 +7,15 @@ Plain loop (`async_scheduling=False`):
              result = runner.execute(plan)          # the runner applies the masks before sampling
              return scheduler.update(plan, result)
 
-Overlapped loop (`async_scheduling=True`, the default on CUDA): a step is queued in two parts,
-its forward, then its sampling once the step before is applied (so grammar masks and penalties
-see that step's token). Each call keeps the device's queue ahead of it:
+Overlapped loop (`async_scheduling=True`, the default on CUDA): the host plans and queues the
+forward of step N+1 while the device still runs step N, applies N's result while N+1's forward
+runs, and only then queues N+1's sampling, so grammar masks and penalties see N's token:
 
-    step():  outputs = scheduler.update(N)         # waits for N's sampling only; the forward of
-                                                    # N+1, queued by the last call, runs meanwhile
-             masks = <fill the grammar masks of N+1>
-             runner.sample(N+1, masks)              # queued behind N+1's forward
-             plan = scheduler.schedule()            # N+2; N+1's sampled tokens count as known
-             runner.forward(plan)                   # queued behind N+1; inputs from its device tokens
-             return outputs
-
-The host's work of a step (apply, masks, plan, build inputs, and the caller's output
-processing) runs while the device computes the forward queued one call earlier.
+    step():  plan = scheduler.schedule()            # N's sampled tokens count as known
+             forward = runner.forward(plan)         # queued behind N; inputs from N's device tokens
+             outputs = scheduler.update(*in_flight) # waits for N only; matchers advance
+             plan.grammar_bitmask = <fill the masks for N+1>
+             in_flight = (plan, runner.sample(forward, plan.grammar_bitmask))
 
 Both loops give identical tokens. The overlapped one finds a stop one step late: a request
 that stopped on N's token has its N+1 chunk computed and that result ignored. Speculative
@@ -44,7 +39,7 @@ from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.spec_decode import SpecDecodeStats, build_speculative_decoder
-from deepinfer.worker.model_runner import ForwardStep, LaunchedStep, ModelRunner
+from deepinfer.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -91,10 +86,7 @@ class EngineCore:
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s,
             unpack_on_host=self.platform.name == "cpu")
         self.async_scheduling = resolve_async_scheduling(config, self.platform.name)
-        # Overlapped loop: the step whose sampling is queued (not applied yet), and the step
-        # whose forward is queued (not sampled yet).
-        self._sampled: tuple[SchedulerPlan, LaunchedStep] | None = None
-        self._forwarded: tuple[SchedulerPlan, ForwardStep] | None = None
+        self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
 
     def add_request(self, request: Request) -> None:
         constraint = request.sampling_params.structured_outputs
@@ -106,51 +98,37 @@ class EngineCore:
         return self.scheduler.abort(request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._sampled is not None or self._forwarded is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        outputs = self.scheduler.poll_grammars()
+        failed = self.scheduler.poll_grammars()
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not plan.finished_request_ids:
+            if self._in_flight is not None:
+                return failed + self._apply_in_flight()
+            if self.scheduler.num_waiting and not self.scheduler.num_running:
+                # Capacity is checked at start-up, so this means a bug, not a busy engine: fail
+                # loudly rather than spin.
+                raise RuntimeError("the scheduler cannot admit the next waiting request into an idle engine")
+            if not failed and self.scheduler.waiting_for_grammar:
+                # Nothing to compute but compiles in flight: sleep on one instead of spinning.
+                self.scheduler.waiting_for_grammar[0].grammar.wait(GRAMMAR_IDLE_WAIT_S)
+            return failed
+        outputs = failed
         if not self.async_scheduling:
-            return outputs + self._plain_step(bool(outputs))
-        if self._sampled is not None:
-            plan, launched = self._sampled
-            self._sampled = None
-            outputs += self.scheduler.update(plan, self.runner.collect(launched))
-        if self._forwarded is not None:
-            plan, forward = self._forwarded
-            self._forwarded = None
+            # The masks fill in a worker while the forward runs.
             plan.grammar_bitmask = self._start_bitmask(plan)
-            self._sampled = (plan, self.runner.sample(forward, plan.grammar_bitmask))
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_request_ids:
-            if self._sampled is None:
-                self._idle(bool(outputs))
-            return outputs
-        self._forwarded = (plan, self.runner.forward(plan))
-        return outputs
-
-    def _plain_step(self, failed: bool) -> list[EngineCoreOutput]:
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_request_ids:
-            self._idle(failed)
-            return []
-        # The masks fill in a worker while the forward runs.
+            start = time.perf_counter()
+            result = self.runner.execute(plan)
+            if self.spec is not None:   # the result is on the host: the step has finished
+                self.spec.observe_step(plan.chunks, time.perf_counter() - start)
+            return outputs + self.scheduler.update(plan, result)
+        forward = self.runner.forward(plan)
+        if self._in_flight is not None:
+            outputs += self._apply_in_flight()   # the device runs `forward` meanwhile
         plan.grammar_bitmask = self._start_bitmask(plan)
-        start = time.perf_counter()
-        result = self.runner.execute(plan)
-        if self.spec is not None:   # the result is on the host: the step has finished
-            self.spec.observe_step(plan.chunks, time.perf_counter() - start)
-        return self.scheduler.update(plan, result)
-
-    def _idle(self, failed: bool) -> None:
-        """Nothing to compute and nothing in flight."""
-        if self.scheduler.num_waiting and not self.scheduler.num_running:
-            # Capacity is checked at start-up, so this means a bug, not a busy engine: fail
-            # loudly rather than spin.
-            raise RuntimeError("the scheduler cannot admit the next waiting request into an idle engine")
-        if not failed and self.scheduler.waiting_for_grammar:
-            # Nothing to compute but compiles in flight: sleep on one instead of spinning.
-            self.scheduler.waiting_for_grammar[0].grammar.wait(GRAMMAR_IDLE_WAIT_S)
+        self._in_flight = (plan, self.runner.sample(forward, plan.grammar_bitmask))
+        return outputs
 
     def _start_bitmask(self, plan: SchedulerPlan):
         """Start filling the structured-output masks of the plan's sampled, constrained requests
@@ -160,6 +138,11 @@ class EngineCore:
                        if c.sample and c.request_id in requests and requests[c.request_id].grammar is not None]
         return self.structured.start_bitmask({c.request_id: requests[c.request_id].grammar for c in constrained},
                                              {c.request_id: c.spec_token_ids for c in constrained if c.spec_token_ids})
+
+    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+        plan, launched = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update(plan, self.runner.collect(launched))
 
     def check_idle(self) -> None:
         """With no request left, every KV block must be free: log any that is not (a leak)."""
