@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.sample import penalties
 from deepinfer.platforms.transfer import to_device, to_host_async
+from deepinfer.sample import penalties
 from deepinfer.sample.logprobs import LogprobTensors, TopLogprobs, top_logprob_tensors
 from deepinfer.sampling_params import SamplingParams
 

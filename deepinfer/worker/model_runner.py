@@ -30,11 +30,11 @@ from deepinfer.layers.attention import forward_context
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
+from deepinfer.platforms.transfer import to_device
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.runner_ops import verify_chunks
-from deepinfer.platforms.transfer import to_device
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ class ModelRunner:
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.decode_graphs: DecodeGraphs | None = None
         if self.attention_backend == "triton":
-            from deepinfer.worker.cuda_graphs import DecodeGraphs   # imports triton: CUDA only
+            from deepinfer.worker.cuda_graphs import DecodeGraphs  # imports triton: CUDA only
 
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             if not config.model.enforce_eager:

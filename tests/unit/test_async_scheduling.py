@@ -14,21 +14,13 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import resolve_async_scheduling
 from deepinfer.sampling_params import StructuredOutputsParams
-from tests.models.tiny_models import build_tiny_checkpoint
 
 PROMPTS = [[(7 * i + j) % 500 + 2 for j in range(6 + 5 * i)] for i in range(5)]
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("llama"))
-    build_tiny_checkpoint("llama", directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
 def engines(tiny_llama):
-    make = lambda overlapped: LLM(tiny_llama, dtype="float32", num_kv_blocks=256, block_size=4,  # noqa: E731
+    make = lambda overlapped: LLM(tiny_llama, dtype="float32", num_kv_blocks=256, block_size=4,
                                   async_scheduling=overlapped)
     return make(False), make(True)
 

@@ -5,16 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from tests.models.tiny_models import build_tiny_checkpoint
 
 PROMPTS = [[(5 * i + j) % 500 + 2 for j in range(10 + 3 * i)] for i in range(4)]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    directory = str(tmp_path_factory.mktemp("llama"))
-    build_tiny_checkpoint("llama", directory)
-    return directory
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ installed; skipped otherwise.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -28,24 +27,12 @@ from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.worker.input_batch import build_step_inputs
+from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
 
-triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRETED:
-    pytest.skip("Triton needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-if INTERPRETED:
-    # As in test_triton_attention.py: the attention kernels of the whole-model test range() over
-    # loaded scalars, which the interpreter int()s and NumPy >= 2.4 refuses. Index instead.
-    import triton.runtime.interpreter as _interp
+LOW = torch.float16 if INTERPRETED else torch.bfloat16   # the interpreter runs on NumPy: no bf16
+DTYPES = [torch.float32, LOW]
 
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
-
+# The kernel modules import triton: only after the skip above.
 import deepinfer.layers.fused.activation as activation_module
 import deepinfer.layers.fused.kv_write as kv_write_module
 import deepinfer.layers.fused.rms_norm as rms_norm_module
@@ -54,10 +41,6 @@ from deepinfer.layers.fused.activation import act_and_mul
 from deepinfer.layers.fused.kv_write import write_kv_cache
 from deepinfer.layers.fused.rms_norm import rms_norm
 from deepinfer.layers.fused.rotary import apply_rotary_
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
-LOW = torch.float16 if INTERPRETED else torch.bfloat16   # the interpreter runs on NumPy: no bf16
-DTYPES = [torch.float32, LOW]
 
 SHAPES = {   # hidden, heads, kv_heads, head_dim, intermediate
     "smollm2-135m": (576, 9, 3, 64, 1536),

@@ -11,7 +11,6 @@ skipped otherwise.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 
 import pytest
@@ -21,24 +20,8 @@ from deepinfer.engine.plan import ScheduledChunk
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.layers.attention import Attention, forward_context
 from deepinfer.worker.input_batch import build_step_inputs
+from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
 
-triton = pytest.importorskip("triton")
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-if not torch.cuda.is_available() and not INTERPRETED:
-    pytest.skip("Triton needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
-if INTERPRETED:
-    # Triton's interpreter turns a loaded scalar into a 1-element array and int()s it for range();
-    # NumPy >= 2.4 refuses that. Index through the single element instead (interpreter only).
-    import triton.runtime.interpreter as _interp
-
-    _patch_tensor = _interp._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        _patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interp._patch_lang_tensor = _patch_lang_tensor
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
 BS = 16
 
 CASES = [   # (heads, kv_heads, head_dim, window, dtype)
