@@ -64,7 +64,7 @@ def test_chat_required_tool_call_stream_and_result(oai):
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     [call] = choice.message.tool_calls
-    assert call.id and call.type == "function"
+    assert call.id.startswith("call_") and call.type == "function"
     check_call(call.function.name, call.function.arguments)
 
     # The streamed deltas assemble to the same call.
@@ -149,7 +149,7 @@ def test_messages_any_tool_use_stream_and_result(claude):
     reply = claude.messages.create(**kwargs, extra_body={**GREEDY, **fresh()})
     assert reply.stop_reason == "tool_use"
     [block] = [b for b in reply.content if b.type == "tool_use"]
-    assert block.id
+    assert block.id.startswith("toolu_")   # Anthropic's id shape, as its SDK users expect
     check_call(block.name, json.dumps(block.input))
 
     with claude.messages.stream(**kwargs, extra_body={**GREEDY, **fresh()}) as stream:

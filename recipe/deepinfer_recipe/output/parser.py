@@ -39,8 +39,9 @@ from .parser_events import (
 _MARK = "\ud800"
 
 
-def default_call_id(index: int) -> str:
-    return f"call_{index:02d}_{secrets.token_urlsafe(18)[:24]}"
+def default_call_id(index: int, prefix: str = "call_") -> str:
+    """A fresh tool-call id; the prefix follows the protocol (OpenAI "call_", Anthropic "toolu_")."""
+    return f"{prefix}{index:02d}_{secrets.token_urlsafe(18)[:24]}"
 
 
 class OutputParser:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from typing import Callable, Literal
@@ -52,9 +53,14 @@ class OutputSession:
         encoding: PromptEncoding,
         protocol: Literal["chat", "responses", "messages"],
         model: str = "",
-        call_id: Callable[[int], str] = default_call_id,
+        call_id: Callable[[int], str] | None = None,
         **kwargs,
     ) -> "OutputSession":
+        """call_id: makes the id of the n-th tool call; by default a random one with the
+        protocol's prefix ("toolu_" for Messages, as Anthropic's ids, else "call_")."""
+        if call_id is None:
+            prefix = "toolu_" if protocol == "messages" else "call_"
+            call_id = functools.partial(default_call_id, prefix=prefix)
         if encoder.tokenizer is None:
             raise RecipeError(f"format {encoder.name} has no tokenizer to decode output with")
         parser = OutputParser(encoder.tokenizer, encoder.markers, encoding.parser_start, encoding.stop, call_id)
