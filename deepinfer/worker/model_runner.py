@@ -62,7 +62,6 @@ class RunnerRequestState:
 class ForwardStep:
     """A step whose forward is queued: what sampling needs from it."""
 
-    plan: SchedulerPlan
     inputs: StepInputs | None             # None: nothing to compute
     hidden: torch.Tensor | None           # None when a CUDA graph ran (it returns logits only)
     sample_rows: list[int]                # rows of inputs.chunks sampled this step
@@ -213,7 +212,7 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = self._new_state(new)
         if plan.is_empty:
-            return ForwardStep(plan, None, None, [], None)
+            return ForwardStep(None, None, [], None)
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
         graphs = self.decode_graphs
@@ -238,7 +237,7 @@ class ModelRunner:
             if sample_rows:
                 index = to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
                 logits = self.model.compute_logits(hidden[index])
-        return ForwardStep(plan, inputs, hidden, sample_rows, logits)
+        return ForwardStep(inputs, hidden, sample_rows, logits)
 
     @torch.inference_mode()
     def sample(self, step: ForwardStep, grammar_bitmask=None) -> LaunchedStep:
