@@ -11,13 +11,11 @@ prefill being measured.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 import time
 from typing import Any
 
-from deepinfer.bench.throughput import machine_description, synthetic_prompts
+from deepinfer.bench.throughput import run_stamp, save_json, synthetic_prompts
 
 
 def add_latency_args(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +67,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         "prefill_s": prefill_s, "decode_ms_per_step": 1e3 * statistics.median(per_token),
         "decode_tok_s": args.batch_size / statistics.median(per_token),
         "dtype": str(llm.engine.runner.dtype), "attention_backend": llm.engine.runner.attention_backend,
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_description(),
+        **run_stamp(),
     }
     print(f"Avg latency: {result['avg_latency_s']:.4f} s over {args.num_iters} iterations "
           f"(batch {args.batch_size}, {args.input_len} in / {args.output_len} out)")
@@ -77,7 +75,5 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         print(f"{q}% percentile latency: {value:.4f} s")
     print(f"prefill: {1e3 * prefill_s:.1f} ms; decode: {result['decode_ms_per_step']:.2f} ms per step, "
           f"{result['decode_tok_s']:.1f} tok/s")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    save_json(args.output_json, result)
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import random
 import statistics
@@ -263,7 +262,7 @@ def plot(results: list[Result], path: str) -> None:
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    from deepinfer.bench.throughput import machine_description
+    from deepinfer.bench.throughput import run_stamp, save_json
 
     import logging
 
@@ -277,16 +276,13 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         "backend": "deepinfer", "model_id": model, "dataset": args.dataset, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
         "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-        "max_concurrency": args.max_concurrency, "machine": machine_description(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "max_concurrency": args.max_concurrency, **run_stamp(),
     })
     if args.dataset == "shared-prefix":
         summary.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
     if args.dataset == "multi-turn":
         summary["turns"] = args.turns
-    if args.save_result:
-        with open(args.save_result, "w") as f:
-            json.dump(summary, f, indent=2)
+    save_json(args.save_result, summary)
     if args.plot:
         plot(results, args.plot)
     return 0 if summary["failed"] == 0 else 1

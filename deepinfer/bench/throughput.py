@@ -37,6 +37,18 @@ def synthetic_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[in
     return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
 
 
+def run_stamp() -> dict:
+    """When and where a benchmark ran, for its JSON result."""
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_description()}
+
+
+def save_json(path: str | None, data) -> None:
+    """Write a benchmark's result to `path` (the --output-json flag), when one is given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
 def machine_description() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -84,14 +96,12 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
             "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": round(elapsed, 3),
             "request_throughput": n / elapsed, "output_throughput": n_out / elapsed,
             "total_token_throughput": (n_in + n_out) / elapsed, "dtype": str(llm.engine.runner.dtype),
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine_description(),
+            **run_stamp(),
         })
     print(f"{'concurrency':>11} {'requests':>8} {'elapsed s':>9} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>11}")
     for r in results:
         print(f"{r['concurrency']:>11} {r['num_prompts']:>8} {r['elapsed_s']:>9.2f} {r['request_throughput']:>7.2f} "
               f"{r['output_throughput']:>10.1f} {r['total_token_throughput']:>11.1f}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=2)
+    save_json(args.output_json, results)
     return 0
 
