@@ -137,10 +137,8 @@ class StructuredOutputManager:
                     grammar.fill_bitmask(bitmask, row)
                     row += 1
                 grammar.rollback(len(chain))
-            if len(single_rows) > 1:
+            if single_rows:
                 self._batch_matcher.batch_fill_next_token_bitmask(single_matchers, bitmask, single_rows)
-            elif single_rows:
-                single_matchers[0].fill_next_token_bitmask(bitmask, single_rows[0])
             return ~unpack_bitmask(bitmask, self.vocab_size) if self.unpack_on_host else bitmask
 
         return StepBitmask(rows, bitmask, self._fill_pool.submit(fill))
