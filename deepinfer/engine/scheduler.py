@@ -15,8 +15,8 @@ counts only the accepted ones, and KV blocks past its known tokens go back to th
 Overlapped scheduling (engine/core.py) plans step N+1 before step N's result is applied: a
 request whose token is still being sampled on the device counts it as known
 (`num_samples_in_flight`), so it is scheduled to compute that token's position, whose id the
-runner takes from the device. A request stopped by that token is found one step late; its extra
-chunk is dropped or its result ignored.
+runner takes from the device. A request stopped by that token is found one step late; the result
+of its extra chunk is ignored.
 """
 
 from __future__ import annotations
@@ -122,7 +122,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(self._target(request) - request.num_computed_tokens, budget)
-            if num_new <= 0 or self._at_length_limit(request, request.num_samples_in_flight):
+            # A token in flight that is the request's last: nothing more to compute for it.
+            if num_new <= 0 or (request.num_samples_in_flight
+                                and self._at_length_limit(request, request.num_samples_in_flight)):
                 i += 1
                 continue
             spec = drafts.get(request.request_id, [])[:budget - num_new]
