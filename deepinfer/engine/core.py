@@ -17,6 +17,10 @@ runs, and only then queues N+1's sampling, so grammar masks and penalties see N'
              plan.grammar_bitmask = <fill the masks for N+1>
              in_flight = (plan, runner.sample(forward, plan.grammar_bitmask))
 
+With grammar rows in N+1, the last line waits: the sampling is queued at the start of the next
+step() instead, so the masks fill while the caller turns `outputs` into text (the device is
+still busy with N+1's forward then). Without, it is queued at once.
+
 Both loops give identical tokens. The overlapped one finds a stop one step late: a request
 that stopped on N's token has its N+1 chunk computed and that result ignored. Speculative
 decoding runs the plain loop: which drafts to verify depends on the previous step's tokens.
@@ -39,7 +43,7 @@ from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.spec_decode import SpecDecodeStats, build_speculative_decoder
-from deepinfer.worker.model_runner import LaunchedStep, ModelRunner
+from deepinfer.worker.model_runner import ForwardStep, LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +90,11 @@ class EngineCore:
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s,
             unpack_on_host=self.platform.name == "cpu")
         self.async_scheduling = resolve_async_scheduling(config, self.platform.name)
+        self.platform.settle_host_threads()
         self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
+        # Overlapped loop, a step with grammar rows: its forward is queued, its sampling waits for
+        # the bitmask fill and is queued at the start of the next step() (see step()).
+        self._deferred_sample: tuple[SchedulerPlan, ForwardStep] | None = None
 
     def add_request(self, request: Request) -> None:
         constraint = request.sampling_params.structured_outputs
@@ -98,9 +106,10 @@ class EngineCore:
         return self.scheduler.abort(request_ids)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or self._deferred_sample is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        self._launch_deferred_sample()
         failed = self.scheduler.poll_grammars()
         plan = self.scheduler.schedule()
         if plan.is_empty and not plan.finished_request_ids:
@@ -127,8 +136,18 @@ class EngineCore:
         if self._in_flight is not None:
             outputs += self._apply_in_flight()   # the device runs `forward` meanwhile
         plan.grammar_bitmask = self._start_bitmask(plan)
-        self._in_flight = (plan, self.runner.sample(forward, plan.grammar_bitmask))
+        self._deferred_sample = (plan, forward)
+        if plan.grammar_bitmask is None:
+            self._launch_deferred_sample()
+        # else: the masks fill while the caller processes `outputs`; the next step() (or
+        # has_unfinished's caller stepping again) queues the sampling before anything else.
         return outputs
+
+    def _launch_deferred_sample(self) -> None:
+        if self._deferred_sample is not None:
+            plan, forward = self._deferred_sample
+            self._deferred_sample = None
+            self._in_flight = (plan, self.runner.sample(forward, plan.grammar_bitmask))
 
     def _start_bitmask(self, plan: SchedulerPlan):
         """Start filling the structured-output masks of the plan's sampled, constrained requests

@@ -30,7 +30,7 @@ from deepinfer.engine.plan import (EngineCoreOutput, NewRequestData, RunnerResul
                                    SchedulerPlan)
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.kv_cache.manager import KVCacheManager
-from deepinfer.sample.structured.grammar import GrammarState
+from deepinfer.sample.structured.grammar import GrammarState, RequestGrammar
 from deepinfer.spec_decode import SpeculativeDecoder
 
 
@@ -243,6 +243,9 @@ class Scheduler:
     def update(self, plan: SchedulerPlan, result: RunnerResult) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
+        # Grammars advance by their request's one sampled token in one batch call after the loop
+        # (nothing in the loop reads a matcher); a request verifying drafts advances in order.
+        grammars, grammar_tokens = [], []
         for chunk in plan.chunks:
             request = self.requests.get(chunk.request_id)
             if request is None:
@@ -264,8 +267,12 @@ class Scheduler:
             sampled = result.sampled_token_ids.get(chunk.request_id, [])
             for token_id in sampled:
                 request.append_output_token(token_id)
-                if request.grammar is not None:
-                    request.grammar.accept(token_id)   # the sampled token was inside the mask
+                if request.grammar is not None:   # the sampled token was inside the mask
+                    if num_spec:
+                        request.grammar.accept(token_id)
+                    else:
+                        grammars.append(request.grammar)
+                        grammar_tokens.append(token_id)
                 new_tokens.append(token_id)
                 finish = self._check_stop(request, token_id)
                 if finish is not None:
@@ -294,6 +301,8 @@ class Scheduler:
             ))
             if finish is not None:
                 self._finish(request, finish)
+        if grammars:
+            RequestGrammar.accept_batch(grammars, grammar_tokens)
         return outputs
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -23,5 +23,9 @@ class Platform(ABC):
     def synchronize(self) -> None:
         pass
 
+    def settle_host_threads(self) -> None:
+        """Called once the model is loaded, before serving: set the host's torch threads for
+        the engine loop. The CPU keeps torch's default (its forward runs on them)."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, default_dtype={self.default_dtype})"

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from deepinfer.platforms.base import Platform
+
+
+logger = logging.getLogger(__name__)
 
 
 class CudaPlatform(Platform):
@@ -29,3 +35,13 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def settle_host_threads(self) -> None:
+        # With a GPU the host only prepares small inputs and launches kernels; torch's intra-op
+        # thread pool (one thread per core) then only busy-waits against the threads that fill
+        # grammar bitmasks. Measured on the H200 host (16 cores), batch 64 with a JSON schema:
+        # the bitmask fill took 3.1 ms per step with 16 torch threads, 0.8 ms with one.
+        # OMP_NUM_THREADS, when set, is the user's choice.
+        if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
+            logger.info("torch host threads %d -> 1 (set OMP_NUM_THREADS to choose)", torch.get_num_threads())
+            torch.set_num_threads(1)

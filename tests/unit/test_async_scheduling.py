@@ -145,3 +145,28 @@ def test_abort_with_a_step_in_flight(engines):
     assert set(finished) == {ids[0], ids[2]}
     assert all(len(o.outputs[0].token_ids) == 16 for o in finished.values())
     assert core.kv_manager.pool.blocks_in_use() == {}
+
+
+def test_abort_with_a_grammar_step_deferred(engines):
+    """A step with grammar rows returns with its sampling not yet queued (the masks fill while
+    the caller processes outputs); aborting a request then frees its blocks and the other
+    requests, constrained or not, finish with the outputs of the plain loop."""
+    plain, overlapped = engines
+    core = overlapped.engine
+    constrained = SamplingParams(temperature=0, max_tokens=10,
+                                 structured_outputs=StructuredOutputsParams(regex="(w5w7|w12){1,5}"))
+    free = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = [constrained, free, constrained]
+    expected = run(plain, [PROMPTS[0], PROMPTS[2]], [constrained, constrained])
+    ids = [overlapped._add_request(None, p, sp, 0, None) for p, sp in zip(PROMPTS[:3], params)]
+    while core._deferred_sample is None:
+        overlapped._step()
+    core.abort(overlapped.output_processor.abort(ids[1]))
+    finished = {}
+    while core.has_unfinished():
+        for out in overlapped._step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == {ids[0], ids[2]}
+    assert [finished[i].outputs[0].token_ids for i in (ids[0], ids[2])] == [e[0] for e in expected]
+    assert core.kv_manager.pool.blocks_in_use() == {}

@@ -29,7 +29,8 @@ def tiny_tokenizer() -> Tokenizer:
 
 
 def allowed(grammar: RequestGrammar, vocab_size: int) -> set[int]:
-    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    """Ids in [0, vocab_size) the grammar allows next (the mask covers the tokenizer's ids only)."""
+    bitmask = xgr.allocate_token_bitmask(1, min(vocab_size, len(WORDS)))
     grammar.fill_bitmask(bitmask, 0)
     return set(torch.nonzero(unpack_bitmask(bitmask, vocab_size)[0]).flatten().tolist())
 
@@ -50,9 +51,13 @@ def manager():
     m.shutdown()
 
 
-def test_tokenizer_info_pads_to_the_model_vocab_and_stops_on_eos():
+def test_tokenizer_info_covers_the_tokenizer_ids_and_stops_on_eos():
+    # The model's 28 padding ids stay out of xgrammar's vocabulary (it would scan them on every
+    # fill and accept); the masks block them when applied (test below). A model narrower than
+    # its tokenizer cuts the vocabulary to its own width.
     info = make_tokenizer_info(tiny_tokenizer(), 40)
-    assert info.vocab_size == 40
+    assert info.vocab_size == len(WORDS)
+    assert make_tokenizer_info(tiny_tokenizer(), 8).vocab_size == 8
     assert info.stop_token_ids == [EOS]
     assert info.vocab_type == xgr.VocabType.RAW
 

@@ -9,9 +9,13 @@ Three jobs:
   * compile a constraint against the tokenizer (`XGrammarBackend.compile`): the slow part, which
     precomputes token masks; the manager runs it in a worker thread, never on the engine loop.
 
-The vocabulary handed to xgrammar has the MODEL's size (its logits width), not the tokenizer's:
-ids the tokenizer does not know (padding rows of the embedding) get an empty string, which
-xgrammar treats as special and never allows, so the bitmask lines up with the logits.
+The vocabulary handed to xgrammar is the tokenizer's ids (`grammar_vocab_size`), at most the
+model's logits width. Logit columns past it (padding rows of the embedding) are never allowed:
+the bitmask's missing words count as 0 bits when it is applied (bitmask.py). Handing xgrammar
+those ids as empty strings works too, but it treats each as a special token and scans them on
+every fill and accept: with a 49,152-token tokenizer in a 128,256-wide model, 213 instead of
+25 us per row filled and 21 instead of 1.1 us per token accepted (measured on this project's
+CPU machine).
 """
 
 from __future__ import annotations
@@ -104,10 +108,16 @@ def _first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def make_tokenizer_info(tokenizer, vocab_size: int) -> xgr.TokenizerInfo:
-    """xgrammar's view of our `deepinfer.tokenizer.Tokenizer`, padded to the model's vocab size."""
+def grammar_vocab_size(tokenizer, model_vocab_size: int) -> int:
+    """How many ids xgrammar sees: the tokenizer's (highest id + 1), at most the model's."""
+    return min(model_vocab_size, max(tokenizer.backend.get_vocab(with_added_tokens=True).values()) + 1)
+
+
+def make_tokenizer_info(tokenizer, model_vocab_size: int) -> xgr.TokenizerInfo:
+    """xgrammar's view of our `deepinfer.tokenizer.Tokenizer`, over its grammar_vocab_size ids."""
     vocab = tokenizer.backend.get_vocab(with_added_tokens=True)
-    encoded = [""] * vocab_size
+    vocab_size = grammar_vocab_size(tokenizer, model_vocab_size)
+    encoded = [""] * vocab_size   # ids missing inside the tokenizer's range: special, never allowed
     for token, token_id in vocab.items():
         if token_id < vocab_size:
             encoded[token_id] = token

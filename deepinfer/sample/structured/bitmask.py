@@ -24,7 +24,7 @@ from deepinfer.platforms.transfer import to_device
 class StepBitmask:
     def __init__(self, rows: dict[str, int], bitmask: torch.Tensor, blocked: Future) -> None:
         self.rows = rows            # request id -> its row in `bitmask`
-        self.bitmask = bitmask      # int32 [len(rows), ceil(vocab / 32)], on the CPU
+        self.bitmask = bitmask      # int32 [len(rows), ceil(grammar vocab / 32)], on the CPU
         # Future of bool [len(rows), vocab]: True where a token is NOT allowed. The worker
         # unpacks the bits too, so only the masked fill is left on the engine loop.
         self._blocked = blocked
@@ -35,12 +35,19 @@ class StepBitmask:
         if not logit_rows:
             return
         filled = self._blocked.result()   # re-raises a failed fill here
-        if filled.dtype == torch.int32:   # packed rows (GPU): copy 32x fewer bytes, unpack there
-            blocked = ~unpack_bitmask(to_device(filled, logits.device), logits.shape[-1])
-        else:
-            blocked = to_device(filled, logits.device)
         mask_rows = [self.rows[request_ids[i]] for i in logit_rows]
-        if logit_rows == list(range(logits.shape[0])) and mask_rows == list(range(blocked.shape[0])):
+        in_order = logit_rows == list(range(logits.shape[0])) and mask_rows == list(range(filled.shape[0]))
+        if filled.dtype == torch.int32 and logits.is_cuda:
+            # Packed rows on a GPU: copy 32x fewer bytes, expand and fill in one kernel there.
+            from deepinfer.sample.structured.bitmask_kernel import apply_packed_bitmask
+
+            rows = None if in_order else to_device([logit_rows, mask_rows], logits.device, torch.int32)
+            apply_packed_bitmask(logits, to_device(filled, logits.device), rows)
+            return
+        # The reference path: unpacked rows (the worker unpacks them on the CPU platform).
+        blocked = ~unpack_bitmask(filled, logits.shape[-1]) if filled.dtype == torch.int32 else filled
+        blocked = to_device(blocked, logits.device)
+        if in_order:
             logits.masked_fill_(blocked, float("-inf"))   # every row constrained, same order
             return
         index = to_device(logit_rows, logits.device, torch.long)

@@ -37,7 +37,9 @@ class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, tokenizer_key: str, *, compile_timeout_s: float,
                  num_workers: int = 2, unpack_on_host: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        self.vocab_size = vocab_size   # the model's logits width
+        # Bitmask rows cover the tokenizer's ids only; logit columns past them are blocked.
+        self.grammar_vocab_size = backend.grammar_vocab_size(tokenizer, vocab_size)
         self.tokenizer_key = tokenizer_key
         self.compile_timeout_s = compile_timeout_s
         # xgrammar releases the GIL while compiling, so threads compile in parallel with the
@@ -118,7 +120,7 @@ class StructuredOutputManager:
             else:
                 rows[request_id] = len(rows)
             items.append((grammar, chain))
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(rows), self.grammar_vocab_size)
 
         def fill() -> torch.Tensor:
             row = 0
