@@ -143,7 +143,7 @@ class LLM:
         if not token_ids:
             raise ValueError("the prompt is empty; it needs at least one token")
         vocab = self.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "

@@ -112,11 +112,12 @@ class KVCacheManager:
             return
         # Only blocks whose KV a finished step wrote: with overlapped scheduling the next step
         # is already scheduled, and it may yet be dropped (its request finished).
-        num_full = min(request.num_kv_ready_tokens // self.block_size, len(request.block_hashes))
+        hashes = request.block_hashes
+        num_full = min(request.num_kv_ready_tokens // self.block_size, len(hashes))
         for g, ids in enumerate(request.block_ids):
             for i in range(request.num_published_blocks, num_full):
                 if ids[i] != NULL_BLOCK_ID:
-                    self.pool.cache(g, ids[i], request.block_hashes[i])
+                    self.pool.cache(g, ids[i], hashes[i])
         request.num_published_blocks = max(request.num_published_blocks, num_full)
 
     def free_tail(self, request: Request) -> None:
