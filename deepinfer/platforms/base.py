@@ -24,8 +24,9 @@ class Platform(ABC):
         pass
 
     def settle_host_threads(self) -> None:
-        """Called once the model is loaded, before serving: set the host's torch threads for
-        the engine loop. The CPU keeps torch's default (its forward runs on them)."""
+        """Called once the model is loaded, before serving: set the host's torch threads and the
+        interpreter's thread switching for the engine loop. The CPU keeps the defaults (its
+        forward runs on torch's threads)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device}, default_dtype={self.default_dtype})"

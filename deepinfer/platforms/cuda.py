@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 
 from deepinfer.platforms.base import Platform
 
-
 logger = logging.getLogger(__name__)
+
+# The interpreter's GIL switch interval on a GPU engine (see settle_host_threads).
+HOST_SWITCH_INTERVAL_S = 0.0002
 
 
 class CudaPlatform(Platform):
@@ -45,3 +48,9 @@ class CudaPlatform(Platform):
         if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
             logger.info("torch host threads %d -> 1 (set OMP_NUM_THREADS to choose)", torch.get_num_threads())
             torch.set_num_threads(1)
+        # A worker thread that finished its GIL-free part (xgrammar's fill) needs the GIL back to
+        # hand over its result, and the engine loop, running Python, gives it up only every
+        # switch interval (5 ms by default: longer than a decode step). Same measurement: the
+        # wait for the fill went from 1.15 to 0.52-0.64 ms per step at 0.2 ms.
+        if sys.getswitchinterval() > HOST_SWITCH_INTERVAL_S:
+            sys.setswitchinterval(HOST_SWITCH_INTERVAL_S)
