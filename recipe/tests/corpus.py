@@ -114,6 +114,9 @@ for model in (V4, V41):
     add(f"{tag}-resp-max", "responses", {"model": model, "input": "hi", "reasoning": {"effort": "max"}})
     add(f"{tag}-resp-json-schema", "responses", {"model": model, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "max_output_tokens": 64})
     add(f"{tag}-resp-developer-system", "responses", {"model": model, "instructions": "ins", "input": [{"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"}, {"role": "user", "content": "hi"}]})
+    # A leading developer message is V4.1's index-0 system block (it takes the effort prefix).
+    add(f"{tag}-resp-leading-developer", "responses", {"model": model, "input": [{"role": "developer", "content": "dev"}, {"role": "user", "content": "hi"}]})
+    add(f"{tag}-resp-developer-system-developer", "responses", {"model": model, "reasoning": {"effort": "high"}, "input": [{"role": "developer", "content": "d1"}, {"role": "system", "content": "s"}, {"role": "user", "content": "hi"}, {"role": "developer", "content": "d2"}, {"role": "user", "content": "more"}]})
     add(f"{tag}-resp-strict-tool", "responses", {"model": model, "input": "find", "reasoning": {"effort": "none"}, "tools": [{"type": "function", "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "object", "properties": {"c": {"type": "integer"}}}}}}]})
     # -- messages --------------------------------------------------------------------------
     add(f"{tag}-msg-simple", "messages", {"model": model, "max_tokens": 100, "system": "sys", "messages": [{"role": "user", "content": "hi"}]})

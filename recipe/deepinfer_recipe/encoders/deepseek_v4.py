@@ -132,8 +132,10 @@ class DeepSeekV4Encoder(Encoder):
         leading = True
         for message in messages:
             # V4 hoists every system message to the top. V4.1 puts only a first-message system
-            # there; later system (and developer) messages are `<｜System｜>` turns in place.
-            if message.role == "system" and (leading or not self.has_system_token):
+            # (or developer) there; later system and developer messages are `<｜System｜>` turns in
+            # place. (The difference shows when an effort prefix opens the system block.)
+            system_like = message.role == "system" or (message.role == "developer" and self.has_system_token)
+            if (message.role == "system" and not self.has_system_token) or (system_like and leading):
                 system_texts.append(message.text)
                 leading = False
                 continue
