@@ -235,10 +235,9 @@ class DeepSeekV4Encoder(Encoder):
             b.control(T.SYSTEM)
         _append_rendered(b, system)
 
-        # Reasoning of turns before the last user-like turn is dropped, unless tools are in play
-        # (an agent loop keeps its reasoning).
-        # Without tools, every assistant turn of the request is history (a new turn follows), so
-        # only a prefix continuation keeps its reasoning; deepseek-recipe renders it that way.
+        # With tools in play an agent loop keeps the reasoning of every turn. Without tools every
+        # assistant turn of the request is history (a new turn follows it), so its reasoning is
+        # dropped; only a prefix continuation keeps it (deepseek-recipe renders it that way).
         keep_all_reasoning = bool(tools)
         start = ParserStart("reasoning" if thinking else "content", False, bool(tools))
         for index, turn in enumerate(turns):
