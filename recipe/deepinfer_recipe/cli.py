@@ -13,7 +13,7 @@ import json
 import sys
 
 from .encoders import get_encoder
-from .errors import RecipeError, RequestError
+from .errors import RecipeError
 from .protocols import PROTOCOLS, parse_request
 
 
@@ -43,9 +43,15 @@ def _decode(args, data) -> dict:
         ids, request = data["token_ids"], data.get("request")
     else:
         raise RecipeError('decode expects a JSON list of ids or {"token_ids": [...], "request": {...}}')
-    if not all(isinstance(i, int) for i in ids):
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise RecipeError("token_ids must be integers")
     encoder = get_encoder(args.format, args.tokenizer)
+    if encoder.tokenizer is None:
+        raise RecipeError(f"format {args.format!r} has no tokenizer to decode with; pass --tokenizer")
+    vocab_size = encoder.tokenizer.full.get_vocab_size(with_added_tokens=True)
+    for index, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise RecipeError(f"token_ids[{index}] = {token_id} is outside the vocabulary (0..{vocab_size - 1})")
     # The request decides where parsing starts (thinking on/off, tools); default: a plain chat turn.
     conversation = parse_request(args.protocol, request) if request else parse_request(
         args.protocol, _minimal_request(args.protocol))
@@ -66,15 +72,19 @@ def _minimal_request(protocol: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # usage errors: argparse prints them and exits with 2
     try:
         data = json.loads(sys.stdin.read())
-        result = _encode(args, data) if args.command == "encode" else _decode(args, data)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         print(f"deepinfer-recipe: stdin is not valid JSON: {exc}", file=sys.stderr)
         return 2
-    except (RequestError, RecipeError, OSError) as exc:
+    try:
+        result = _encode(args, data) if args.command == "encode" else _decode(args, data)
+    except (RecipeError, OSError) as exc:  # RequestError is a RecipeError
         print(f"deepinfer-recipe: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # e.g. a tokenizer file `tokenizers` cannot read: still status 2
+        print(f"deepinfer-recipe: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     json.dump(result, sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")

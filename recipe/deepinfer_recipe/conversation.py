@@ -104,7 +104,10 @@ class Conversation:
     protocol: Literal["chat", "responses", "messages"] = "chat"
 
     def thinking_enabled(self, default: bool) -> bool:
-        """Thinking switch after applying the effort rule: effort "none" turns it off."""
+        """Thinking switch: an explicit `thinking` wins; without one, effort "none" turns it off
+        (deepseek-recipe: `thinking: enabled` with effort "none" thinks at the default effort)."""
+        if self.thinking is not None:
+            return self.thinking
         if self.reasoning_effort == "none":
             return False
-        return default if self.thinking is None else self.thinking
+        return default

@@ -93,7 +93,10 @@ class SafeTokenizer:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "SafeTokenizer":
-        return cls.from_json_text(Path(path).read_text(encoding="utf-8"))
+        try:
+            return cls.from_json_text(Path(path).read_text(encoding="utf-8"))
+        except Exception as exc:  # not found, not JSON, not a tokenizer `tokenizers` can load
+            raise RecipeError(f"cannot load tokenizer {str(path)!r}: {exc}") from exc
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer) -> "SafeTokenizer":

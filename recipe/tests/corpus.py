@@ -101,6 +101,11 @@ for model in (V4, V41):
     add(f"{tag}-chat-odd-arguments", "chat", {"model": model, "thinking": {"type": "disabled"}, "tools": CHAT_TOOLS, "messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [_call("a", "search", '{"q": "x", "filters": {"lang": ["en", "de"], "n": 1.5, "ok": true, "none": null}}'), _call("b", "now", "{}"), _call("c", "search", "not json"), _call("d", "search", "")]}, {"role": "tool", "tool_call_id": "a", "content": [{"type": "text", "text": "r1"}, {"type": "text", "text": "r1b"}]}, {"role": "tool", "tool_call_id": "b", "content": "12:00"}, {"role": "tool", "tool_call_id": "c", "content": ""}, {"role": "tool", "tool_call_id": "d", "content": "done"}, {"role": "user", "content": "ok"}]})
     add(f"{tag}-chat-unicode", "chat", {"model": model, "messages": [{"role": "user", "content": "Ünïcödé — 数据处理 ひらがな 🙂 1234567 tabs\tand\r\nCRLF"}]})
     add(f"{tag}-chat-unknown-fields", "chat", {"model": model, "user": "u1", "logit_bias": {}, "messages": [{"role": "user", "content": "x", "name": "bob", "extra": 1}]})
+    # Found by the random differential test: a request that ends with a finished assistant turn
+    # (its reasoning is history too), empty user/system messages, explicit thinking + effort none.
+    add(f"{tag}-chat-ends-with-assistant", "chat", {"model": model, "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "r"}]})
+    add(f"{tag}-chat-empty-messages", "chat", {"model": model, "thinking": {"type": "disabled"}, "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "a"}, {"role": "user", "content": ""}, {"role": "system", "content": ""}, {"role": "user", "content": [{"type": "text", "text": ""}]}, {"role": "user", "content": "b"}]})
+    add(f"{tag}-chat-thinking-enabled-effort-none", "chat", {"model": model, "thinking": {"type": "enabled"}, "reasoning_effort": "none", "messages": [{"role": "user", "content": "q"}]})
     # -- responses -------------------------------------------------------------------------
     add(f"{tag}-resp-string", "responses", {"model": model, "input": "Hello", "instructions": "Be brief"})
     add(f"{tag}-resp-items", "responses", {"model": model, "instructions": "I", "tools": RESP_TOOLS, "reasoning": {"effort": "low"}, "input": [
@@ -114,7 +119,11 @@ for model in (V4, V41):
     add(f"{tag}-resp-max", "responses", {"model": model, "input": "hi", "reasoning": {"effort": "max"}})
     add(f"{tag}-resp-json-schema", "responses", {"model": model, "input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "max_output_tokens": 64})
     add(f"{tag}-resp-developer-system", "responses", {"model": model, "instructions": "ins", "input": [{"role": "system", "content": "sys"}, {"role": "developer", "content": "dev"}, {"role": "user", "content": "hi"}]})
+    # A leading developer message is V4.1's index-0 system block (it takes the effort prefix).
+    add(f"{tag}-resp-leading-developer", "responses", {"model": model, "input": [{"role": "developer", "content": "dev"}, {"role": "user", "content": "hi"}]})
+    add(f"{tag}-resp-developer-system-developer", "responses", {"model": model, "reasoning": {"effort": "high"}, "input": [{"role": "developer", "content": "d1"}, {"role": "system", "content": "s"}, {"role": "user", "content": "hi"}, {"role": "developer", "content": "d2"}, {"role": "user", "content": "more"}]})
     add(f"{tag}-resp-strict-tool", "responses", {"model": model, "input": "find", "reasoning": {"effort": "none"}, "tools": [{"type": "function", "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "object", "properties": {"c": {"type": "integer"}}}}}}]})
+    add(f"{tag}-resp-empty-system-summary-only-reasoning", "responses", {"model": model, "instructions": "i", "input": [{"role": "system", "content": ""}, {"role": "user", "content": "q"}, {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]}, {"role": "developer", "content": ""}, {"role": "user", "content": "q2"}]})
     # -- messages --------------------------------------------------------------------------
     add(f"{tag}-msg-simple", "messages", {"model": model, "max_tokens": 100, "system": "sys", "messages": [{"role": "user", "content": "hi"}]})
     add(f"{tag}-msg-system-blocks", "messages", {"model": model, "max_tokens": 100, "system": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "messages": [{"role": "user", "content": "hi"}]})
@@ -129,3 +138,4 @@ for model in (V4, V41):
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "b1"}, {"type": "text", "text": "b2"}]}, {"type": "tool_result", "tool_use_id": "t1", "content": "a", "is_error": True}]}]})
     add(f"{tag}-msg-effort-max", "messages", {"model": model, "max_tokens": 100, "output_config": {"effort": "max"}, "messages": [{"role": "user", "content": "hi"}]})
     add(f"{tag}-msg-effort-low", "messages", {"model": model, "max_tokens": 100, "output_config": {"effort": "low"}, "messages": [{"role": "user", "content": "hi"}]})
+    add(f"{tag}-msg-empty-system-ends-with-assistant", "messages", {"model": model, "max_tokens": 100, "system": "", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"}, {"type": "text", "text": "Hello"}]}]})

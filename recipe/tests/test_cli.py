@@ -44,7 +44,26 @@ def test_decode_prints_final_object(monkeypatch, capsys):
     (["encode", "--format", "nope"], '{"messages": [{"role": "user", "content": "x"}]}', "unknown format"),
     (["encode", "--format", "deepseek-v4"], "not json", "not valid JSON"),
     (["decode", "--format", "deepseek-v4"], '{"x": 1}', "decode expects"),
+    (["decode", "--format", "deepseek-v4"], "[5, -1]", "token_ids[1] = -1 is outside the vocabulary"),
+    (["decode", "--format", "deepseek-v4"], "[129280]", "token_ids[0] = 129280 is outside the vocabulary (0..129279)"),
+    (["decode", "--format", "deepseek-v4"], "[true]", "token_ids must be integers"),
+    (["decode", "--format", "deepseek-v4.1"], "[5]", "has no tokenizer to decode with"),
+    (["decode", "--format", "deepseek-v4", "--protocol", "messages"], '{"token_ids": [5], "request": {"messages": []}}', "max_tokens"),
+    (["encode", "--format", "deepseek-v4", "--tokenizer", __file__], '{"messages": [{"role": "user", "content": "x"}]}', "cannot load tokenizer"),
+    (["encode", "--format", "deepseek-v4", "--tokenizer", "/nonexistent/tokenizer.json"], '{"messages": [{"role": "user", "content": "x"}]}', "cannot load tokenizer"),
+    (["encode", "--format", "hf:/nonexistent"], '{"messages": [{"role": "user", "content": "x"}]}', "tokenizer_config.json not found"),
+    (["encode", "--format", "deepseek-v4"], '{"messages": [{"role": "user", "content": "a\\ud800"}]}', "messages[0].content: the string contains a lone UTF-16 surrogate"),
+    (["encode", "--format", "deepseek-v4", "--protocol", "responses"], '{"input": [{"type": "bogus"}]}', "input[0].type"),
 ])
 def test_errors_go_to_stderr_with_status_2(monkeypatch, capsys, args, stdin, needle):
     status, out, err = run(monkeypatch, capsys, args, stdin)
     assert status == 2 and out == "" and needle in err
+
+
+@pytest.mark.parametrize("args", [["encode"], ["encode", "--format", "deepseek-v4", "--protocol", "bogus"], ["frobnicate"]])
+def test_usage_errors_exit_2(monkeypatch, capsys, args):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("{}"))
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and "usage: deepinfer-recipe" in err

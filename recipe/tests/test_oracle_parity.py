@@ -1,11 +1,15 @@
-"""Our encoders against DeepSeek's deepseek-recipe on the corpus: V4 token ids byte-exact,
-V4.1 prompt text and control ranges identical (its tokenizer is not published)."""
+"""Our encoders against DeepSeek's deepseek-recipe on the corpus and on random conversations:
+V4 token ids byte-exact, V4.1 prompt text and control ranges identical (its tokenizer is not
+published)."""
+
+import random
 
 import pytest
 
 from corpus import CORPUS, V41
 from oracle import needs_oracle, render
-from deepinfer_recipe import get_encoder, parse_request
+from random_conversations import random_request
+from deepinfer_recipe import RequestError, get_encoder, parse_request
 
 
 def ours(protocol, body):
@@ -54,3 +58,40 @@ def test_grounding_spellings_in_assistant_history_differ_on_purpose():
     grounding_ids = {tokenizer.control_id(text[a:b]) for a, b in grounding}
     assert grounding_ids <= set(oracle_ids)  # the oracle emitted them
     assert grounding_ids.isdisjoint(encoding.token_ids)  # we do not
+
+
+# Requests deepseek-recipe refuses and we render, on purpose. A prefix continuation with tools
+# offered is well defined (the continuation may still call a tool; the parser starts in the
+# content with tool-call parsing on), so we do not refuse it.
+ORACLE_ONLY_REFUSALS = ("Function call should not be used with prefix",)
+
+
+@needs_oracle
+@pytest.mark.parametrize("seed", range(8))
+def test_random_conversations_match_oracle(seed):
+    """100 random requests per seed (all protocols, V4 and V4.1): where the oracle renders one we
+    render the same text, ranges and ids; where it refuses one we refuse it too, except the
+    refusals listed above. This found what the hand-written corpus missed (empty messages,
+    turns that end the request, empty reasoning items, thinking with effort "none")."""
+    rng = random.Random(seed)
+    compared = 0
+    for _ in range(100):
+        protocol, body = random_request(rng)
+        try:
+            text, ranges, ids = render(protocol, body)
+            refusal = None
+        except Exception as exc:  # noqa: BLE001 - the oracle's conversion errors
+            refusal = str(exc)
+        try:
+            encoding, error = ours(protocol, body), None
+        except RequestError as exc:
+            encoding, error = None, exc
+        if refusal is not None:
+            assert error is not None or refusal.startswith(ORACLE_ONLY_REFUSALS), (refusal, protocol, body)
+            continue
+        assert error is None, (str(error), protocol, body)
+        assert encoding.rendered.text == text, (protocol, body)
+        assert encoding.rendered.control_ranges == ranges, (protocol, body)
+        assert encoding.token_ids == ids, (protocol, body)
+        compared += 1
+    assert compared >= 70

@@ -177,3 +177,67 @@ def test_round_trip_parsed_turn_rerendered_matches_oracle_ids(protocol):
     request_type = {"chat": dr.ChatCompletionRequest, "responses": dr.ResponsesRequest, "messages": dr.MessagesRequest}[protocol]
     theirs = v4_encoding().encode(request_type(json.dumps(body)).convert(dr.ConversionOptions()).conversation)
     assert ours == theirs
+
+
+ROUND_TRIP_TURNS = {
+    "reasoning-content-calls": ("Need the tool. 東京?", "Let me check — ok.", [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": 'Köln "x"'})]),
+    "reasoning-content": ("Just answer.", "Paris is sunny, 24°C.\n\nEnjoy!", []),
+    "calls-only": ("", "", [("get_weather", {"city": "Rome", "days": 1})]),
+}
+
+
+def _chat_turn(reasoning, content, calls):
+    turn = {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    if calls:
+        turn["tool_calls"] = [{"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}}
+                              for i, (n, a) in enumerate(calls)]
+    return turn
+
+
+def _follow_up(protocol, final):
+    """The next request a client of `protocol` sends: its history plus our parsed turn, then
+    the tool results (if the turn called tools) or a new user message."""
+    tools_chat = TOOLS
+    if protocol == "chat":
+        message = final["choices"][0]["message"]
+        after = [{"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in message.get("tool_calls") or []]
+        return {"model": "DeepSeek-V4-Pro", "tools": tools_chat, "messages": CHAT["messages"] + [message] + (after or [{"role": "user", "content": "And tomorrow?"}])}
+    if protocol == "responses":
+        items = [{"type": "message", "role": "user", "content": "Weather in Paris?"}] + [
+            {k: v for k, v in item.items() if k != "status"} for item in final["output"]]
+        after = [{"type": "function_call_output", "call_id": i["call_id"], "output": "sunny"} for i in final["output"] if i["type"] == "function_call"]
+        return {"model": "DeepSeek-V4-Pro", "tools": [{"type": "function", **TOOLS[0]["function"]}],
+                "input": items + (after or [{"type": "message", "role": "user", "content": "And tomorrow?"}])}
+    results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "sunny"} for b in final["content"] if b["type"] == "tool_use"]
+    return {"model": "DeepSeek-V4-Pro", "max_tokens": 9, "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}],
+            "messages": [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": final["content"]},
+                         {"role": "user", "content": results or "And tomorrow?"}]}
+
+
+@needs_oracle
+@pytest.mark.parametrize("turn", ROUND_TRIP_TURNS)
+@pytest.mark.parametrize("protocol", ["chat", "responses", "messages"])
+def test_round_trip_reproduces_the_model_turn_ids(protocol, turn):
+    """The ids of an assistant turn exactly as the format writes it (taken from the oracle's
+    render of that turn in history) → our parser → the client's next request in its protocol →
+    our prompt: it contains those very ids, and equals the oracle's prompt for that request."""
+    reasoning, content, calls = ROUND_TRIP_TURNS[turn]
+    after = [{"role": "tool", "tool_call_id": f"call_{i}", "content": "r"} for i in range(len(calls))] or [{"role": "user", "content": "x"}]
+    history = {"model": "DeepSeek-V4-Pro", "tools": TOOLS, "messages": CHAT["messages"] + [_chat_turn(reasoning, content, calls)] + after}
+    rendered = v4_encoding().encode(dr.ChatCompletionRequest(json.dumps(history)).convert(dr.ConversionOptions()).conversation)
+    start = rendered.index(TOK.control_id("<｜Assistant｜>")) + 2  # after <｜Assistant｜><think>
+    model_ids = rendered[start : rendered.index(EOS, start) + 1]
+    assert TOK.control_id("<think>") == rendered[start - 1]
+
+    first = {"chat": CHAT, "responses": {"input": "Weather in Paris?", "tools": [{"type": "function", **TOOLS[0]["function"]}]},
+             "messages": {"max_tokens": 9, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                          "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}]}}[protocol]
+    session = session_for(first, protocol)
+    session.feed(model_ids)
+    assert session.finished
+    body = _follow_up(protocol, session.final_response())
+    ours = ENCODER.encode(parse_request(protocol, body)).token_ids
+    request_type = {"chat": dr.ChatCompletionRequest, "responses": dr.ResponsesRequest, "messages": dr.MessagesRequest}[protocol]
+    assert ours == v4_encoding().encode(request_type(json.dumps(body)).convert(dr.ConversionOptions()).conversation)
+    header = [TOK.control_id("<｜Assistant｜>"), TOK.control_id("<think>")]
+    assert any(ours[i : i + len(model_ids) + 2] == header + model_ids for i in range(len(ours))), "the turn's ids changed"

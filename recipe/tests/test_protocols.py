@@ -2,7 +2,8 @@
 
 import pytest
 
-from deepinfer_recipe import RequestError, parse_request
+from corpus import CORPUS, V41
+from deepinfer_recipe import RequestError, get_encoder, parse_request
 from deepinfer_recipe.conversation import ImagePart, NamedToolChoice
 
 
@@ -20,6 +21,24 @@ from deepinfer_recipe.conversation import ImagePart, NamedToolChoice
         ("responses", {"input": [{"role": "user", "content": [{"type": "input_video"}]}]}, "input[0].content[0].type"),
         ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages[0].content[0].tool_use_id"),
         ("messages", {"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        # A discriminator that is a function (Responses items may omit `type`) still names `type`.
+        ("responses", {"input": [{"role": "user", "content": "a"}, {"type": "bogus"}]}, "input[1].type"),
+        # Among union members the deepest path wins, counting a missing field's own name.
+        ("responses", {"input": "x", "tool_choice": {"type": "function"}}, "tool_choice.name"),
+        ("responses", {"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+        ("responses", {"input": "x", "reasoning": {"effort": "ultra"}}, "reasoning.effort"),
+        ("responses", {"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
+        ("responses", {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "strng"}}}}]}, "tools[0].parameters.properties.a.type"),
+        ("messages", {"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+        ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": "x"}]}]}, "messages[0].content[0].input"),
+        ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "on"}}, "thinking.type"),
+        ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]}, "system[0].type"),
+        ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f", "input_schema": {"type": "object", "required": "a"}}]}, "tools[0].input_schema.required"),
+        # JSON may escape a lone surrogate ("\ud800"): not a character, so no tokenizer can encode it.
+        ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "a\ud800"}]}]}, "messages[0].content[1].text"),
+        ("responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": "\udfff"}]}, "input[0].output"),
+        ("messages", {"max_tokens": 5, "system": "\ud83d", "messages": [{"role": "user", "content": "x"}]}, "system"),
     ],
 )
 def test_invalid_field_is_named(protocol, body, path):
@@ -35,6 +54,33 @@ def test_unknown_fields_are_ignored():
         "messages": [{"role": "user", "content": "hi", "name": "bob", "future_field": {"x": 1}}],
     })
     assert conversation.messages[0].text == "hi"
+
+
+FREE_FORM = {"parameters", "input_schema", "schema", "input"}  # client JSON whose keys are data
+
+
+def _with_unknown_fields(node, key=None):
+    """Add an unknown field to every object of a request, except objects whose keys are data
+    (JSON schemas, tool inputs)."""
+    if isinstance(node, list):
+        return [_with_unknown_fields(item) for item in node]
+    if not isinstance(node, dict) or key in FREE_FORM:
+        return node
+    out = {k: _with_unknown_fields(v, k) for k, v in node.items()}
+    out["x_future_field"] = {"type": "bogus", "nested": [1, None]}
+    return out
+
+
+@pytest.mark.parametrize("name,protocol,body", CORPUS, ids=[c[0] for c in CORPUS])
+def test_unknown_fields_anywhere_change_nothing(name, protocol, body):
+    """Every protocol ignores unknown fields at every level (request, messages, content parts,
+    items, tools, tool calls, formats) the way the real APIs do: the prompt is the same."""
+    fmt = "deepseek-v4.1" if body.get("model") == V41 else "deepseek-v4"
+    sprinkled = _with_unknown_fields(body)
+    assert sprinkled != body
+    assert parse_request(protocol, sprinkled) == parse_request(protocol, body)
+    a, b = get_encoder(fmt).encode(parse_request(protocol, sprinkled)), get_encoder(fmt).encode(parse_request(protocol, body))
+    assert (a.rendered.text, a.rendered.control_ranges, a.token_ids) == (b.rendered.text, b.rendered.control_ranges, b.token_ids)
 
 
 def test_chat_fields_reach_the_conversation():

@@ -126,19 +126,23 @@ class DeepSeekV4Encoder(Encoder):
                 pieces.append((False, T.UNSUPPORTED_IMAGE))
         return pieces
 
-    def _turns(self, messages: list[Message]) -> tuple[str, list[_Turn]]:
+    def _turns(self, messages: list[Message]) -> tuple[str, bool, list[_Turn]]:
         system_texts: list[str] = []
         turns: list[_Turn] = []
         leading = True
+        if not self.has_system_token:
+            messages = _merge_user_runs(messages)
         for message in messages:
             # V4 hoists every system message to the top. V4.1 puts only a first-message system
-            # there; later system (and developer) messages are `<｜System｜>` turns in place.
-            if message.role == "system" and (leading or not self.has_system_token):
+            # (or developer) there; later system and developer messages are `<｜System｜>` turns in
+            # place. (The difference shows when an effort prefix opens the system block.)
+            system_like = message.role == "system" or (message.role == "developer" and self.has_system_token)
+            if (message.role == "system" and not self.has_system_token) or (system_like and leading):
                 system_texts.append(message.text)
                 leading = False
                 continue
             leading = False
-            if message.role == "system" or (message.role == "developer" and self.has_system_token):
+            if system_like:
                 turns.append(_Turn("system", self._content_pieces(message)))
             elif message.role in ("user", "developer"):
                 self._append_user(turns, self._content_pieces(message))
@@ -150,7 +154,10 @@ class DeepSeekV4Encoder(Encoder):
             else:
                 turns.append(_Turn("assistant", message=message))
         self._sort_tool_results(turns)
-        return "\n\n".join(system_texts), turns
+        # V4 joins the hoisted system texts, skipping empty ones. V4.1 has at most one leading
+        # system message, and it opens a `<｜System｜>` block even when empty.
+        texts = system_texts if self.has_system_token else [t for t in system_texts if t]
+        return "\n\n".join(texts), bool(system_texts), turns
 
     @staticmethod
     def _append_user(turns: list[_Turn], pieces, tool_call_id: str | None = None) -> None:
@@ -205,7 +212,7 @@ class DeepSeekV4Encoder(Encoder):
                 "response_format",
             )
 
-        system_text, turns = self._turns(conversation.messages)
+        system_text, has_system_message, turns = self._turns(conversation.messages)
         b = PromptBuilder().control(T.BOS)
         system_block = PromptBuilder()
         if thinking:
@@ -224,13 +231,13 @@ class DeepSeekV4Encoder(Encoder):
         elif fmt.type == "json_object":
             system_block.text("\n\n" + T.JSON_OBJECT_INSTRUCTIONS)
         system = system_block.build()
-        if system.text and self.has_system_token:
+        if (system.text or has_system_message) and self.has_system_token:
             b.control(T.SYSTEM)
         _append_rendered(b, system)
 
-        # Reasoning of turns before the last user-like turn is dropped, unless tools are in play
-        # (an agent loop keeps its reasoning).
-        last_user = max((i for i, t in enumerate(turns) if t.kind != "assistant"), default=-1)
+        # With tools in play an agent loop keeps the reasoning of every turn. Without tools every
+        # assistant turn of the request is history (a new turn follows it), so its reasoning is
+        # dropped; only a prefix continuation keeps it (deepseek-recipe renders it that way).
         keep_all_reasoning = bool(tools)
         start = ParserStart("reasoning" if thinking else "content", False, bool(tools))
         for index, turn in enumerate(turns):
@@ -244,8 +251,8 @@ class DeepSeekV4Encoder(Encoder):
                 for is_control, text in turn.body:
                     b.control(text) if is_control else b.text(text)
                 continue
-            keep = thinking and (index > last_user or keep_all_reasoning)
             is_last = index == len(turns) - 1
+            keep = thinking and (keep_all_reasoning or (turn.message.prefix and is_last))
             start = self._render_assistant(b, turn.message, keep, is_last, start)
             if turn.message.prefix and is_last:
                 return b.build(), start
@@ -309,6 +316,35 @@ class DeepSeekV41Encoder(DeepSeekV4Encoder):
 
     def effort_text(self, effort: str | None) -> str:
         return T.v41_effort_text(effort)
+
+
+def _is_empty(message: Message) -> bool:
+    return all(isinstance(p, TextPart) and not p.text for p in message.content)
+
+
+_USER_LIKE = ("user", "developer")  # V4 renders a developer message as a user turn
+
+
+def _merge_user_runs(messages: list[Message]) -> list[Message]:
+    """DeepSeek-V4 (as deepseek-recipe renders it): consecutive user messages, ignoring the system
+    messages between them (those are hoisted), become one user message whose text joins the
+    non-empty ones. An empty user message after another one therefore adds nothing, where V4.1
+    keeps a blank block."""
+    out: list[Message] = []
+    previous: int | None = None  # index in `out` of the last non-system message
+    for message in messages:
+        if message.role == "system":
+            out.append(message)
+            continue
+        if message.role in _USER_LIKE and previous is not None and out[previous].role in _USER_LIKE:
+            if not _is_empty(message):
+                before = out[previous]
+                content = message.content if _is_empty(before) else before.content + message.content
+                out[previous] = Message(before.role, list(content))
+            continue
+        out.append(message)
+        previous = len(out) - 1
+    return out
 
 
 def _append_rendered(b: PromptBuilder, rendered: RenderedPrompt) -> None:

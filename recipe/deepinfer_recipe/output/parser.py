@@ -4,7 +4,9 @@ The parser is fed ids as the sampler produces them. It acts on a control marker 
 `</think>`, the DSML token) only when the model emitted that marker's *id*; the same characters
 produced by ordinary tokens are text. So a model that writes "<｜end▁of▁sentence｜>" or a DSML
 tag as characters (e.g. quoting a prompt) produces text, never a tool call or an early end.
-deepseek-recipe matches these markers in decoded text; this is where we deliberately differ.
+DeepSeek's release parser (encoding_dsv4.py) matches these markers in decoded text; we do not.
+(deepseek-recipe 0.2.0's stream processor also keeps spelled markers as text: tests/test_injection.py
+checks that our final objects equal its.)
 
 HF-template models call tools Hermes-style (`<tool_call>{...}</tool_call>`, hermes_calls.py).
 Where the tokenizer has `<tool_call>` as a token, only its id opens a call, as above; where it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -19,40 +20,83 @@ class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-def _json_path(data: Any, loc: tuple) -> str:
-    """Turn a pydantic error location into a JSON path over the *input*.
+def _json_path(data: Any, loc: tuple) -> tuple[str, int]:
+    """Turn a pydantic error location into a JSON path over the *input*, and its depth.
 
     Pydantic puts union member names into `loc` (e.g. "str", "list[...]" or a tag); walking the
     input alongside keeps only the steps that exist in the client's JSON."""
     path = ""
+    depth = 0
     node = data
     for step in loc:
         if isinstance(step, int) and isinstance(node, list) and 0 <= step < len(node):
             path += f"[{step}]"
             node = node[step]
+            depth += 1
         elif isinstance(step, str) and isinstance(node, dict) and step in node:
             path += f".{step}" if path else step
             node = node[step]
-    return path
+            depth += 1
+    return path, depth
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate_path(node: Any, path: str = "") -> str | None:
+    """JSON allows escapes such as "\\ud800" that decode to a lone surrogate: not a character,
+    so no tokenizer can encode it. Find the first one (in a key or a string value)."""
+    if isinstance(node, str):
+        return path if _SURROGATE.search(node) else None
+    if isinstance(node, dict):
+        for key, value in node.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return where
+            found = _lone_surrogate_path(value, where)
+            if found is not None:
+                return found
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            found = _lone_surrogate_path(value, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _error_path(body: Any, error: dict) -> tuple[str, int]:
+    """The JSON path a pydantic error is about (a missing field's own name included) and its
+    depth in steps."""
+    path, depth = _json_path(body, tuple(error["loc"]))
+    field = None
+    if error["type"] == "missing":
+        field = str(error["loc"][-1])
+    elif error["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'\"")
+        if not field.isidentifier():
+            field = "type"  # a callable discriminator (e.g. `_item_kind()`) reads the item's type
+        if path.endswith(field):
+            field = None
+    if field is not None:
+        path = f"{path}.{field}" if path else field
+        depth += 1
+    return path, depth
 
 
 def validate(model: type[Model], body: Any) -> Model:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
+    surrogate = _lone_surrogate_path(body)
+    if surrogate is not None:
+        raise RequestError("the string contains a lone UTF-16 surrogate (an invalid \\u escape)", surrogate or None)
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         # With unions pydantic reports one error per member; the one that got deepest into the
         # input is the one that describes what the client meant.
-        error = max(exc.errors(), key=lambda e: len(_json_path(body, tuple(e["loc"]))))
-        path = _json_path(body, tuple(error["loc"]))
-        if error["type"] == "missing":
-            field = str(error["loc"][-1])
-            path = f"{path}.{field}" if path else field
-        if error["type"] in ("union_tag_invalid", "union_tag_not_found"):
-            field = str(error.get("ctx", {}).get("discriminator", "type")).strip("'\"")
-            if not path.endswith(field):
-                path = f"{path}.{field}" if path else field
+        # Ties go to the first error, i.e. the first field in the model's order.
+        error = max(exc.errors(), key=lambda e: _error_path(body, e)[1])
+        path = _error_path(body, error)[0]
         message = error["msg"]
         if error["type"] == "union_tag_invalid":
             message = f"unsupported value {error['ctx'].get('tag')!r}; expected {error['ctx'].get('expected_tags')}"

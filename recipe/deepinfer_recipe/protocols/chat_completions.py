@@ -17,6 +17,7 @@ from ..conversation import (
     ToolCall,
     ToolDefinition,
 )
+from ..errors import RequestError
 from ._common import Lenient, normalize_strict_schema, require_object_schema, validate
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
@@ -181,12 +182,19 @@ def tool_definitions(items, path: str) -> list[ToolDefinition]:
 def to_conversation(body: dict) -> Conversation:
     request = validate(ChatCompletionRequest, body)
     messages = []
-    for m in request.messages:
+    for index, m in enumerate(request.messages):
         if isinstance(m, AssistantMessage):
             calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+            # OpenAI (and deepseek-recipe) require content unless the turn calls tools.
+            if m.content is None and not calls:
+                raise RequestError("an assistant message needs content or tool_calls", f"messages[{index}].content")
+            if m.prefix and calls:
+                raise RequestError("a prefix (continued) assistant message cannot have tool_calls", f"messages[{index}].prefix")
             messages.append(Message("assistant", _parts(m.content), m.reasoning_content, calls, prefix=m.prefix))
         elif isinstance(m, ToolMessage):
             messages.append(Message("tool", _parts(m.content), tool_call_id=m.tool_call_id))
+        elif isinstance(m, SystemMessage) and not any(p.text for p in _parts(m.content)):
+            continue  # an empty system message says nothing; deepseek-recipe drops it too
         else:
             messages.append(Message(m.role, _parts(m.content)))
     choice = request.tool_choice or "auto"

@@ -116,7 +116,7 @@ def _blocks_to_parts(blocks) -> list:
 
 def _messages(request: MessagesRequest) -> list[Message]:
     messages: list[Message] = []
-    if isinstance(request.system, str) and request.system:
+    if isinstance(request.system, str):  # even "": DeepSeek-V4.1 opens a <｜System｜> block for it
         messages.append(Message("system", [TextPart(request.system)]))
     elif isinstance(request.system, list) and request.system:
         messages.append(Message("system", [TextPart(b.text) for b in request.system]))

@@ -164,9 +164,11 @@ def _messages(request: ResponsesRequest) -> list[Message]:
             turn = assistant_turn(starts_new=open_turn is not None and bool(open_turn.tool_calls or open_turn.content))
             turn.content.extend(_parts(item.content))
         elif isinstance(item, ReasoningItem):
-            turn = assistant_turn(starts_new=open_turn is not None and bool(open_turn.tool_calls or open_turn.content))
             text = "".join(part.text for part in item.content or [])
-            turn.reasoning = (turn.reasoning or "") + text if text else turn.reasoning
+            if not text:
+                continue  # only a summary (or nothing): no reasoning to render, no turn (as deepseek-recipe)
+            turn = assistant_turn(starts_new=open_turn is not None and bool(open_turn.tool_calls or open_turn.content))
+            turn.reasoning = (turn.reasoning or "") + text
         elif isinstance(item, FunctionCallItem):
             assistant_turn(starts_new=False).tool_calls.append(ToolCall(item.call_id, item.name, item.arguments))
         elif isinstance(item, FunctionCallOutputItem):
