@@ -17,9 +17,10 @@ runs, and only then queues N+1's sampling, so grammar masks and penalties see N'
              plan.grammar_bitmask = <fill the masks for N+1>
              in_flight = (plan, runner.sample(forward, plan.grammar_bitmask))
 
-With grammar rows in N+1, the last line waits: the sampling is queued at the start of the next
-step() instead, so the masks fill while the caller turns `outputs` into text (the device is
-still busy with N+1's forward then). Without, it is queued at once.
+With grammar rows in N+1, the last line would wait for the fill: the sampling is queued by the
+next step() instead, right after it schedules N+2, so the masks fill while the caller turns
+`outputs` into text and the scheduler plans (the device is still busy with N+1's forward then).
+Without grammar rows it is queued at once.
 
 Both loops give identical tokens. The overlapped one finds a stop one step late: a request
 that stopped on N's token has its N+1 chunk computed and that result ignored. Speculative
@@ -109,9 +110,11 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._in_flight is not None or self._deferred_sample is not None
 
     def step(self) -> list[EngineCoreOutput]:
-        self._launch_deferred_sample()
         failed = self.scheduler.poll_grammars()
         plan = self.scheduler.schedule()
+        # A sampling deferred by the last step goes first on the device: its masks had the
+        # caller's output processing and this schedule to fill in.
+        self._launch_deferred_sample()
         if plan.is_empty and not plan.finished_request_ids:
             if self._in_flight is not None:
                 return failed + self._apply_in_flight()
