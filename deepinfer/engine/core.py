@@ -94,7 +94,7 @@ class EngineCore:
         self.platform.settle_host_threads()
         self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
         # Overlapped loop, a step with grammar rows: its forward is queued, its sampling waits for
-        # the bitmask fill and is queued at the start of the next step() (see step()).
+        # the bitmask fill and is queued by the next step(), after that step's schedule.
         self._deferred_sample: tuple[SchedulerPlan, ForwardStep] | None = None
 
     def add_request(self, request: Request) -> None:
@@ -142,8 +142,8 @@ class EngineCore:
         self._deferred_sample = (plan, forward)
         if plan.grammar_bitmask is None:
             self._launch_deferred_sample()
-        # else: the masks fill while the caller processes `outputs`; the next step() (or
-        # has_unfinished's caller stepping again) queues the sampling before anything else.
+        # else: the masks fill while the caller processes `outputs`; the next step() queues the
+        # sampling before anything else reaches the device (has_unfinished() stays True till then).
         return outputs
 
     def _launch_deferred_sample(self) -> None:
