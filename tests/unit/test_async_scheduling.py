@@ -127,6 +127,18 @@ def test_structured_output_beside_free_requests(engines):
             assert joined.replace("w5w7", "").replace("w12", "") == "" and joined
 
 
+def abort_and_finish(llm: LLM, request_id: str) -> dict:
+    """Abort one request, step until the engine is idle; the finished outputs by request id."""
+    core = llm.engine
+    core.abort(llm.output_processor.abort(request_id))
+    finished = {}
+    while core.has_unfinished():
+        for out in llm._step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
 def test_abort_with_a_step_in_flight(engines):
     """Aborting a request whose next step is already launched frees its blocks; the others finish."""
     _, overlapped = engines
@@ -136,12 +148,7 @@ def test_abort_with_a_step_in_flight(engines):
     for _ in range(4):
         overlapped._step()
     assert core._in_flight is not None
-    core.abort(overlapped.output_processor.abort(ids[1]))
-    finished = {}
-    while core.has_unfinished():
-        for out in overlapped._step():
-            if out.finished:
-                finished[out.request_id] = out
+    finished = abort_and_finish(overlapped, ids[1])
     assert set(finished) == {ids[0], ids[2]}
     assert all(len(o.outputs[0].token_ids) == 16 for o in finished.values())
     assert core.kv_manager.pool.blocks_in_use() == {}
@@ -161,12 +168,7 @@ def test_abort_with_a_grammar_step_deferred(engines):
     ids = [overlapped._add_request(None, p, sp, 0, None) for p, sp in zip(PROMPTS[:3], params)]
     while core._deferred_sample is None:
         overlapped._step()
-    core.abort(overlapped.output_processor.abort(ids[1]))
-    finished = {}
-    while core.has_unfinished():
-        for out in overlapped._step():
-            if out.finished:
-                finished[out.request_id] = out
+    finished = abort_and_finish(overlapped, ids[1])
     assert set(finished) == {ids[0], ids[2]}
     assert [finished[i].outputs[0].token_ids for i in (ids[0], ids[2])] == [e[0] for e in expected]
     assert core.kv_manager.pool.blocks_in_use() == {}
