@@ -155,10 +155,13 @@ class ModelRunner:
     def _attention_backend(self) -> str:
         choice = self.config.model.attention_backend
         if choice == "auto":
-            choice = "triton" if self.platform.name == "cuda" else "reference"
+            choice = "triton" if self.platform.name == "cuda" else "cpu"
         if choice == "triton" and self.platform.name != "cuda":
             raise ValueError("attention_backend='triton' needs CUDA; this platform is "
-                             f"{self.platform.name} (use 'reference' or 'auto')")
+                             f"{self.platform.name} (use 'reference', 'cpu' or 'auto')")
+        if choice == "cpu" and self.platform.name != "cpu":
+            raise ValueError("attention_backend='cpu' is the CPU fast path; this platform is "
+                             f"{self.platform.name} (use 'reference', 'triton' or 'auto')")
         return choice
 
     def _max_model_len(self) -> int:
