@@ -6,6 +6,10 @@ offset). That is exactly torch's int4 group-quantized layout, so such weights ca
 of bf16's bytes, which wins where decode is memory-bound (a few rows); at larger batches the
 dense bf16 matmul is faster, so both copies are kept and `forward` picks by the row count.
 The dense weight is always the exact dequantization, and stays the reference path.
+
+The LM head of GGUF files is often Q8_0 (8-bit, one scale per 32 weights). torch has no CPU
+kernel for grouped 8-bit weights, but an 8-bit matrix is exactly the sum of two 4-bit ones
+(Int8Blocks.as_int4_pair), so the head can run on the same int4 kernel at half bf16's bytes.
 """
 
 from __future__ import annotations
@@ -19,8 +23,11 @@ from torch import nn
 
 INT4_GROUP = 32
 # Above this many rows the dense bf16 matmul beats the int4 kernel on the CPUs we measured
-# (see docs/benchmarks.md, "CPU weight formats").
-INT4_MAX_ROWS = 8
+# (see docs/benchmarks.md, "CPU weight formats"). torch's kernel takes rows four at a time: on
+# the 2-core box one SmolLM2 layer's four projections cost 107 us (int4) / 237 us (bf16) at 1
+# row, 184 / 280 at 4, 343 / 311 at 6, 344 / 351 at 8 and 518 / 381 at 10; its 8-bit head
+# (two int4 halves) 1.7 / 4.7 ms at 1 row, 3.0 / 3.9 at 4 and 5.7 / 4.4 at 8.
+INT4_MAX_ROWS = 4
 
 
 @dataclass
@@ -49,6 +56,59 @@ class Int4Blocks:
                           np.concatenate([p.offset for p in parts]))
 
 
+@dataclass
+class Int8Blocks:
+    """A [rows, cols] weight as w = scale * q, per group of 32 columns (GGUF's Q8_0).
+
+    q: int8 [rows, cols]; scale: float32 [rows, cols // 32].
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.q.astype(np.float32).reshape(self.q.shape[0], -1, INT4_GROUP) * self.scale[..., None]
+        return torch.from_numpy(w.reshape(self.q.shape))
+
+    def as_int4_pair(self) -> Int4Blocks:
+        """The same matrix as two 4-bit halves side by side, [rows, 2 * cols], whose products sum
+        to the 8-bit one: with u = q + 128 = 16 * hi + lo (hi, lo in 0..15),
+            w = s * q = (16 * s * hi - 128 * s) + (s * lo),
+        so x @ w.T = [x, x] @ [w_hi, w_lo].T with w_hi = 16s * hi - 128s and w_lo = s * lo.
+        Both halves are Int4Blocks exactly (scale and offset per group of 32), so torch's int4
+        kernel multiplies an 8-bit matrix without re-quantizing it: the values stay the Q8_0
+        values (the scales are kept in bf16 by that kernel, as for Q4 matrices)."""
+        u = self.q.astype(np.int16) + 128
+        q4 = np.concatenate([u >> 4, u & 15], axis=1).astype(np.uint8)
+        scale = np.concatenate([16 * self.scale, self.scale], axis=1)
+        offset = np.concatenate([-128 * self.scale, np.zeros_like(self.scale)], axis=1)
+        return Int4Blocks(q4, scale, offset)
+
+
+def int4_available(device: torch.device, cols: int) -> bool:
+    """Whether torch has the CPU int4 kernel for a weight of `cols` columns on `device`."""
+    return (device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+            and cols % INT4_GROUP == 0)
+
+
+def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scales_and_zeros) in the layout `_weight_int4pack_mm_for_cpu` takes."""
+    q = torch.from_numpy(blocks.q.astype(np.int32))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    # torch's layout: w = (q - 8) * scale + zero, scales_and_zeros [cols/32, rows, 2].
+    scale = torch.from_numpy(blocks.scale)
+    zero = torch.from_numpy(blocks.offset) + 8 * scale
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)
+
+
 class Linear(nn.Linear):
     """nn.Linear that may also hold an int4 copy of its weight (see the module docstring)."""
 
@@ -56,20 +116,14 @@ class Linear(nn.Linear):
     int4_scales_zeros: torch.Tensor | None = None
 
     def set_int4(self, blocks: Int4Blocks) -> None:
-        if (self.weight.device.type != "cpu" or not hasattr(torch, "_weight_int4pack_mm_for_cpu")
-                or blocks.q.shape[1] % INT4_GROUP):
+        if not int4_available(self.weight.device, blocks.q.shape[1]):
             return  # no CPU int4 kernel here: the dense weight serves alone
-        q = torch.from_numpy(blocks.q.astype(np.int32))
-        self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        # torch's layout: w = (q - 8) * scale + zero, scales_and_zeros [cols/32, rows, 2].
-        scale = torch.from_numpy(blocks.scale)
-        zero = torch.from_numpy(blocks.offset) + 8 * scale
-        self.int4_scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.int4_weight, self.int4_scales_zeros = pack_int4(blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.int4_weight is not None and x.dtype == torch.bfloat16 and x.dim() == 2
                 and x.shape[0] <= INT4_MAX_ROWS):
-            y = torch._weight_int4pack_mm_for_cpu(x, self.int4_weight, INT4_GROUP, self.int4_scales_zeros)
+            y = int4_matmul(x, self.int4_weight, self.int4_scales_zeros)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
 

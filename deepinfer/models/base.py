@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from deepinfer.kv_cache.specs import KVCacheSpec
-from deepinfer.layers.linear import FusedLinear, Int4Blocks, Linear
+from deepinfer.layers.linear import (INT4_MAX_ROWS, FusedLinear, Int4Blocks, Int8Blocks, Linear, int4_available,
+                                     int4_matmul, pack_int4)
 
 # (fused parameter name, HF name, shard index)
 FUSED_PROJECTIONS = (
@@ -42,7 +43,15 @@ class CausalLM(nn.Module):
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
         raise NotImplementedError
 
+    # The head's weight in 4-bit form, (packed, scales_and_zeros) of Int8Blocks.as_int4_pair,
+    # when the checkpoint stores it as Q8_0 and the CPU int4 kernel exists; else None.
+    head_int4: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if (self.head_int4 is not None and hidden.dtype == torch.bfloat16 and hidden.dim() == 2
+                and hidden.shape[0] <= INT4_MAX_ROWS):
+            # The 8-bit head as two 4-bit halves: [x, x] @ [w_hi, w_lo].T (layers/linear.py).
+            return int4_matmul(torch.cat((hidden, hidden), dim=-1), *self.head_int4).float()
         weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         return torch.nn.functional.linear(hidden, weight).float()
 
@@ -63,6 +72,11 @@ class CausalLM(nn.Module):
                     module = self.get_submodule(target.rsplit(".", 1)[0])
                     rows, shard_index = module.shard(index), index
                     break
+            if isinstance(tensor, Int8Blocks):
+                is_head = name == ("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
+                if is_head and int4_available(params[target].device, 2 * tensor.shape[1]):
+                    self.head_int4 = pack_int4(tensor.as_int4_pair())
+                tensor = tensor.dequantize()
             if isinstance(tensor, Int4Blocks):
                 int4_parts.setdefault(target.rsplit(".", 1)[0], {})[shard_index] = tensor
                 tensor = tensor.dequantize()
