@@ -1,6 +1,7 @@
 """The CPU fast path (attention backend "cpu") against the reference backend, piece by piece:
 batched decode attention through the real step inputs (random mixed batches, random block
-tables, sliding windows, GQA), the three-op rotary, and the 8-bit head as two 4-bit halves."""
+tables, sliding windows, GQA), the three-op rotary, the shorter RMSNorm, and the 8-bit head as
+two 4-bit halves."""
 
 from __future__ import annotations
 
@@ -121,3 +122,18 @@ def test_int8_head_through_int4_kernel():
     # The kernel keeps the scales in bf16, as the Q4 path does.
     exact = x.double() @ blocks.dequantize().double().t()
     assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_cpu_matches_reference(dtype):
+    from deepinfer.layers.norm import _rms_norm_cpu
+
+    x = torch.randn(5, 576, dtype=dtype) * 3
+    weight = torch.randn(576, dtype=dtype)
+    # HF's order: normalise in float32, round to the input dtype, then scale.
+    hf = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out = _rms_norm_cpu(x, x.shape[-1:], weight, 1e-5)
+    assert out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, hf, atol=tol, rtol=tol)
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (576,), weight, 1e-5), atol=tol * 4, rtol=tol)

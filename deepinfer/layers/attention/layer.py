@@ -34,8 +34,8 @@ class Attention(nn.Module):
             from deepinfer.layers.fused.kv_write import write_kv_cache
             write_kv_cache(k, v, k_cache, v_cache, group.slot_mapping)
         else:
-            k_cache.index_copy_(0, group.slot_mapping, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, group.slot_mapping, v.to(v_cache.dtype))
+            k_cache.index_copy_(0, group.slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+            v_cache.index_copy_(0, group.slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
 
         if meta.backend == "triton":
             return self._triton(meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)
