@@ -65,7 +65,7 @@ def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blo
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
-@pytest.mark.parametrize("num_decodes", [1, 5, FP32_MAX_ROWS + 7])   # float32 products, and bf16 ones
+@pytest.mark.parametrize("num_decodes", [1, FP32_MAX_ROWS, FP32_MAX_ROWS + 7])   # float32 products, and bf16 ones
 @pytest.mark.parametrize("seed", range(2))
 def test_cpu_decode_matches_reference(case, num_decodes, seed):
     heads, kv_heads, head_dim, window, dtype = case
