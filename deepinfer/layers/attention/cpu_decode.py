@@ -21,6 +21,12 @@ from __future__ import annotations
 
 import torch
 
+# A single decode row attends on one thread: its ops are so small that waking the other
+# OpenMP thread for each of them costs more than it brings (one SmolLM2 layer's decode attention
+# on the 2-core box: 105 us on two threads, 57 us on one; a forward 13.1 -> 12.0 ms). From 4 rows
+# on, two threads win again (a forward at 4 rows: 15.2 ms on two, 17.8 with this on one).
+SINGLE_THREAD_MAX_ROWS = 1
+
 # Up to this many decode rows the products run in float32 (see the module docstring). A
 # SmolLM2 decode forward on the 2-core box, float32 / bf16 products: 10.6 / 12.1 ms at 1 row,
 # 15.8 / 16.5 at 4, 36.8 / 35.0 at 8, 51.4 / 46.3 at 16.
@@ -31,6 +37,18 @@ def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          head_rows: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q: [B, H, D]; caches: [rows, kv_heads, D]; head_rows: [B * kv_heads * L] (see
     GroupMetadata.decode_head_rows); bias: [B, 1, 1, L] or None -> [B, H, D] in q's dtype."""
+    threads = torch.get_num_threads()
+    if q.shape[0] > SINGLE_THREAD_MAX_ROWS or threads == 1:
+        return _attend(q, k_cache, v_cache, head_rows, bias, scale)
+    torch.set_num_threads(1)
+    try:
+        return _attend(q, k_cache, v_cache, head_rows, bias, scale)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, head_rows: torch.Tensor,
+            bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
