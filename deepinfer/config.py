@@ -28,8 +28,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     served_model_name: str | None = None
-    # auto: on the CPU in bf16, GGUF 4-bit matrices also keep a 4-bit copy used for small
-    # batches (layers/linear.py); none: dense dequantized weights only (the reference path).
+    # auto: on the CPU in bf16, GGUF 4-bit matrices (and a Q8_0 head) also keep a 4-bit copy
+    # used for small batches, and dense weights a oneDNN-packed copy used above (layers/linear.py);
+    # none: plain dense dequantized weights only (the reference path).
     quantization: str = "auto"
     # auto: triton on CUDA, cpu on the CPU (the CPU fast path: batched decode attention, fewer
     # eager ops per layer). reference stays selectable everywhere: it is what the fast paths are

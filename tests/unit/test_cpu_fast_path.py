@@ -137,3 +137,17 @@ def test_rms_norm_cpu_matches_reference(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, hf, atol=tol, rtol=tol)
     torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (576,), weight, 1e-5), atol=tol * 4, rtol=tol)
+
+
+def test_packed_dense_weight_matches_plain_linear():
+    from deepinfer.layers.linear import Linear, onednn_packing_available
+
+    layer = Linear(64, 96, bias=True).to(torch.bfloat16)
+    if not onednn_packing_available(layer.weight):
+        pytest.skip("no oneDNN weight packing in this torch")
+    layer.pack_weight()
+    assert layer.packed_weight is not None
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, 64, dtype=torch.bfloat16)
+        # The same oneDNN product on a pre-packed weight: equal bit for bit.
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
