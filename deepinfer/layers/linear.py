@@ -24,12 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP = 32
-# Above this many rows the dense bf16 matmul beats the int4 kernel on the CPUs we measured
-# (see docs/benchmarks.md, "CPU weight formats"). torch's kernel takes rows four at a time: on
-# the 2-core box one SmolLM2 layer's four projections cost 107 us (int4) / 237 us (bf16) at 1
-# row, 184 / 280 at 4, 343 / 311 at 6, 344 / 351 at 8 and 518 / 381 at 10; its 8-bit head
-# (two int4 halves) 1.7 / 4.7 ms at 1 row, 3.0 / 3.9 at 4 and 5.7 / 4.4 at 8.
-INT4_MAX_ROWS = 4
+# Above this many rows the dense bf16 matmul (oneDNN-packed, pack_dense) beats the int4 kernel.
+# Measured inside the model, where every step streams the weights from memory (a warm loop over
+# one layer favours bf16): a SmolLM2 decode forward on the 2-core box at 2 / 4 / 8 / 12 / 16 rows
+# takes 11.9 / 15.6 / 25.5 / 31.6 / 36.8 ms with this at 8, and 23.1 / 22.1 / 27.5 / 33.2 / 40.9
+# with the int4 kernel used only up to 1 / 1 / 4 / 16 / 16 rows.
+INT4_MAX_ROWS = 8
+# The Q8_0 head as two int4 halves (Int8Blocks.as_int4_pair) reads 35 MB to the packed bf16
+# copy's 56, but does twice the products: 1.60 / 1.77 ms at 1 row, 1.99 / 1.74 at 2, 5.6 / 2.1 at 8.
+HEAD_INT4_MAX_ROWS = 1
 
 
 @dataclass

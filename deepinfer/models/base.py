@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deepinfer.kv_cache.specs import KVCacheSpec
-from deepinfer.layers.linear import (INT4_MAX_ROWS, FusedLinear, Int4Blocks, Int8Blocks, Linear, dense_matmul,
+from deepinfer.layers.linear import (HEAD_INT4_MAX_ROWS, FusedLinear, Int4Blocks, Int8Blocks, Linear, dense_matmul,
                                      int4_available, int4_matmul, onednn_packing_available, pack_dense, pack_int4)
 
 # (fused parameter name, HF name, shard index)
@@ -51,7 +51,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dtype == torch.bfloat16 and hidden.dim() == 2:
-            if self.head_int4 is not None and hidden.shape[0] <= INT4_MAX_ROWS:
+            if self.head_int4 is not None and hidden.shape[0] <= HEAD_INT4_MAX_ROWS:
                 # The 8-bit head as two 4-bit halves: [x, x] @ [w_hi, w_lo].T (layers/linear.py).
                 return int4_matmul(torch.cat((hidden, hidden), dim=-1), *self.head_int4).float()
             if self.head_packed is not None:
