@@ -15,7 +15,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none")
-ATTENTION_BACKENDS = ("auto", "reference", "triton")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "draft_model", "mtp")
 SPEC_VERIFICATION = ("adaptive", "fixed")
@@ -28,11 +28,13 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     served_model_name: str | None = None
-    # auto: on the CPU in bf16, GGUF 4-bit matrices also keep a 4-bit copy used for small
-    # batches (layers/linear.py); none: dense dequantized weights only (the reference path).
+    # auto: on the CPU in bf16, GGUF 4-bit matrices (and a Q8_0 head) also keep a 4-bit copy
+    # used for small batches, and dense weights a oneDNN-packed copy used above (layers/linear.py);
+    # none: plain dense dequantized weights only (the reference path).
     quantization: str = "auto"
-    # auto: triton on CUDA, reference on the CPU. reference stays selectable everywhere: it is
-    # what the fast path is checked against.
+    # auto: triton on CUDA, cpu on the CPU (the CPU fast path: batched decode attention, fewer
+    # eager ops per layer). reference stays selectable everywhere: it is what the fast paths are
+    # checked against.
     attention_backend: str = "auto"
     # CUDA graphs for decode steps (vLLM's flag name): True runs every step eagerly.
     enforce_eager: bool = False

@@ -5,7 +5,13 @@ offset). That is exactly torch's int4 group-quantized layout, so such weights ca
 4-bit and multiplied by `_weight_int4pack_mm_for_cpu` without re-quantizing. It reads a quarter
 of bf16's bytes, which wins where decode is memory-bound (a few rows); at larger batches the
 dense bf16 matmul is faster, so both copies are kept and `forward` picks by the row count.
-The dense weight is always the exact dequantization, and stays the reference path.
+The dense weight is always the exact dequantization, and stays the reference path. On the CPU
+in bf16 the dense products above the int4 crossover run on a copy of the weight packed once in
+oneDNN's layout (pack_dense): the same results, faster.
+
+The LM head of GGUF files is often Q8_0 (8-bit, one scale per 32 weights). torch has no CPU
+kernel for grouped 8-bit weights, but an 8-bit matrix is exactly the sum of two 4-bit ones
+(Int8Blocks.as_int4_pair), so the head can run on the same int4 kernel at half bf16's bytes.
 """
 
 from __future__ import annotations
@@ -18,9 +24,15 @@ import torch.nn.functional as F
 from torch import nn
 
 INT4_GROUP = 32
-# Above this many rows the dense bf16 matmul beats the int4 kernel on the CPUs we measured
-# (see docs/benchmarks.md, "CPU weight formats").
+# Above this many rows the dense bf16 matmul (oneDNN-packed, pack_dense) beats the int4 kernel.
+# Measured inside the model, where every step streams the weights from memory (a warm loop over
+# one layer favours bf16): a SmolLM2 decode forward on the 2-core box at 2 / 4 / 8 / 12 / 16 rows
+# takes 11.9 / 15.6 / 25.5 / 31.6 / 36.8 ms with this at 8, and 23.1 / 22.1 / 27.5 / 33.2 / 40.9
+# with the int4 kernel used only up to 1 / 1 / 4 / 16 / 16 rows.
 INT4_MAX_ROWS = 8
+# The Q8_0 head as two int4 halves (Int8Blocks.as_int4_pair) reads 35 MB to the packed bf16
+# copy's 56, but does twice the products: 1.60 / 1.77 ms at 1 row, 1.99 / 1.74 at 2, 5.6 / 2.1 at 8.
+HEAD_INT4_MAX_ROWS = 1
 
 
 @dataclass
@@ -49,28 +61,107 @@ class Int4Blocks:
                           np.concatenate([p.offset for p in parts]))
 
 
+@dataclass
+class Int8Blocks:
+    """A [rows, cols] weight as w = scale * q, per group of 32 columns (GGUF's Q8_0).
+
+    q: int8 [rows, cols]; scale: float32 [rows, cols // 32].
+    """
+
+    q: np.ndarray
+    scale: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.q.astype(np.float32).reshape(self.q.shape[0], -1, INT4_GROUP) * self.scale[..., None]
+        return torch.from_numpy(w.reshape(self.q.shape))
+
+    def as_int4_pair(self) -> Int4Blocks:
+        """The same matrix as two 4-bit halves side by side, [rows, 2 * cols], whose products sum
+        to the 8-bit one: with u = q + 128 = 16 * hi + lo (hi, lo in 0..15),
+            w = s * q = (16 * s * hi - 128 * s) + (s * lo),
+        so x @ w.T = [x, x] @ [w_hi, w_lo].T with w_hi = 16s * hi - 128s and w_lo = s * lo.
+        Both halves are Int4Blocks exactly (scale and offset per group of 32), so torch's int4
+        kernel multiplies an 8-bit matrix without re-quantizing it: the values stay the Q8_0
+        values (the scales are kept in bf16 by that kernel, as for Q4 matrices)."""
+        u = self.q.astype(np.int16) + 128
+        q4 = np.concatenate([u >> 4, u & 15], axis=1).astype(np.uint8)
+        scale = np.concatenate([16 * self.scale, self.scale], axis=1)
+        offset = np.concatenate([-128 * self.scale, np.zeros_like(self.scale)], axis=1)
+        return Int4Blocks(q4, scale, offset)
+
+
+def int4_available(device: torch.device, cols: int) -> bool:
+    """Whether torch has the CPU int4 kernel for a weight of `cols` columns on `device`."""
+    return (device.type == "cpu" and hasattr(torch, "_weight_int4pack_mm_for_cpu")
+            and cols % INT4_GROUP == 0)
+
+
+def pack_int4(blocks: Int4Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scales_and_zeros) in the layout `_weight_int4pack_mm_for_cpu` takes."""
+    q = torch.from_numpy(blocks.q.astype(np.int32))
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    # torch's layout: w = (q - 8) * scale + zero, scales_and_zeros [cols/32, rows, 2].
+    scale = torch.from_numpy(blocks.scale)
+    zero = torch.from_numpy(blocks.offset) + 8 * scale
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    return torch._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales_zeros)
+
+
+def onednn_packing_available(weight: torch.Tensor) -> bool:
+    """Whether a bf16 CPU weight can be kept in oneDNN's packed layout (see pack_dense)."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """A copy of a bf16 [out, in] weight in oneDNN's blocked layout, for dense_matmul.
+
+    F.linear hands the plain row-major weight to oneDNN, which reorders it into its own blocked
+    layout on every call; packed once at load, the same products (bit for bit: tests check)
+    take less time. On the 2-core box, one SmolLM2 layer's four projections: 263 -> 149 us at
+    4 rows, 783 -> 632 at 32, 2776 -> 2383 at 128; the 49152-row head 8.0 -> 5.3 ms at 32 rows.
+    The rows hint picks the layout; every hint from 1 to 128 measured the same.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+
+
+def dense_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Linear):
-    """nn.Linear that may also hold an int4 copy of its weight (see the module docstring)."""
+    """nn.Linear that may also hold an int4 copy of its weight and a oneDNN-packed copy of its
+    dense weight (CPU, bf16; see the module docstring and pack_dense). `weight` stays the plain
+    dense tensor: what is loaded, and the reference path."""
 
     int4_weight: torch.Tensor | None = None
     int4_scales_zeros: torch.Tensor | None = None
+    packed_weight: torch.Tensor | None = None
 
     def set_int4(self, blocks: Int4Blocks) -> None:
-        if (self.weight.device.type != "cpu" or not hasattr(torch, "_weight_int4pack_mm_for_cpu")
-                or blocks.q.shape[1] % INT4_GROUP):
+        if not int4_available(self.weight.device, blocks.q.shape[1]):
             return  # no CPU int4 kernel here: the dense weight serves alone
-        q = torch.from_numpy(blocks.q.astype(np.int32))
-        self.int4_weight = torch._convert_weight_to_int4pack_for_cpu(q, 1)
-        # torch's layout: w = (q - 8) * scale + zero, scales_and_zeros [cols/32, rows, 2].
-        scale = torch.from_numpy(blocks.scale)
-        zero = torch.from_numpy(blocks.offset) + 8 * scale
-        self.int4_scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.int4_weight, self.int4_scales_zeros = pack_int4(blocks)
+
+    def pack_weight(self) -> None:
+        """Keep a oneDNN-packed copy of the (loaded) dense weight, where that is possible."""
+        if onednn_packing_available(self.weight):
+            self.packed_weight = pack_dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.int4_weight is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-                and x.shape[0] <= INT4_MAX_ROWS):
-            y = torch._weight_int4pack_mm_for_cpu(x, self.int4_weight, INT4_GROUP, self.int4_scales_zeros)
-            return y if self.bias is None else y + self.bias
+        if x.dtype == torch.bfloat16 and x.dim() == 2:
+            if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
+                y = int4_matmul(x, self.int4_weight, self.int4_scales_zeros)
+                return y if self.bias is None else y + self.bias
+            if self.packed_weight is not None:
+                return dense_matmul(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from deepinfer.layers import fused
+from deepinfer.layers.attention.metadata import current_backend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -59,7 +60,10 @@ class RotaryEmbedding(nn.Module):
     """Applies rope to q and k of shape [tokens, heads, head_dim] at the given positions.
 
     On the CUDA fast path (attention backend "triton") one Triton kernel rotates q and k in
-    place (deepinfer/layers/fused/rotary.py); the PyTorch code below is the reference."""
+    place (deepinfer/layers/fused/rotary.py). On the CPU fast path (backend "cpu") `rotate`
+    does it in three eager ops instead of the reference's seven per tensor, and models rotate q
+    and k together where they lie side by side in the fused qkv output. The reference is
+    `forward` outside those backends."""
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_position: int) -> None:
         super().__init__()
@@ -71,11 +75,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
         self._cached: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
+        self._cached_fast: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if fused.enabled():
             from deepinfer.layers.fused.rotary import apply_rotary_
             return apply_rotary_(positions, q, k, self.cos, self.sin)
+        if current_backend() == "cpu":
+            return self.rotate(positions, q), self.rotate(positions, k)
         # Layers share one RotaryEmbedding per rope setting, and within a forward they all pass
         # the same positions tensor: look the rows up once.
         cached = self._cached
@@ -85,6 +92,25 @@ class RotaryEmbedding(nn.Module):
             self._cached = cached
         cos, sin = cached[2], cached[3]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] (any strides) rotated, as a new contiguous tensor.
+
+        With x = [x1 | x2] and rotate_half(x) * sin = [-x2 * sin | x1 * sin] (the table repeats
+        its first half), that term is x with its halves swapped (one flip) times a sign-folded
+        sine [-sin | sin]; x * cos is then added in place (addcmul_: one rounding instead of the
+        reference's two, so bf16 results may differ from it in the last bit)."""
+        cached = self._cached_fast
+        if cached is None or cached[0] is not positions or cached[1] != x.dtype:
+            half = self.cos.shape[-1] // 2
+            sin = self.sin[positions, :half]
+            signed_sin = torch.cat((-sin, sin), dim=-1).to(x.dtype).view(-1, 1, 2, half)
+            cached = (positions, x.dtype, self.cos[positions].to(x.dtype).unsqueeze(1), signed_sin)
+            self._cached_fast = cached
+        cos, signed_sin = cached[2], cached[3]
+        swapped = x.unflatten(-1, (2, -1)).flip(-2)
+        return swapped.mul_(signed_sin).flatten(-2).addcmul_(x, cos)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from deepinfer.kv_cache.specs import KVCacheSpec
-from deepinfer.layers.linear import FusedLinear, Int4Blocks, Linear
+from deepinfer.layers.linear import (HEAD_INT4_MAX_ROWS, FusedLinear, Int4Blocks, Int8Blocks, Linear, dense_matmul,
+                                     int4_available, int4_matmul, onednn_packing_available, pack_dense, pack_int4)
 
 # (fused parameter name, HF name, shard index)
 FUSED_PROJECTIONS = (
@@ -42,9 +43,33 @@ class CausalLM(nn.Module):
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
         raise NotImplementedError
 
+    # The head's weight in 4-bit form, (packed, scales_and_zeros) of Int8Blocks.as_int4_pair,
+    # when the checkpoint stores it as Q8_0 and the CPU int4 kernel exists; else None.
+    head_int4: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The head's dense weight packed in oneDNN's layout (layers/linear.py, pack_dense), or None.
+    head_packed: torch.Tensor | None = None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if hidden.dtype == torch.bfloat16 and hidden.dim() == 2:
+            if self.head_int4 is not None and hidden.shape[0] <= HEAD_INT4_MAX_ROWS:
+                # The 8-bit head as two 4-bit halves: [x, x] @ [w_hi, w_lo].T (layers/linear.py).
+                return int4_matmul(torch.cat((hidden, hidden), dim=-1), *self.head_int4).float()
+            if self.head_packed is not None:
+                return dense_matmul(hidden, self.head_packed, None).float()
+        return torch.nn.functional.linear(hidden, self.head_weight()).float()
+
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def pack_weights(self) -> None:
+        """CPU, bf16: keep oneDNN-packed copies of the dense projection and head weights, used
+        above the int4 crossover (layers/linear.py, pack_dense). Call after load_weights. The
+        copies double the dense weights' memory; the plain weights stay the reference."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        if onednn_packing_available(self.head_weight()):
+            self.head_packed = pack_dense(self.head_weight())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -63,6 +88,11 @@ class CausalLM(nn.Module):
                     module = self.get_submodule(target.rsplit(".", 1)[0])
                     rows, shard_index = module.shard(index), index
                     break
+            if isinstance(tensor, Int8Blocks):
+                is_head = name == ("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
+                if is_head and int4_available(params[target].device, 2 * tensor.shape[1]):
+                    self.head_int4 = pack_int4(tensor.as_int4_pair())
+                tensor = tensor.dequantize()
             if isinstance(tensor, Int4Blocks):
                 int4_parts.setdefault(target.rsplit(".", 1)[0], {})[shard_index] = tensor
                 tensor = tensor.dequantize()

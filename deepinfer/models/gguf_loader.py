@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.layers.linear import Int4Blocks
+from deepinfer.layers.linear import Int4Blocks, Int8Blocks
 
 from deepinfer.models.loader import ModelLoadError
 
@@ -354,16 +354,41 @@ def read_int4_blocks(gguf: GGUFFile, info: GGUFTensorInfo) -> Int4Blocks | None:
     return Int4Blocks(q, scale, offset)
 
 
+def read_q8_blocks(gguf: GGUFFile, info: GGUFTensorInfo) -> Int8Blocks | None:
+    """A Q8_0 matrix as its int8 values and per-32 scales (no precision lost); None for any
+    other type."""
+    from gguf import GGMLQuantizationType
+
+    if GGMLQuantizationType(info.ggml_type) != GGMLQuantizationType.Q8_0 or len(info.shape) != 2:
+        return None
+    rows, cols = info.shape
+    raw = np.frombuffer(gguf._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    blocks = raw.reshape(rows, cols // 32, 2 + 32)    # f16 scale, then 32 int8 values
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+    return Int8Blocks(q, scale)
+
+
+# The tensors that can be the LM head (the embedding when the head is tied to it).
+_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
+
+
 def iter_gguf_weights(gguf: GGUFFile, config: dict, keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the file as (HF name, float32 tensor), conversions undone.
 
-    keep_int4: yield Q4_0/Q4_1 matrices as `Int4Blocks` instead (the model keeps a 4-bit copy).
+    keep_int4: yield Q4_0/Q4_1 matrices as `Int4Blocks` instead (the model keeps a 4-bit copy),
+    and a Q8_0 head (or embedding, which may be the tied head) as `Int8Blocks`.
     """
     arch = resolve_architecture(gguf.metadata, gguf.path)
     for info in gguf.tensors:
         name = hf_tensor_name(info.name, arch)
         if name is None:
             continue
+        if keep_int4 and name in _HEAD_NAMES:
+            head = read_q8_blocks(gguf, info)
+            if head is not None:
+                yield name, head
+                continue
         blocks = read_int4_blocks(gguf, info) if keep_int4 else None
         if blocks is not None:
             if arch in ("llama", "mistral") and (".attn_q." in info.name or ".attn_k." in info.name):

@@ -12,6 +12,7 @@ from torch import nn
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers import fused
 from deepinfer.layers.attention import Attention
+from deepinfer.layers.attention.metadata import current_backend
 from deepinfer.layers.linear import FusedLinear, Linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, rope_parameters
@@ -74,7 +75,14 @@ class LlamaAttention(nn.Module):
                               scale if scale is not None else self.head_dim ** -0.5, window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.shard_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if not self.has_qk_norm and current_backend() == "cpu":
+            # CPU fast path: q and k lie side by side in qkv, so one rotation covers both.
+            heads = self.num_heads + self.num_kv_heads
+            qk = self.rotary.rotate(positions, qkv[:, :heads * self.head_dim].view(-1, heads, self.head_dim))
+            v = qkv[:, heads * self.head_dim:].view(-1, self.num_kv_heads, self.head_dim)
+            return self.o_proj(self.attn(qk[:, :self.num_heads], qk[:, self.num_heads:], v))
+        q, k, v = qkv.split(self.qkv_proj.shard_sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)

@@ -2,7 +2,8 @@
 
 Rows are ordered decode-first: chunks of exactly one token (a request generating) are batched
 into one attention call per layer; longer chunks (prefill, or prefill on top of cached blocks)
-are attended one request at a time. A chunk verifying speculative drafts has its drafts
+are attended one request at a time (the "cpu" backend gathers the decode rows head-major, see
+GroupMetadata.decode_head_rows). A chunk verifying speculative drafts has its drafts
 (`spec_token_ids`, not yet known to the runner) as its last tokens, and takes the prefill path:
 its queries share one gather of the request's KV (as decode rows, each query would gather its
 own copy, which costs several times more at batch 64 on the CPU). On the Triton backend the
@@ -121,7 +122,7 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
                 kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0)))
             continue
 
-        decode_gather = decode_bias = None
+        decode_gather = decode_bias = decode_head_rows = None
         if decodes:
             qpos = np.array([c.start for c in decodes], dtype=np.int64)
             lo = np.maximum(qpos - window + 1, 0) if window else np.zeros_like(qpos)
@@ -132,7 +133,12 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
             gather = np.zeros(kv_pos.shape, dtype=np.int64)
             for r, table in enumerate(tables[:len(decodes)]):
                 gather[r, :length[r]] = _flat_rows(table, kv_pos[r, :length[r]], block_size)
-            decode_gather = to_dev(gather)
+            if backend == "cpu":
+                heads = group.spec.num_kv_heads
+                decode_head_rows = to_dev((gather[:, None, :] * heads
+                                           + np.arange(heads, dtype=np.int64)[None, :, None]).reshape(-1))
+            else:
+                decode_gather = to_dev(gather)
             if not valid.all():
                 decode_bias = to_dev(np.where(valid, 0.0, -np.inf).astype(np.float32)[:, None, None, :])
 
@@ -145,7 +151,8 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
             if window:
                 mask &= kv[None, :] > q[:, None] - window
             prefill_meta.append((to_dev(_flat_rows(table, kv, block_size)), to_dev(mask)))
-        group_meta.append(GroupMetadata(to_dev(slot_mapping), decode_gather, decode_bias, prefill_meta))
+        group_meta.append(GroupMetadata(to_dev(slot_mapping), decode_gather, decode_bias, prefill_meta,
+                                        decode_head_rows=decode_head_rows))
 
     attention = AttentionMetadata(
         num_tokens=len(ids), num_decode_tokens=len(decodes), prefill_query_ranges=prefill_ranges,

@@ -98,11 +98,14 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(previous_dtype)
         # 2. Load weights (no source: keep the random init, for benchmarks of real shapes). On the
-        # CPU in bf16, GGUF 4-bit matrices also keep a 4-bit copy for small-batch decode.
+        # CPU in bf16, GGUF 4-bit matrices (and a Q8_0 head) also keep a 4-bit copy for
+        # small-batch decode, and dense weights a oneDNN-packed copy for larger batches.
+        cpu_formats = (config.model.quantization == "auto" and platform.name == "cpu"
+                       and self.dtype == torch.bfloat16)
         if source is not None:
-            keep_int4 = (config.model.quantization == "auto" and platform.name == "cpu"
-                         and self.dtype == torch.bfloat16)
-            self.model.load_weights(source.iter_weights(keep_int4=keep_int4))
+            self.model.load_weights(source.iter_weights(keep_int4=cpu_formats))
+        if cpu_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
+            self.model.pack_weights()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
         # 3. KV layout: layer groups by KV kind, slots shared across groups (see kv_cache/specs.py).
@@ -155,10 +158,13 @@ class ModelRunner:
     def _attention_backend(self) -> str:
         choice = self.config.model.attention_backend
         if choice == "auto":
-            choice = "triton" if self.platform.name == "cuda" else "reference"
+            choice = "triton" if self.platform.name == "cuda" else "cpu"
         if choice == "triton" and self.platform.name != "cuda":
             raise ValueError("attention_backend='triton' needs CUDA; this platform is "
-                             f"{self.platform.name} (use 'reference' or 'auto')")
+                             f"{self.platform.name} (use 'reference', 'cpu' or 'auto')")
+        if choice == "cpu" and self.platform.name != "cpu":
+            raise ValueError("attention_backend='cpu' is the CPU fast path; this platform is "
+                             f"{self.platform.name} (use 'reference', 'triton' or 'auto')")
         return choice
 
     def _max_model_len(self) -> int:

@@ -2,8 +2,10 @@
 
 Model files call `Attention(...)(q, k, v)` and never see batching details: the runner sets the
 step's `AttentionMetadata` around the forward (see `forward_context`). Backends: `reference`
-(plain PyTorch, CPU and CUDA; what parity tests use) and `triton` (CUDA only: the paged kernels
-in triton_decode.py and triton_prefill.py, compared against the reference in tests).
+(plain PyTorch, CPU and CUDA; what the fast paths are checked against), `triton` (CUDA only: the
+paged kernels in triton_decode.py and triton_prefill.py, compared against the reference in
+tests) and `cpu` (the CPU default: decode rows batched in one gather and two matmuls, cpu_decode.py; prefill rows
+as in the reference).
 """
 
 from deepinfer.layers.attention.layer import Attention

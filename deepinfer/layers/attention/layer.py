@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from deepinfer.layers.attention.cpu_decode import cpu_decode_attention
 from deepinfer.layers.attention.metadata import get_forward_context
 
 # SDPA backends for fresh prefill chunks on the fast path, in order of preference (_causal_flash).
@@ -33,14 +34,21 @@ class Attention(nn.Module):
             from deepinfer.layers.fused.kv_write import write_kv_cache
             write_kv_cache(k, v, k_cache, v_cache, group.slot_mapping)
         else:
-            k_cache.index_copy_(0, group.slot_mapping, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, group.slot_mapping, v.to(v_cache.dtype))
+            k_cache.index_copy_(0, group.slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
+            v_cache.index_copy_(0, group.slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
 
         if meta.backend == "triton":
             return self._triton(meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)
-        out = torch.empty_like(q)
         n_dec = meta.num_decode_tokens
-        if n_dec:
+        if meta.backend == "cpu" and n_dec:
+            decoded = cpu_decode_attention(q[:n_dec], k_cache, v_cache, group.decode_head_rows,
+                                           group.decode_bias, self.scale)
+            if n_dec == q.shape[0]:   # a decode-only step: no copy into `out`
+                return decoded.view(n_dec, -1)
+        out = torch.empty_like(q)
+        if meta.backend == "cpu" and n_dec:
+            out[:n_dec] = decoded
+        elif n_dec:
             keys = k_cache[group.decode_gather]
             values = v_cache[group.decode_gather]
             out[:n_dec] = self._decode(q[:n_dec], keys, values, group.decode_bias)

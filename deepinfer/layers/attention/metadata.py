@@ -22,6 +22,12 @@ class GroupMetadata:
     decode_bias: torch.Tensor | None     # [num_decodes, 1, 1, max_kv_len]: 0 or -inf
     # Prefill/extend rows, one entry per request: (flat rows to read [kv_len], mask [q_len, kv_len]).
     prefill: list[tuple[torch.Tensor, torch.Tensor]]
+    # CPU backend (attention/cpu_decode.py): the decode rows' gather again, head-major: for decode
+    # row b, KV head h and position i, the row (decode_gather[b, i] * kv_heads + h) of the cache
+    # viewed as [rows * kv_heads, head_dim], flattened [num_decodes * kv_heads * max_kv_len]. One
+    # index_select then yields K as [num_decodes * kv_heads, max_kv_len, head_dim], the layout
+    # one batched matmul takes without a copy. decode_gather itself is None then.
+    decode_head_rows: torch.Tensor | None = None
     # Triton backend: [num_seqs, max_blocks] int32 block ids per row (decodes first), 0-padded.
     # The reference fields above are left empty then, and this one is None for the reference.
     block_table: torch.Tensor | None = None
@@ -47,7 +53,8 @@ class AttentionMetadata:
     layer_to_slot: list[int]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per slot: (K, V) as [rows, kv_heads, head_dim]
     block_size: int = 16
-    # "reference" (plain PyTorch, the fields of GroupMetadata above) or "triton" (the kernels in
+    # "reference" (plain PyTorch, the fields of GroupMetadata above), "cpu" (the CPU fast path:
+    # the reference's fields, decodes through decode_head_rows) or "triton" (the kernels in
     # triton_decode.py / triton_prefill.py, which read the block tables directly).
     backend: str = "reference"
     # Triton backend, shared by every group: KV length per row including this step's tokens
