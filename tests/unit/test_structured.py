@@ -14,7 +14,7 @@ import xgrammar as xgr
 
 from deepinfer.sample.structured import GrammarState, RequestGrammar, StructuredOutputManager, validate
 from deepinfer.sample.structured.backend import make_tokenizer_info
-from deepinfer.sample.structured.bitmask import StepBitmask, unpack_bitmask
+from deepinfer.sample.structured.bitmask import StepBitmask, bitmask_bias, unpack_bitmask
 from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.tokenizer import Tokenizer
 
@@ -98,6 +98,30 @@ def test_unpack_bitmask_bit_order_and_padding():
     bits = unpack_bitmask(bitmask, 70)  # wider logits than the mask: ids 64..69 never allowed
     assert torch.nonzero(bits[0]).flatten().tolist() == [0, 2]
     assert torch.nonzero(bits[1]).flatten().tolist() == [31, 35]
+
+
+@pytest.mark.parametrize("mask_vocab,width", [(49152, 49152), (100, 100), (40, 70), (1000, 990), (17, 17)])
+def test_bitmask_bias_masks_like_unpack_and_fill(mask_vocab, width):
+    """The CPU's additive bias (0 / -inf, built through a 16-bit table) masks exactly what the
+    reference (unpack_bitmask, then masked_fill) masks, for every row: all-blocked, all-allowed
+    and random words, the sign bit, vocabularies that are not whole words, wider logits."""
+    gen = torch.Generator().manual_seed(mask_vocab)
+    words = -(-mask_vocab // 32)
+    raw = torch.randint(0, 2**32, (5, words), generator=gen, dtype=torch.int64)
+    raw[0], raw[1] = 0, 2**32 - 1
+    bitmask = (raw - (raw >= 2**31) * 2**32).to(torch.int32)
+    logits = torch.randn(5, width, generator=gen)
+    expected = logits.masked_fill(~unpack_bitmask(bitmask, width), float("-inf"))
+    bias = bitmask_bias(bitmask, width)
+    assert bias.shape == (5, width) and set(bias.unique().tolist()) <= {0.0, float("-inf")}
+    assert torch.equal(logits + bias, expected)
+    for request_ids in (["a", "b", "c", "d", "e"], ["x", "c", "y", "a"]):   # in order; mixed batch
+        got, want = logits[:len(request_ids)].clone(), logits[:len(request_ids)].clone()
+        for result, target in ((bias, got), (~unpack_bitmask(bitmask, width), want)):
+            done = Future()
+            done.set_result(result)
+            StepBitmask(dict(zip("abcde", range(5))), bitmask, done).apply(target, request_ids)
+        assert torch.equal(got, want)
 
 
 def test_step_bitmask_masks_only_constrained_rows():

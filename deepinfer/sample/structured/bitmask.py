@@ -25,8 +25,10 @@ class StepBitmask:
     def __init__(self, rows: dict[str, int], bitmask: torch.Tensor, blocked: Future) -> None:
         self.rows = rows            # request id -> its row in `bitmask`
         self.bitmask = bitmask      # int32 [len(rows), ceil(grammar vocab / 32)], on the CPU
-        # Future of bool [len(rows), vocab]: True where a token is NOT allowed. The worker
-        # unpacks the bits too, so only the masked fill is left on the engine loop.
+        # Future of what `apply` reads: on a GPU the packed rows themselves; on the CPU a float32
+        # [len(rows), vocab] bias (0 allowed, -inf not) that the worker expands beside the
+        # forward, so only one add is left on the engine loop. (A bool mask, True = not
+        # allowed, is also taken: the reference path.)
         self._blocked = blocked
 
     def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
@@ -44,7 +46,15 @@ class StepBitmask:
             rows = None if in_order else to_device([logit_rows, mask_rows], logits.device, torch.int32)
             apply_packed_bitmask(logits, to_device(filled, logits.device), rows)
             return
-        # The reference path: unpacked rows (the worker unpacks them on the CPU platform).
+        if filled.is_floating_point():   # the CPU's additive bias (bitmask_bias)
+            bias = to_device(filled, logits.device)
+            if in_order:
+                logits.add_(bias)
+                return
+            index = to_device(logit_rows, logits.device, torch.long)
+            logits[index] = logits[index] + bias[to_device(mask_rows, logits.device, torch.long)]
+            return
+        # The reference path: a bool mask (unpacked here from packed rows off the GPU).
         blocked = ~unpack_bitmask(filled, logits.shape[-1]) if filled.dtype == torch.int32 else filled
         blocked = to_device(blocked, logits.device)
         if in_order:
@@ -74,3 +84,29 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if bits.shape[1] >= vocab_size:
         return bits[:, :vocab_size]
     return torch.cat([bits, bits.new_zeros(rows, vocab_size - bits.shape[1])], dim=1)
+
+
+# _BIAS_TABLE[v, j] = 0.0 if bit j of the 16-bit value v is set (token allowed), else -inf.
+_BIAS_TABLE: torch.Tensor | None = None
+
+
+def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [rows, words] -> float32 [rows, vocab_size]: 0.0 where a token is allowed, -inf where
+    not; columns past the bitmask's last word are -inf. Same bit order as unpack_bitmask.
+
+    Why a bias: on the CPU, adding it to the logits costs 0.3 ms for 64 x 49,152, where a
+    masked_fill from a bool mask costs 5.4 ms (measured on the 2-core machine), and building it
+    is one gather of 16 values per 16-bit half-word through a 4 MiB table (0.9 ms, in the worker)
+    instead of the byte-table unpack (3.7 ms).
+    """
+    global _BIAS_TABLE
+    if _BIAS_TABLE is None:   # built once; a concurrent first use just builds it twice
+        values = torch.arange(65536, dtype=torch.int32)
+        allowed = ((values[:, None] >> torch.arange(16, dtype=torch.int32)) & 1).bool()
+        _BIAS_TABLE = torch.zeros(65536, 16).masked_fill_(~allowed, float("-inf"))
+    rows = bitmask.shape[0]
+    halves = bitmask.contiguous().view(torch.int16).to(torch.int32).bitwise_and_(0xFFFF).long()
+    bias = _BIAS_TABLE.index_select(0, halves.view(-1)).view(rows, -1)
+    if bias.shape[1] >= vocab_size:
+        return bias[:, :vocab_size]
+    return torch.cat([bias, bias.new_full((rows, vocab_size - bias.shape[1]), float("-inf"))], dim=1)

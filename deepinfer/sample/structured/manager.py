@@ -24,7 +24,7 @@ import torch
 import xgrammar as xgr
 
 from deepinfer.sample.structured import backend
-from deepinfer.sample.structured.bitmask import StepBitmask, unpack_bitmask
+from deepinfer.sample.structured.bitmask import StepBitmask, bitmask_bias
 from deepinfer.sample.structured.grammar import RequestGrammar
 from deepinfer.sampling_params import StructuredOutputsParams
 
@@ -49,8 +49,8 @@ class StructuredOutputManager:
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-bitmask")
         # Rows without drafts fill in parallel, in xgrammar's own threads (the GIL released).
         self._batch_matcher = xgr.BatchGrammarMatcher()
-        # On the CPU the worker also unpacks the bits, beside the forward; on a GPU the packed
-        # rows (32x smaller) are copied and unpacked there (StepBitmask.apply).
+        # On the CPU the worker also expands the bits into an additive bias, beside the forward;
+        # on a GPU the packed rows (32x smaller) are copied and applied there (StepBitmask.apply).
         self.unpack_on_host = unpack_on_host
         self._backend: backend.XGrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -141,7 +141,7 @@ class StructuredOutputManager:
                 grammar.rollback(len(chain))
             if single_rows:
                 self._batch_matcher.batch_fill_next_token_bitmask(single_matchers, bitmask, single_rows)
-            return ~unpack_bitmask(bitmask, self.vocab_size) if self.unpack_on_host else bitmask
+            return bitmask_bias(bitmask, self.vocab_size) if self.unpack_on_host else bitmask
 
         return StepBitmask(rows, bitmask, self._fill_pool.submit(fill))
 
