@@ -40,18 +40,19 @@ class Attention(nn.Module):
         if meta.backend == "triton":
             return self._triton(meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)
         n_dec = meta.num_decode_tokens
-        if meta.backend == "cpu" and n_dec:
+        decoded = None
+        if n_dec and meta.backend == "cpu":
             decoded = cpu_decode_attention(q[:n_dec], k_cache, v_cache, group.decode_head_rows,
                                            group.decode_bias, self.scale)
-            if n_dec == q.shape[0]:   # a decode-only step: no copy into `out`
-                return decoded.view(n_dec, -1)
-        out = torch.empty_like(q)
-        if meta.backend == "cpu" and n_dec:
-            out[:n_dec] = decoded
         elif n_dec:
             keys = k_cache[group.decode_gather]
             values = v_cache[group.decode_gather]
-            out[:n_dec] = self._decode(q[:n_dec], keys, values, group.decode_bias)
+            decoded = self._decode(q[:n_dec], keys, values, group.decode_bias)
+        if n_dec == q.shape[0]:   # a decode-only step: no copy into `out`
+            return decoded.reshape(n_dec, -1)
+        out = torch.empty_like(q)
+        if decoded is not None:
+            out[:n_dec] = decoded
         for (start, end), (rows, mask) in zip(meta.prefill_query_ranges, group.prefill):
             keys = k_cache[rows].unsqueeze(0)
             values = v_cache[rows].unsqueeze(0)

@@ -64,8 +64,8 @@ class StepBitmask:
         logits[index] = logits[index].masked_fill(blocked[to_device(mask_rows, logits.device, torch.long)], float("-inf"))
 
 
-# _BYTE_BITS[b, j] is bit j of byte b: unpacking a byte is one table lookup. One copy per device.
-_BYTE_BITS = {torch.device("cpu"): ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()}
+# _BYTE_BITS[b, j] is bit j of byte b: unpacking a byte is one table lookup.
+_BYTE_BITS = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -77,9 +77,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     False for the extra ids: no tokenizer string, never allowed.
     """
     rows = bitmask.shape[0]
-    table = _BYTE_BITS.get(bitmask.device)
-    if table is None:
-        table = _BYTE_BITS[bitmask.device] = to_device(_BYTE_BITS[torch.device("cpu")], bitmask.device)
+    table = _BYTE_BITS.to(bitmask.device)   # the reference path: on the host in the engine
     bits = table[bitmask.contiguous().view(torch.uint8).long()].view(rows, -1)
     if bits.shape[1] >= vocab_size:
         return bits[:, :vocab_size]
