@@ -93,7 +93,6 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cached[2], cached[3]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
-
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] (any strides) rotated, as a new contiguous tensor.
 

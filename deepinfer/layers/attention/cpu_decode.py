@@ -14,7 +14,7 @@ Precision: up to FP32_MAX_ROWS rows the products run in float32 (exact softmax, 
 tiny matrices float32 GEMMs are faster than bf16 ones here); above, in the cache dtype, with
 float32 accumulation inside the GEMM and the softmax computed in float32 internally. That is
 what transformers' eager attention does for a bf16 model. Float32 models compute in float32
-throughout. tests/unit/test_cpu_decode_attention.py compares this with the reference.
+throughout. tests/unit/test_cpu_fast_path.py compares this with the reference.
 """
 
 from __future__ import annotations
