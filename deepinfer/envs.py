@@ -31,3 +31,14 @@ def cache_dir() -> Path:
 def log_level() -> str:
     """DEEPINFER_LOGGING_LEVEL: DEBUG | INFO | WARNING | ERROR (default INFO)."""
     return os.environ.get("DEEPINFER_LOGGING_LEVEL", "INFO").upper()
+
+
+def pdl() -> bool:
+    """DEEPINFER_PDL: 1 (default) | 0. Programmatic dependent launch of the fast path's Triton
+    kernels on Hopper and later (deepinfer/layers/fused/__init__.py); 0 launches them plainly.
+    Results are the same either way: only the overlap of one kernel's start with the previous
+    kernel's end changes."""
+    value = os.environ.get("DEEPINFER_PDL", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"DEEPINFER_PDL={value!r} is not valid; choose 0 or 1")
+    return value == "1"

@@ -88,8 +88,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # The attention layer applies the rotary: on the fast path in the kernel that writes K/V.
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary))
 
 
 class GatedMLP(nn.Module):

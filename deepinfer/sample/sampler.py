@@ -32,6 +32,31 @@ from deepinfer.sample.logprobs import LogprobTensors, TopLogprobs, top_logprob_t
 from deepinfer.sampling_params import SamplingParams
 
 
+ARGMAX_CHUNK = 256
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), on a GPU in two passes when there are few rows.
+
+    torch reduces one long row with one block of threads: 28 us for a 128k vocabulary on the H200,
+    ~0.6 % of a Llama-3-8B batch-1 decode step. Splitting the row into chunks spreads the first
+    pass over the whole GPU (see two_pass_argmax)."""
+    rows, vocab = logits.shape
+    if logits.is_cuda and rows <= 8 and vocab % ARGMAX_CHUNK == 0 and vocab >= 16 * ARGMAX_CHUNK:
+        return two_pass_argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+def two_pass_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The maximum of every ARGMAX_CHUNK-wide chunk, then the first chunk holding the largest.
+    Both torch reductions return the first index among equal maxima, so the result is the first
+    maximal index of the row, as argmax's."""
+    rows = logits.shape[0]
+    best, inner = logits.view(rows, -1, ARGMAX_CHUNK).max(dim=-1)
+    chunk = best.argmax(dim=-1, keepdim=True)
+    return torch.add(inner.gather(1, chunk), chunk, alpha=ARGMAX_CHUNK).squeeze(1)
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The per-request generator of a seeded request (created once, kept for its lifetime)."""
     generator = torch.Generator(device=device)
@@ -103,7 +128,7 @@ class Sampler:
         if fast:
             # Hot path: one argmax for the whole batch, in the model's dtype (upcasting to
             # float32 is exact, so it cannot change the argmax; no copy is made).
-            token_ids = logits.argmax(dim=-1)
+            token_ids = greedy_argmax(logits)
         else:
             token_ids = self._sample(logits, rows)
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]

@@ -34,13 +34,13 @@ DTYPES = [torch.float32, LOW]
 
 # The kernel modules import triton: only after the skip above.
 import deepinfer.layers.fused.activation as activation_module
-import deepinfer.layers.fused.kv_write as kv_write_module
+import deepinfer.layers.fused.gemv as gemv_module
 import deepinfer.layers.fused.rms_norm as rms_norm_module
 import deepinfer.layers.fused.rotary as rotary_module
 from deepinfer.layers.fused.activation import act_and_mul
 from deepinfer.layers.fused.kv_write import write_kv_cache
 from deepinfer.layers.fused.rms_norm import rms_norm
-from deepinfer.layers.fused.rotary import apply_rotary_
+from deepinfer.layers.fused.rotary import apply_rotary_, rotate_and_write_kv_
 
 SHAPES = {   # hidden, heads, kv_heads, head_dim, intermediate
     "smollm2-135m": (576, 9, 3, 64, 1536),
@@ -188,6 +188,36 @@ def test_kv_write(shape, dtype):
         assert torch.equal(k_cache[slots], k32.to(dtype)) and torch.equal(v_cache[slots], v32.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rotate_and_write_kv(shape, dtype):
+    """The attention layer's fused kernel: q and k rotated in place as apply_rotary_ does (the
+    reference rotary op in float32), and the rotated K and the V written at their slots exactly."""
+    _, heads, kv_heads, head_dim, _ = SHAPES[shape]
+    rotary = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": 10000.0}, 2048).to(DEVICE)
+    torch.manual_seed(5)
+    rows = 64 * 16
+    for tokens in token_counts(head_dim + 2):
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+        positions = torch.randint(0, 2048, (tokens,), device=DEVICE)
+        slots = torch.randperm(rows, device=DEVICE)[:tokens]
+        k_cache = torch.randn(rows, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        v_cache = torch.randn_like(k_cache)
+        ref_q, ref_k = rotary(positions, q.float(), k.float())
+        untouched = torch.ones(rows, dtype=torch.bool, device=DEVICE)
+        untouched[slots] = False
+        before_k, before_v, v_in = k_cache[untouched].clone(), v_cache[untouched].clone(), v.clone()
+        rotate_and_write_kv_(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, slots)
+        torch.testing.assert_close(q.float(), ref_q.to(dtype).float(), **tol(dtype))
+        torch.testing.assert_close(k.float(), ref_k.to(dtype).float(), **tol(dtype))
+        assert torch.equal(k_cache[slots], k) and torch.equal(v_cache[slots], v_in) and torch.equal(v, v_in)
+        assert torch.equal(k_cache[untouched], before_k) and torch.equal(v_cache[untouched], before_v)
+    with pytest.raises(ValueError, match="do not fit"):
+        rotate_and_write_kv_(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, slots[:-1])
+
+
 # --- whole model -------------------------------------------------------------------------------
 
 TINY = {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
@@ -228,7 +258,7 @@ class CallCounter:
     def __init__(self, monkeypatch) -> None:
         self.calls: dict[str, int] = {}
         for module, name in [(rms_norm_module, "rms_norm"), (activation_module, "act_and_mul"),
-                             (rotary_module, "apply_rotary_"), (kv_write_module, "write_kv_cache")]:
+                             (rotary_module, "rotate_and_write_kv_"), (gemv_module, "gemv")]:
             monkeypatch.setattr(module, name, self._wrap(name, getattr(module, name)))
 
     def _wrap(self, name, fn):
@@ -238,8 +268,12 @@ class CallCounter:
         return counted
 
 
-def run_step(model, dtype: torch.dtype, backend: str):
-    """One step mixing decodes and prefill chunks over cached prefixes, on random KV caches.
+MIXED_STEP = [(17, 1), (40, 1), (0, 23), (33, 9)]   # two decodes, a fresh prefill, a chunk after a prefix
+ONE_ROW_STEP = [(37, 1)]                             # batch-1 decode: the projections run on the GEMV
+
+
+def run_step(model, dtype: torch.dtype, backend: str, plan=MIXED_STEP):
+    """One step of (context already cached, new tokens) chunks, on random KV caches.
     Returns (hidden float32, logits, the caches after the step's writes)."""
     groups = group_layers(model.kv_cache_specs(dtype))
     layer_to_group, layer_to_slot = [0] * TINY["num_hidden_layers"], [0] * TINY["num_hidden_layers"]
@@ -251,8 +285,6 @@ def run_step(model, dtype: torch.dtype, backend: str):
     caches = [(torch.randn(num_blocks * BS, spec.num_kv_heads, spec.head_size, device=DEVICE).to(dtype),
                torch.randn(num_blocks * BS, spec.num_kv_heads, spec.head_size, device=DEVICE).to(dtype))
               for _ in range(num_slots(groups))]
-    # (context already cached, new tokens): two decodes, a fresh prefill, a chunk after a prefix.
-    plan = [(17, 1), (40, 1), (0, 23), (33, 9)]
     chunks, token_ids, next_block = [], {}, 1
     rng = random.Random(0)
     for i, (context, new) in enumerate(plan):
@@ -272,19 +304,22 @@ def run_step(model, dtype: torch.dtype, backend: str):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("plan", [MIXED_STEP, ONE_ROW_STEP], ids=["mixed", "one_row"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_whole_model_fast_path_matches_reference(arch, dtype, monkeypatch):
+def test_whole_model_fast_path_matches_reference(arch, plan, dtype, monkeypatch):
     """Hidden states, logits and the KV written by every layer agree between the reference
-    path and the fast path (fused ops and Triton attention)."""
+    path and the fast path (fused ops, Triton attention, and at one row the GEMV)."""
     model = tiny_model(arch, dtype)
-    ref_hidden, ref_logits, ref_caches = run_step(model, dtype, "reference")
+    ref_hidden, ref_logits, ref_caches = run_step(model, dtype, "reference", plan)
     counter = CallCounter(monkeypatch)
-    fast_hidden, fast_logits, fast_caches = run_step(model, dtype, "triton")
+    fast_hidden, fast_logits, fast_caches = run_step(model, dtype, "triton", plan)
 
     layers = TINY["num_hidden_layers"]
     norms_per_layer = 2 if arch == "llama" else 6   # Gemma: 4 layer norms + q/k norms
-    assert counter.calls == {"rms_norm": norms_per_layer * layers + 1, "act_and_mul": layers,
-                             "apply_rotary_": layers, "write_kv_cache": layers}
+    expected = {"rms_norm": norms_per_layer * layers + 1, "act_and_mul": layers, "rotate_and_write_kv_": layers}
+    if plan == ONE_ROW_STEP:
+        expected["gemv"] = 4 * layers + 1   # qkv, o, gate_up, down, and the head
+    assert counter.calls == expected
     # Errors grow through the layers: looser than a single op, still far below any real bug.
     t = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 2e-2, "rtol": 2e-2},
          torch.bfloat16: {"atol": 1e-1, "rtol": 5e-2}}[dtype]

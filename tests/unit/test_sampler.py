@@ -9,7 +9,8 @@ import torch
 from deepinfer.sample import logprobs as logprobs_module
 from deepinfer.sample import penalties
 from deepinfer.sample.logprobs import compute_prompt_logprobs
-from deepinfer.sample.sampler import Sampler, SamplingRow, apply_top_k_top_p, make_generator
+from deepinfer.sample.sampler import (ARGMAX_CHUNK, Sampler, SamplingRow, apply_top_k_top_p, greedy_argmax,
+                                      make_generator, two_pass_argmax)
 from deepinfer.sampling_params import SamplingParams
 
 # A small known distribution; logits are its logs shifted by a constant (softmax ignores it).
@@ -291,3 +292,24 @@ def test_prompt_logprobs_match_log_softmax(monkeypatch):
 def test_rejects_mismatched_rows():
     with pytest.raises(ValueError, match=r"logits must be \[len\(rows\)=2, vocab\]"):
         Sampler()(torch.zeros(3, 5), [row(SamplingParams())] * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_two_pass_argmax_is_argmax(dtype):
+    """The GPU's greedy argmax in two passes equals argmax, ties (first index) and -inf included."""
+    torch.manual_seed(0)
+    vocab = 501 * ARGMAX_CHUNK
+    logits = torch.randn(5, vocab).to(dtype)
+    logits[1, 7000] = logits[1, 9000] = logits[1, 30000] = 50.0   # ties across chunks
+    logits[2, 300] = logits[2, 301] = 50.0                         # ties inside a chunk
+    logits[3] = float("-inf")
+    logits[3, vocab - 1] = 0.0                                      # the last column
+    logits[4] = 1.0                                                 # all equal: index 0
+    expected = logits.argmax(dim=-1)
+    assert torch.equal(two_pass_argmax(logits), expected)
+    assert expected.tolist()[1:] == [7000, 300, vocab - 1, 0]
+    assert torch.equal(greedy_argmax(logits), expected)   # CPU: plain argmax
+    if torch.cuda.is_available():   # the GPU takes the two passes
+        assert torch.equal(greedy_argmax(logits.cuda()).cpu(), expected)
+    odd = torch.randn(2, 1000)   # not a multiple of the chunk: plain argmax everywhere
+    assert torch.equal(greedy_argmax(odd), odd.argmax(dim=-1))

@@ -9,6 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from deepinfer.layers.attention.cpu_decode import cpu_decode_attention
 from deepinfer.layers.attention.metadata import get_forward_context
+from deepinfer.layers.rotary import RotaryEmbedding
 
 # SDPA backends for fresh prefill chunks on the fast path, in order of preference (_causal_flash).
 _TILED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
@@ -25,15 +26,24 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads*head_dim]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None,
+                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] -> [tokens, heads*head_dim].
+
+        With `rotary` (and `positions`), q and k are rotated here first, so that the fast path
+        rotates them and writes K/V into the cache in one kernel (layers/fused/rotary.py)."""
         meta = get_forward_context()
         group = meta.groups[meta.layer_to_group[self.layer_id]]
         k_cache, v_cache = meta.kv_caches[meta.layer_to_slot[self.layer_id]]
-        if meta.backend == "triton":   # both caches in one kernel (deepinfer/layers/fused/kv_write.py)
+        if meta.backend == "triton" and rotary is not None:
+            from deepinfer.layers.fused.rotary import rotate_and_write_kv_
+            rotate_and_write_kv_(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, group.slot_mapping)
+        elif meta.backend == "triton":   # both caches in one kernel (deepinfer/layers/fused/kv_write.py)
             from deepinfer.layers.fused.kv_write import write_kv_cache
             write_kv_cache(k, v, k_cache, v_cache, group.slot_mapping)
         else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
             k_cache.index_copy_(0, group.slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
             v_cache.index_copy_(0, group.slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.layers.fused import pdl_enabled, pdl_launch
 
 MAX_SPLITS = 32
 
@@ -31,8 +34,11 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -95,7 +101,11 @@ def _merge_splits_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,
     stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
+        gdc_wait()
+        gdc_launch_dependents()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -143,13 +153,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         lse_part.stride(0), lse_part.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
-        IEEE=k_cache.dtype == torch.float32, num_warps=4, num_stages=2,
+        IEEE=k_cache.dtype == torch.float32, num_warps=4, num_stages=2, USE_PDL=pdl_enabled(), **pdl_launch(),
     )
     _merge_splits_kernel[(batch, num_heads)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4, USE_PDL=pdl_enabled(), **pdl_launch(),
     )
     return out

@@ -12,6 +12,18 @@ Each kernel here does one of those groups in one pass over the data:
   activation.py  SiLU(gate) * up (or GELU-tanh for Gemma) straight from the fused gate_up output
   rotary.py      rotary embedding applied in place to q and k, in one kernel for both
   kv_write.py    K and V of this step written into the paged caches at their slots
+  gemv.py        the projections of a one-row decode step (weight-streaming matrix-vector)
+
+Programmatic dependent launch (PDL, Hopper and later): in a decode step each kernel is short, and
+the GPU would sit idle between one kernel's last block and the next kernel's first. Launched with
+PDL, the next kernel's blocks start while the previous kernel finishes: each program first does
+what needs nothing from earlier kernels (gemv loads its first strip of weights), then waits at
+`gdc_wait()` until every earlier kernel has finished and its writes are visible, and only then
+reads activations or writes anything. Every PDL kernel calls `gdc_wait()` in every program,
+before its first write, so the chain of waits orders each kernel after all earlier ones (a
+kernel that skipped it could finish before its predecessor). `gdc_launch_dependents()` right
+after the wait lets the next kernel launch once all of this kernel's programs have started.
+Kernels launched without PDL (cuBLAS, PyTorch ops) wait for everything before them as usual.
 
 The plain PyTorch code in norm.py, rotary.py, models/llama.py and attention/layer.py stays the
 reference path (CPU, and the CUDA reference backend that parity tests use); these kernels run
@@ -25,9 +37,28 @@ kernel modules are imported inside the functions that call them, never at import
 
 from __future__ import annotations
 
+import functools
+import os
+
+import torch
+
+from deepinfer import envs
 from deepinfer.layers.attention.metadata import current_backend
 
 
 def enabled() -> bool:
     """True inside a forward on the fast path (attention backend "triton")."""
     return current_backend() == "triton"
+
+
+@functools.cache
+def pdl_enabled() -> bool:
+    """Whether the kernels launch with PDL: a Hopper-or-later GPU, not Triton's interpreter
+    (it cannot run the wait instruction), and DEEPINFER_PDL not 0."""
+    return (envs.pdl() and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
+            and torch.cuda.get_device_capability()[0] >= 9)
+
+
+def pdl_launch() -> dict:
+    """Launch options for a PDL kernel: `kernel[grid](..., USE_PDL=pdl_enabled(), **pdl_launch())`."""
+    return {"launch_pdl": True} if pdl_enabled() else {}

@@ -19,6 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.layers.fused import pdl_enabled, pdl_launch
 
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 BLOCK = 1024   # columns per program: 8 bf16 (one 16-byte load) per thread at 4 warps
@@ -26,7 +29,10 @@ BLOCK = 1024   # columns per program: 8 bf16 (one 16-byte load) per thread at 4 
 
 @triton.jit
 def _act_and_mul_kernel(gate_up_ptr, out_ptr, n_cols, stride_in, stride_out,
-                        GELU_TANH: tl.constexpr, BLOCK: tl.constexpr):
+                        GELU_TANH: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -54,6 +60,6 @@ def act_and_mul(gate_up: torch.Tensor, act: str = "silu") -> torch.Tensor:
     if x.shape[0] and n:
         _act_and_mul_kernel[(x.shape[0], triton.cdiv(n, BLOCK))](
             x, out, n, x.stride(0), out.stride(0),
-            GELU_TANH=act == "gelu_pytorch_tanh", BLOCK=BLOCK, num_warps=4,
+            GELU_TANH=act == "gelu_pytorch_tanh", BLOCK=BLOCK, num_warps=4, USE_PDL=pdl_enabled(), **pdl_launch(),
         )
     return out.view(*gate_up.shape[:-1], n)

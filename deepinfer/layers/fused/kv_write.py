@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from deepinfer.layers.fused import pdl_enabled, pdl_launch
 
 
 @triton.jit
@@ -22,8 +25,11 @@ def _kv_write_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcr, stride_kch, stride_vcr, stride_vch,
     num_kv_heads, head_dim,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + token).to(tl.int64)   # int64: rows * row size can pass 2**31
     heads = tl.arange(0, HEADS_PAD)[:, None]
@@ -55,5 +61,5 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             num_kv_heads, head_dim,
             HEADS_PAD=max(2, triton.next_power_of_2(num_kv_heads)),
-            DIM_PAD=max(2, triton.next_power_of_2(head_dim)), num_warps=4,
+            DIM_PAD=max(2, triton.next_power_of_2(head_dim)), num_warps=4, USE_PDL=pdl_enabled(), **pdl_launch(),
         )
