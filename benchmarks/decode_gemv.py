@@ -1,14 +1,15 @@
-"""Decode-step matmuls (a few rows against a big weight): our Triton GEMV against cuBLAS.
+"""Batch-1 decode matmuls (one row against a big weight): our Triton GEMV against cuBLAS.
 
-    python benchmarks/decode_gemv.py [--shape llama3-8b] [--tune] [--rows 1,2,4]
+    python benchmarks/decode_gemv.py [--shape llama3-8b] [--tune]
 
-For each projection of the shape, at each row count: the time of cuBLAS (F.linear) and of
+For each projection of the shape: the time of cuBLAS (F.linear) and of
 deepinfer.layers.fused.gemv, as read bandwidth (weight bytes / time) beside the copy bandwidth
 measured in the same run. Every timing replays a CUDA graph of calls that cycle through enough
-copies of the weight to exceed the L2 cache, so each call reads from HBM as in a real step.
-`--tune` searches tile sizes at one row and prints the TUNED table for gemv.py. Last, the whole
-model's decode matmuls (all layers' projections and the head, one row) in one graph, each way:
-the matmul part of one batch-1 decode step.
+copies of the weight to exceed the L2 cache, so each call reads from HBM as in a real step; the
+GEMV launches with PDL (where the GPU has it), each call following the one before as in a step.
+`--tune` searches tile sizes and prints the TUNED table for gemv.py. Last, the whole model's
+decode matmuls (all layers' projections and the head) in one graph, each way: the matmul part
+of one batch-1 decode step.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def weight_copies(n: int, k: int) -> list[torch.Tensor]:
 
 def tune(n: int, k: int, weights: list[torch.Tensor], x: torch.Tensor) -> tuple[tuple[int, int, int], float]:
     best = (None, float("inf"))
-    for block_n, block_k, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)):
+    for block_n, block_k, warps in itertools.product((2, 4, 8), (512, 1024, 2048), (4, 8)):
         if block_k > k:
             continue
         cfg = (block_n, block_k, warps)
@@ -81,7 +82,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
     parser.add_argument("--tune", action="store_true")
-    parser.add_argument("--rows", default="1,2,4")
     args = parser.parse_args()
     config = SHAPES[args.shape]
     bandwidth = copy_bandwidth()
@@ -90,21 +90,18 @@ def main() -> None:
     for name, (n, k) in projections(config).items():
         weights = weight_copies(n, k)
         nbytes = n * k * 2
-        for rows in [int(r) for r in args.rows.split(",")]:
-            x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-            ours = gemv(x, weights[0])
-            ref = F.linear(x, weights[0])
-            err = (ours.float() - ref.float()).abs().max().item()
-            t_blas = graph_time([lambda w=w: F.linear(x, w) for w in weights] * 4)
-            t_ours = graph_time([lambda w=w: gemv(x, w) for w in weights] * 4)
-            line = (f"{name:>8} N={n:<6} K={k:<6} rows={rows}: cuBLAS {t_blas * 1e6:7.1f} us "
-                    f"({nbytes / t_blas / 1e12:.2f} TB/s)  gemv {gemv_config(n, k, rows)} {t_ours * 1e6:7.1f} us "
-                    f"({nbytes / t_ours / 1e12:.2f} TB/s)  x{t_blas / t_ours:.3f}  max|diff| {err:.2e}")
-            if args.tune and rows == 1:
-                cfg, t_best = tune(n, k, weights, x)
-                tuned[(n, k)] = cfg
-                line += f"  tuned {cfg} {t_best * 1e6:.1f} us ({nbytes / t_best / 1e12:.2f} TB/s)"
-            print(line, flush=True)
+        x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+        err = (gemv(x, weights[0]).float() - F.linear(x, weights[0]).float()).abs().max().item()
+        t_blas = graph_time([lambda w=w: F.linear(x, w) for w in weights] * 4)
+        t_ours = graph_time([lambda w=w: gemv(x, w) for w in weights] * 4)
+        line = (f"{name:>8} N={n:<6} K={k:<6}: cuBLAS {t_blas * 1e6:7.1f} us ({nbytes / t_blas / 1e12:.2f} TB/s)  "
+                f"gemv {gemv_config(n, k)} {t_ours * 1e6:7.1f} us ({nbytes / t_ours / 1e12:.2f} TB/s)  "
+                f"x{t_blas / t_ours:.3f}  max|diff| {err:.2e}")
+        if args.tune:
+            cfg, t_best = tune(n, k, weights, x)
+            tuned[(n, k)] = cfg
+            line += f"  tuned {cfg} {t_best * 1e6:.1f} us ({nbytes / t_best / 1e12:.2f} TB/s)"
+        print(line, flush=True)
         del weights
         torch.cuda.empty_cache()
     if tuned:

@@ -61,7 +61,7 @@ def main() -> None:
     from deepinfer import LLM, SamplingParams
 
     config = SHAPES[args.shape]
-    llm = LLM(write_config_dir(config), load_format="dummy", max_model_len=args.context + args.steps + 64,
+    llm = LLM(write_config_dir(config), load_format="dummy", max_model_len=args.context + max(args.steps, 256) + 64,
               max_num_seqs=8, gpu_memory_utilization=0.5, enable_prefix_caching=False,
               enforce_eager=args.enforce_eager)
     llm.engine.async_scheduling = not args.plain_loop

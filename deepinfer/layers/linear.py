@@ -1,5 +1,5 @@
 """Linear layers, with an optional 4-bit weight copy for small-batch CPU decode, and a Triton
-matrix-vector kernel for one-row steps on the CUDA fast path (GEMV_MAX_ROWS).
+matrix-vector kernel for one-row steps on the CUDA fast path (layers/fused/gemv.py).
 
 GGUF files store most projections as 4-bit blocks (Q4_0/Q4_1: 32 weights share a scale and an
 offset). That is exactly torch's int4 group-quantized layout, so such weights can be kept
@@ -36,10 +36,6 @@ INT4_MAX_ROWS = 8
 # The Q8_0 head as two int4 halves (Int8Blocks.as_int4_pair) reads 35 MB to the packed bf16
 # copy's 56, but does twice the products: 1.60 / 1.77 ms at 1 row, 1.99 / 1.74 at 2, 5.6 / 2.1 at 8.
 HEAD_INT4_MAX_ROWS = 1
-# CUDA fast path: up to this many rows the projections (and the head) run on the Triton GEMV
-# (layers/fused/gemv.py), above it on cuBLAS. On the H200 (benchmarks/decode_gemv.py) the GEMV
-# reads Llama-3-8B's weights 1-14 % faster at one row; at two rows cuBLAS wins on four of the five.
-GEMV_MAX_ROWS = 1
 
 
 @dataclass
@@ -163,7 +159,10 @@ class Linear(nn.Linear):
             self.packed_weight = pack_dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and fused.enabled():
+        if x.dim() == 2 and x.shape[0] == 1 and fused.enabled():
+            # One row on the CUDA fast path: the Triton GEMV, 6-35 % faster than cuBLAS per matrix
+            # on the H200. A first multi-row version lost to cuBLAS at two rows on four of
+            # Llama-3-8B's five matrices, so more rows stay on cuBLAS.
             from deepinfer.layers.fused.gemv import gemv   # imports triton: CUDA fast path only
             return gemv(x, self.weight, self.bias)
         if x.dtype == torch.bfloat16 and x.dim() == 2:
