@@ -1,6 +1,7 @@
 """Where one batch-1 decode step's time goes, kernel by kernel, on the CUDA fast path.
 
     python benchmarks/decode_step_profile.py [--shape llama3-8b] [--context 1024] [--steps 64]
+    python benchmarks/decode_step_profile.py --prefill 8192     # one prefill instead, and its gaps
 
 First times the decode unprofiled, as gpu_fast_path.py's (a) does (tok/s and the fraction of the
 roofline = copy bandwidth / weight bytes). Then profiles two generations of the same prompt, one of `steps + 1` tokens and one of 1 token (the
@@ -36,6 +37,38 @@ def kernel_events(run) -> tuple[float, list[dict]]:
     return wall, [e for e in events if e.get("cat") == "kernel"]
 
 
+def largest_gaps(events: list[dict], count: int = 8) -> list[tuple[float, str, str]]:
+    """The longest stretches with no kernel running: (microseconds, kernel before, kernel after)."""
+    ordered = sorted(events, key=lambda e: e["ts"])
+    gaps, end, last = [], ordered[0]["ts"] + ordered[0]["dur"], ordered[0]["name"]
+    for e in ordered[1:]:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, last, e["name"]))
+        if e["ts"] + e["dur"] >= end:
+            end, last = e["ts"] + e["dur"], e["name"]
+    return sorted(gaps, reverse=True)[:count]
+
+
+def profile_prefill(llm, tokens: int, vocab: int) -> None:
+    from deepinfer import SamplingParams
+
+    prompt = random_prompts(1, tokens, vocab, seed=2)
+    run = lambda: llm.generate(prompt, SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)  # noqa: E731
+    run()
+    best = min(timed(run) for _ in range(3))
+    wall, events = kernel_events(run)
+    s = summarise(events)
+    first = min(e["ts"] for e in events)
+    last = max(e["ts"] + e["dur"] for e in events)
+    print(f"prefill of {tokens} tokens: {best * 1e3:.2f} ms unprofiled (best of 3); profiled wall "
+          f"{wall * 1e3:.2f} ms, first kernel to last {(last - first) / 1e3:.2f} ms, device busy "
+          f"{s['busy_us'] / 1e3:.2f} ms, {s['count']} kernels")
+    for us, before, after in largest_gaps(events):
+        print(f"  gap {us:8.1f} us after {before[:60]}  before {after[:60]}")
+    for name, (count, us) in sorted(s["by_name"].items(), key=lambda kv: -kv[1][1])[:14]:
+        print(f"{us / 1e3:9.2f} ms {count:5d} x  {name[:110]}")
+
+
 def summarise(events: list[dict]) -> dict:
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
@@ -57,13 +90,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--plain-loop", action="store_true", help="async_scheduling off")
+    parser.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens")
     args = parser.parse_args()
     from deepinfer import LLM, SamplingParams
 
     config = SHAPES[args.shape]
-    llm = LLM(write_config_dir(config), load_format="dummy", max_model_len=args.context + max(args.steps, 256) + 64,
-              max_num_seqs=8, gpu_memory_utilization=0.5, enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager)
+    llm = LLM(write_config_dir(config), load_format="dummy",
+              max_model_len=max(args.context + max(args.steps, 256) + 64, args.prefill + 64),
+              max_num_batched_tokens=max(8192, args.prefill), max_num_seqs=8, gpu_memory_utilization=0.5,
+              enable_prefix_caching=False, enforce_eager=args.enforce_eager)
+    if args.prefill:
+        profile_prefill(llm, args.prefill, config["vocab_size"])
+        return
     llm.engine.async_scheduling = not args.plain_loop
     prompt = random_prompts(1, args.context, config["vocab_size"], seed=1)
 
