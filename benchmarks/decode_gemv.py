@@ -19,8 +19,8 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from gpu_reference_baseline import LLAMA3_8B, copy_bandwidth
 from gpu_fast_path import SHAPES
+from gpu_reference_baseline import copy_bandwidth
 
 from deepinfer.layers.fused.gemv import gemv, gemv_config
 

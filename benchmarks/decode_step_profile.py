@@ -53,7 +53,7 @@ def profile_prefill(llm, tokens: int, vocab: int) -> None:
     from deepinfer import SamplingParams
 
     prompt = random_prompts(1, tokens, vocab, seed=2)
-    run = lambda: llm.generate(prompt, SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)  # noqa: E731
+    run = lambda: llm.generate(prompt, SamplingParams(max_tokens=1, **GREEDY), use_tqdm=False)
     run()
     best = min(timed(run) for _ in range(3))
     wall, events = kernel_events(run)

@@ -31,7 +31,6 @@ from deepinfer.sample import penalties
 from deepinfer.sample.logprobs import LogprobTensors, TopLogprobs, top_logprob_tensors
 from deepinfer.sampling_params import SamplingParams
 
-
 ARGMAX_CHUNK = 256
 
 

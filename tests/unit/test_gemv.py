@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from deepinfer.layers.fused.gemv import DEFAULT_CONFIG, TUNED, gemv, gemv_config
 from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
-
-from deepinfer.layers.fused.gemv import DEFAULT_CONFIG, TUNED, gemv, gemv_config  # noqa: E402
 
 LOW = torch.float16 if INTERPRETED else torch.bfloat16
 SHAPES = [(1728, 576), (576, 576), (3072, 576), (576, 1536),   # SmolLM2-135M: qkv, o, gate_up, down
