@@ -20,12 +20,14 @@ PROMPTS = [SHARED[:n] + [100 + n] * (n % 7) for n in range(3, 36, 3)]
 
 
 def run(directory: str, dtype: str, **engine) -> list:
-    """Both passes' outputs (the second with prefix-cache hits) of one engine configuration."""
+    """Both passes' outputs (the second with prefix-cache hits) of one engine configuration, and
+    one prompt generated alone: its decode steps have one row (the fast path's GEMV)."""
     llm = LLM(directory, dtype=dtype, num_kv_blocks=512, max_num_batched_tokens=64, **engine)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
     first = llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)
     again = llm.generate([list(p) for p in PROMPTS], params, use_tqdm=False)   # prefix-cache hits
-    return first + again
+    alone = llm.generate([list(PROMPTS[-1])], params, use_tqdm=False)
+    return first + again + alone
 
 
 @pytest.fixture(scope="module", params=ARCHS)

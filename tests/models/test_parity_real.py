@@ -57,3 +57,6 @@ def test_greedy_tokens_and_logprobs_match_transformers(real_model):
                 for token_id in ref.topk(5).indices.tolist():
                     assert ours[token_id].logprob == pytest.approx(ref[token_id].item(), abs=1e-3)
     assert llm.engine.stats().prefix_cache_hits[0] > 0
+    # One prompt alone: decode steps of one row (on the CUDA fast path, the GEMV projections).
+    alone = llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0]
+    assert alone.token_ids == reference[0][0]
