@@ -10,8 +10,10 @@ Each kernel here does one of those groups in one pass over the data:
   rms_norm.py    RMSNorm, optionally fused with the residual add before it
                  (`residual += x; out = rms_norm(residual) * w`), Llama and Gemma (1 + w) weights
   activation.py  SiLU(gate) * up (or GELU-tanh for Gemma) straight from the fused gate_up output
-  rotary.py      rotary embedding applied in place to q and k, in one kernel for both
-  kv_write.py    K and V of this step written into the paged caches at their slots
+  rotary.py      rotary embedding applied in place to q and k, in one kernel for both; the
+                 attention layer's variant also writes K and V into the paged caches
+  kv_write.py    K and V of this step written into the paged caches at their slots (for layers
+                 without rotary)
   gemv.py        the projections of a one-row decode step (weight-streaming matrix-vector)
 
 Programmatic dependent launch (PDL, Hopper and later): in a decode step each kernel is short, and

@@ -8,9 +8,10 @@ owns BLOCK_N output columns (rows of W, contiguous along K) and walks K in long 
 so every thread has several 16-byte loads in flight and enough programs sit on each
 multiprocessor to keep the memory system busy. With PDL (fused/__init__.py) a program loads
 its first strip before waiting for the previous kernel to finish, so the next matrix is already
-streaming while the last kernel drains. Measured one after another with PDL, as in a step
-(benchmarks/decode_gemv.py): qkv 12.6 us (cuBLAS 15.2), o 8.7 (13.3), gate_up 54.1 (57.5), down
-27.3 (32.3), head 236 (250); down and the head read at 4.3-4.45 TB/s, above the copy rate.
+streaming while the last kernel drains. Measured one call after another with PDL, as in a step
+(benchmarks/decode_gemv.py, H200): qkv 13.7 us (cuBLAS 15.2), o 9.7 (13.4), gate_up 53.5 (55.0),
+down 28.5 (31.7), head 232 (238); a whole step's 129 products 3.55 ms (cuBLAS 3.98), i.e. 1.02x
+the copy bandwidth measured in the same run.
 
 x is re-read from L2 by every program, which is cheap beside W. Products accumulate in float32
 elementwise and are reduced once at the end; the result is rounded once to x's dtype. Nothing
