@@ -159,8 +159,8 @@ class Linear(nn.Linear):
             self.packed_weight = pack_dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and fused.enabled():
-            # One row on the CUDA fast path: the Triton GEMV, 6-35 % faster than cuBLAS per matrix
+        if x.dim() == 2 and x.shape[0] == 1 and fused.enabled():
+            # One row on the CUDA fast path: the Triton GEMV, 3-38 % faster than cuBLAS per matrix
             # on the H200. A first multi-row version lost to cuBLAS at two rows on four of
             # Llama-3-8B's five matrices, so more rows stay on cuBLAS.
             from deepinfer.layers.fused.gemv import gemv   # imports triton: CUDA fast path only

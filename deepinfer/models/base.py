@@ -57,7 +57,7 @@ class CausalLM(nn.Module):
                 return int4_matmul(torch.cat((hidden, hidden), dim=-1), *self.head_int4).float()
             if self.head_packed is not None:
                 return dense_matmul(hidden, self.head_packed, None).float()
-        if hidden.is_cuda and hidden.dim() == 2 and hidden.shape[0] == 1 and fused.enabled():   # as Linear.forward
+        if hidden.dim() == 2 and hidden.shape[0] == 1 and fused.enabled():   # as Linear.forward
             from deepinfer.layers.fused.gemv import gemv   # imports triton: CUDA fast path only
             return gemv(hidden, self.head_weight()).float()
         return torch.nn.functional.linear(hidden, self.head_weight()).float()

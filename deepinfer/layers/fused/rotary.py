@@ -51,11 +51,15 @@ def _rotate_heads(ptr, stride_head, num_heads, half, cos, sin, HEADS_PAD: tl.con
 
 @triton.jit
 def _rotary_kernel(
-    q_ptr, k_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_table,
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, positions_ptr, cos_ptr, sin_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcr, stride_kch, stride_vcr, stride_vch, stride_table,
     num_heads, num_kv_heads, half,
-    HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    """One program per token: rotate its q and k heads in place, and with WRITE_KV also store the
+    rotated k and the v at the token's cache slot (the v and cache arguments are unused without)."""
     if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
         gdc_wait()
         gdc_launch_dependents()
@@ -66,44 +70,26 @@ def _rotary_kernel(
     cos = tl.load(cos_ptr + pos * stride_table + dims, mask=dims < half, other=0.0)[None, :]
     sin = tl.load(sin_ptr + pos * stride_table + dims, mask=dims < half, other=0.0)[None, :]
     _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, half, cos, sin, HEADS_PAD, HALF_PAD)
-    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, half, cos, sin, KV_HEADS_PAD, HALF_PAD)
-
-
-@triton.jit
-def _rotary_kv_write_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, positions_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcr, stride_kch, stride_vcr, stride_vch, stride_table,
-    num_heads, num_kv_heads, half,
-    HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
-        gdc_wait()
-        gdc_launch_dependents()
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    slot = tl.load(slot_ptr + token).to(tl.int64)   # int64: rows * row size can pass 2**31
-    dims = tl.arange(0, HALF_PAD)
-    cos = tl.load(cos_ptr + pos * stride_table + dims, mask=dims < half, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_table + dims, mask=dims < half, other=0.0)[None, :]
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_heads, half, cos, sin, HEADS_PAD, HALF_PAD)
-
-    heads = tl.arange(0, KV_HEADS_PAD)[:, None]
-    mask = (heads < num_kv_heads) & (dims[None, :] < half)
-    k_first = k_ptr + token * stride_kt + heads * stride_kh + dims[None, :]
-    k1 = tl.load(k_first, mask=mask, other=0.0).to(tl.float32)
-    k2 = tl.load(k_first + half, mask=mask, other=0.0).to(tl.float32)
-    r1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
-    r2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
-    tl.store(k_first, r1, mask=mask)        # in place too: fresh prefill chunks attend over k itself
-    tl.store(k_first + half, r2, mask=mask)
-    kc_first = k_cache_ptr + slot * stride_kcr + heads * stride_kch + dims[None, :]
-    tl.store(kc_first, r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(kc_first + half, r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v_first = v_ptr + token * stride_vt + heads * stride_vh + dims[None, :]
-    vc_first = v_cache_ptr + slot * stride_vcr + heads * stride_vch + dims[None, :]
-    tl.store(vc_first, tl.load(v_first, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_first + half, tl.load(v_first + half, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if not WRITE_KV:
+        _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_kv_heads, half, cos, sin, KV_HEADS_PAD, HALF_PAD)
+    else:
+        slot = tl.load(slot_ptr + token).to(tl.int64)   # int64: rows * row size can pass 2**31
+        heads = tl.arange(0, KV_HEADS_PAD)[:, None]
+        mask = (heads < num_kv_heads) & (dims[None, :] < half)
+        k_first = k_ptr + token * stride_kt + heads * stride_kh + dims[None, :]
+        k1 = tl.load(k_first, mask=mask, other=0.0).to(tl.float32)
+        k2 = tl.load(k_first + half, mask=mask, other=0.0).to(tl.float32)
+        r1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
+        r2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
+        tl.store(k_first, r1, mask=mask)        # in place too: fresh prefill chunks attend over k itself
+        tl.store(k_first + half, r2, mask=mask)
+        kc_first = k_cache_ptr + slot * stride_kcr + heads * stride_kch + dims[None, :]
+        tl.store(kc_first, r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc_first + half, r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        v_first = v_ptr + token * stride_vt + heads * stride_vh + dims[None, :]
+        vc_first = v_cache_ptr + slot * stride_vcr + heads * stride_vch + dims[None, :]
+        tl.store(vc_first, tl.load(v_first, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_first + half, tl.load(v_first + half, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -133,9 +119,9 @@ def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
     tokens, num_heads, head_dim = q.shape
     if tokens:
         _rotary_kernel[(tokens,)](
-            q, k, positions, cos, sin,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-            num_heads, k.shape[1], head_dim // 2, **_tiles(num_heads, k.shape[1], head_dim // 2),
+            q, k, k, k, k, positions, positions, cos, sin,   # no v, caches or slots: WRITE_KV off
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, 0, 0, 0, 0, cos.stride(0),
+            num_heads, k.shape[1], head_dim // 2, WRITE_KV=False, **_tiles(num_heads, k.shape[1], head_dim // 2),
         )
     return q, k
 
@@ -156,9 +142,9 @@ def rotate_and_write_kv_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
     if v.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("v and the caches must be contiguous in their last dim")
     if tokens:
-        _rotary_kv_write_kernel[(tokens,)](
+        _rotary_kernel[(tokens,)](
             q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
-            num_heads, num_kv_heads, head_dim // 2, **_tiles(num_heads, num_kv_heads, head_dim // 2),
+            num_heads, num_kv_heads, head_dim // 2, WRITE_KV=True, **_tiles(num_heads, num_kv_heads, head_dim // 2),
         )
