@@ -51,7 +51,7 @@ def two_pass_argmax(logits: torch.Tensor) -> torch.Tensor:
     Both torch reductions return the first index among equal maxima, so the result is the first
     maximal index of the row, as argmax's."""
     rows = logits.shape[0]
-    best, inner = logits.view(rows, -1, ARGMAX_CHUNK).max(dim=-1)
+    best, inner = logits.reshape(rows, -1, ARGMAX_CHUNK).max(dim=-1)
     chunk = best.argmax(dim=-1, keepdim=True)
     return torch.add(inner.gather(1, chunk), chunk, alpha=ARGMAX_CHUNK).squeeze(1)
 
