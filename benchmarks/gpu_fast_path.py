@@ -2,7 +2,8 @@
 measured in the same run.
 
     python benchmarks/gpu_fast_path.py [--shape llama3-8b|smollm2-135m] [--layers N]
-        [--requests 1000] [--skip-hf] [--out results.json] [--plot throughput.png]
+        [--requests 1000] [--max-num-seqs 512] [--max-num-batched-tokens 16384]
+        [--parts check,a,b,c,sweep,hf] [--out results.json] [--plot throughput.png]
 
 Prints and writes (JSON):
   ceilings  device-to-device copy bandwidth, bf16 8192^3 matmul rate
@@ -12,7 +13,8 @@ Prints and writes (JSON):
   (b)       one 8k-token prefill, as a fraction of the measured matmul rate, timed from an idle
             GPU as the rate is (and back to back, beside it)
   (c)       offline throughput, N requests of 1024 in / 256 out, beside the floor
-            = FLOPs / matmul rate + (weights per decode step + KV read) bytes / bandwidth
+            = FLOPs / matmul rate + (weights per decode step + KV read) bytes / bandwidth,
+            where a decode step serves as many requests as max_num_seqs and the KV pool allow
   (d)       HF transformers on the same weights' shape: batch-1 decode at 1k and a batch-32 point
   sweep     output tok/s against concurrency: C requests at once (PNG plot with --plot)
 """
@@ -37,6 +39,7 @@ SMOLLM2_135M = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidd
 SHAPES = {"llama3-8b": LLAMA3_8B, "smollm2-135m": SMOLLM2_135M}
 GREEDY = dict(temperature=0, ignore_eos=True)
 IDLE_S = 1.0   # pause before each timed prefill of (b): see there
+PARTS = ("check", "a", "b", "c", "sweep", "hf")
 
 
 def timed(fn) -> float:
@@ -129,12 +132,17 @@ def hf_anchor(config_dir: str, vocab: int) -> dict:
     with torch.device("cuda"):   # random init on the GPU: seconds, not minutes on the host
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     out = {}
+    gen = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+
+    def generate(hf_model, ids: torch.Tensor, new_tokens: int) -> float:
+        return timed(lambda: hf_model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                               **gen))
+
     for batch, new in ((1, 64), (32, 64)):
         ids = torch.tensor(random_prompts(batch, 1024, vocab, seed=batch), device="cuda")
-        gen = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **gen)   # warm-up
-        prefill = timed(lambda: model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen))
-        total = timed(lambda: model.generate(ids, max_new_tokens=new + 1, min_new_tokens=new + 1, **gen))
+        generate(model, ids, 4)   # warm-up
+        prefill = generate(model, ids, 1)
+        total = generate(model, ids, new + 1)
         out[f"hf_decode_b{batch}_1k_tok_s"] = batch * new / (total - prefill)
     del model
     gc.collect()
@@ -156,11 +164,18 @@ def main() -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    # vLLM's defaults for its LLM class on a GPU of 70 GiB or more are 16384 batched tokens and
+    # 1024 sequences. Ours capture decode CUDA graphs up to 512 rows, and 1024 measured slower
+    # (50.3 s against 42.6 s at 512 for (c) on the H200, 19:14 UTC 2026-11-30): 512 is the default.
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"which measurements to run, comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--sweep", default="1,8,32,128,256")
+    parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --parts")
+    parser.add_argument("--sweep", default="1,8,32,128,256,512")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     parser.add_argument("--plot-from", default=None, help="only draw --plot from a saved result JSON")
@@ -169,7 +184,10 @@ def main() -> None:
         with open(args.plot_from) as f:
             plot(json.load(f), args.plot)
         return
-    from deepinfer import LLM, SamplingParams
+    parts = set(args.parts.split(",")) - ({"hf"} if args.skip_hf else set())
+    if parts - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {','.join(PARTS)}")
+    from deepinfer import LLM
 
     config = dict(SHAPES[args.shape])
     if args.layers:
@@ -182,33 +200,71 @@ def main() -> None:
                     "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
                     "layers": c["layers"], "copy_bandwidth_tb_s": bandwidth / 1e12,
                     "bf16_matmul_tflop_s": flops / 1e12, "enforce_eager": args.enforce_eager,
-                    "attention_backend": args.attention_backend}
+                    "attention_backend": args.attention_backend, "max_num_seqs": args.max_num_seqs,
+                    "max_num_batched_tokens": args.max_num_batched_tokens,
+                    "gpu_memory_utilization": args.gpu_memory_utilization}
     for key, value in list(result.items()):
         report(result, key, value, args.out)
 
     t = time.perf_counter()
     # No prefix caching: timed runs repeat prompts, and a hit would skip the work measured.
-    llm = LLM(config_dir, load_format="dummy", max_model_len=8192 + 256, max_num_batched_tokens=8192,
-              max_num_seqs=args.max_num_seqs, gpu_memory_utilization=0.8, enable_prefix_caching=False,
+    llm = LLM(config_dir, load_format="dummy", max_model_len=8192 + 256,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
     report(result, "engine_start_s", time.perf_counter() - t, args.out)
     runner = llm.engine.runner
     report(result, "weight_gb", runner.weight_bytes / 1e9, args.out)
     report(result, "kv_blocks", runner.num_blocks, args.out)
 
-    # Check: the overlapped loop and the plain loop give the same greedy tokens.
+    def emit(figures: dict) -> None:
+        for key, value in figures.items():
+            report(result, key, value, args.out)
+
+    if "check" in parts:
+        emit(check_loops(llm, vocab))
+    if "a" in parts:
+        emit(decode_batch1(llm, vocab, bandwidth))
+    if "b" in parts:
+        emit(prefill_8k(llm, c, vocab, flops))
+    if "c" in parts:
+        emit(offline_throughput(llm, c, vocab, args.requests, bandwidth, flops))
+    if "sweep" in parts:
+        emit(concurrency_sweep(llm, vocab, [int(x) for x in args.sweep.split(",") if x], args.max_num_seqs))
+
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    if "hf" in parts:
+        emit(hf_anchor(config_dir, vocab))
+        if "a" in parts:
+            emit({"decode_b1_vs_hf": result["decode_b1_1k_tok_s"] / result["hf_decode_b1_1k_tok_s"]})
+
+    if args.plot and "sweep" in parts:
+        plot(result, args.plot)
+
+
+def check_loops(llm, vocab: int) -> dict:
+    """The overlapped loop and the plain loop give the same greedy tokens."""
+    from deepinfer import SamplingParams
+
     core = llm.engine
     overlapped = core.async_scheduling
-    check_prompts = random_prompts(8, 300, vocab, seed=4)
-    check_params = [SamplingParams(max_tokens=24 + 5 * i, **GREEDY) for i in range(8)]
+    prompts = random_prompts(8, 300, vocab, seed=4)
+    params = [SamplingParams(max_tokens=24 + 5 * i, **GREEDY) for i in range(8)]
     outs = []
     for mode in (True, False):
         core.async_scheduling = mode
-        outs.append([o.outputs[0].token_ids for o in llm.generate(check_prompts, check_params, use_tqdm=False)])
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     core.async_scheduling = overlapped
-    report(result, "check_overlapped_equals_plain_loop", outs[0] == outs[1], args.out)
+    return {"check_overlapped_equals_plain_loop": outs[0] == outs[1]}
 
-    # (a) batch-1 decode at 1k context, with each loop.
+
+def decode_batch1(llm, vocab: int, bandwidth: float) -> dict:
+    """(a) batch-1 decode at 1k context, with each loop, against the bandwidth roofline."""
+    from deepinfer import SamplingParams
+
+    core = llm.engine
     prompt = random_prompts(1, 1024, vocab, seed=1)
     llm.generate(prompt, SamplingParams(max_tokens=16, **GREEDY), use_tqdm=False)   # warm-up
 
@@ -217,21 +273,27 @@ def main() -> None:
         total = timed(lambda: llm.generate(prompt, SamplingParams(max_tokens=257, **GREEDY), use_tqdm=False))
         return 256 / (total - prefill_1k)
 
-    report(result, "async_scheduling", overlapped, args.out)
-    report(result, "decode_b1_1k_tok_s", decode_b1(), args.out)
-    report(result, "roofline_tok_s", bandwidth / runner.weight_bytes, args.out)
-    report(result, "decode_fraction_of_roofline", result["decode_b1_1k_tok_s"] / result["roofline_tok_s"], args.out)
+    overlapped = core.async_scheduling
+    out = {"async_scheduling": overlapped, "decode_b1_1k_tok_s": decode_b1(),
+           "roofline_tok_s": bandwidth / llm.engine.runner.weight_bytes}
+    out["decode_fraction_of_roofline"] = out["decode_b1_1k_tok_s"] / out["roofline_tok_s"]
     core.async_scheduling = not overlapped
-    report(result, f"decode_b1_1k_tok_s_async_{not overlapped}", decode_b1(), args.out)
+    out[f"decode_b1_1k_tok_s_async_{not overlapped}"] = decode_b1()
     core.async_scheduling = overlapped
-    for key, value in decode_profile(llm, prompt).items():
-        report(result, key, value, args.out)
+    out.update(decode_profile(llm, prompt))
+    return out
 
-    # (b) one 8k-token prefill. The matmul rate above is measured in a short burst on an idle GPU.
-    # A prefill that starts right after another finds the GPU hot and its clock lowered: on the H200
-    # back-to-back 8k prefills took 214-215 ms where ones after a 1 s pause took 205-206 (18:37 UTC).
-    # So each timed prefill starts from an idle GPU (IDLE_S), as the rate does; the back-to-back
-    # figure is reported beside it.
+
+def prefill_8k(llm, c: dict, vocab: int, flops: float) -> dict:
+    """(b) one 8k-token prefill against the matmul rate, and one layer's attention kernels.
+
+    The matmul rate is measured in a short burst on an idle GPU. A prefill that starts right after
+    another finds the GPU hot and its clock lowered: on the H200 back-to-back 8k prefills took
+    214-215 ms where ones after a 1 s pause took 205-206 (18:37 UTC, 2026-11-30). So each timed
+    prefill starts from an idle GPU (IDLE_S), as the rate does; the back-to-back figure is
+    reported beside it."""
+    from deepinfer import SamplingParams
+
     long_prompt = random_prompts(1, 8192, vocab, seed=2)
 
     def prefill() -> float:
@@ -241,46 +303,51 @@ def main() -> None:
     back_to_back_s = min(prefill() for _ in range(3))
     from_idle_s = min(time.sleep(IDLE_S) or prefill() for _ in range(3))
     prefill_flops = 2 * c["body_params"] * 8192 + 2 * c["head_params"] + attention_flops(c, 0, 8192)
-    report(result, "prefill_8k_ms", from_idle_s * 1e3, args.out)
-    report(result, "prefill_fraction_of_matmul_rate", prefill_flops / from_idle_s / flops, args.out)
-    report(result, "prefill_8k_ms_back_to_back", back_to_back_s * 1e3, args.out)
-    report(result, "prefill_fraction_back_to_back", prefill_flops / back_to_back_s / flops, args.out)
-
+    out = {"prefill_8k_ms": from_idle_s * 1e3,
+           "prefill_fraction_of_matmul_rate": prefill_flops / from_idle_s / flops,
+           "prefill_8k_ms_back_to_back": back_to_back_s * 1e3,
+           "prefill_fraction_back_to_back": prefill_flops / back_to_back_s / flops}
     # Where (b)'s time goes: the attention kernel of one layer alone, against SDPA's flash kernel.
-    for key, value in prefill_attention_kernels(c).items():
-        report(result, key, value, args.out)
+    out.update(prefill_attention_kernels(c))
+    return out
 
-    # (c) offline throughput, 1024 in / 256 out.
-    prompts = random_prompts(args.requests, 1024, vocab, seed=3)
+
+def offline_throughput(llm, c: dict, vocab: int, requests: int, bandwidth: float, flops: float) -> dict:
+    """(c) `requests` prompts of 1024 tokens, 256 greedy tokens each, submitted at once."""
+    from deepinfer import SamplingParams
+
+    prompts = random_prompts(requests, 1024, vocab, seed=3)
     params = SamplingParams(max_tokens=256, **GREEDY)
     run_s = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-    floor = throughput_floor(c, args.requests, 1024, 256, args.max_num_seqs, bandwidth, flops)
-    for key, value in {"throughput_requests": args.requests, "throughput_s": run_s, "floor_s": floor,
-                       "time_over_floor": run_s / floor, "output_tok_s": args.requests * 256 / run_s,
-                       "total_tok_s": args.requests * 1280 / run_s}.items():
-        report(result, key, value, args.out)
+    batch = concurrent_requests(llm, 1024 + 256)
+    floor = throughput_floor(c, requests, 1024, 256, batch, bandwidth, flops)
+    return {"throughput_requests": requests, "throughput_concurrency": batch, "throughput_s": run_s,
+            "floor_s": floor, "time_over_floor": run_s / floor, "output_tok_s": requests * 256 / run_s,
+            "total_tok_s": requests * 1280 / run_s}
 
-    # Sweep: output tok/s against concurrency (C requests of 1024 / 128 submitted at once).
+
+def concurrent_requests(llm, tokens_per_request: int) -> int:
+    """How many requests of this length run at once: max_num_seqs, or fewer if the KV pool is
+    smaller (the floor's weight reads per decode step count batches of this size)."""
+    runner, config = llm.engine.runner, llm.engine.scheduler.config
+    blocks_each = math.ceil(tokens_per_request / runner.block_size)
+    return min(config.max_num_seqs, runner.num_blocks // blocks_each)
+
+
+def concurrency_sweep(llm, vocab: int, sizes: list[int], max_num_seqs: int) -> dict:
+    """Output tok/s against concurrency: C requests of 1024 / 128 submitted at once."""
+    from deepinfer import SamplingParams
+
     sweep = {}
-    for conc in [int(x) for x in args.sweep.split(",") if x]:
-        if conc > args.max_num_seqs:
+    for conc in sizes:
+        if conc > max_num_seqs:
             continue
         batch = random_prompts(conc, 1024, vocab, seed=10 + conc)
-        llm_s = timed(lambda: llm.generate(batch, SamplingParams(max_tokens=128, **GREEDY), use_tqdm=False))
+        llm_s = timed(lambda batch=batch: llm.generate(batch, SamplingParams(max_tokens=128, **GREEDY),
+                                                       use_tqdm=False))
         sweep[conc] = conc * 128 / llm_s
         print(f"{'sweep C=' + str(conc):>34}: {sweep[conc]:.4g} output tok/s", flush=True)
-    report(result, "sweep_output_tok_s", sweep, args.out)
-
-    del llm, runner
-    gc.collect()
-    torch.cuda.empty_cache()
-    if not args.skip_hf:
-        for key, value in hf_anchor(config_dir, vocab).items():
-            report(result, key, value, args.out)
-        report(result, "decode_b1_vs_hf", result["decode_b1_1k_tok_s"] / result["hf_decode_b1_1k_tok_s"], args.out)
-
-    if args.plot:
-        plot(result, args.plot)
+    return {"sweep_output_tok_s": sweep}
 
 
 def plot(result: dict, path: str) -> None:

@@ -139,8 +139,31 @@ def test_fresh_chunks_dispatch(window):
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("bucket", [1, 16, 64], ids=["exact", "next-rows", "zero-padded"])
+def test_fresh_chunk_length_buckets(bucket, monkeypatch):
+    """SDPA sees each fresh chunk's length rounded up to the bucket (so cuDNN builds few plans),
+    over the step's next rows where they exist (bucket 16: 24 -> 32 rows, within the step) or
+    zeros past its end (bucket 64); the chunk's own rows match the reference either way."""
+    import deepinfer.layers.attention.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "SDPA_LENGTH_BUCKET", bucket)
+    seen = []
+    causal_flash = Attention._causal_flash
+    monkeypatch.setattr(Attention, "_causal_flash",
+                        lambda self, q, k, v: seen.append(q.shape[0]) or causal_flash(self, q, k, v))
+    dtype = torch.float16 if INTERPRETED else torch.bfloat16
+    chunks = [ScheduledChunk("dec", 30, 1, [[1, 2]], sample=True),
+              ScheduledChunk("fresh", 0, 24, [[3, 4]], sample=True),
+              ScheduledChunk("extend", 40, 27, [[6, 7, 8, 9, 10]], sample=True)]
+    ref, out, inputs = run_backends(chunks, 8, 2, 64, None, dtype, seed=0)
+    assert inputs.attention.groups[0].sdpa_prefill_ranges == [(1, 25)]
+    assert seen == [{1: 24, 16: 32, 64: 64}[bucket]]
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
 def test_one_fresh_chunk_step():
-    """A step that is one fresh chunk returns SDPA's output as it is (no kernel launch, no copy)."""
+    """A step that is one fresh chunk returns SDPA's output without a copy into `out`
+    (only rows padded up to the length bucket, dropped by a view)."""
     dtype = torch.float16 if INTERPRETED else torch.bfloat16
     chunks = [ScheduledChunk("fresh", 0, 40, [[4, 2, 7]], sample=True)]
     ref, out, inputs = run_backends(chunks, 32, 8, 128, None, dtype, seed=1)

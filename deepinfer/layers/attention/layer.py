@@ -13,6 +13,10 @@ from deepinfer.layers.rotary import RotaryEmbedding
 
 # SDPA backends for fresh prefill chunks on the fast path, in order of preference (_causal_flash).
 _TILED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
+# cuDNN builds an execution plan for every new query length, ~36 ms each on the H200 (2026-11-30),
+# so a chunk's length is rounded up to a multiple of this before SDPA sees it (_fresh_chunk):
+# at most max_num_batched_tokens / 256 plans, built once each.
+SDPA_LENGTH_BUCKET = 256
 
 
 class Attention(nn.Module):
@@ -81,7 +85,7 @@ class Attention(nn.Module):
 
         fresh = group.sdpa_prefill_ranges
         if len(fresh) == 1 and fresh[0] == (0, q.shape[0]):
-            return self._causal_flash(q, k, v)   # the step is one fresh chunk: no copy into `out`
+            return self._fresh_chunk(q, k, v, 0, q.shape[0])   # one fresh chunk: no copy into `out`
         out = torch.empty_like(q)
         n_dec = meta.num_decode_tokens
         if n_dec:
@@ -94,8 +98,24 @@ class Attention(nn.Module):
                                     self.sliding_window, meta.block_size, out=out[n_dec:],
                                     seq_ids=group.kernel_prefill_rows)
         for start, end in fresh:
-            out[start:end] = self._causal_flash(q[start:end], k[start:end], v[start:end])
+            out[start:end] = self._fresh_chunk(q, k, v, start, end)
         return out
+
+    def _fresh_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     end: int) -> torch.Tensor:
+        """Causal attention of the step's rows [start, end) over themselves, computed over a
+        length rounded up to SDPA_LENGTH_BUCKET. The extra rows come after the chunk, so its
+        own rows never see them (causal) and their outputs are dropped. They are the step's
+        next rows where it has them (no copy), zeros past its end."""
+        length = end - start
+        padded = -(-length // SDPA_LENGTH_BUCKET) * SDPA_LENGTH_BUCKET
+        if start + padded <= q.shape[0]:
+            rows = slice(start, start + padded)
+            out = self._causal_flash(q[rows], k[rows], v[rows])
+        else:
+            extra = (0, 0, 0, 0, 0, padded - length)   # rows appended after the chunk's last
+            out = self._causal_flash(*(F.pad(x[start:end], extra) for x in (q, k, v)))
+        return out[:length]
 
     def _causal_flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of one chunk over its own keys, q: [L, H, D], k/v: [L, Hkv, D] -> [L, H, D].

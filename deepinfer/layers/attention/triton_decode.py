@@ -8,7 +8,9 @@ One program per (sequence, KV head, split). The program loads the G query heads 
 KV head as one [G, D] tile, so each K/V element is read once for the whole group, and streams
 its share of the sequence with an online softmax. Splitting the sequence keeps the GPU's
 multiprocessors busy when the batch is small (batch 1 has only `kv_heads` programs otherwise);
-a second kernel merges the splits by their log-sum-exp. A sliding window just moves the start.
+a second kernel merges the splits by their log-sum-exp. A batch large enough for one split
+(e.g. 512 rows) skips the merge: the split kernel writes the output itself. A sliding window
+just moves the start.
 
 The split count is a host-side choice that does not depend on the lengths, so a CUDA graph
 captured for a batch size stays valid whatever the sequences' lengths are at replay.
@@ -28,10 +30,10 @@ MAX_SPLITS = 32
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr, out_ptr,
     scale,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
     IEEE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -90,6 +92,10 @@ def _decode_split_kernel(
     # An empty split (short sequence, or a padded row with seq_len 0) reports lse = -inf.
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:   # the whole sequence in this program: the result is final, no merge
+        tl.store(out_ptr + seq * stride_outb + heads[:, None] * stride_outh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
+        return
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
     tl.store(o_part_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :],
              out, mask=head_ok[:, None] & dim_ok[None, :])
@@ -138,23 +144,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
-    o_part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    lse_part = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    # With one split the kernel writes `out` itself and never touches these.
+    o_part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     block_n = 64 if dim_pad <= 128 else 32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part,
+        q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, out,
         scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
         IEEE=k_cache.dtype == torch.float32, num_warps=4, num_stages=2, USE_PDL=pdl_enabled(), **pdl_launch(),
     )
+    if num_splits == 1:
+        return out
     _merge_splits_kernel[(batch, num_heads)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),

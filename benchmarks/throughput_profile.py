@@ -1,0 +1,138 @@
+"""Where the time of gpu_fast_path.py's (c) goes: step by step, and kernel by kernel.
+
+    python benchmarks/throughput_profile.py [--requests 1000] [--max-num-seqs 512]
+        [--max-num-batched-tokens 16384] [--kernels]
+
+1. Times the run as (c) does (overlapped loop, nothing wrapped), twice: cold and warm.
+2. Runs it again with the plain loop, whose `runner.execute` returns only once the step's
+   tokens are on the host, and times each step there. Steps are grouped by kind: decode-only
+   steps (by batch size) and mixed steps (with prompt tokens). The sum is the plain loop's
+   device-plus-host time; the overlapped loop hides the host part, so the first figure is lower.
+3. With --kernels, profiles the overlapped run (CUDA activity only) and sums kernel time by
+   category (weight matmuls, attention, fused elementwise kernels, the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import time
+
+import torch
+from gpu_fast_path import GREEDY, SHAPES, random_prompts, timed
+from gpu_reference_baseline import write_config_dir
+
+# Kernel name patterns, first match wins; names differ across cuBLAS and torch versions.
+CATEGORIES = [
+    ("matmul (our GEMV)", r"_gemv_kernel"),
+    ("matmul (cuBLAS)", r"gemm|gemv|nvjet|cutlass|xmma|cublas"),
+    ("attention: decode", r"_decode_split_kernel|_merge_splits_kernel"),
+    ("attention: paged prefill", r"_prefill_kernel"),
+    ("attention: SDPA (cuDNN / flash)", r"cudnn|flash|fmha|sdpa"),
+    ("rms_norm (+ residual)", r"rms"),
+    ("SiLU * up", r"act_and_mul|silu"),
+    ("rotary + KV write", r"rotary|kv_write"),
+]
+
+
+def category(name: str) -> str:
+    lowered = name.lower()
+    return next((label for label, pattern in CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+def step_times(llm, prompts, params) -> list[tuple[int, int, float]]:
+    """(decode rows, prompt tokens, seconds) of every step of a plain-loop run."""
+    runner, records = llm.engine.runner, []
+    execute = runner.execute
+
+    def timed_execute(plan):
+        start = time.perf_counter()
+        result = execute(plan)
+        decode_rows = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.sample)
+        prompt_tokens = sum(c.num_tokens for c in plan.chunks) - decode_rows
+        records.append((decode_rows, prompt_tokens, time.perf_counter() - start))
+        return result
+
+    runner.execute = timed_execute
+    async_before, llm.engine.async_scheduling = llm.engine.async_scheduling, False
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.execute = execute
+        llm.engine.async_scheduling = async_before
+    return records
+
+
+def print_steps(records: list[tuple[int, int, float]]) -> None:
+    decode = [r for r in records if r[1] == 0]
+    mixed = [r for r in records if r[1] > 0]
+    total = sum(r[2] for r in records)
+    print(f"plain loop: {len(records)} steps, {total:.2f} s")
+    for label, rows in (("decode-only", decode), ("mixed (prompt tokens)", mixed)):
+        if not rows:
+            continue
+        secs = sum(r[2] for r in rows)
+        print(f"  {label:>22}: {len(rows):5d} steps, {secs:7.2f} s ({secs / total:.0%}), "
+              f"{sum(r[0] for r in rows) / len(rows):6.1f} decode rows and "
+              f"{sum(r[1] for r in rows) / len(rows):7.1f} prompt tokens per step, {secs / len(rows) * 1e3:7.2f} ms each")
+    by_batch = collections.defaultdict(list)
+    for rows, _, secs in decode:
+        by_batch[(rows + 63) // 64 * 64].append(secs)
+    for bucket in sorted(by_batch):
+        times = by_batch[bucket]
+        print(f"    decode-only, {bucket - 63:4d}-{bucket:4d} rows: {len(times):5d} steps, {sum(times):6.2f} s, "
+              f"{sum(times) / len(times) * 1e3:6.2f} ms each")
+
+
+def kernel_categories(llm, prompts, params) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    totals: dict[str, float] = collections.defaultdict(float)
+    names: dict[str, float] = collections.defaultdict(float)
+    for event in prof.key_averages():
+        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
+            totals[category(event.key)] += event.self_device_time_total / 1e6
+            names[event.key] += event.self_device_time_total / 1e6
+    kernels = sum(totals.values())
+    print(f"profiled run: {wall:.2f} s wall, {kernels:.2f} s of kernel time")
+    for label, secs in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:>32}: {secs:7.2f} s ({secs / kernels:.0%})")
+    for name, secs in sorted(names.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {secs:7.2f} s  [{category(name)}]  {name[:100]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--kernels", action="store_true", help="also profile kernel time by category")
+    args = parser.parse_args()
+    from deepinfer import LLM, SamplingParams
+
+    config = SHAPES[args.shape]
+    llm = LLM(write_config_dir(config), load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
+    prompts = random_prompts(args.requests, args.input_len, config["vocab_size"], seed=3)
+    params = SamplingParams(max_tokens=args.output_len, **GREEDY)
+    print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.requests} x {args.input_len} in / "
+          f"{args.output_len} out, max_num_seqs {args.max_num_seqs}, "
+          f"max_num_batched_tokens {args.max_num_batched_tokens}, {llm.engine.runner.num_blocks} KV blocks")
+    # The first run meets shapes no kernel has seen yet (plans, compiles); the second does not.
+    for run in ("first", "second"):
+        print(f"overlapped loop, {run} run: {timed(lambda: llm.generate(prompts, params, use_tqdm=False)):.2f} s")
+    print_steps(step_times(llm, prompts, params))
+    if args.kernels:
+        kernel_categories(llm, prompts, params)
+
+
+if __name__ == "__main__":
+    main()
