@@ -150,7 +150,7 @@ def test_fresh_chunk_length_buckets(bucket, monkeypatch):
     seen = []
     causal_flash = Attention._causal_flash
     monkeypatch.setattr(Attention, "_causal_flash",
-                        lambda self, q, k, v: seen.append(q.shape[0]) or causal_flash(self, q, k, v))
+                        lambda self, q, k, v, batch=1: seen.append(q.shape[0]) or causal_flash(self, q, k, v, batch))
     dtype = torch.float16 if INTERPRETED else torch.bfloat16
     chunks = [ScheduledChunk("dec", 30, 1, [[1, 2]], sample=True),
               ScheduledChunk("fresh", 0, 24, [[3, 4]], sample=True),
@@ -158,6 +158,38 @@ def test_fresh_chunk_length_buckets(bucket, monkeypatch):
     ref, out, inputs = run_backends(chunks, 8, 2, 64, None, dtype, seed=0)
     assert inputs.attention.groups[0].sdpa_prefill_ranges == [(1, 25)]
     assert seen == [{1: 24, 16: 32, 64: 64}[bucket]]
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_equal_length_runs():
+    """Adjacent fresh chunks of one bucket-aligned length go to SDPA as one batch; others alone."""
+    from deepinfer.layers.attention.layer import SDPA_LENGTH_BUCKET as B
+    from deepinfer.layers.attention.layer import equal_length_runs
+
+    assert equal_length_runs([(0, B), (B, 2 * B), (2 * B, 3 * B)]) == [(0, 3 * B, 3)]
+    assert equal_length_runs([(0, B + 1), (B + 1, 2 * B + 2)]) == [(0, B + 1, 1), (B + 1, 2 * B + 2, 1)]
+    assert equal_length_runs([(1, B + 1), (B + 1, 3 * B + 1), (3 * B + 1, 5 * B + 1)]) == \
+        [(1, B + 1, 1), (B + 1, 5 * B + 1, 2)]
+    assert equal_length_runs([(0, B), (B + 5, 2 * B + 5)]) == [(0, B, 1), (B + 5, 2 * B + 5, 1)]   # not adjacent
+
+
+def test_equal_fresh_chunks_in_one_call(monkeypatch):
+    """Three adjacent fresh chunks of 16 tokens with a bucket of 16: one SDPA call of batch 3,
+    behind a decode and before an extend, matching the reference."""
+    import deepinfer.layers.attention.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "SDPA_LENGTH_BUCKET", 16)
+    seen = []
+    causal_flash = Attention._causal_flash
+    monkeypatch.setattr(Attention, "_causal_flash", lambda self, q, k, v, batch=1: (
+        seen.append((q.shape[0], batch)) or causal_flash(self, q, k, v, batch)))
+    dtype = torch.float16 if INTERPRETED else torch.bfloat16
+    chunks = [ScheduledChunk("dec", 30, 1, [[1, 2]], sample=True)]
+    chunks += [ScheduledChunk(f"fresh{i}", 0, 16, [[3 + i]], sample=True) for i in range(3)]
+    chunks += [ScheduledChunk("extend", 40, 9, [[6, 7, 8, 9]], sample=True)]
+    ref, out, inputs = run_backends(chunks, 8, 2, 64, None, dtype, seed=2)
+    assert inputs.attention.groups[0].sdpa_prefill_ranges == [(1, 17), (17, 33), (33, 49)]
+    assert seen == [(48, 3)]
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
