@@ -72,8 +72,11 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # None: the platform's values, filled in when the engine starts (Platform.batch_limits): on a
+    # CUDA card of 70 GiB or more 512 sequences and 16384 tokens offline (8192 served), on a
+    # smaller card 256 and 8192 (2048), on the CPU 256 and 2048.
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
     # Structured output: a request whose grammar is not compiled within this many seconds fails
@@ -84,15 +87,22 @@ class SchedulerConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.structured_outputs_compile_timeout_s > 0:
             raise ValueError("structured_outputs_compile_timeout_s must be positive, "
                              f"got {self.structured_outputs_compile_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+
+    def with_batch_limits(self, limits: tuple[int, int]) -> SchedulerConfig:
+        """This config with its unset (max_num_seqs, max_num_batched_tokens) taken from `limits`."""
+        seqs, tokens = limits
+        return dataclasses.replace(self, max_num_seqs=self.max_num_seqs or seqs,
+                                   max_num_batched_tokens=self.max_num_batched_tokens or tokens)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class LLM:
         self.model_id = self.config.model.served_model_name or source.name
         self.tokenizer = source.tokenizer
         self.engine = EngineCore(self.config, source, load_weights=load_format == "auto")
+        self.config = self.engine.config   # with the batch limits the platform filled in
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = source.hf_config["vocab_size"]
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -22,7 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 kind = int if "int" in hint else float if "float" in hint else str
-                group.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default})")
+                group.add_argument(flag, type=kind, default=f.default,
+                                   help=f"(default: {'set at start-up' if f.default is None else f.default})")
     parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: the "
                         "embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",

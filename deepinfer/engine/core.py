@@ -31,6 +31,7 @@ The offline `LLM` drives it in-process; the server runs it in its own process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -66,9 +67,15 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source: ModelSource, *, load_weights: bool = True) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig, source: ModelSource, *, load_weights: bool = True,
+                 offline: bool = True) -> None:
+        """`offline`: the `LLM` class (True) or the server (False); they differ in the batch
+        limits the platform picks when the user sets none (Platform.batch_limits)."""
         self.platform = current_platform()
+        # Everything below reads the filled-in limits.
+        config = dataclasses.replace(config, scheduler=config.scheduler.with_batch_limits(
+            self.platform.batch_limits(offline)))
+        self.config = config
         hf_config = source.hf_config
         self.max_model_len = resolve_max_model_len(config, hf_config)
         self.runner = ModelRunner(config, hf_config, self.platform, source if load_weights else None)

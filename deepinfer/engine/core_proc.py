@@ -116,7 +116,7 @@ class EngineCoreProc:
         from deepinfer.models.loader import load_model_source
 
         source = load_model_source(self.config.model.model)
-        self.core = EngineCore(self.config, source)
+        self.core = EngineCore(self.config, source, offline=False)
         name = self.config.model.served_model_name or source.name
         self.send(Ready(name, self.core.max_model_len, self.core.runner.num_blocks, self.block_size, os.getpid()))
 

@@ -37,6 +37,9 @@ from deepinfer.spec_decode import SpeculativeDecoder
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
                  spec: SpeculativeDecoder | None = None) -> None:
+        if config.max_num_seqs is None or config.max_num_batched_tokens is None:
+            raise ValueError("the scheduler needs max_num_seqs and max_num_batched_tokens set "
+                             "(EngineCore fills unset ones from the platform)")
         self.config = config
         self.spec = spec
         self.kv = kv_manager

@@ -20,6 +20,11 @@ class Platform(ABC):
                               weight_bytes: int) -> int:
         """Bytes the KV pool may take on this platform after the weights are loaded."""
 
+    def batch_limits(self, offline: bool) -> tuple[int, int]:
+        """(max_num_seqs, max_num_batched_tokens) used when the user sets neither: the offline
+        `LLM` class favours throughput, the server a shorter step (time between tokens)."""
+        return 256, 2048
+
     def synchronize(self) -> None:
         pass
 

@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 
 # The interpreter's GIL switch interval on a GPU engine (see settle_host_threads).
 HOST_SWITCH_INTERVAL_S = 0.0002
+# Cards with at least this much memory get the larger batch limits (batch_limits).
+LARGE_CARD_BYTES = 70 << 30
 
 
 class CudaPlatform(Platform):
@@ -35,6 +37,15 @@ class CudaPlatform(Platform):
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
         budget = int(total * gpu_memory_utilization) - used_by_others - in_use_by_us
         return max(budget, 0)
+
+    def batch_limits(self, offline: bool) -> tuple[int, int]:
+        # vLLM's rule: on a card of 70 GiB or more, 16384 batched tokens offline and 8192 for the
+        # server; 8192 / 2048 below. Sequences: 512 on the large cards, where our decode CUDA
+        # graphs stop (vLLM takes 1024; at 1024, (c) of benchmarks/gpu_fast_path.py took 50.3 s
+        # against 42.6 s at 512 on the H200, 2026-11-30), 256 below.
+        if torch.cuda.get_device_properties(self.device).total_memory >= LARGE_CARD_BYTES:
+            return 512, 16384 if offline else 8192
+        return 256, 8192 if offline else 2048
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

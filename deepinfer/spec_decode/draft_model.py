@@ -64,7 +64,9 @@ class DraftModelDrafter(Drafter):
                         quantization=target_config.model.quantization, enforce_eager=True),
             # As many blocks as the target has: the draft never holds more tokens than it does.
             CacheConfig(block_size=target_config.cache.block_size, num_kv_blocks=num_blocks,
-                        enable_prefix_caching=False))
+                        enable_prefix_caching=False),
+            # The target's batch limits: the draft computes the same steps' tokens.
+            target_config.scheduler)
         self.runner = ModelRunner(config, source.hf_config, platform, source)
         self.kv = KVCacheManager(self.runner.groups, self.runner.num_blocks, config.cache.block_size,
                                  enable_prefix_caching=False)

@@ -101,6 +101,42 @@ def test_unknown_engine_argument_names_the_known_ones(tiny_llama):
         LLM(tiny_llama, max_num_seq=4)
 
 
+def test_batch_limits_left_unset_come_from_the_platform(roomy, tiny_llama):
+    """On the CPU: 256 sequences and 2048 batched tokens; a value the user sets is kept."""
+    assert (roomy.config.scheduler.max_num_seqs, roomy.config.scheduler.max_num_batched_tokens) == (256, 2048)
+    llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=256, block_size=4, max_num_seqs=3)
+    assert (llm.config.scheduler.max_num_seqs, llm.config.scheduler.max_num_batched_tokens) == (3, 2048)
+    assert llm.engine.scheduler.config.max_num_seqs == 3
+
+
+@pytest.mark.parametrize("memory_gib, offline, limits", [
+    (141, True, (512, 16384)), (141, False, (512, 8192)), (24, True, (256, 8192)), (24, False, (256, 2048)),
+])
+def test_cuda_batch_limits_follow_the_card(monkeypatch, memory_gib, offline, limits):
+    """vLLM's rule on CUDA: larger limits on a card of 70 GiB or more, and a smaller token budget
+    for the server than for the offline LLM class (queried without a GPU: properties faked)."""
+    import types
+
+    import torch
+
+    from deepinfer.platforms.cuda import CudaPlatform
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=memory_gib << 30))
+    platform = object.__new__(CudaPlatform)   # no device needed for this query
+    platform.device = torch.device("cuda", 0)
+    assert platform.batch_limits(offline) == limits
+
+
+def test_scheduler_config_fills_only_unset_limits():
+    from deepinfer.config import SchedulerConfig
+
+    assert SchedulerConfig().with_batch_limits((512, 16384)) == SchedulerConfig(512, 16384)
+    assert SchedulerConfig(max_num_batched_tokens=64).with_batch_limits((512, 16384)) == SchedulerConfig(512, 64)
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1, got 0"):
+        SchedulerConfig(max_num_seqs=0)
+
+
 def test_kv_pool_too_small_for_max_model_len_is_a_clear_error(tiny_llama):
     with pytest.raises(ValueError, match=r"one request of max_model_len=64 tokens needs 17"):
         LLM(tiny_llama, dtype="float32", num_kv_blocks=8, block_size=4, max_model_len=64)

@@ -17,7 +17,8 @@ BS = 4
 
 def make_scheduler(num_blocks=64, **config) -> Scheduler:
     manager = KVCacheManager(group_layers([FullAttentionSpec(1, 4, torch.float32)]), num_blocks, BS)
-    return Scheduler(SchedulerConfig(**config), manager, max_model_len=256)
+    limits = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+    return Scheduler(SchedulerConfig(**{**limits, **config}), manager, max_model_len=256)
 
 
 def make_request(rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0) -> Request:

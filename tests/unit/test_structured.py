@@ -221,7 +221,7 @@ def test_scheduler_holds_a_compiling_request_apart(manager):
         def free(self, request):
             pass
 
-    scheduler = Scheduler(SchedulerConfig(), NoKV(), 64)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64), NoKV(), 64)
     pending = Future()
     request = Request("r", [1, 2], SamplingParams(), frozenset({EOS}), 4)
     request.grammar = RequestGrammar(pending, time.monotonic() + 10, 10)
