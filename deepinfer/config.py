@@ -97,7 +97,6 @@ class SchedulerConfig:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
-
     def with_batch_limits(self, limits: tuple[int, int]) -> SchedulerConfig:
         """This config with its unset (max_num_seqs, max_num_batched_tokens) taken from `limits`."""
         seqs, tokens = limits
