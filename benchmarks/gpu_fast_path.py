@@ -3,7 +3,8 @@ measured in the same run.
 
     python benchmarks/gpu_fast_path.py [--shape llama3-8b|smollm2-135m] [--layers N]
         [--requests 1000] [--max-num-seqs 512] [--max-num-batched-tokens 16384]
-        [--parts check,a,b,c,sweep,hf] [--out results.json] [--plot throughput.png]
+        [--kv-cache-dtype auto|fp8] [--parts check,a,b,c,sweep,hf] [--out results.json]
+        [--plot throughput.png]
 
 Prints and writes (JSON):
   ceilings  device-to-device copy bandwidth, bf16 8192^3 matmul rate
@@ -14,7 +15,8 @@ Prints and writes (JSON):
             GPU as the rate is (and back to back, beside it)
   (c)       offline throughput, N requests of 1024 in / 256 out, beside the floor
             = FLOPs / matmul rate + (weights per decode step + KV read) bytes / bandwidth,
-            where a decode step serves as many requests as max_num_seqs and the KV pool allow
+            where a decode step serves as many requests as max_num_seqs and the KV pool allow,
+            and the KV bytes are those of --kv-cache-dtype (2 bytes a value in bf16, 1 in fp8)
   (d)       HF transformers on the same weights' shape: batch-1 decode at 1k and a batch-32 point
   sweep     output tok/s against concurrency: C requests at once (PNG plot with --plot)
 """
@@ -55,14 +57,14 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def shape_counts(config: dict) -> dict:
+def shape_counts(config: dict, kv_element_bytes: int = 2) -> dict:
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = h // heads
     per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * config["intermediate_size"]
     return dict(layers=layers, hidden=h, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
                 body_params=layers * per_layer, head_params=config["vocab_size"] * h,
-                kv_bytes_per_token=2 * layers * kv_heads * head_dim * 2)
+                kv_bytes_per_token=2 * layers * kv_heads * head_dim * kv_element_bytes)
 
 
 def attention_flops(c: dict, context: int, queries: int) -> float:
@@ -170,6 +172,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="the engine's KV cache dtype; the floor of (c) counts its bytes")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"which measurements to run, comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -192,7 +196,7 @@ def main() -> None:
     config = dict(SHAPES[args.shape])
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    c = shape_counts(config)
+    c = shape_counts(config, kv_element_bytes=1 if args.kv_cache_dtype == "fp8" else 2)
     vocab = config["vocab_size"]
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     config_dir = write_config_dir(config)
@@ -202,7 +206,7 @@ def main() -> None:
                     "bf16_matmul_tflop_s": flops / 1e12, "enforce_eager": args.enforce_eager,
                     "attention_backend": args.attention_backend, "max_num_seqs": args.max_num_seqs,
                     "max_num_batched_tokens": args.max_num_batched_tokens,
-                    "gpu_memory_utilization": args.gpu_memory_utilization}
+                    "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_dtype": args.kv_cache_dtype}
     for key, value in list(result.items()):
         report(result, key, value, args.out)
 
@@ -211,7 +215,8 @@ def main() -> None:
     llm = LLM(config_dir, load_format="dummy", max_model_len=8192 + 256,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend)
+              enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+              kv_cache_dtype=args.kv_cache_dtype)
     report(result, "engine_start_s", time.perf_counter() - t, args.out)
     runner = llm.engine.runner
     report(result, "weight_gb", runner.weight_bytes / 1e9, args.out)

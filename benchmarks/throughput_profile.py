@@ -1,7 +1,7 @@
 """Where the time of gpu_fast_path.py's (c) goes: step by step, and kernel by kernel.
 
     python benchmarks/throughput_profile.py [--requests 1000] [--max-num-seqs 512]
-        [--max-num-batched-tokens 16384] [--kernels]
+        [--max-num-batched-tokens 16384] [--kv-cache-dtype auto|fp8] [--kernels]
 
 1. Times the run as (c) does (overlapped loop, nothing wrapped), twice: cold and warm.
 2. Runs it again with the plain loop, whose `runner.execute` returns only once the step's
@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--kernels", action="store_true", help="also profile kernel time by category")
     args = parser.parse_args()
     from deepinfer import LLM, SamplingParams
@@ -120,12 +121,14 @@ def main() -> None:
     config = SHAPES[args.shape]
     llm = LLM(write_config_dir(config), load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False)
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
+              kv_cache_dtype=args.kv_cache_dtype)
     prompts = random_prompts(args.requests, args.input_len, config["vocab_size"], seed=3)
     params = SamplingParams(max_tokens=args.output_len, **GREEDY)
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.requests} x {args.input_len} in / "
           f"{args.output_len} out, max_num_seqs {args.max_num_seqs}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}, {llm.engine.runner.num_blocks} KV blocks")
+          f"max_num_batched_tokens {args.max_num_batched_tokens}, {llm.engine.runner.num_blocks} KV blocks "
+          f"({args.kv_cache_dtype})")
     # The first run meets shapes no kernel has seen yet (plans, compiles); the second does not.
     for run in ("first", "second"):
         print(f"overlapped loop, {run} run: {timed(lambda: llm.generate(prompts, params, use_tqdm=False)):.2f} s")

@@ -19,6 +19,9 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "draft_model", "mtp")
 SPEC_VERIFICATION = ("adaptive", "fixed")
+# auto: the model's dtype; fp8 (= fp8_e4m3, vLLM's names): float8 e4m3 with a scale of 1.0
+# (deepinfer/kv_cache/dtypes.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -58,8 +61,12 @@ class CacheConfig:
     cpu_kv_cache_bytes: int = 2 << 30       # the KV pool's byte budget on the CPU
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None        # override the budget (tests, benchmarks)
+    kv_cache_dtype: str = "auto"            # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

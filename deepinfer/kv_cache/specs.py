@@ -21,12 +21,17 @@ class FullAttentionSpec:
 
     num_kv_heads: int
     head_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype                      # K/V as the model computes them
+    cache_dtype: torch.dtype | None = None  # as the cache stores them (kv_cache_dtype); None: dtype
 
     kind = "full"
 
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return self.cache_dtype or self.dtype
+
     def page_bytes(self, block_size: int) -> int:
-        return 2 * block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+        return 2 * block_size * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
 
     def num_needed_tokens(self, num_tokens: int) -> int:
         """How many of the most recent tokens later queries can still attend to."""
@@ -63,7 +68,7 @@ def group_layers(specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for layer_id, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer_id)
-    page_sizes = {(s.num_kv_heads, s.head_size, s.dtype) for s in by_spec}
+    page_sizes = {(s.num_kv_heads, s.head_size, s.storage_dtype) for s in by_spec}
     if len(page_sizes) != 1:
         raise NotImplementedError(
             "layers with different KV page shapes need separate pools; not supported yet: "

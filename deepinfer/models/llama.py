@@ -37,7 +37,7 @@ def layer_types_of(cfg: dict[str, Any]) -> list[str]:
 def kv_cache_specs_of(cfg: dict[str, Any], dtype: torch.dtype) -> list[KVCacheSpec]:
     """Per layer: a sliding-window spec for sliding layers, a full-attention spec otherwise."""
     heads, dim = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], head_dim_of(cfg)
-    return [SlidingWindowSpec(heads, dim, dtype, cfg["sliding_window"]) if t == "sliding_attention"
+    return [SlidingWindowSpec(heads, dim, dtype, sliding_window=cfg["sliding_window"]) if t == "sliding_attention"
             else FullAttentionSpec(heads, dim, dtype) for t in layer_types_of(cfg)]
 
 

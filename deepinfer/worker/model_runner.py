@@ -17,6 +17,7 @@ needs it as input takes it from the device tensor of the step before.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ import torch
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.engine.plan import NewRequestData, RunnerResult, ScheduledChunk, SchedulerPlan
+from deepinfer.kv_cache.dtypes import is_fp8, resolve_cache_dtype
 from deepinfer.kv_cache.specs import KVCacheGroup, group_layers, num_slots
 from deepinfer.layers.attention import forward_context
 from deepinfer.models.loader import ModelSource
@@ -108,8 +110,11 @@ class ModelRunner:
             self.model.pack_weights()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-        # 3. KV layout: layer groups by KV kind, slots shared across groups (see kv_cache/specs.py).
-        self.groups: list[KVCacheGroup] = group_layers(self.model.kv_cache_specs(self.dtype))
+        # 3. KV layout: layer groups by KV kind, slots shared across groups (see kv_cache/specs.py),
+        # stored in the model's dtype or in fp8 (kv_cache_dtype, see kv_cache/dtypes.py).
+        self.kv_cache_dtype = resolve_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+        specs = [dataclasses.replace(s, cache_dtype=self.kv_cache_dtype) for s in self.model.kv_cache_specs(self.dtype)]
+        self.groups: list[KVCacheGroup] = group_layers(specs)
         n_layers = sum(len(g.layer_ids) for g in self.groups)
         self.layer_to_group = [0] * n_layers
         self.layer_to_slot = [0] * n_layers
@@ -124,11 +129,11 @@ class ModelRunner:
         spec = self.groups[0].spec
         rows = self.num_blocks * self.block_size
         self.kv_caches = [
-            (torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.dtype, device=self.device),
-             torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.dtype, device=self.device))
+            (torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.kv_cache_dtype, device=self.device),
+             torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.kv_cache_dtype, device=self.device))
             for _ in range(num_slots(self.groups))]
-        logger.info("KV cache: %d blocks of %d tokens, %d layer groups, %.1f MiB",
-                    self.num_blocks, self.block_size, len(self.groups),
+        logger.info("KV cache: %d blocks of %d tokens, %d layer groups, %s, %.1f MiB",
+                    self.num_blocks, self.block_size, len(self.groups), str(self.kv_cache_dtype).removeprefix("torch."),
                     self.num_blocks * self.bytes_per_block / 2**20)
 
         self.sampler = Sampler()
@@ -165,6 +170,12 @@ class ModelRunner:
         if choice == "cpu" and self.platform.name != "cpu":
             raise ValueError("attention_backend='cpu' is the CPU fast path; this platform is "
                              f"{self.platform.name} (use 'reference', 'triton' or 'auto')")
+        if choice == "triton" and is_fp8(self.kv_cache_dtype):
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < (8, 9):   # Triton converts to and from float8 e4m3 from Ada/Hopper on
+                raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r} on the triton backend needs "
+                                 f"a GPU of compute capability 8.9 or newer, this one is {capability[0]}.{capability[1]} "
+                                 "(use kv_cache_dtype='auto', or attention_backend='reference')")
         return choice
 
     def _max_model_len(self) -> int:
@@ -179,8 +190,8 @@ class ModelRunner:
         rows = min(self.config.scheduler.max_num_seqs, tokens)
         blocks = -(-tokens // self.block_size) + 1
         spec = self.groups[0].spec
-        caches = [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size, dtype=self.dtype,
-                               device=self.device),) * 2 for _ in range(num_slots(self.groups))]
+        caches = [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size,
+                               dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(num_slots(self.groups))]
         chunk = ScheduledChunk("profile", 0, tokens, [list(range(1, blocks)) for _ in self.groups], sample=True)
         inputs = build_step_inputs([chunk], {"profile": [0] * tokens}, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, caches, self.device,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine.plan import ScheduledChunk
+from deepinfer.kv_cache.dtypes import to_cache_dtype
 from deepinfer.kv_cache.specs import group_layers, num_slots
 from deepinfer.layers.attention import forward_context
 from deepinfer.layers.norm import GemmaRMSNorm, RMSNorm
@@ -216,6 +217,72 @@ def test_rotate_and_write_kv(shape, dtype):
         assert torch.equal(k_cache[untouched], before_k) and torch.equal(v_cache[untouched], before_v)
     with pytest.raises(ValueError, match="do not fit"):
         rotate_and_write_kv_(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, slots[:-1])
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on NumPy, which has no float8")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=ids)
+def test_kv_write_fp8(dtype):
+    """Into fp8 caches: each value clamped to +-448 and rounded as torch's cast rounds it
+    (to_cache_dtype), and k and v left in place as the cache holds them. Strided views of a qkv
+    output and contiguous k/v of 118 tokens (the shape that once came back garbled, see
+    round_to_fp8)."""
+    torch.manual_seed(6)
+    tokens, heads, kv_heads, head_dim, rows = 118, 32, 8, 128, 64 * 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    _, k_view, v_view = (t.view(tokens, -1, head_dim)
+                         for t in qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1))
+    for k, v in ((k_view, v_view), (torch.randn_like(k_view), torch.randn_like(v_view))):
+        k[0, 0, :4] = torch.tensor([1000.0, -1000.0, 448.0, 430.0])   # saturated twice, exact, 430 -> 416
+        k_in, v_in = k.clone(), v.clone()
+        slots = torch.randperm(rows, device=DEVICE)[:tokens]
+        k_cache = torch.zeros(rows, kv_heads, head_dim, dtype=FP8, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        write_kv_cache(k, v, k_cache, v_cache, slots)
+        for cache, before, after in ((k_cache, k_in, k), (v_cache, v_in, v)):
+            assert_fp8_rounded(cache[slots], before)
+            assert torch.equal(after, cache[slots].to(dtype))
+        assert k_cache[slots[0], 0, :4].float().tolist() == [448.0, -448.0, 448.0, 416.0]
+
+
+def assert_fp8_rounded(cached: torch.Tensor, before: torch.Tensor) -> None:
+    """`cached` is `before` rounded to e4m3 as torch rounds it. From float32 inputs Triton may
+    round through float16 first, so a value within a float16 rounding of a tie between two e4m3
+    values can land on the other one: allowed for at most 1 % of them, one e4m3 step apart."""
+    expected = to_cache_dtype(before, FP8)
+    if before.dtype != torch.float32:
+        assert torch.equal(cached.view(torch.uint8), expected.view(torch.uint8))
+        return
+    differ = cached.view(torch.uint8) != expected.view(torch.uint8)
+    assert differ.float().mean() < 0.01
+    torch.testing.assert_close(cached.float()[differ], expected.float()[differ], rtol=2 ** -3, atol=2 ** -9)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on NumPy, which has no float8")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=ids)
+def test_rotate_and_write_kv_fp8(dtype):
+    """The fused rotary + KV write into fp8 caches: the rotated k (as apply_rotary_ leaves it in
+    the model's dtype) and v are cached rounded to e4m3, and k and v are left as cached."""
+    _, heads, kv_heads, head_dim, _ = SHAPES["llama3-8b"]
+    rotary = RotaryEmbedding(head_dim, LLAMA3_ROPE, 4096).to(DEVICE)
+    torch.manual_seed(7)
+    tokens, rows = 29, 64 * 16
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEVICE)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                 kv_heads * head_dim], dim=-1))
+    positions = torch.randint(0, 4096, (tokens,), device=DEVICE)
+    slots = torch.randperm(rows, device=DEVICE)[:tokens]
+    rotated_q, rotated_k, v_in = q.clone(), k.clone(), v.clone()
+    apply_rotary_(positions, rotated_q, rotated_k, rotary.cos, rotary.sin)
+    k_cache = torch.zeros(rows, kv_heads, head_dim, dtype=FP8, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    rotate_and_write_kv_(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, slots)
+    assert torch.equal(q, rotated_q)
+    for cache, before, after in ((k_cache, rotated_k, k), (v_cache, v_in, v)):
+        assert_fp8_rounded(cache[slots], before)
+        assert torch.equal(after, cache[slots].to(dtype))
 
 
 # --- whole model -------------------------------------------------------------------------------

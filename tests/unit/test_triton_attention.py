@@ -58,14 +58,17 @@ def random_batch(rng: random.Random, num_blocks: int):
     return chunks
 
 
-def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, decode_splits=1, num_blocks=80):
-    """The layer's output under the reference and the triton backend, and the triton step inputs."""
+def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, decode_splits=1, num_blocks=80,
+                 cache_dtype=None):
+    """The layer's output under the reference and the triton backend, and the triton step inputs.
+    `cache_dtype`: the caches' storage dtype (kv_cache_dtype), None: the model's."""
     torch.manual_seed(seed)
-    spec = (SlidingWindowSpec(kv_heads, head_dim, dtype, sliding_window=window) if window
-            else FullAttentionSpec(kv_heads, head_dim, dtype))
+    cache_dtype = cache_dtype or dtype
+    spec = (SlidingWindowSpec(kv_heads, head_dim, dtype, cache_dtype, sliding_window=window) if window
+            else FullAttentionSpec(kv_heads, head_dim, dtype, cache_dtype))
     groups = group_layers([spec])
-    cache = [(torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE),
-              torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE))]
+    cache = [(torch.randn(num_blocks * BS, kv_heads, head_dim, device=DEVICE).to(cache_dtype),
+              torch.randn(num_blocks * BS, kv_heads, head_dim, device=DEVICE).to(cache_dtype))]
     token_ids = {c.request_id: [1] * (c.start + c.num_tokens - len(c.spec_token_ids)) for c in chunks}
     layer = Attention(0, heads, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window)
     num_tokens = sum(c.num_tokens for c in chunks)
@@ -114,6 +117,24 @@ def test_triton_matches_reference(case, seed):
     chunks = random_batch(rng, 80)
     ref, out, inputs = run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed,
                                     decode_splits=rng.choice([1, 3, 8]))
+    group = inputs.attention.groups[0]
+    assert (group.sdpa_prefill_ranges, kernel_rows(group)) == expected_split(inputs, window, dtype)
+    torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on NumPy, which has no float8")
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] == torch.bfloat16] + [(8, 2, 64, None, torch.float32)],
+                         ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
+@pytest.mark.parametrize("seed", range(2))
+def test_fp8_cache_matches_reference(case, seed):
+    """kv_cache_dtype="fp8": the kernels convert the e4m3 cache in registers, the write kernel
+    rounds the step's own k/v to the cached values, so fresh chunks (SDPA), chunks on cached
+    prefixes and decodes all match the reference, which reads the same cache."""
+    heads, kv_heads, head_dim, window, dtype = case
+    rng = random.Random(seed)
+    chunks = random_batch(rng, 80)
+    ref, out, inputs = run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed,
+                                    decode_splits=rng.choice([1, 3, 8]), cache_dtype=torch.float8_e4m3fn)
     group = inputs.attention.groups[0]
     assert (group.sdpa_prefill_ranges, kernel_rows(group)) == expected_split(inputs, window, dtype)
     torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=tolerance(dtype))

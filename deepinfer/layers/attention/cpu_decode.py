@@ -11,7 +11,7 @@ same additive bias as the reference (0 / -inf, [B, 1, 1, L]); a sliding window i
 out by the gather, as in the reference.
 
 Precision: up to FP32_MAX_ROWS rows the products run in float32 (exact softmax, and for a few
-tiny matrices float32 GEMMs are faster than bf16 ones here); above, in the cache dtype, with
+tiny matrices float32 GEMMs are faster than bf16 ones here); above, in the model's dtype, with
 float32 accumulation inside the GEMM and the softmax computed in float32 internally. That is
 what transformers' eager attention does for a bf16 model. Float32 models compute in float32
 throughout. tests/unit/test_cpu_fast_path.py compares this with the reference.
@@ -53,7 +53,7 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, head_
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     length = head_rows.shape[0] // (batch * kv_heads)
-    compute = torch.float32 if batch <= FP32_MAX_ROWS else k_cache.dtype
+    compute = torch.float32 if batch <= FP32_MAX_ROWS else q.dtype   # an fp8 cache is read in q's dtype
     keys = k_cache.view(-1, dim).index_select(0, head_rows).view(batch * kv_heads, length, dim)
     values = v_cache.view(-1, dim).index_select(0, head_rows).view(batch * kv_heads, length, dim)
     if keys.dtype != compute:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from deepinfer.kv_cache.dtypes import read_cache_rows, write_cache_rows
 from deepinfer.layers.attention.cpu_decode import cpu_decode_attention
 from deepinfer.layers.attention.metadata import get_forward_context
 from deepinfer.layers.rotary import RotaryEmbedding
@@ -65,8 +66,8 @@ class Attention(nn.Module):
         else:
             if rotary is not None:
                 q, k = rotary(positions, q, k)
-            k_cache.index_copy_(0, group.slot_mapping, k if k.dtype == k_cache.dtype else k.to(k_cache.dtype))
-            v_cache.index_copy_(0, group.slot_mapping, v if v.dtype == v_cache.dtype else v.to(v_cache.dtype))
+            write_cache_rows(k_cache, group.slot_mapping, k)
+            write_cache_rows(v_cache, group.slot_mapping, v)
 
         if meta.backend == "triton":
             return self._triton(meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)
@@ -76,8 +77,8 @@ class Attention(nn.Module):
             decoded = cpu_decode_attention(q[:n_dec], k_cache, v_cache, group.decode_head_rows,
                                            group.decode_bias, self.scale)
         elif n_dec:
-            keys = k_cache[group.decode_gather]
-            values = v_cache[group.decode_gather]
+            keys = read_cache_rows(k_cache, group.decode_gather, q.dtype)
+            values = read_cache_rows(v_cache, group.decode_gather, q.dtype)
             decoded = self._decode(q[:n_dec], keys, values, group.decode_bias)
         if n_dec == q.shape[0]:   # a decode-only step: no copy into `out`
             return decoded.reshape(n_dec, -1)
@@ -85,8 +86,8 @@ class Attention(nn.Module):
         if decoded is not None:
             out[:n_dec] = decoded
         for (start, end), (rows, mask) in zip(meta.prefill_query_ranges, group.prefill):
-            keys = k_cache[rows].unsqueeze(0)
-            values = v_cache[rows].unsqueeze(0)
+            keys = read_cache_rows(k_cache, rows, q.dtype).unsqueeze(0)
+            values = read_cache_rows(v_cache, rows, q.dtype).unsqueeze(0)
             out[start:end] = self._sdpa(q[start:end].unsqueeze(0), keys, values, mask.unsqueeze(0)).squeeze(0)
         return out.reshape(q.shape[0], -1)
 
@@ -95,8 +96,8 @@ class Attention(nn.Module):
         """The CUDA fast path (decode rows come first). Decodes and most prefill rows read K/V
         through the block tables with the Triton kernels; long fresh prefill chunks (position 0
         onwards, chosen per group in worker/input_batch.py) attend with SDPA's flash kernel over
-        this step's own k/v: the rows just written to the cache, in the same dtype (the runner
-        allocates the cache in the model's dtype)."""
+        this step's own k/v: the rows just written to the cache, with the values the cache holds
+        (an fp8 cache's write kernel rounds k and v in place, see kv_cache/dtypes.py)."""
         from deepinfer.layers.attention.triton_decode import paged_decode_attention
         from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
 

@@ -56,8 +56,9 @@ def _attend_tile(
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=load_mask, other=0.0)
+    k = k.to(q.dtype)   # an fp8 cache, converted in registers
 
-    if IEEE:   # float32 caches: exact products, not TF32 (parity tests run in float32)
+    if IEEE:   # float32 models: exact products, not TF32 (parity tests run in float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     else:
         scores = tl.dot(q, tl.trans(k)) * qk_scale
@@ -81,6 +82,7 @@ def _attend_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=load_mask, other=0.0)
+    v = v.to(q.dtype)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -166,7 +168,7 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     key loop; the wider it is, the more tensor-core work per key tile loaded) and 64-key tiles
     behind a 3-stage copy pipeline: at head_dim 128 that is 96 KiB of shared memory and 184
     registers a thread, no spills (read off ptxas for sm_90; 4 warps would spill). At head_dim
-    256 the tiles halve and the pipeline is 2 deep (96 KiB, 166 registers). float32 caches are
+    256 the tiles halve and the pipeline is 2 deep (96 KiB, 166 registers). float32 models are
     for parity tests only (IEEE products run on the FMA units): 16-query tiles, which compile
     without spilling at every head size.
     """
@@ -198,7 +200,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         seq_ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=q.device)
     if num_tokens == 0 or seq_ids.shape[0] == 0 or max_query_len == 0:
         return out
-    block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, k_cache.dtype)
+    block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), seq_ids.shape[0], num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_table, seq_lens, query_start, seq_ids, scale * LOG2E,
@@ -206,6 +208,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, WINDOW=window or 0, EVEN_DIM=head_dim == dim_pad,
-        IEEE=k_cache.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -16,7 +16,20 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from deepinfer.kv_cache.dtypes import is_fp8
 from deepinfer.layers.fused import pdl_enabled, pdl_launch
+
+
+@triton.jit
+def round_to_fp8(x, fp8_type: tl.constexpr):
+    """x (any float type) rounded to the nearest value of an fp8 cache (clamped to e4m3's +-448,
+    FP8_MAX in kv_cache/dtypes.py), returned in float32, where it is exact.
+
+    Callers store `.to(fp8_type)` of the result into the cache and `.to(their dtype)` in place.
+    Neither store may take the fp8 tensor itself: with Triton 3.6 on the H200, an fp8 tile stored
+    into the cache and converted for an in-place store came back with a few % of its values
+    garbled or NaN (2026-11-30)."""
+    return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(fp8_type).to(tl.float32)
 
 
 @triton.jit
@@ -25,7 +38,7 @@ def _kv_write_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kcr, stride_kch, stride_vcr, stride_vch,
     num_kv_heads, head_dim,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr, FP8_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
         gdc_wait()
@@ -35,8 +48,15 @@ def _kv_write_kernel(
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, DIM_PAD)[None, :]
     mask = (heads < num_kv_heads) & (dims < head_dim)
-    k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
-    v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    k_ptrs = k_ptr + token * stride_kt + heads * stride_kh + dims
+    v_ptrs = v_ptr + token * stride_vt + heads * stride_vh + dims
+    k = tl.load(k_ptrs, mask=mask)
+    v = tl.load(v_ptrs, mask=mask)
+    if FP8_CACHE:   # k and v left as the cache holds them, in place (kv_cache/dtypes.py)
+        k = round_to_fp8(k, k_cache_ptr.dtype.element_ty)
+        v = round_to_fp8(v, v_cache_ptr.dtype.element_ty)
+        tl.store(k_ptrs, k.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptrs, v.to(v_ptr.dtype.element_ty), mask=mask)
     tl.store(k_cache_ptr + slot * stride_kcr + heads * stride_kch + dims, k.to(k_cache_ptr.dtype.element_ty),
              mask=mask)
     tl.store(v_cache_ptr + slot * stride_vcr + heads * stride_vch + dims, v.to(v_cache_ptr.dtype.element_ty),
@@ -47,7 +67,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
                    slot_mapping: torch.Tensor) -> None:
     """k_cache[slot_mapping[t]] = k[t] and v_cache[slot_mapping[t]] = v[t] for every token t.
 
-    k, v: [tokens, kv_heads, head_dim] (any token/head strides); caches: [rows, kv_heads, head_dim]."""
+    k, v: [tokens, kv_heads, head_dim] (any token/head strides); caches: [rows, kv_heads, head_dim].
+    Into fp8 caches the values are clamped and rounded, and k and v are overwritten with the
+    rounded values (kv_cache/dtypes.py: attention sees K/V as cached)."""
     tokens, num_kv_heads, head_dim = k.shape
     if slot_mapping.shape != (tokens,) or v.shape != k.shape or k_cache.shape[1:] != k.shape[1:] or v_cache.shape[1:] != k.shape[1:]:
         raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)} do not "
@@ -61,5 +83,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             num_kv_heads, head_dim,
             HEADS_PAD=max(2, triton.next_power_of_2(num_kv_heads)),
-            DIM_PAD=max(2, triton.next_power_of_2(head_dim)), num_warps=4, USE_PDL=pdl_enabled(), **pdl_launch(),
+            DIM_PAD=max(2, triton.next_power_of_2(head_dim)), FP8_CACHE=is_fp8(k_cache.dtype), num_warps=4,
+            USE_PDL=pdl_enabled(), **pdl_launch(),
         )

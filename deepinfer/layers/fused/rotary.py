@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from deepinfer.kv_cache.dtypes import is_fp8
 from deepinfer.layers.fused import pdl_enabled, pdl_launch
+from deepinfer.layers.fused.kv_write import round_to_fp8
 
 
 @triton.jit
@@ -56,10 +58,11 @@ def _rotary_kernel(
     stride_kcr, stride_kch, stride_vcr, stride_vch, stride_table,
     num_heads, num_kv_heads, half,
     HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HALF_PAD: tl.constexpr, WRITE_KV: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    FP8_CACHE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per token: rotate its q and k heads in place, and with WRITE_KV also store the
-    rotated k and the v at the token's cache slot (the v and cache arguments are unused without)."""
+    rotated k and the v at the token's cache slot (the v and cache arguments are unused without).
+    With FP8_CACHE, k and v are also left in place as the fp8 cache holds them."""
     if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
         gdc_wait()
         gdc_launch_dependents()
@@ -81,15 +84,25 @@ def _rotary_kernel(
         k2 = tl.load(k_first + half, mask=mask, other=0.0).to(tl.float32)
         r1 = (k1 * cos - k2 * sin).to(k_ptr.dtype.element_ty)
         r2 = (k2 * cos + k1 * sin).to(k_ptr.dtype.element_ty)
-        tl.store(k_first, r1, mask=mask)        # in place too: fresh prefill chunks attend over k itself
-        tl.store(k_first + half, r2, mask=mask)
+        v_first = v_ptr + token * stride_vt + heads * stride_vh + dims[None, :]
+        v1 = tl.load(v_first, mask=mask)
+        v2 = tl.load(v_first + half, mask=mask)
+        if FP8_CACHE:   # round k and v to the cached values, in place too (kv_cache/dtypes.py)
+            r1 = round_to_fp8(r1, k_cache_ptr.dtype.element_ty)
+            r2 = round_to_fp8(r2, k_cache_ptr.dtype.element_ty)
+            v1 = round_to_fp8(v1, v_cache_ptr.dtype.element_ty)
+            v2 = round_to_fp8(v2, v_cache_ptr.dtype.element_ty)
+            tl.store(v_first, v1.to(v_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_first + half, v2.to(v_ptr.dtype.element_ty), mask=mask)
+        # In place too: fresh prefill chunks attend over k itself.
+        tl.store(k_first, r1.to(k_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_first + half, r2.to(k_ptr.dtype.element_ty), mask=mask)
         kc_first = k_cache_ptr + slot * stride_kcr + heads * stride_kch + dims[None, :]
         tl.store(kc_first, r1.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(kc_first + half, r2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        v_first = v_ptr + token * stride_vt + heads * stride_vh + dims[None, :]
         vc_first = v_cache_ptr + slot * stride_vcr + heads * stride_vch + dims[None, :]
-        tl.store(vc_first, tl.load(v_first, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc_first + half, tl.load(v_first + half, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_first, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc_first + half, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -121,7 +134,8 @@ def apply_rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
         _rotary_kernel[(tokens,)](
             q, k, k, k, k, positions, positions, cos, sin,   # no v, caches or slots: WRITE_KV off
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), 0, 0, 0, 0, 0, 0, cos.stride(0),
-            num_heads, k.shape[1], head_dim // 2, WRITE_KV=False, **_tiles(num_heads, k.shape[1], head_dim // 2),
+            num_heads, k.shape[1], head_dim // 2, WRITE_KV=False, FP8_CACHE=False,
+            **_tiles(num_heads, k.shape[1], head_dim // 2),
         )
     return q, k
 
@@ -131,7 +145,9 @@ def rotate_and_write_kv_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
                          slot_mapping: torch.Tensor) -> None:
     """apply_rotary_(positions, q, k, cos, sin), then k_cache[slot_mapping[t]] = k[t] and
     v_cache[slot_mapping[t]] = v[t] for every token t, in one kernel. Caches: [rows, kv_heads,
-    head_dim] (cast on the way to their dtype), as write_kv_cache takes them."""
+    head_dim] (cast on the way to their dtype), as write_kv_cache takes them. Into fp8 caches
+    the values are clamped and rounded, and k and v are overwritten with the rounded values
+    (kv_cache/dtypes.py: attention sees K/V as cached)."""
     _check(q, k, cos, sin)
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -146,5 +162,6 @@ def rotate_and_write_kv_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tens
             q, k, v, k_cache, v_cache, slot_mapping, positions, cos, sin,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), cos.stride(0),
-            num_heads, num_kv_heads, head_dim // 2, WRITE_KV=True, **_tiles(num_heads, num_kv_heads, head_dim // 2),
+            num_heads, num_kv_heads, head_dim // 2, WRITE_KV=True, FP8_CACHE=is_fp8(k_cache.dtype),
+            **_tiles(num_heads, num_kv_heads, head_dim // 2),
         )
