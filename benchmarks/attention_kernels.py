@@ -1,6 +1,7 @@
 """The CUDA fast path's attention against the reference backend and SDPA's flash kernel, per call.
 
     python benchmarks/attention_kernels.py [--cases prefill,extend,decode] [--sweep] [--sweep-dims 64,128,256]
+                                           [--kv-cache-dtype auto|fp8]
 
 Llama-3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128), bf16, 16-token blocks
 scattered at random over the pool, one layer:
@@ -10,9 +11,13 @@ scattered at random over the pool, one layer:
             printed too (it still serves windows shorter than the chunk and short chunks).
   extend    1024 new tokens on 7168 cached ones (paged prefill kernel). Anchor: flash over the
             same K/V made contiguous, lower-right causal.
-  decode    batch 1 and 64 at 1k and 8k context (paged decode kernel, split along the sequence;
-            timed as a CUDA graph replay, as the engine runs decode). Anchor: flash over
-            contiguous K/V. Also KV bytes read per second against the copy bandwidth.
+  decode    batch 1 and 64 at 1k and 8k context, and batch 512 at 1152 (the decode steps of
+            gpu_fast_path.py's (c)) (paged decode kernel, split along the sequence; timed as a CUDA
+            graph replay, as the engine runs decode). Anchor: flash over contiguous K/V. Also KV
+            bytes read per second against the copy bandwidth.
+
+--kv-cache-dtype fp8 stores the caches as float8 e4m3 (kv_cache/dtypes.py): the reference reads
+the same fp8 cache, the anchors get it converted to bf16, and the KV rate counts fp8 bytes.
 
 Every case first checks our output against the reference backend (same step inputs, same
 cache) and against the anchor, then times. Causal FLOPs = 4 * heads * head_dim * q_len *
@@ -56,12 +61,16 @@ def ceilings() -> tuple[float, float]:
     return 2 * src.numel() / copy_ms * 1e3, 2 * 8192 ** 3 / mm_ms * 1e3
 
 
+CACHE_DTYPE = DTYPE   # --kv-cache-dtype
+
+
 class Step:
     """One attention step: a KV pool with these chunks' blocks scattered over it, and their q/k/v."""
 
     def __init__(self, contexts: list[int], q_lens: list[int], seed: int = 0,
                  heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> None:
         from deepinfer.engine.plan import ScheduledChunk
+        from deepinfer.kv_cache.dtypes import to_cache_dtype
         from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers
         from deepinfer.layers.attention import Attention
 
@@ -76,10 +85,10 @@ class Step:
             blocks = [free.pop() for _ in range(nb)]
             self.chunks.append(ScheduledChunk(f"r{i}", c, n, [blocks], sample=True))
         self.token_ids = {ch.request_id: [1] * (ch.start + ch.num_tokens) for ch in self.chunks}
-        self.groups = group_layers([FullAttentionSpec(kv_heads, head_dim, DTYPE)])
+        self.groups = group_layers([FullAttentionSpec(kv_heads, head_dim, DTYPE, CACHE_DTYPE)])
         rows = (sum(blocks_per_seq) + 1) * BLOCK
-        self.k_cache = torch.randn(rows, kv_heads, head_dim, dtype=DTYPE, device="cuda")
-        self.v_cache = torch.randn(rows, kv_heads, head_dim, dtype=DTYPE, device="cuda")
+        self.k_cache = to_cache_dtype(torch.randn(rows, kv_heads, head_dim, dtype=DTYPE, device="cuda"), CACHE_DTYPE)
+        self.v_cache = to_cache_dtype(torch.randn(rows, kv_heads, head_dim, dtype=DTYPE, device="cuda"), CACHE_DTYPE)
         tokens = sum(q_lens)
         self.q = torch.randn(tokens, heads, head_dim, dtype=DTYPE, device="cuda")
         self.k = torch.randn(tokens, kv_heads, head_dim, dtype=DTYPE, device="cuda")
@@ -107,12 +116,13 @@ class Step:
         return lambda: self.layer._triton(meta, group, self.q, self.k, self.v, self.k_cache, self.v_cache)
 
     def contiguous_kv(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sequence `seq`'s whole K/V (cache + this step's rows already written) as [Hkv, L, D]."""
+        """Sequence `seq`'s whole K/V (cache + this step's rows already written) as [Hkv, L, D],
+        in the model's dtype."""
         chunk = self.chunks[seq]
         table = torch.tensor(chunk.block_ids[0], device="cuda")
         pos = torch.arange(chunk.start + chunk.num_tokens, device="cuda")
         rows = table[pos // BLOCK] * BLOCK + pos % BLOCK
-        return self.k_cache[rows].transpose(0, 1), self.v_cache[rows].transpose(0, 1)
+        return (self.k_cache[rows].to(DTYPE).transpose(0, 1), self.v_cache[rows].to(DTYPE).transpose(0, 1))
 
 
 def causal_flops(heads: int, head_dim: int, context: int, q_len: int) -> float:
@@ -227,7 +237,7 @@ def case_decode(matmul: float, bandwidth: float, failures: list[str], batch: int
     check("engine path (paged decode kernel) vs reference", ours, ref, failures)
     check("engine path vs SDPA flash", ours, lambda: anchor()[:, :, 0], failures)
     flops = 4 * HEADS * HEAD_DIM * batch * context
-    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * CACHE_DTYPE.itemsize
 
     def kv_rate(ms: float) -> str:
         rate = kv_bytes / ms * 1e3
@@ -287,6 +297,7 @@ def main() -> None:
     parser.add_argument("--cases", default="prefill,extend,decode")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-dims", default="64,128,256")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_kernels.py measures the CUDA fast path: it needs a CUDA GPU, and "
@@ -296,10 +307,15 @@ def main() -> None:
     except ImportError:
         sys.exit("attention_kernels.py needs Triton (the fast path's kernels), which is not installed")
 
+    global CACHE_DTYPE
+    from deepinfer.kv_cache.dtypes import resolve_cache_dtype
+
+    CACHE_DTYPE = resolve_cache_dtype(args.kv_cache_dtype, DTYPE)
     bandwidth, matmul = ceilings()
     out(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}, "
         f"{time.strftime('%Y-%m-%d')}")
-    out(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
+    out(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
+        f"KV cache {CACHE_DTYPE}")
     failures: list[str] = []
     with torch.inference_mode():
         cases = args.cases.split(",")
@@ -308,9 +324,8 @@ def main() -> None:
         if "extend" in cases:
             case_extend(matmul, failures)
         if "decode" in cases:
-            for batch in (1, 64):
-                for context in (1024, 8192):
-                    case_decode(matmul, bandwidth, failures, batch, context)
+            for batch, context in ((1, 1024), (1, 8192), (64, 1024), (64, 8192), (512, 1152)):
+                case_decode(matmul, bandwidth, failures, batch, context)
         if args.sweep:
             sweep([int(d) for d in args.sweep_dims.split(",")], failures)
         torch.cuda.synchronize()
