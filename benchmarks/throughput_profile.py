@@ -3,7 +3,9 @@
     python benchmarks/throughput_profile.py [--requests 1000] [--max-num-seqs 512]
         [--max-num-batched-tokens 16384] [--kv-cache-dtype auto|fp8] [--kernels]
 
-1. Times the run as (c) does (overlapped loop, nothing wrapped), twice: cold and warm.
+1. Times the run as (c) does (overlapped loop, nothing wrapped), twice: cold and warm, each with
+   the Triton compiles it met (kernels compiled on first use of a new specialization; Triton's
+   disk cache, ~/.triton, turns a repeat into a load of ~0.01 s).
 2. Runs it again with the plain loop, whose `runner.execute` returns only once the step's
    tokens are on the host, and times each step there. Steps are grouped by kind: decode-only
    steps (by batch size) and mixed steps (with prompt tokens). The sum is the plain loop's
@@ -39,6 +41,31 @@ CATEGORIES = [
 def category(name: str) -> str:
     lowered = name.lower()
     return next((label for label, pattern in CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+class TritonCompiles:
+    """Counts Triton JIT compiles (in-memory cache misses) and their seconds, through Triton's hooks."""
+
+    def __init__(self) -> None:
+        import triton
+
+        self.count, self.seconds, self._started = 0, 0.0, 0.0
+        triton.knobs.runtime.jit_cache_hook = self._before
+        triton.knobs.runtime.jit_post_compile_hook = self._after
+
+    def _before(self, **_) -> bool:
+        self._started = time.perf_counter()
+        return False   # a true value would skip the compile
+
+    def _after(self, **_) -> None:
+        self.count += 1
+        self.seconds += time.perf_counter() - self._started
+
+    def take(self) -> str:
+        """Compiles since the last take, as text."""
+        text = f"{self.count} Triton compiles, {self.seconds:.2f} s"
+        self.count, self.seconds = 0, 0.0
+        return text
 
 
 def step_times(llm, prompts, params) -> list[tuple[int, int, float]]:
@@ -119,6 +146,7 @@ def main() -> None:
     from deepinfer import LLM, SamplingParams
 
     config = SHAPES[args.shape]
+    compiles = TritonCompiles()
     llm = LLM(write_config_dir(config), load_format="dummy", max_model_len=args.input_len + args.output_len + 64,
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
@@ -129,9 +157,11 @@ def main() -> None:
           f"{args.output_len} out, max_num_seqs {args.max_num_seqs}, "
           f"max_num_batched_tokens {args.max_num_batched_tokens}, {llm.engine.runner.num_blocks} KV blocks "
           f"({args.kv_cache_dtype})")
+    print(f"engine start: {compiles.take()}")
     # The first run meets shapes no kernel has seen yet (plans, compiles); the second does not.
     for run in ("first", "second"):
-        print(f"overlapped loop, {run} run: {timed(lambda: llm.generate(prompts, params, use_tqdm=False)):.2f} s")
+        seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+        print(f"overlapped loop, {run} run: {seconds:.2f} s ({compiles.take()})")
     print_steps(step_times(llm, prompts, params))
     if args.kernels:
         kernel_categories(llm, prompts, params)

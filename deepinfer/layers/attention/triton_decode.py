@@ -19,7 +19,12 @@ instruction where bfloat16 needs three. float16 also carries more mantissa than 
 the probabilities; q is clamped to float16's range first.
 
 The split count is a host-side choice that does not depend on the lengths, so a CUDA graph
-captured for a batch size stays valid whatever the sequences' lengths are at replay.
+captured for a batch size stays valid whatever the sequences' lengths are at replay. It is a
+runtime argument, not a compile-time constant, and so are the arguments that change from step to
+step (the block table's width, the offsets of the metadata tensors): Triton compiles a kernel per
+distinct set of compile-time values, and a compile takes ~0.5-0.9 s on the H200, so each new
+value met while serving would stall a step for that long (measured on the first run of
+gpu_fast_path.py's (c), 2026-11-30: 4.4 s of compiles of identical kernels, 3.3 s of the run).
 """
 
 from __future__ import annotations
@@ -35,14 +40,20 @@ from deepinfer.layers.fused import pdl_enabled, pdl_launch
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Values that change from step to step (the split count sets the partial outputs' strides): no
+# compile-time specialization on them (module docstring).
+SPLIT_ARGS = ["num_splits", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=["stride_bt", *SPLIT_ARGS],
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr, out_ptr,
     scale,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
     IEEE: tl.constexpr, DOT_F16: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
@@ -63,7 +74,7 @@ def _decode_split_kernel(
         lo = tl.maximum(seq_len - WINDOW, 0)
     # Each split takes a whole number of BLOCK_N tiles of [lo, seq_len).
     tiles = tl.cdiv(seq_len - lo, BLOCK_N)
-    tiles_per_split = tl.cdiv(tiles, NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tiles, num_splits)
     start = lo + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -109,7 +120,7 @@ def _decode_split_kernel(
     # An empty split (short sequence, or a padded row with seq_len 0) reports lse = -inf.
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:   # the whole sequence in this program: the result is final, no merge
+    if SINGLE_SPLIT:   # the whole sequence in this program: the result is final, no merge
         tl.store(out_ptr + seq * stride_outb + heads[:, None] * stride_outh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
         return
@@ -119,12 +130,11 @@ def _decode_split_kernel(
     tl.store(lse_part_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_ARGS)
 def _merge_splits_kernel(
     o_part_ptr, lse_part_ptr, out_ptr,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, num_splits,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
         gdc_wait()
@@ -133,7 +143,7 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_PAD)
-    split_ok = splits < NUM_SPLITS
+    split_ok = splits < num_splits
     lse = tl.load(lse_part_ptr + seq * stride_lb + head * stride_lh + splits, mask=split_ok,
                   other=float("-inf"))
     m = tl.max(lse, 0)
@@ -178,9 +188,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, WINDOW=window or 0,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, WINDOW=window or 0,
         IEEE=q.dtype == torch.float32, DOT_F16=fp8 and q.dtype != torch.float32, num_warps=4, num_stages=2,
         USE_PDL=pdl_enabled(),
         **pdl_launch(),
@@ -190,8 +200,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _merge_splits_kernel[(batch, num_heads)](
         o_part, lse_part, out,
         o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)), num_warps=4, USE_PDL=pdl_enabled(), **pdl_launch(),
+        out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=MAX_SPLITS, num_warps=4, USE_PDL=pdl_enabled(), **pdl_launch(),
     )
     return out

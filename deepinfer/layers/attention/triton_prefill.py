@@ -90,7 +90,11 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# The block table's width and the metadata tensors' offsets change from step to step: no
+# compile-time specialization on them, or each new combination would compile the kernel again
+# (~0.8 s on the H200; five identical compiles in the first run of (c), see triton_decode.py).
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_ptr", "seq_ids_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, seq_ids_ptr,
     qk_scale,
