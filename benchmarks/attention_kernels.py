@@ -17,7 +17,9 @@ scattered at random over the pool, one layer:
             bytes read per second against the copy bandwidth.
 
 --kv-cache-dtype fp8 stores the caches as float8 e4m3 (kv_cache/dtypes.py): the reference reads
-the same fp8 cache, the anchors get it converted to bf16, and the KV rate counts fp8 bytes.
+the same fp8 cache, the anchors get it converted to bf16, and the KV rate counts fp8 bytes. The
+engine's decode then runs the CUDA C++ kernel (layers/attention/cuda_decode.py); the Triton
+decode kernel is checked and timed beside it.
 
 Every case first checks our output against the reference backend (same step inputs, same
 cache) and against the anchor, then times. Causal FLOPs = 4 * heads * head_dim * q_len *
@@ -222,7 +224,8 @@ def case_extend(matmul: float, failures: list[str], context: int = 7168, q_len: 
 
 
 def case_decode(matmul: float, bandwidth: float, failures: list[str], batch: int, context: int) -> None:
-    from deepinfer.layers.attention.triton_decode import num_splits_for
+    from deepinfer.kv_cache.dtypes import is_fp8
+    from deepinfer.layers.attention.triton_decode import num_splits_for, paged_decode_attention
 
     out(f"decode: batch {batch} at {context} context, {HEADS}/{KV_HEADS} heads, head_dim {HEAD_DIM}")
     step = Step([context - 1] * batch, [1] * batch)
@@ -244,6 +247,13 @@ def case_decode(matmul: float, bandwidth: float, failures: list[str], batch: int
         return f"  KV read {rate / 1e12:.2f} TB/s ({rate / bandwidth:4.0%} of copy)"
 
     timed("engine path (paged decode kernel), graph", step.attention_call(fast), flops, matmul, True, kv_rate)
+    if is_fp8(CACHE_DTYPE):   # the engine path takes the CUDA C++ kernel (cuda_decode.py); Triton's beside it
+        meta = fast.attention
+        triton_kernel = lambda: paged_decode_attention(
+            step.q, step.k_cache, step.v_cache, meta.groups[0].block_table[:batch], meta.seq_lens[:batch],
+            HEAD_DIM ** -0.5, None, BLOCK, meta.num_decode_splits, kernel="triton")
+        check("Triton decode kernel vs reference", triton_kernel(), ref, failures)
+        timed("Triton decode kernel, graph", triton_kernel, flops, matmul, True, kv_rate)
     timed("SDPA flash, contiguous K/V, graph (anchor)", anchor, flops, matmul, True, kv_rate)
 
 

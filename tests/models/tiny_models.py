@@ -17,9 +17,15 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               tie_word_embeddings=False)
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, **overrides):
+    """`overrides` replace fields of the config (e.g. head_dim=128 for a kernel that needs it)."""
     import transformers as tf
 
+    if overrides:
+        config = tiny_config(arch)
+        for name, value in overrides.items():
+            setattr(config, name, value)
+        return config
     if arch == "llama":
         return tf.LlamaConfig(**COMMON, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                       "high_freq_factor": 4.0,
@@ -41,12 +47,12 @@ HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwe
 ARCHS = list(HF_CLASSES)
 
 
-def build_tiny_checkpoint(arch: str, directory: str, seed: int = 0):
+def build_tiny_checkpoint(arch: str, directory: str, seed: int = 0, **overrides):
     """Write a tiny random checkpoint of `arch` to `directory`; return the HF model (float32)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = tiny_config(arch)
+    config = tiny_config(arch, **overrides)
     model = getattr(tf, HF_CLASSES[arch])(config).eval()
     # Random init leaves norms at 1 (0 for Gemma); perturb them so norm bugs cannot hide.
     with torch.no_grad():

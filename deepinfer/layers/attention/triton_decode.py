@@ -16,7 +16,9 @@ just moves the start.
 An fp8 cache (kv_cache/dtypes.py) is converted in registers, and the products run in float16
 for a 16-bit q: e4m3 values are exact in float16, and the hardware converts e4m3 to float16 in one
 instruction where bfloat16 needs three. float16 also carries more mantissa than bfloat16 for q and
-the probabilities; q is clamped to float16's range first.
+the probabilities; q is clamped to float16's range first. Where it applies (head_dim 128, at most
+8 query heads per KV head) the CUDA C++ kernel of cuda_decode.py takes an fp8 cache instead:
+this one stays at ~1.6x the bandwidth bound there, that one reaches ~0.9 of copy bandwidth.
 
 The split count is a host-side choice that does not depend on the lengths, so a CUDA graph
 captured for a batch size stays valid whatever the sequences' lengths are at replay. It is a
@@ -35,6 +37,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from deepinfer.kv_cache.dtypes import is_fp8
+from deepinfer.layers.attention import cuda_decode
 from deepinfer.layers.fused import pdl_enabled, pdl_launch
 
 MAX_SPLITS = 32
@@ -165,12 +168,13 @@ def num_splits_for(batch: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            window: int | None, block_size: int, num_splits: int,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [B, H, D] -> [B, H, D]. `window` None or 0: full attention."""
+                           out: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
+    """q: [B, H, D] -> [B, H, D]. `window` None or 0: full attention.
+
+    `kernel`: "auto" takes the CUDA C++ kernel of cuda_decode.py where it applies (an fp8 cache
+    under a 16-bit q), this module's Triton kernel otherwise; "triton" always this one (tests and
+    benchmarks compare the two)."""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    dim_pad = triton.next_power_of_2(head_dim)
     if out is None:
         out = torch.empty_like(q)
     if batch == 0:
@@ -178,10 +182,34 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # With one split the kernel writes `out` itself and never touches these.
     o_part = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    if kernel == "auto" and cuda_decode.supported(q, k_cache, v_cache, out):
+        cuda_decode.decode_fp8(q, k_cache, v_cache, block_table, seq_lens, scale, window, block_size,
+                               num_splits, out, o_part, lse_part)
+    else:
+        _launch_split_kernel(q, k_cache, v_cache, block_table, seq_lens, scale, window, block_size,
+                             num_splits, out, o_part, lse_part)
+    if num_splits == 1:
+        return out
+    _merge_splits_kernel[(batch, num_heads)](
+        o_part, lse_part, out,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
+        out.stride(0), out.stride(1), num_splits,
+        HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim), SPLITS_PAD=MAX_SPLITS, num_warps=4,
+        USE_PDL=pdl_enabled(), **pdl_launch(),
+    )
+    return out
+
+
+def _launch_split_kernel(q, k_cache, v_cache, block_table, seq_lens, scale, window, block_size, num_splits,
+                         out, o_part, lse_part) -> None:
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    dim_pad = triton.next_power_of_2(head_dim)
+    fp8 = is_fp8(k_cache.dtype)
     # An fp8 cache moves half the bytes per key: twice the keys per tile. At 512 rows x 1152 keys
     # of a Llama-3-8B layer on the H200 (2026-11-30) 128 keys and 2 stages beat 64 keys (and 3 or
     # 4 stages, or a register cap for more blocks per SM); bf16 keeps 64 keys and 2 stages.
-    fp8 = is_fp8(k_cache.dtype)
     block_n = (128 if fp8 else 64) if dim_pad <= 128 else 32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, out,
@@ -195,12 +223,3 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         USE_PDL=pdl_enabled(),
         **pdl_launch(),
     )
-    if num_splits == 1:
-        return out
-    _merge_splits_kernel[(batch, num_heads)](
-        o_part, lse_part, out,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1),
-        out.stride(0), out.stride(1), num_splits,
-        HEAD_DIM=head_dim, DIM_PAD=dim_pad, SPLITS_PAD=MAX_SPLITS, num_warps=4, USE_PDL=pdl_enabled(), **pdl_launch(),
-    )
-    return out
