@@ -1,7 +1,7 @@
 """Where the time of gpu_fast_path.py's (c) goes: step by step, and kernel by kernel.
 
     python benchmarks/throughput_profile.py [--requests 1000] [--max-num-seqs 512]
-        [--max-num-batched-tokens 16384] [--kv-cache-dtype auto|fp8] [--kernels]
+        [--max-num-batched-tokens 16384] [--kv-cache-dtype auto|fp8] [--host] [--kernels]
 
 1. Times the run as (c) does (overlapped loop, nothing wrapped), twice: cold and warm, each with
    the Triton compiles it met (kernels compiled on first use of a new specialization; Triton's
@@ -10,7 +10,9 @@
    tokens are on the host, and times each step there. Steps are grouped by kind: decode-only
    steps (by batch size) and mixed steps (with prompt tokens). The sum is the plain loop's
    device-plus-host time; the overlapped loop hides the host part, so the first figure is lower.
-3. With --kernels, profiles the overlapped run (CUDA activity only) and sums kernel time by
+3. With --host, times the host's phases of an overlapped run (schedule, forward, sample, collect
+   = mostly the wait for the device, update, the rest).
+4. With --kernels, profiles the overlapped run (CUDA activity only) and sums kernel time by
    category (weight matmuls, attention, fused elementwise kernels, the rest).
 """
 
@@ -29,7 +31,7 @@ from gpu_reference_baseline import write_config_dir
 CATEGORIES = [
     ("matmul (our GEMV)", r"_gemv_kernel"),
     ("matmul (cuBLAS)", r"gemm|gemv|nvjet|cutlass|xmma|cublas"),
-    ("attention: decode", r"_decode_split_kernel|_merge_splits_kernel"),
+    ("attention: decode", r"_decode_split_kernel|_merge_splits_kernel|decode_fp8"),
     ("attention: paged prefill", r"_prefill_kernel"),
     ("attention: SDPA (cuDNN / flash)", r"cudnn|flash|fmha|sdpa"),
     ("rms_norm (+ residual)", r"rms"),
@@ -112,6 +114,37 @@ def print_steps(records: list[tuple[int, int, float]]) -> None:
               f"{sum(times) / len(times) * 1e3:6.2f} ms each")
 
 
+def host_phases(llm, prompts, params) -> None:
+    """Where the host's time goes in an overlapped run. `collect` is mostly the wait for the
+    device; when it is near zero the device waited for the host instead (host-bound steps)."""
+    engine = llm.engine
+    phases = [(engine.scheduler, "schedule"), (engine.runner, "forward"), (engine.runner, "sample"),
+              (engine.runner, "collect"), (engine.scheduler, "update")]
+    totals: dict[str, float] = collections.defaultdict(float)
+    originals = [(owner, name, getattr(owner, name)) for owner, name in phases]
+
+    def timer(name, fn):
+        def wrapped(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+        return wrapped
+
+    for owner, name, fn in originals:
+        setattr(owner, name, timer(name, fn))
+    try:
+        wall = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        for owner, name, _ in originals:
+            delattr(owner, name)   # back to the class's method
+    rest = wall - sum(totals.values())
+    print(f"host phases of an overlapped run ({wall:.2f} s wall): " + ", ".join(
+        f"{name} {secs:.2f} s" for name, secs in totals.items()) + f", everything else {rest:.2f} s "
+        "(output processing, the loop)")
+
+
 def kernel_categories(llm, prompts, params) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -142,6 +175,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--kernels", action="store_true", help="also profile kernel time by category")
+    parser.add_argument("--host", action="store_true", help="also time the host's phases of an overlapped run")
     args = parser.parse_args()
     from deepinfer import LLM, SamplingParams
 
@@ -163,6 +197,8 @@ def main() -> None:
         seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
         print(f"overlapped loop, {run} run: {seconds:.2f} s ({compiles.take()})")
     print_steps(step_times(llm, prompts, params))
+    if args.host:
+        host_phases(llm, prompts, params)
     if args.kernels:
         kernel_categories(llm, prompts, params)
 

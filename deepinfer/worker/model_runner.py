@@ -37,7 +37,7 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.runner_ops import verify_chunks
-from deepinfer.worker.input_batch import StepInputs, build_step_inputs
+from deepinfer.worker.input_batch import FRESH_SDPA_MIN_TOKENS, StepInputs, build_step_inputs
 
 if TYPE_CHECKING:
     from deepinfer.worker.cuda_graphs import DecodeGraphs
@@ -145,6 +145,7 @@ class ModelRunner:
             from deepinfer.worker.cuda_graphs import DecodeGraphs  # imports triton: CUDA only
 
             self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._warm_up_kernels()
             if not config.model.enforce_eager:
                 self.decode_graphs = DecodeGraphs(
                     self.model, len(self.groups), spec.num_kv_heads, min(config.scheduler.max_num_seqs, 512),
@@ -203,6 +204,34 @@ class ModelRunner:
         del caches, inputs, hidden, logits
         self.platform.synchronize()
         torch.cuda.empty_cache()
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """One eager step of every attention kind on a throwaway cache: a decode split along its
+        sequence, a chunk on top of cached tokens (the paged prefill kernel) and a fresh chunk
+        (SDPA), so that their compiles (~1 s for the prefill kernel on the H200) happen at start,
+        as vLLM's warm-up does, not in the first steps that serve requests."""
+        limit = min(self._max_model_len(), 128)
+        # (cached, new) per chunk; the fresh chunk long enough for SDPA where the model allows it.
+        tokens = [(limit - 1, 1), (limit // 2, limit - limit // 2),
+                  (0, min(FRESH_SDPA_MIN_TOKENS, self._max_model_len()))]
+        blocks = sum(-(-(c + n) // self.block_size) for c, n in tokens) + 1
+        spec = self.groups[0].spec
+        caches = [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size,
+                               dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(num_slots(self.groups))]
+        chunks, token_ids, next_block = [], {}, 1
+        for i, (cached, new) in enumerate(tokens):
+            count = -(-(cached + new) // self.block_size)
+            table = list(range(next_block, next_block + count))
+            next_block += count
+            chunks.append(ScheduledChunk(f"warm-up {i}", cached, new, [table for _ in self.groups], sample=True))
+            token_ids[f"warm-up {i}"] = [0] * (cached + new)
+        inputs = build_step_inputs(chunks, token_ids, self.groups, self.block_size, self.layer_to_group,
+                                   self.layer_to_slot, caches, self.device, backend=self.attention_backend,
+                                   decode_splits=self.decode_splits(1))
+        with forward_context(inputs.attention):
+            self.model(inputs.input_ids, inputs.positions)
+        self.platform.synchronize()
 
     @property
     def bytes_per_block(self) -> int:
