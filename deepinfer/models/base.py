@@ -41,6 +41,14 @@ class CausalLM(nn.Module):
         self.hf_config = hf_config
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states [rows, hidden] of every input row or, given `logits_rows` (row
+        indices), of those rows only, in that order. Past the last layer's attention the other
+        rows feed nothing (their K/V is written by then), so the last MLP runs on these rows
+        alone: in a 16k-token prefill step that is 1/32 of Llama-3-8B's MLP work saved."""
+        raise NotImplementedError
+
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
         raise NotImplementedError
 

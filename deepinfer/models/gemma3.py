@@ -36,8 +36,8 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) as in LlamaDecoderLayer. Gemma's post-norms apply to a block's
         output before it joins the residual stream, so they stay plain norms; the pre-norms take
         the add (one kernel each on the fast path)."""
@@ -46,6 +46,8 @@ class Gemma3DecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden))
+        if keep_rows is not None:   # only these rows continue (CausalLM.forward's logits_rows)
+            hidden, residual = hidden[keep_rows], residual[keep_rows]
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
@@ -60,12 +62,14 @@ class Gemma3Model(nn.Module):
         self.norm = GemmaRMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.embed_scale = cfg["hidden_size"] ** 0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # NOTE: HF rounds the scale to the activation dtype before multiplying; so do we.
         hidden, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, logits_rows if i == last else None)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
@@ -83,8 +87,9 @@ class Gemma3ForCausalLM(CausalLM):
             self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
         self.final_logit_softcapping = cfg.get("final_logit_softcapping")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, logits_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -123,16 +123,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                keep_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) in and out: the residual stream is `residual`, and `hidden` is the
         last block's output not yet added to it. Each norm adds it in and normalises the sum in
-        one step (one kernel on the fast path); the first layer gets residual None."""
+        one step (one kernel on the fast path); the first layer gets residual None.
+        `keep_rows`: only these rows continue past attention (CausalLM.forward's logits_rows)."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden)
+        if keep_rows is not None:
+            hidden, residual = hidden[keep_rows], residual[keep_rows]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -146,10 +149,12 @@ class LlamaModel(nn.Module):
                                     for i in range(cfg["num_hidden_layers"]))
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, logits_rows if i == last else None)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
@@ -160,8 +165,9 @@ class LlamaForCausalLM(CausalLM):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(hf_config["hidden_size"], hf_config["vocab_size"], bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, logits_rows)
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
         return kv_cache_specs_of(self.hf_config, dtype)

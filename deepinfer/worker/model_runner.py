@@ -65,7 +65,8 @@ class ForwardStep:
     """A step whose forward is queued: what sampling needs from it."""
 
     inputs: StepInputs | None             # None: nothing to compute
-    hidden: torch.Tensor | None           # None when a CUDA graph ran (it returns logits only)
+    hidden: torch.Tensor | None           # None when a CUDA graph ran (it returns logits only); only
+                                          # the sampled rows when no chunk needs the others (forward)
     sample_rows: list[int]                # rows of inputs.chunks sampled this step
     logits: torch.Tensor | None           # [len(sample_rows), vocab]
 
@@ -278,11 +279,14 @@ class ModelRunner:
             if sample_rows:   # keep the sampled rows'
                 logits = all_logits if len(sample_rows) == len(inputs.chunks) else all_logits[sample_rows]
         else:
+            index = (to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
+                     if sample_rows else None)
+            # Draft verification and prompt logprobs read other rows' hidden states (sample()).
+            every_row = index is None or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks)
             with forward_context(inputs.attention):
-                hidden = self.model(inputs.input_ids, inputs.positions)
+                hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index)
             if sample_rows:
-                index = to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
-                logits = self.model.compute_logits(hidden[index])
+                logits = self.model.compute_logits(hidden[index] if every_row else hidden)
         return ForwardStep(inputs, hidden, sample_rows, logits)
 
     @torch.inference_mode()
