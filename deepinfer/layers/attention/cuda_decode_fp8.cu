@@ -5,7 +5,7 @@
 //   GROUP       query heads per KV head, 1..8
 //   BLOCK_SIZE  tokens per cache block (a power of two)
 //   Q_BF16      1: q and out are bfloat16; 0: float16
-//   STAGES      keys units in flight per warp (cp.async pipeline depth)
+//   STAGES      units of 32 keys in each warp's cp.async pipeline (its depth)
 //
 // The products are mma.sync m16n8k16 with float16 operands and float32 accumulators:
 //   scores S[head][key]   = q[head][:] . K[key][:]      A = q (rows: the GROUP heads, zero-padded
@@ -206,7 +206,7 @@ extern "C" __global__ void __launch_bounds__(32) decode_fp8(
     for (int u = 0; u < n_units; ++u) {
         const int row_issue = row_ahead;
         row_ahead = key_row(u + STAGES);
-        if (u + STAGES - 1 < n_units) issue(u + STAGES - 1, row_issue);   // keys past `end`: zeros
+        if (u + STAGES - 1 < n_units) issue(u + STAGES - 1, row_issue);   // the unit STAGES-1 ahead
         asm volatile("cp.async.commit_group;" ::: "memory");
         asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1) : "memory");
         __syncwarp();

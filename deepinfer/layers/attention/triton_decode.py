@@ -174,6 +174,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     `kernel`: "auto" takes the CUDA C++ kernel of cuda_decode.py where it applies (an fp8 cache
     under a 16-bit q), this module's Triton kernel otherwise; "triton" always this one (tests and
     benchmarks compare the two)."""
+    if kernel not in ("auto", "triton"):
+        raise ValueError(f"kernel must be 'auto' or 'triton', got {kernel!r}")
     batch, num_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
