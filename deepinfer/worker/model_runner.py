@@ -191,9 +191,7 @@ class ModelRunner:
         tokens = min(self.config.scheduler.max_num_batched_tokens, self._max_model_len())
         rows = min(self.config.scheduler.max_num_seqs, tokens)
         blocks = -(-tokens // self.block_size) + 1
-        spec = self.groups[0].spec
-        caches = [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size,
-                               dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(num_slots(self.groups))]
+        caches = self._scratch_caches(blocks)
         chunk = ScheduledChunk("profile", 0, tokens, [list(range(1, blocks)) for _ in self.groups], sample=True)
         inputs = build_step_inputs([chunk], {"profile": [0] * tokens}, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, caches, self.device,
@@ -206,6 +204,13 @@ class ModelRunner:
         self.platform.synchronize()
         torch.cuda.empty_cache()
 
+    def _scratch_caches(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A throwaway KV cache of `blocks` blocks per slot, for steps run before the real pool
+        exists or beside it (K and V share one tensor: nothing reads them back)."""
+        spec = self.groups[0].spec
+        return [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size,
+                             dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(num_slots(self.groups))]
+
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
         """One eager step of every attention kind on a throwaway cache: a decode split along its
@@ -217,9 +222,7 @@ class ModelRunner:
         tokens = [(limit - 1, 1), (limit // 2, limit - limit // 2),
                   (0, min(FRESH_SDPA_MIN_TOKENS, self._max_model_len()))]
         blocks = sum(-(-(c + n) // self.block_size) for c, n in tokens) + 1
-        spec = self.groups[0].spec
-        caches = [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size,
-                               dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(num_slots(self.groups))]
+        caches = self._scratch_caches(blocks)
         chunks, token_ids, next_block = [], {}, 1
         for i, (cached, new) in enumerate(tokens):
             count = -(-(cached + new) // self.block_size)
