@@ -98,9 +98,12 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_pending_requests < 1:
         raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
     config = EngineConfig.from_kwargs(**kwargs)
-    run_server(config, host=args.host, port=args.port, api_key=args.api_key,
-               max_pending_requests=args.max_pending_requests, chat_format=args.chat_format,
-               log_level=args.uvicorn_log_level)
+    from deepinfer.entrypoints.options import ServerOptions
+
+    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
+                            max_pending_requests=args.max_pending_requests, chat_format=args.chat_format,
+                            uvicorn_log_level=args.uvicorn_log_level)
+    run_server(config, options)
     return 0
 
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 import deepinfer
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints.errors import APIError, is_anthropic_path
+from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
 from deepinfer.frontend.engine_client import AsyncEngineClient
 from deepinfer.models.loader import ModelSource
@@ -53,12 +54,13 @@ def make_encoder(source: ModelSource, chat_format: str = "auto"):
                                             name=f"hf:{source.name}")
 
 
-def build_app(config: EngineConfig, source: ModelSource, *, api_key: str | None = None,
-              max_pending_requests: int = 1024, chat_format: str = "auto") -> FastAPI:
-    client = AsyncEngineClient(config, source, max_pending_requests=max_pending_requests)
+def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions | None = None) -> FastAPI:
+    options = options or ServerOptions()
+    api_key = options.api_key
+    client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests)
     state = ServerState(client, [client.model_id], api_key=api_key)
     try:
-        state.encoder = make_encoder(source, chat_format)
+        state.encoder = make_encoder(source, options.chat_format)
     except Exception as e:   # no template: completions still work, chat routes say why not
         state.encoder_error = f"chat routes are unavailable for this model: {e}"
         logger.warning("%s", state.encoder_error)
@@ -171,15 +173,14 @@ def _add_common_routes(app: FastAPI) -> None:
         return {"prompt": state.client.tokenizer.decode(tokens, skip_special_tokens=False)}
 
 
-def run_server(config: EngineConfig, *, host: str = "0.0.0.0", port: int = 8000, api_key: str | None = None,
-               max_pending_requests: int = 1024, chat_format: str = "auto", log_level: str = "info") -> None:
+def run_server(config: EngineConfig, options: ServerOptions) -> None:
     import uvicorn
 
     from deepinfer.models.loader import load_model_source
 
     # The front end needs only config and tokenizer; the weights load in the core process.
     source = load_model_source(config.model.model)
-    app = build_app(config, source, api_key=api_key, max_pending_requests=max_pending_requests,
-                    chat_format=chat_format)
-    logger.info("serving %s on http://%s:%d", app.state.server.model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    app = build_app(config, source, options)
+    logger.info("serving %s on http://%s:%d", app.state.server.model_name, options.host, options.port)
+    uvicorn.run(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
+                timeout_graceful_shutdown=5)
