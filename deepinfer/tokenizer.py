@@ -278,6 +278,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_many(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Several texts at once, in Rust threads and without holding the interpreter (the
+        server tokenizes in a worker thread while its event loop streams other requests)."""
+        batch = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -12,6 +12,10 @@ input is queued without blocking, steps once, and pushes that step's outputs. Wh
 blocks on the input socket for at most HEARTBEAT_S, then pushes an empty StepOutputs, which is
 the heartbeat the front end's health check and metrics gauges rely on.
 
+A thread of its own sends a Heartbeat every HEARTBEAT_S on a second socket, also while the
+loop is inside a long step, with how long the loop has been in its current iteration: silence
+means the process is stopped or frozen, a growing `busy_for_s` that one step never ends.
+
 Handshake: the core loads the model, then sends Ready (or Failed with the error text). Any
 exception in the loop is sent as Failed before the process exits with status 1, so a crashed
 core turns into an unhealthy server, never a hung request.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 import traceback
 from typing import Union
@@ -77,6 +82,10 @@ class Failed(msgspec.Struct, tag="failed"):
     error: str
 
 
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    busy_for_s: float   # how long the busy loop has been in its current iteration
+
+
 class StepOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: EngineStats
@@ -85,7 +94,7 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     finished_times: dict[str, RequestTimes] = {}
 
 
-OutputMessage = Union[Ready, Failed, StepOutputs]
+OutputMessage = Union[Ready, Failed, Heartbeat, StepOutputs]
 
 
 # ------------------------------------------------------------------------------- the process
@@ -100,7 +109,12 @@ class EngineCoreProc:
         self.input.connect(input_address)
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.setsockopt(zmq.LINGER, 2000)  # let the last Failed/outputs leave on exit
+        # Unbounded: a front end that falls behind must never block the step loop (it drains
+        # and coalesces what queued up; frontend/output_stream.py).
+        self.output.setsockopt(zmq.SNDHWM, 0)
         self.output.connect(output_address)
+        self.output_address = output_address
+        self.iteration_started = time.monotonic()
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.core = None
@@ -120,11 +134,27 @@ class EngineCoreProc:
         name = self.config.model.served_model_name or source.name
         self.send(Ready(name, self.core.max_model_len, self.core.runner.num_blocks, self.block_size, os.getpid()))
 
+    def start_heartbeat(self) -> None:
+        def beat() -> None:
+            socket = self.ctx.socket(zmq.PUSH)   # a socket belongs to one thread
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(self.output_address)
+            encoder = msgspec.msgpack.Encoder()
+            try:
+                while True:
+                    time.sleep(HEARTBEAT_S)
+                    socket.send(encoder.encode(Heartbeat(time.monotonic() - self.iteration_started)))
+            except zmq.ContextTerminated:
+                socket.close()
+
+        threading.Thread(target=beat, name="core-heartbeat", daemon=True).start()
+
     def run(self) -> None:
         core = self.core
         pending: list[EngineCoreOutput] = []   # abort outputs to report with the next step
         last_sent = time.monotonic()
         while True:
+            self.iteration_started = time.monotonic()
             busy = core.has_unfinished()
             timeout_ms = 0 if busy else int(HEARTBEAT_S * 1000)
             # Drain everything queued; block only while there is nothing to compute.
@@ -186,6 +216,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     proc = EngineCoreProc(config, input_address, output_address, config.cache.block_size)
     try:
         proc.load()
+        proc.start_heartbeat()
         proc.run()
     except SystemExit:
         pass

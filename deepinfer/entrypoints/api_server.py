@@ -2,17 +2,20 @@
 
     deepinfer serve [MODEL] --port 8000 --api-key KEY --served-model-name NAME
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages
-(+ /v1/messages/count_tokens), /tokenize, /detokenize, /health, /version, /metrics.
+Routes: /v1/models (+ /v1/models/{id}), /v1/completions, /v1/chat/completions, /v1/responses,
+/v1/messages (+ /v1/messages/count_tokens), /tokenize, /detokenize, /tokenizer_info, /health,
+/ping, /version, /metrics.
 The engine core runs in its own process (engine/core_proc.py), started in the app's lifespan;
-this process tokenizes, detokenizes and speaks HTTP.
+this process tokenizes, detokenizes and speaks HTTP. If the core cannot be kept alive (it died
+more than --max-engine-restarts times), the server stops and `run_server` exits with status 1.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
+import os
+import sys
 import time
 from typing import Any
 
@@ -22,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 import deepinfer
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints.errors import APIError, is_anthropic_path
+from deepinfer.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
 from deepinfer.frontend.engine_client import AsyncEngineClient
@@ -29,13 +33,11 @@ from deepinfer.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
 
-# Routes anyone may call even when --api-key is set (probes and scrapers carry no key).
-_OPEN_PATHS = ("/health", "/version", "/metrics", "/docs", "/openapi.json", "/redoc")
 
-
-def make_encoder(source: ModelSource, chat_format: str = "auto"):
+def make_encoder(source: ModelSource, chat_format: str = "auto", chat_template: str | None = None):
     """The recipe encoder for chat routes: DeepSeek-V4 formats by name, else the model's own
-    HF chat template (also for GGUF models, whose tokenizer exists only in memory)."""
+    HF chat template (also for GGUF models, whose tokenizer exists only in memory), or the one
+    given with --chat-template (a file or the template text)."""
     from deepinfer_recipe import get_encoder
     from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 
@@ -43,28 +45,33 @@ def make_encoder(source: ModelSource, chat_format: str = "auto"):
         architectures = source.hf_config.get("architectures") or []
         chat_format = "deepseek-v4" if any("DeepseekV4" in a for a in architectures) else "template"
     if chat_format in ("deepseek-v4", "deepseek-v4.1"):
-        import os
-
         tokenizer_json = os.path.join(source.path, "tokenizer.json")
         return get_encoder(chat_format, tokenizer_json if os.path.isfile(tokenizer_json) else None)
     if chat_format.startswith("hf:"):
         return get_encoder(chat_format)
     tok = source.tokenizer
-    return HFTemplateEncoder.from_tokenizer(tok.backend, tok.chat_template, tok.bos_token, tok.eos_token,
+    if tok is None:
+        raise ValueError("the server runs without a tokenizer (--skip-tokenizer-init)")
+    template = tok.chat_template
+    if chat_template is not None:
+        template = open(chat_template).read() if os.path.isfile(chat_template) else chat_template
+    return HFTemplateEncoder.from_tokenizer(tok.backend, template, tok.bos_token, tok.eos_token,
                                             name=f"hf:{source.name}")
 
 
-def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions | None = None) -> FastAPI:
+def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions | None = None,
+              on_fatal=None) -> FastAPI:
     options = options or ServerOptions()
-    api_key = options.api_key
-    client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests)
-    state = ServerState(client, [client.model_id], api_key=api_key)
+    client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests,
+                               request_timeout_s=options.request_timeout_s,
+                               max_engine_restarts=options.max_engine_restarts, on_fatal=on_fatal)
+    names = list(options.served_model_name) or [client.model_id]
+    state = ServerState(client, names, options)
     try:
-        state.encoder = make_encoder(source, options.chat_format)
+        state.encoder = make_encoder(source, options.chat_format, options.chat_template)
     except Exception as e:   # no template: completions still work, chat routes say why not
         state.encoder_error = f"chat routes are unavailable for this model: {e}"
         logger.warning("%s", state.encoder_error)
-    state.extra["root"] = source.path
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -73,18 +80,14 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
             yield
         finally:
             await client.shutdown()
+            state.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=lifespan)
     app.state.server = state
-
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_key and not request.url.path.startswith(_OPEN_PATHS):
-            if not _key_matches(request, api_key):
-                error = APIError(401, "Invalid or missing API key (send 'Authorization: Bearer KEY' or 'x-api-key').",
-                                 code="invalid_api_key")
-                return error.response(anthropic=is_anthropic_path(request.url.path))
-        return await call_next(request)
+    # Outermost first: the size check answers before the key check reads anything.
+    if options.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(BodySizeLimitMiddleware, limit=options.max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):
@@ -92,8 +95,9 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, error: Exception):
+        # A bug, never the client's fault: the details go to the log, not to the client.
         logger.exception("unhandled error on %s", request.url.path)
-        wrapped = APIError(500, f"internal error: {type(error).__name__}: {error}")
+        wrapped = APIError(500, "internal server error (the server log has the details)")
         return wrapped.response(anthropic=is_anthropic_path(request.url.path))
 
     from deepinfer.entrypoints.anthropic import messages
@@ -106,10 +110,11 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     return app
 
 
-def _key_matches(request: Request, api_key: str) -> bool:
-    bearer = request.headers.get("authorization", "")
-    offered = bearer[7:] if bearer.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-    return hmac.compare_digest(offered.encode(), api_key.encode())
+def _model_card(state: ServerState, name: str) -> dict:
+    created = int(state.client.info.started) if state.client.info else int(time.time())
+    # `root` names the model, never its path on this machine.
+    return {"id": name, "object": "model", "created": created, "owned_by": "deepinfer",
+            "root": state.client.model_id, "parent": None, "max_model_len": state.max_model_len}
 
 
 def _add_common_routes(app: FastAPI) -> None:
@@ -118,7 +123,12 @@ def _add_common_routes(app: FastAPI) -> None:
         client = get_state(request).client
         if client.healthy:
             return Response(status_code=200)
-        return JSONResponse({"status": "unhealthy", "reason": client.unhealthy_reason}, status_code=503)
+        return JSONResponse({"status": "unhealthy", "reason": client.unhealthy_reason}, status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.get("/ping")
+    async def ping(request: Request):
+        return await health(request)
 
     @app.get("/version")
     async def version():
@@ -132,45 +142,64 @@ def _add_common_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         state = get_state(request)
-        created = int(state.client.info.started) if state.client.info else int(time.time())
-        data = [{"id": name, "object": "model", "created": created, "owned_by": "deepinfer",
-                 "root": state.extra.get("root"), "max_model_len": state.max_model_len}
-                for name in state.served_model_names]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        state = get_state(request)
+        return _model_card(state, state.check_model(model_id))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        """What vLLM's /tokenizer_info gives (lm-eval's remote tokenizer reads it)."""
+        state = get_state(request)
+        tok = state.tokenizer()
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token, "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                "chat_template": tok.chat_template, "model_max_length": state.max_model_len,
+                "vocab_size": tok.vocab_size, "add_bos_token": tok.bos_token is not None}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         state = get_state(request)
         body = await read_json(request)
-        state.check_model(body)
-        if "messages" in body:
-            from deepinfer.entrypoints import conversation
-
-            body.setdefault("max_tokens", 1)
-            ids = conversation.prepare(state, "chat", body).prompt_token_ids
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise APIError(400, "tokenize needs 'prompt' (a string) or 'messages'", param="prompt")
-            add_special = body.get("add_special_tokens", True)
-            ids = state.client.tokenizer.encode(prompt, add_special_tokens=bool(add_special))
-        result: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-        if body.get("return_token_strs"):
-            result["token_strs"] = state.client.tokenizer.convert_ids_to_tokens(ids)
-        return result
+        return await state.run_off_loop(_tokenize, state, body)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         state = get_state(request)
         body = await read_json(request)
-        state.check_model(body)
+        state.check_model(body.get("model"))
         tokens = body.get("tokens")
         vocab = state.client.vocab_size
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise APIError(400, "detokenize needs 'tokens': a list of token ids", param="tokens")
         if any(not 0 <= t < vocab for t in tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": state.client.tokenizer.decode(tokens, skip_special_tokens=False)}
+        return {"prompt": state.tokenizer().decode(tokens, skip_special_tokens=False)}
+
+
+def _tokenize(state: ServerState, body: dict) -> dict:
+    state.check_model(body.get("model"))
+    if "messages" in body:
+        from deepinfer.entrypoints import conversation
+
+        chat = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs",
+                                                             "add_generation_prompt")}
+        chat.setdefault("max_tokens", 1)
+        ids = conversation.prepare(state, "chat", chat).prompt_token_ids
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(400, "tokenize needs 'prompt' (a string) or 'messages'", param="prompt")
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise APIError(400, "add_special_tokens must be a boolean", param="add_special_tokens")
+        ids = state.tokenizer().encode_many([prompt], add_special)[0]
+    result: dict[str, Any] = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    if body.get("return_token_strs"):
+        result["token_strs"] = state.tokenizer().convert_ids_to_tokens(ids)
+    return result
 
 
 def run_server(config: EngineConfig, options: ServerOptions) -> None:
@@ -178,9 +207,21 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
 
     from deepinfer.models.loader import load_model_source
 
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def on_fatal(reason: str) -> None:
+        fatal.append(reason)
+        if server is not None:
+            server.should_exit = True
+
     # The front end needs only config and tokenizer; the weights load in the core process.
     source = load_model_source(config.model.model)
-    app = build_app(config, source, options)
+    app = build_app(config, source, options, on_fatal=on_fatal)
     logger.info("serving %s on http://%s:%d", app.state.server.model_name, options.host, options.port)
-    uvicorn.run(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
+                                           log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5))
+    server.run()
+    if fatal:
+        logger.critical("exiting: %s", fatal[0])
+        sys.exit(1)

@@ -23,10 +23,11 @@ from deepinfer_recipe.output import OutputSession
 from deepinfer_recipe.tools.constraint import offered_tools
 
 from deepinfer.entrypoints import sampling
-from deepinfer.entrypoints.errors import APIError, bad_request
+from deepinfer.entrypoints.errors import bad_request
+from deepinfer.entrypoints.request_fields import SamplingFields, parse_fields
 from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors
-from deepinfer.frontend.engine_client import RequestAbortedError
-from deepinfer.outputs import Logprob, RequestOutput
+from deepinfer.entrypoints.logprobs import chat_logprob, prompt_logprobs_json
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -47,8 +48,10 @@ class PreparedConversation:
     sessions: list[OutputSession]
     top_logprobs: int | None        # None: logprobs not requested
     engine_fields: dict             # priority, cache_salt
+    fields: SamplingFields          # the validated request fields (stream, stream_options, ...)
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
+    prompt_logprobs: list | None = None   # vLLM's prompt_logprobs JSON, once the engine sent them
 
     def usage_counts(self) -> tuple[int, int, int]:
         """(prompt, completion summed over choices, cached prompt) tokens."""
@@ -57,8 +60,12 @@ class PreparedConversation:
 
 
 def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversation:
-    """Validate, encode and build sampling params; any client mistake is an APIError (400/404)."""
-    model = state.check_model(body)
+    """Validate, encode and build sampling params; any client mistake is an APIError (400/404).
+
+    CPU-heavy for a long conversation (template rendering, tokenization, schema compiles): the
+    routes call it through `state.run_off_loop`."""
+    fields = parse_fields(protocol, body)
+    model = state.check_model(fields.model)
     encoder = state.chat_encoder()
     try:
         conversation = parse_request(protocol, body)
@@ -67,34 +74,32 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
         raise bad_request(str(e), e.path) from None
     except RecipeError as e:
         raise bad_request(str(e)) from None
+    except RecursionError:
+        raise bad_request("the conversation is nested too deeply to render") from None
     prompt_ids = encoding.token_ids
     if not prompt_ids:
         raise bad_request("the conversation renders to an empty prompt", "messages")
 
-    n, top_logprobs, seed = 1, None, conversation.seed
+    n, top_logprobs, prompt_logprobs = 1, None, None
     if protocol == "chat":
-        n = sampling.field(body, "n", (int,), 1)
-        if sampling.field(body, "logprobs", (bool,), False):
-            top_logprobs = sampling.field(body, "top_logprobs", (int,), 0)
-            if not 0 <= top_logprobs <= sampling.MAX_TOP_LOGPROBS:
-                raise bad_request(f"top_logprobs must be in [0, {sampling.MAX_TOP_LOGPROBS}], got {top_logprobs}",
-                                  "top_logprobs")
-        elif body.get("top_logprobs") is not None:
+        n = fields.n
+        prompt_logprobs = fields.prompt_logprobs
+        if fields.logprobs:
+            top_logprobs = fields.top_logprobs or 0
+        elif fields.top_logprobs is not None:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        sampling.check_logprobs(top_logprobs, state.options.max_logprobs, "top_logprobs")
     elif protocol == "responses":
-        top = sampling.field(body, "top_logprobs", (int,))
-        if top is not None:
-            if not 0 <= top <= sampling.MAX_TOP_LOGPROBS:
-                raise bad_request(f"top_logprobs must be in [0, {sampling.MAX_TOP_LOGPROBS}]", "top_logprobs")
-            top_logprobs = top
-    max_tokens = conversation.max_tokens
+        top_logprobs = fields.top_logprobs
+        sampling.check_logprobs(top_logprobs, state.options.max_logprobs, "top_logprobs")
+    max_tokens = sampling.default_max_tokens(state, conversation.max_tokens)
     where = "input" if protocol == "responses" else "messages"
     sampling.check_context(len(prompt_ids), max_tokens, state.max_model_len, where)
     fmt = conversation.response_format
     if encoding.constraint is not None:   # a forced tool choice: the recipe's tool-call format
         sampling.check_tool_schemas(offered_tools(conversation)[0])
-    params = sampling.build(body, vocab_size=state.client.vocab_size, max_tokens=max_tokens, logprobs=top_logprobs,
-                            n=n, seed=seed, detokenize=False,
+    params = sampling.build(fields, state, max_tokens=max_tokens, logprobs=top_logprobs,
+                            prompt_logprobs=prompt_logprobs, n=n, detokenize=False,
                             response_format={"type": fmt.type, "schema": fmt.schema},
                             tool_constraint=encoding.constraint)
     request_id = state.client.new_request_id()
@@ -105,7 +110,7 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
         sessions.append(OutputSession.for_encoding(encoder, encoding, protocol, model=model,
                                                    response_id=prefix + request_id, created=created))
     return PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs,
-                                sampling.engine_request_fields(body), created)
+                                sampling.engine_request_fields(fields), fields, created)
 
 
 def submit(state: ServerState, prepared: PreparedConversation) -> AsyncIterator[RequestOutput]:
@@ -124,6 +129,8 @@ async def run(state: ServerState, prepared: PreparedConversation,
     started = False
     async for out in outputs:
         prepared.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and prepared.prompt_logprobs is None:
+            prepared.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
         if not started:
             started = True
             for index, session in enumerate(prepared.sessions):
@@ -151,23 +158,6 @@ async def run_to_end(request, state: ServerState, prepared: PreparedConversation
     logprobs: list[list[dict]] = [[] for _ in prepared.sessions]
     async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         with engine_errors():
-            try:
-                async for update in run(state, prepared, outputs):
-                    logprobs[update.index].extend(update.logprobs)
-            except RequestAbortedError:
-                raise APIError(499, "the client closed the request") from None
+            async for update in run(state, prepared, outputs):
+                logprobs[update.index].extend(update.logprobs)
     return logprobs
-
-
-def chat_logprob(entry: dict[int, Logprob], token_id: int, top: int) -> dict:
-    """One position in OpenAI's chat logprobs shape."""
-    chosen = entry.get(token_id) or next(iter(entry.values()))
-    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:top]
-    return {**_token_logprob(chosen), "top_logprobs": [_token_logprob(lp) for _, lp in ranked]}
-
-
-def _token_logprob(lp: Logprob) -> dict:
-    text = lp.decoded_token or ""
-    # -inf is not JSON; OpenAI reports -9999.0 for impossible tokens.
-    value = max(lp.logprob, -9999.0)
-    return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}

@@ -2,7 +2,8 @@
 
 Routes raise `APIError(status, message, ...)`; the app's exception handlers pick the shape from
 the route (/v1/messages speaks Anthropic, everything else OpenAI). Nothing a client sends may
-crash the server: unexpected exceptions become 500 errors of the same shapes.
+crash the server: unexpected exceptions become 500 errors of the same shapes, whose message
+names no internals (those go to the server log with the request's id).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ _TYPES = {
     400: ("invalid_request_error", "invalid_request_error"),
     401: ("authentication_error", "authentication_error"),
     404: ("not_found_error", "not_found_error"),
+    408: ("timeout_error", "timeout_error"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_error"),
     500: ("internal_server_error", "api_error"),
@@ -24,12 +26,14 @@ _TYPES = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def openai_body(self) -> dict:
         kind = _TYPES.get(self.status, ("invalid_request_error", ""))[0]
@@ -40,9 +44,11 @@ class APIError(Exception):
         kind = _TYPES.get(self.status, ("", "api_error"))[1]
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
+    def body(self, anthropic: bool = False) -> dict:
+        return self.anthropic_body() if anthropic else self.openai_body()
+
     def response(self, anthropic: bool = False) -> JSONResponse:
-        body = self.anthropic_body() if anthropic else self.openai_body()
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.body(anthropic), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -1,9 +1,8 @@
 """Request body -> SamplingParams, with the checks that turn bad values into 400s.
 
-Every protocol reads its own names (OpenAI's `max_completion_tokens`, `top_logprobs`, ...;
-Anthropic's `top_k`), plus vLLM's extra sampling fields that clients send through `extra_body`
-(`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...).
-Types are checked here so that a wrong one is a 400 naming the field, never a 500.
+Types and ranges are checked by the route's pydantic model (request_fields.py); here the
+validated fields become SamplingParams, with the limits that depend on the server's options
+(stop sequences, logprobs) and the model's generation_config defaults.
 """
 
 from __future__ import annotations
@@ -15,28 +14,19 @@ from deepinfer.entrypoints.errors import bad_request
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
-MAX_TOP_LOGPROBS = 20   # OpenAI's limit for top_logprobs
 MAX_N = 128
 
-_INT = (int,)
-_NUMBER = (int, float)
-
-# vLLM's extra sampling fields, accepted by every OpenAI-style route.
-_EXTRA_FIELDS = {
-    "top_k": _INT, "min_p": _NUMBER, "repetition_penalty": _NUMBER, "min_tokens": _INT,
-    "ignore_eos": (bool,), "stop_token_ids": (list,), "skip_special_tokens": (bool,),
-    "include_stop_str_in_output": (bool,), "allowed_token_ids": (list,),
-}
+# Fields a model's generation_config.json may give defaults for (vLLM's --generation-config).
+_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    """body[name] if it has one of `kinds` (None counts as absent), else a 400 naming it."""
+    """body[name] if it has one of `kinds` (None counts as absent), else a 400 naming it; for
+    the free-form objects inside a request (structured_outputs)."""
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) and bool not in kinds:   # JSON true is not a number
-        raise bad_request(f"{name} must be {_kind_names(kinds)}, got {value!r}", name)
-    if not isinstance(value, kinds):
+    if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
         raise bad_request(f"{name} must be {_kind_names(kinds)}, got {value!r}", name)
     return value
 
@@ -47,18 +37,31 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
 
 
-def include_usage(body: dict) -> bool:
+def include_usage(fields) -> bool:
     """stream_options.include_usage (OpenAI: only allowed when streaming)."""
-    options = field(body, "stream_options", (dict,), {})
-    if options and not body.get("stream"):
+    options = fields.stream_options
+    if options is None:
+        return False
+    if not fields.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-    return bool(field(options, "include_usage", (bool,), False))
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise bad_request(f"stream_options has unknown field(s) {unknown}", "stream_options")
+    value = options.get("include_usage", False)
+    if not isinstance(value, bool):
+        raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+    return value
 
 
-def engine_request_fields(body: dict) -> dict:
+def engine_request_fields(fields) -> dict:
     """vLLM's per-request scheduling fields: `priority` (lower runs first under --policy
     priority) and `cache_salt` (a tenant's prefix-cache namespace)."""
-    return {"priority": field(body, "priority", _INT, 0), "cache_salt": field(body, "cache_salt", (str,))}
+    return {"priority": fields.priority, "cache_salt": fields.cache_salt}
+
+
+def check_logprobs(value: int | None, limit: int, name: str) -> None:
+    if value is not None and value > limit:
+        raise bad_request(f"{name} must be at most {limit} (--max-logprobs), got {value}", name)
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, where: str = "messages") -> None:
@@ -72,28 +75,33 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, w
 
 
 _STRUCTURED_FIELDS = {"json": (dict, str), "regex": (str,), "choice": (list,), "grammar": (str,),
-                      "json_object": (bool,), "structural_tag": (dict, str), "disable_any_whitespace": (bool,), "compile_timeout_s": _NUMBER}
+                      "json_object": (bool,), "structural_tag": (dict, str), "disable_any_whitespace": (bool,),
+                      "compile_timeout_s": (int, float)}
+# vLLM's older request fields for the same constraints.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def structured_outputs(body: dict, response_format: dict | None = None,
+def structured_outputs(fields, response_format: dict | None = None,
                        tool_constraint: dict | None = None) -> StructuredOutputsParams | None:
-    """The output constraint: vLLM's `structured_outputs` (extra_body), OpenAI's
-    `response_format` ({"type": "json_object"} or {"type": "json_schema", "schema": ...}, already
-    unpacked by the recipe), or the structural tag the recipe returns for a forced tool choice.
-    An invalid schema, regex or grammar is a 400 with xgrammar's reason."""
-    raw = field(body, "structured_outputs", (dict,))
+    """The output constraint: vLLM's `structured_outputs` (extra_body) or its `guided_*`
+    fields, OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
+    "schema": ...}, already unpacked by the recipe), or the structural tag the recipe returns
+    for a forced tool choice. At most one of them; an invalid schema, regex or grammar is a 400
+    with xgrammar's reason."""
     fmt = response_format if response_format and response_format.get("type") != "text" else None
-    if raw is not None and fmt is not None:
-        raise bad_request("give either response_format or structured_outputs, not both", "structured_outputs")
-    if tool_constraint is not None and (raw is not None or fmt is not None):
-        raise bad_request("a forced tool_choice already constrains the output; drop "
-                          f"{'structured_outputs' if raw is not None else 'response_format'} or use tool_choice auto",
-                          "tool_choice")
+    guided = {kind: getattr(fields, name) for name, kind in _GUIDED.items() if getattr(fields, name) is not None}
+    given = [name for name, present in (("structured_outputs", fields.structured_outputs is not None),
+                                        ("response_format", fmt is not None),
+                                        *((f"guided_{k}", True) for k in guided),
+                                        ("tool_choice", tool_constraint is not None)) if present]
+    if len(given) > 1:
+        raise bad_request(f"give one output constraint, not several: {', '.join(given)}", given[-1])
     if tool_constraint is not None:
         param = "tool_choice"
         kwargs = {"structural_tag": tool_constraint}
-    elif raw is not None:
+    elif fields.structured_outputs is not None:
         param = "structured_outputs"
+        raw = fields.structured_outputs
         unknown = sorted(set(raw) - set(_STRUCTURED_FIELDS))
         if unknown:
             raise bad_request(f"structured_outputs has unknown fields {unknown}; known: "
@@ -101,6 +109,9 @@ def structured_outputs(body: dict, response_format: dict | None = None,
         kwargs = {name: field(raw, name, kinds) for name, kinds in _STRUCTURED_FIELDS.items()}
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         kwargs.setdefault("disable_any_whitespace", False)
+    elif guided:
+        param = f"guided_{next(iter(guided))}"
+        kwargs = dict(guided)
     elif fmt is not None:
         param = "response_format"
         if fmt["type"] == "json_object":
@@ -116,8 +127,9 @@ def structured_outputs(body: dict, response_format: dict | None = None,
     try:
         constraint = StructuredOutputsParams(**kwargs)
         validate_structured_outputs(constraint)
-    except (ValueError, TypeError) as e:
-        raise bad_request(str(e), param) from None
+    except (ValueError, TypeError, RecursionError) as e:
+        raise bad_request(str(e) if not isinstance(e, RecursionError) else
+                          f"{param} is nested too deeply to compile", param) from None
     return constraint
 
 
@@ -136,39 +148,58 @@ def check_tool_schemas(tools) -> None:
             raise bad_request(f"{where}invalid JSON Schema for tool {tool.name!r}: {reason}", tool.schema_path) from None
 
 
-def build(body: dict, *, vocab_size: int, max_tokens: int | None, logprobs: int | None = None,
-          stop: list[str] | None = None, n: int = 1, seed: int | None = None,
+def build(fields, state, *, max_tokens: int | None, logprobs: int | None = None,
+          prompt_logprobs: int | None = None, stop: list[str] | None = None, n: int = 1,
           detokenize: bool = True, response_format: dict | None = None,
           tool_constraint: dict | None = None) -> SamplingParams:
-    """SamplingParams from the common OpenAI fields plus the extras; a bad value is a 400."""
-    kwargs: dict[str, Any] = {
-        "n": n,
-        "temperature": field(body, "temperature", _NUMBER, 1.0),   # OpenAI's and Anthropic's default
-        "top_p": field(body, "top_p", _NUMBER, 1.0),
-        "presence_penalty": field(body, "presence_penalty", _NUMBER, 0.0),
-        "frequency_penalty": field(body, "frequency_penalty", _NUMBER, 0.0),
-        "seed": seed,
-        "max_tokens": max_tokens,
-        "logprobs": logprobs,
-        "stop": stop or None,
-        "detokenize": detokenize,
-        "structured_outputs": structured_outputs(body, response_format, tool_constraint),
-    }
-    bias = field(body, "logit_bias", (dict,))
-    if bias is not None:
-        kwargs["logit_bias"] = bias
-    for name, kinds in _EXTRA_FIELDS.items():
-        value = field(body, name, kinds)
-        if value is not None:
-            kwargs[name] = value
+    """SamplingParams from a route's validated fields (request_fields.py); the fields a request
+    leaves out take the model's generation_config defaults, then vLLM's. A bad value is a 400."""
+    options = state.options
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
+    if stop and len(stop) > options.max_stop_sequences:
+        raise bad_request(f"at most {options.max_stop_sequences} stop sequences (--max-stop-sequences), "
+                          f"got {len(stop)}", "stop")
+    check_logprobs(logprobs, options.max_logprobs, "logprobs")
+    check_logprobs(prompt_logprobs, options.max_logprobs, "prompt_logprobs")
+    given = fields.model_fields_set
+    kwargs: dict[str, Any] = {
+        "n": n,
+        "seed": fields.seed,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
+        "stop": stop or None,
+        "detokenize": detokenize and state.client.tokenizer is not None,
+        "structured_outputs": structured_outputs(fields, response_format, tool_constraint),
+        "presence_penalty": fields.presence_penalty or 0.0,
+        "frequency_penalty": fields.frequency_penalty or 0.0,
+        "min_tokens": fields.min_tokens,
+        "ignore_eos": fields.ignore_eos,
+        "stop_token_ids": fields.stop_token_ids,
+        "allowed_token_ids": fields.allowed_token_ids,
+        "logit_bias": fields.logit_bias,
+        "skip_special_tokens": fields.skip_special_tokens,
+        "include_stop_str_in_output": fields.include_stop_str_in_output,
+    }
+    for name in _DEFAULTED:
+        value = getattr(fields, name) if name in given else None
+        if value is None:
+            value = state.sampling_defaults.get(name)
+        if value is not None:
+            kwargs[name] = value
     try:
         params = SamplingParams(**kwargs)
-        params.verify_token_ids(vocab_size)
+        params.verify_token_ids(state.client.vocab_size)
         return params
     except (ValueError, TypeError) as e:
         message = str(e)
         # The longest field name the message starts with ("stop_token_ids", not "stop").
         param = max((k for k in kwargs if message.startswith(k)), key=len, default=None)
         raise bad_request(message, param) from None
+
+
+def default_max_tokens(state, requested: int | None) -> int | None:
+    """max_tokens: the request's, else the model's generation_config max_new_tokens, else None
+    (up to the context length)."""
+    return requested if requested is not None else state.sampling_defaults.get("max_tokens")

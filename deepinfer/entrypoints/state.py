@@ -1,28 +1,39 @@
-"""What every route needs: the engine client, the recipe encoder, the served names, the key."""
+"""What every route needs: the engine client, the recipe encoder, the options, and the helpers
+that keep a route's failure modes uniform (body parsing, engine errors, client disconnects,
+CPU-heavy work off the event loop)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from deepinfer.entrypoints.body import decode_json, read_body
 from deepinfer.entrypoints.errors import APIError
-from deepinfer.frontend.engine_client import AsyncEngineClient, EngineDeadError, RequestFailedError, ServerBusyError
-
-DISCONNECT_POLL_S = 0.5
+from deepinfer.entrypoints.options import ServerOptions
+from deepinfer.frontend.engine_client import (
+    RETRY_AFTER_S, AsyncEngineClient, EngineDeadError, RequestAbortedError, RequestFailedError,
+    RequestTimeoutError, ServerBusyError,
+)
 
 
 @dataclass
 class ServerState:
     client: AsyncEngineClient
     served_model_names: list[str]
+    options: ServerOptions = field(default_factory=ServerOptions)
     encoder: object | None = None          # deepinfer_recipe Encoder; None: no chat template
     encoder_error: str | None = None
-    api_key: str | None = None
-    extra: dict = field(default_factory=dict)
+    # generation_config.json defaults for fields a request leaves out (--generation-config).
+    sampling_defaults: dict = field(default_factory=dict)
+    # Validation, template rendering and tokenization of big requests run here, so the event loop
+    # (every other request's tokens, /health) never waits on them. The tokenizer releases the
+    # interpreter while it encodes; pure-Python work still shares it, in 5 ms slices.
+    workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "deepinfer-prepare"))
 
     @property
     def model_name(self) -> str:
@@ -32,9 +43,8 @@ class ServerState:
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
 
-    def check_model(self, body: dict) -> str:
+    def check_model(self, model) -> str:
         """The served name to answer with; a named model we do not serve is a 404."""
-        model = body.get("model")
         if model is None:
             return self.model_name
         if not isinstance(model, str):
@@ -48,50 +58,72 @@ class ServerState:
             raise APIError(400, self.encoder_error or "this model has no chat template; use /v1/completions")
         return self.encoder
 
+    def tokenizer(self):
+        """The tokenizer, or a 400 when the server runs without one (--skip-tokenizer-init)."""
+        tokenizer = self.client.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "the server runs without a tokenizer (--skip-tokenizer-init): send prompts "
+                                "as token ids to /v1/completions")
+        return tokenizer
+
+    async def run_off_loop(self, fn, *args, **kwargs):
+        """`fn(*args, **kwargs)` in a worker thread; its exceptions (APIError included) propagate."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.workers, functools.partial(fn, *args, **kwargs))
+
 
 def get_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
 async def read_json(request: Request) -> dict:
-    """The body as a JSON object; anything else is a 400 (never FastAPI's 422)."""
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+    """The body as a JSON object within the size and nesting limits; anything else is a 4xx
+    (never FastAPI's 422). Large bodies are decoded off the event loop."""
+    state = get_state(request)
+    raw = await read_body(request, state.options.max_request_body_bytes)
+    if len(raw) < 1 << 16:
+        return decode_json(raw, state.options.max_json_depth)
+    return await state.run_off_loop(decode_json, raw, state.options.max_json_depth)
+
+
+def engine_error(error: BaseException) -> APIError | None:
+    """The HTTP error for an engine-side failure, or None if `error` is not one."""
+    retry = {"Retry-After": str(RETRY_AFTER_S)}
+    if isinstance(error, ServerBusyError):
+        return APIError(429, str(error), code="rate_limit_exceeded", headers=retry)
+    if isinstance(error, EngineDeadError):
+        return APIError(503, f"the engine is not available: {error}", code="engine_unavailable", headers=retry)
+    if isinstance(error, RequestTimeoutError):
+        return APIError(408, str(error), code="request_timeout")
+    if isinstance(error, RequestFailedError):
+        return APIError(500, f"the request failed: {error}", code="request_failed")
+    if isinstance(error, RequestAbortedError):
+        return APIError(499, "the client closed the request")
+    return None
 
 
 @contextlib.contextmanager
 def engine_errors():
-    """Engine-side refusals as HTTP errors: queue full 429, engine gone 503, request failed 500."""
+    """Engine-side refusals and failures as HTTP errors (429, 503, 408, 500, 499)."""
     try:
         yield
-    except ServerBusyError as e:
-        raise APIError(429, str(e), code="rate_limit_exceeded") from None
-    except EngineDeadError as e:
-        raise APIError(503, f"the engine is not available: {e}") from None
-    except RequestFailedError as e:
-        raise APIError(500, f"the request failed: {e}") from None
+    except (ServerBusyError, EngineDeadError, RequestTimeoutError, RequestFailedError, RequestAbortedError) as e:
+        raise engine_error(e) from None
 
 
 @contextlib.asynccontextmanager
 async def abort_on_disconnect(request: Request, client: AsyncEngineClient, request_ids: list[str]):
     """Abort `request_ids` in the engine as soon as the HTTP client goes away, and on exit.
 
-    Starlette only notices a vanished client when it next writes, and a request still queued
-    in the core writes nothing; polling the connection frees its KV blocks promptly either way.
-    Aborting on exit is a no-op for finished requests and stops any left running by an error."""
+    After the body is read, the server's next ASGI message for this request is
+    `http.disconnect`, sent when the client closes the connection: one waiting task per request,
+    no polling. Aborting on exit is a no-op for finished requests and stops any left running by
+    an error."""
     async def watch() -> None:
-        while True:
-            await asyncio.sleep(DISCONNECT_POLL_S)
-            if await request.is_disconnected():
-                for request_id in request_ids:
-                    client.abort(request_id)
-                return
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for request_id in request_ids:
+            client.abort(request_id)
 
     task = asyncio.create_task(watch())
     try:

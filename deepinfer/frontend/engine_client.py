@@ -6,10 +6,18 @@
     client.abort(request_id)                   # also done for you when the consumer goes away
 
 What happens here and not in the core: detokenization, stop strings and n > 1 fan-out (the
-OutputProcessor), per-request asyncio queues, the pending-request limit (backpressure), and
-metrics intervals. One task reads the core's output socket and dispatches; a watchdog task
-turns a dead core process into `EngineDeadError` for every waiting request and an unhealthy
-/health, so nothing ever waits on a core that is gone.
+OutputProcessor), per-request output streams, the pending-request limit (backpressure),
+request deadlines and metrics intervals.
+
+One task reads the core's output socket. It takes every message already queued at once and
+processes them together, so a front end that fell behind turns several steps' tokens into one
+output per request (frontend/output_stream.py coalesces further until the handler runs).
+
+A watchdog task supervises the core: a dead core, or one silent for ENGINE_STALL_S (its
+heartbeat thread stopped: SIGSTOP, a frozen process), fails every waiting request with
+EngineDeadError and makes /health unhealthy at once; a dead core, or one stalled for
+ENGINE_STALL_RESTART_S, is killed and started again, at most `max_engine_restarts` times, after
+which `on_fatal` is called (the server then exits non-zero for its supervisor to see).
 """
 
 from __future__ import annotations
@@ -17,24 +25,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
 import secrets
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import msgspec
-import zmq
-import zmq.asyncio
-
-from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineStats
-from deepinfer.engine.core_proc import (
-    Abort, AddRequest, Failed, OutputMessage, Ready, Shutdown, StepOutputs, run_engine_core,
-)
+from deepinfer.engine.core_proc import Abort, AddRequest, Failed, Heartbeat, StepOutputs
+from deepinfer.frontend.core_process import CoreProcess
+from deepinfer.frontend.output_stream import OutputStream
 from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.metrics.prometheus import ServerMetrics
 from deepinfer.metrics.stats import RequestTimings
@@ -46,13 +46,19 @@ from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
-# The core sends something at least every HEARTBEAT_S (0.5 s) when idle and after every step;
-# this much silence means it is stuck (one CPU step of a large prefill takes seconds, not this).
-HEARTBEAT_STALE_S = 60.0
+WATCHDOG_INTERVAL_S = 0.5
+# The core's heartbeat thread speaks every 0.5 s; this much silence means it is not running.
+ENGINE_STALL_S = 5.0
+ENGINE_STALL_RESTART_S = 30.0
+# One loop iteration (a step) this long is a hang, not work: a CPU step of a large prefill
+# chunk takes seconds, a GPU step milliseconds.
+ENGINE_STEP_HANG_S = 600.0
+CORE_START_TIMEOUT_S = 900.0
+RETRY_AFTER_S = 1
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process is gone; the server can no longer generate."""
+    """The engine core is gone or stalled; this request cannot be served (HTTP 503)."""
 
 
 class RequestAbortedError(RuntimeError):
@@ -63,15 +69,20 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request alone (e.g. its grammar did not compile in time)."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran past the server's deadline (--request-timeout-s; HTTP 408)."""
+
+
 class ServerBusyError(RuntimeError):
     """The pending-request limit is reached (HTTP 429)."""
 
 
 @dataclass
 class _Tracked:
-    queue: asyncio.Queue
+    stream: OutputStream
     timings: RequestTimings
     child_ids: list[str]
+    deadline: float | None
     stopped: set[str] = field(default_factory=set)   # children ended by a stop sequence upstream
 
 
@@ -85,98 +96,66 @@ class EngineInfo:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024,
+                 request_timeout_s: float = 0.0, max_engine_restarts: int = 3,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.tokenizer = source.tokenizer
         self.vocab_size = source.hf_config["vocab_size"]
         self.model_id = config.model.served_model_name or source.name
         self.max_pending_requests = max_pending_requests
+        self.request_timeout_s = request_timeout_s
+        self.max_engine_restarts = max_engine_restarts
+        self.on_fatal = on_fatal
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(self.model_id)
         self.info: EngineInfo | None = None
         self.last_stats: EngineStats | None = None
         self.dead_reason: str | None = None
+        self.num_restarts = 0
         self._requests: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self._num_pending_seqs = 0   # children in flight: n > 1 counts n
+        self._core: CoreProcess | None = None
+        self._busy_for_s = 0.0
         self._tasks: list[asyncio.Task] = []
-        self._proc = None
-        self._ipc_dir = None
-        self._last_heartbeat = time.monotonic()
+        self._watchdog_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------------ lifecycle
-    async def start(self, timeout_s: float = 900.0) -> EngineInfo:
-        self._ipc_dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
-        input_address = f"ipc://{self._ipc_dir}/input"
-        output_address = f"ipc://{self._ipc_dir}/output"
-        self._sync_ctx = zmq.Context()
-        self._input = self._sync_ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)   # never block the event loop on a send
-        self._input.bind(input_address)
-        self._async_ctx = zmq.asyncio.Context()
-        self._output = self._async_ctx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(output_address)
-        # spawn, not fork: the front end may already hold threads (uvicorn, tokenizers).
-        self._proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, input_address, output_address, envs.log_level()),
-            name="deepinfer-engine-core", daemon=True)
-        self._proc.start()
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the engine core process exited with code {self._proc.exitcode} "
-                                   "while loading the model (see its log above)")
-            if time.monotonic() > deadline:
-                self._proc.kill()
-                raise RuntimeError(f"the engine core was not ready after {timeout_s:.0f} s")
-            if not await self._output.poll(1000):
-                continue
-            message = self._decoder.decode(await self._output.recv())
-            if isinstance(message, Failed):
-                raise RuntimeError(f"the engine core failed to start:\n{message.error}")
-            if isinstance(message, Ready):
-                self.info = EngineInfo(self.model_id, message.max_model_len, message.num_kv_blocks,
-                                       message.block_size)
-                break
-        self._last_heartbeat = time.monotonic()
-        self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
-                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+    async def start(self, timeout_s: float = CORE_START_TIMEOUT_S) -> EngineInfo:
+        core = CoreProcess(self.config)
+        try:
+            ready = await core.start(timeout_s)
+        except BaseException:
+            core.shutdown()
+            raise
+        self._core, self.dead_reason, self._busy_for_s = core, None, 0.0
+        started = self.info.started if self.info else time.time()
+        self.info = EngineInfo(self.model_id, ready.max_model_len, ready.num_kv_blocks, ready.block_size, started)
+        self._tasks = [asyncio.create_task(self._output_loop(core), name="engine-outputs")]
+        if self._watchdog_task is None:
+            self._watchdog_task = asyncio.create_task(self._watchdog(), name="engine-watchdog")
         logger.info("engine core ready (pid %s): %s, max_model_len=%d, %d KV blocks of %d tokens",
-                    self._proc.pid, self.model_id, self.info.max_model_len, self.info.num_kv_blocks,
-                    self.info.block_size)
+                    core.pid, self.model_id, self.info.max_model_len, self.info.num_kv_blocks, self.info.block_size)
         return self.info
 
     async def shutdown(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        if self._proc is not None and self._proc.is_alive():
-            try:
-                self._input.send(self._encoder.encode(Shutdown()), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            self._proc.join(5)
-            if self._proc.is_alive():
-                self._proc.terminate()
-                self._proc.join(5)
-            if self._proc.is_alive():
-                self._proc.kill()
+        for task in [*self._tasks, self._watchdog_task]:
+            if task is not None:
+                task.cancel()
+        if self._core is not None:
+            self._core.shutdown()
         self._fail_all(EngineDeadError("the server is shutting down"))
-        for ctx in (getattr(self, "_sync_ctx", None), getattr(self, "_async_ctx", None)):
-            if ctx is not None:
-                ctx.destroy(linger=0)
-        if self._ipc_dir:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-    @property
-    def healthy(self) -> bool:
-        """The core process is alive and not silent; /health reports this."""
-        return self.alive and time.monotonic() - self._last_heartbeat < HEARTBEAT_STALE_S
 
     @property
     def alive(self) -> bool:
-        return self.dead_reason is None and self._proc is not None and self._proc.is_alive()
+        return self.dead_reason is None and self._core is not None and self._core.alive
+
+    @property
+    def healthy(self) -> bool:
+        """Alive, heard from within ENGINE_STALL_S, and not stuck in one step; /health says this."""
+        return (self.alive and self._core.silent_for() < ENGINE_STALL_S
+                and self._busy_for_s < ENGINE_STEP_HANG_S)
 
     @property
     def unhealthy_reason(self) -> str | None:
@@ -184,11 +163,13 @@ class AsyncEngineClient:
             return None
         if not self.alive:
             return self.dead_reason or "the engine core is not running"
-        return f"the engine core has sent nothing for {time.monotonic() - self._last_heartbeat:.0f} s"
+        if self._busy_for_s >= ENGINE_STEP_HANG_S:
+            return f"the engine core has been in one step for {self._busy_for_s:.0f} s"
+        return f"the engine core has sent nothing for {self._core.silent_for():.0f} s"
 
     @property
     def num_pending(self) -> int:
-        return len(self._requests)
+        return self._num_pending_seqs
 
     # ------------------------------------------------------------------------- requests
     def new_request_id(self) -> str:
@@ -211,9 +192,7 @@ class AsyncEngineClient:
     async def _iterate(self, request_id: str, tracked: _Tracked) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                item = await tracked.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = await tracked.stream.get()
                 if item.error is not None:
                     raise RequestFailedError(item.error)
                 yield item
@@ -225,39 +204,51 @@ class AsyncEngineClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None) -> _Tracked:
-        if not self.alive:
-            raise EngineDeadError(self.dead_reason or "the engine core is not running")
-        if len(self._requests) >= self.max_pending_requests:
-            raise ServerBusyError(f"the server has {len(self._requests)} requests in flight, its limit "
-                                  f"(--max-pending-requests); retry later")
+        """Register and send a request: all of it, or (on any error) none of it."""
+        if not self.healthy:
+            raise EngineDeadError(self.unhealthy_reason)
+        if self._num_pending_seqs + params.n > self.max_pending_requests:
+            raise ServerBusyError(f"the server has {self._num_pending_seqs} sequences in flight and this request "
+                                  f"adds {params.n}; the limit is {self.max_pending_requests} "
+                                  "(--max-pending-requests); retry later")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         room = self.info.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        tracked = _Tracked(asyncio.Queue(), RequestTimings(len(prompt_token_ids)), child_ids)
-        self._requests[request_id] = tracked
         key = extra_key(self.model_id, cache_salt)
         eos = sorted(self.tokenizer.eos_token_ids)
-        for index, child_id in enumerate(child_ids):
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        try:
+            # Built before anything is registered or sent: a value msgpack cannot carry fails
+            # here and leaves no trace (no slot taken, nothing half-sent to the core).
+            messages = [AddRequest(child_id, prompt_token_ids, params.for_child(index) if params.n > 1 else params,
+                                   eos, max_tokens, priority, cache_salt, key, params.prompt_logprobs is not None)
+                        for index, child_id in enumerate(child_ids)]
+            encoded = [self._core.encode(m) for m in messages]
+        except BaseException:
+            self.output_processor.abort(request_id)
+            raise
+        deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s > 0 else None
+        tracked = _Tracked(OutputStream(), RequestTimings(len(prompt_token_ids)), child_ids, deadline)
+        self._requests[request_id] = tracked
+        self._num_pending_seqs += len(child_ids)
+        for child_id in child_ids:
             self._parent_of[child_id] = request_id
-            child_params = params.for_child(index) if params.n > 1 else params
-            self._send(AddRequest(child_id, prompt_token_ids, child_params, eos, max_tokens, priority,
-                                  cache_salt, key, params.prompt_logprobs is not None))
+        for raw in encoded:
+            self._core.send_encoded(raw)
         return tracked
 
-    def abort(self, request_id: str) -> None:
-        """Forget a request and free its KV blocks in the core (no-op when already done)."""
-        tracked = self._requests.pop(request_id, None)
+    def abort(self, request_id: str, error: BaseException | None = None) -> None:
+        """Forget a request and free its KV blocks in the core (no-op when already done).
+        A consumer still waiting gets `error` (default: RequestAbortedError)."""
+        tracked = self._forget(request_id)
         core_ids = self.output_processor.abort(request_id)
         if tracked is not None:
-            for child_id in tracked.child_ids:
-                self._parent_of.pop(child_id, None)
             self.metrics.record_finished(tracked.timings, "abort")
-            tracked.queue.put_nowait(RequestAbortedError(f"request {request_id} was aborted"))
+            tracked.stream.fail(error or RequestAbortedError(f"request {request_id} was aborted"))
         if core_ids and self.alive:
-            self._send(Abort(core_ids))
+            self._core.send(Abort(core_ids))
 
     def abort_child(self, request_id: str, index: int) -> None:
         """Stop one of a request's n sequences (the protocol layer saw a stop sequence in it).
@@ -266,40 +257,53 @@ class AsyncEngineClient:
         tracked = self._requests.get(request_id)
         if tracked is not None and 0 <= index < len(tracked.child_ids) and self.alive:
             tracked.stopped.add(tracked.child_ids[index])
-            self._send(Abort([tracked.child_ids[index]]))
+            self._core.send(Abort([tracked.child_ids[index]]))
 
-    def _send(self, message) -> None:
-        self._input.send(self._encoder.encode(message), zmq.NOBLOCK)
+    def _forget(self, request_id: str) -> _Tracked | None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is not None:
+            self._num_pending_seqs -= len(tracked.child_ids)
+            for child_id in tracked.child_ids:
+                self._parent_of.pop(child_id, None)
+        return tracked
 
     # -------------------------------------------------------------------------- outputs
-    async def _output_loop(self) -> None:
+    async def _output_loop(self, core: CoreProcess) -> None:
         try:
             while True:
-                message = self._decoder.decode(await self._output.recv())
-                self._last_heartbeat = time.monotonic()
-                if isinstance(message, Failed):
-                    self._die(f"the engine core crashed:\n{message.error}")
-                    return
-                if isinstance(message, StepOutputs):
-                    self._dispatch(message)
+                messages = [await core.recv()]
+                messages += core.recv_ready()   # whatever else queued meanwhile: one batch
+                outputs = []
+                for message in messages:
+                    if isinstance(message, Failed):
+                        self._die(f"the engine core crashed:\n{message.error}")
+                        return
+                    if isinstance(message, Heartbeat):
+                        self._busy_for_s = message.busy_for_s
+                    elif isinstance(message, StepOutputs):
+                        self._busy_for_s = 0.0
+                        self._record_step(message)
+                        outputs += message.outputs
+                if outputs:
+                    self._dispatch(outputs)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave requests waiting forever
             logger.exception("engine output loop failed")
             self._die(f"the engine output loop failed: {e!r}")
 
-    def _dispatch(self, message: StepOutputs) -> None:
+    def _record_step(self, message: StepOutputs) -> None:
         self.last_stats = message.stats
         self.metrics.record_engine_stats(message.stats)
         for child_id, times in message.finished_times.items():
             tracked = self._requests.get(self._parent_of.get(child_id, ""))
             if tracked is not None and tracked.timings.core_times is None:
                 tracked.timings.core_times = times
-        if not message.outputs:
-            return
-        processed = self.output_processor.process(message.outputs)
+
+    def _dispatch(self, outputs) -> None:
+        processed = self.output_processor.process(outputs)
         if processed.abort_ids:   # stop strings found here: the core must stop those children
-            self._send(Abort(processed.abort_ids))
+            self._core.send(Abort(processed.abort_ids))
         now = time.monotonic()
         for out in processed.request_outputs:
             tracked = self._requests.get(out.request_id)
@@ -313,7 +317,7 @@ class AsyncEngineClient:
                 self.metrics.record_first_output(timings)
             if num_new:
                 self.metrics.record_tokens(num_new, interval)
-            tracked.queue.put_nowait(out)
+            tracked.stream.put(out)
             if out.finished:
                 timings.finished = now
                 # The core says "abort" for children stopped upstream (a stop sequence): a stop.
@@ -321,27 +325,65 @@ class AsyncEngineClient:
                            for child, c in zip(tracked.child_ids, out.outputs)}
                 reason = "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"
                 self.metrics.record_finished(timings, reason)
-                del self._requests[out.request_id]
-                for child_id in tracked.child_ids:
-                    self._parent_of.pop(child_id, None)
+                self._forget(out.request_id)
 
     # ---------------------------------------------------------------------------- health
     async def _watchdog(self) -> None:
         last_log = time.monotonic()
         while True:
-            await asyncio.sleep(0.5)
-            if not self._proc.is_alive():
-                self._die(f"the engine core process exited unexpectedly (exit code {self._proc.exitcode})")
-                return
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
             now = time.monotonic()
-            if now - last_log >= STATS_LOG_INTERVAL_S and self.last_stats is not None:
+            self._expire_deadlines(now)
+            core = self._core
+            if self.dead_reason is None:
+                if not core.alive:
+                    self._die(f"the engine core process exited unexpectedly (exit code {core.exitcode})")
+                elif core.silent_for() >= ENGINE_STALL_RESTART_S or self._busy_for_s >= ENGINE_STEP_HANG_S:
+                    core.kill()
+                    self._die(f"the engine core stopped answering ({self.unhealthy_reason}); killed it")
+                elif not self.healthy and self._requests:
+                    # Stalled: nobody should wait on it; new requests are refused by add_request.
+                    self._fail_all(EngineDeadError(self.unhealthy_reason))
+            if self.dead_reason is not None:
+                await self._restart()
+            elif now - last_log >= STATS_LOG_INTERVAL_S and self.last_stats is not None:
                 last_log = now
-                s = self.last_stats
-                level = logging.INFO if s.num_running or s.num_waiting else logging.DEBUG
-                logger.log(level, "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, in flight here: %d",
-                           s.num_running, s.num_waiting, 100 * s.kv_cache_usage, len(self._requests))
-                if s.spec_decode is not None and s.spec_decode.num_drafts:
-                    logger.log(level, "Speculative decoding: %s", s.spec_decode.summary())
+                self._log_stats()
+
+    def _expire_deadlines(self, now: float) -> None:
+        late = [rid for rid, t in self._requests.items() if t.deadline is not None and now >= t.deadline]
+        for request_id in late:
+            self.abort(request_id, RequestTimeoutError(
+                f"the request ran longer than the server's limit of {self.request_timeout_s:g} s "
+                "(--request-timeout-s)"))
+
+    async def _restart(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._core.shutdown()
+        if self.num_restarts >= self.max_engine_restarts:
+            reason = (f"the engine core failed and was restarted {self.num_restarts} times "
+                      f"(--max-engine-restarts); giving up: {self.dead_reason}")
+            logger.critical("%s", reason)
+            if self.on_fatal is not None:
+                self.on_fatal(reason)
+            await asyncio.Event().wait()   # the server is exiting; keep reporting unhealthy
+        self.num_restarts += 1
+        logger.warning("restarting the engine core (restart %d of at most %d)", self.num_restarts,
+                       self.max_engine_restarts)
+        try:
+            await self.start()
+        except Exception as e:
+            logger.error("the engine core did not start again: %s", e)
+            self.dead_reason = f"the engine core did not start again: {e}".splitlines()[0]
+
+    def _log_stats(self) -> None:
+        s = self.last_stats
+        level = logging.INFO if s.num_running or s.num_waiting else logging.DEBUG
+        logger.log(level, "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, in flight here: %d",
+                   s.num_running, s.num_waiting, 100 * s.kv_cache_usage, len(self._requests))
+        if s.spec_decode is not None and s.spec_decode.num_drafts:
+            logger.log(level, "Speculative decoding: %s", s.spec_decode.summary())
 
     def _die(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -350,7 +392,7 @@ class AsyncEngineClient:
         self._fail_all(EngineDeadError(self.dead_reason))
 
     def _fail_all(self, error: Exception) -> None:
-        for tracked in self._requests.values():
-            tracked.queue.put_nowait(error)
-        self._requests.clear()
-        self._parent_of.clear()
+        """Fail every request in flight with `error` (and abort them in a core still alive:
+        a stalled one finds the aborts queued when it resumes)."""
+        for request_id in list(self._requests):
+            self.abort(request_id, error)

@@ -13,11 +13,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from deepinfer.entrypoints import conversation, sampling, sse
+from deepinfer.entrypoints import conversation, sse
 from deepinfer.entrypoints.conversation import PreparedConversation
-from deepinfer.entrypoints.errors import APIError
 from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
-from deepinfer.frontend.engine_client import EngineDeadError, RequestAbortedError
 
 router = APIRouter()
 
@@ -35,35 +33,29 @@ def _usage(prepared: PreparedConversation, with_input: bool = True) -> dict:
 async def messages(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    stream = sampling.field(body, "stream", (bool,), False)
-    prepared = conversation.prepare(state, "messages", body)
+    prepared = await state.run_off_loop(conversation.prepare, state, "messages", body)
     with engine_errors():
         outputs = conversation.submit(state, prepared)
-    if stream:
-        return sse.streaming_response(_stream(request, state, prepared, outputs))
+    if prepared.fields.stream:
+        return sse.streaming_response(_stream(request, state, prepared, outputs), sse.anthropic_error_events)
     await conversation.run_to_end(request, state, prepared, outputs)
     final = prepared.sessions[0].final_response()
     final["usage"] = _usage(prepared)
     return JSONResponse(final)
 
 
-async def _stream(request: Request, state, prepared: PreparedConversation, outputs) -> AsyncIterator[str]:
+async def _stream(request: Request, state, prepared: PreparedConversation, outputs) -> AsyncIterator[bytes]:
     async with abort_on_disconnect(request, state.client, [prepared.request_id]):
-        try:
-            async for update in conversation.run(state, prepared, outputs):
-                for item in update.events:
-                    if item["type"] == "message_start":
-                        item["message"]["usage"] = {**_usage(prepared), "output_tokens": 0}
-                        yield sse.event(item)
-                        yield sse.event({"type": "ping"})
-                        continue
-                    if item["type"] == "message_delta":
-                        item["usage"] = _usage(prepared)
+        async for update in conversation.run(state, prepared, outputs):
+            for item in update.events:
+                if item["type"] == "message_start":
+                    item["message"]["usage"] = {**_usage(prepared), "output_tokens": 0}
                     yield sse.event(item)
-        except RequestAbortedError:
-            return
-        except EngineDeadError as e:
-            yield sse.event(APIError(503, f"the engine is not available: {e}").anthropic_body())
+                    yield sse.event({"type": "ping"})
+                    continue
+                if item["type"] == "message_delta":
+                    item["usage"] = _usage(prepared)
+                yield sse.event(item)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -71,5 +63,6 @@ async def count_tokens(request: Request):
     state = get_state(request)
     body = await read_json(request)
     body.setdefault("max_tokens", 1)   # required by the Messages schema, irrelevant to counting
-    prepared = conversation.prepare(state, "messages", body)
+    body.pop("stream", None)
+    prepared = await state.run_off_loop(conversation.prepare, state, "messages", body)
     return JSONResponse({"input_tokens": len(prepared.prompt_token_ids)})

@@ -15,9 +15,7 @@ from fastapi.responses import JSONResponse
 
 from deepinfer.entrypoints import conversation, sampling, sse
 from deepinfer.entrypoints.conversation import PreparedConversation
-from deepinfer.entrypoints.errors import APIError
 from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
-from deepinfer.frontend.engine_client import EngineDeadError, RequestAbortedError
 
 router = APIRouter()
 
@@ -35,12 +33,11 @@ def _openai_usage(prepared: PreparedConversation) -> dict:
 async def chat_completions(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    stream = sampling.field(body, "stream", (bool,), False)
-    include_usage = sampling.include_usage(body)
-    prepared = conversation.prepare(state, "chat", body)
+    prepared = await state.run_off_loop(conversation.prepare, state, "chat", body)
+    include_usage = sampling.include_usage(prepared.fields)
     with engine_errors():
         outputs = conversation.submit(state, prepared)
-    if stream:
+    if prepared.fields.stream:
         return sse.streaming_response(_chat_stream(request, state, prepared, outputs, include_usage))
     pending = await conversation.run_to_end(request, state, prepared, outputs)
     choices = []
@@ -51,33 +48,30 @@ async def chat_completions(request: Request):
             choice["logprobs"] = {"content": pending[index]}
         choices.append(choice)
     final = prepared.sessions[0].final_response()
-    return JSONResponse({**final, "choices": choices, "usage": _openai_usage(prepared)})
+    final = {**final, "choices": choices, "usage": _openai_usage(prepared)}
+    if prepared.prompt_logprobs is not None:
+        final["prompt_logprobs"] = prepared.prompt_logprobs
+    return JSONResponse(final)
 
 
 async def _chat_stream(request: Request, state, prepared: PreparedConversation, outputs,
-                       include_usage: bool) -> AsyncIterator[str]:
+                       include_usage: bool) -> AsyncIterator[bytes]:
     pending: list[list[dict]] = [[] for _ in prepared.sessions]
     async with abort_on_disconnect(request, state.client, [prepared.request_id]):
-        try:
-            async for update in conversation.run(state, prepared, outputs):
-                pending[update.index].extend(update.logprobs)
-                for chunk in update.events:
-                    chunk.pop("usage", None)
-                    choice = chunk["choices"][0]
-                    choice["index"] = update.index
-                    delta = choice["delta"]
-                    carries_text = delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
-                    # Logprobs ride on the next chunk that shows text (the parser may hold text back).
-                    if prepared.top_logprobs is not None and pending[update.index] and (
-                            carries_text or choice["finish_reason"]):
-                        choice["logprobs"] = {"content": pending[update.index]}
-                        pending[update.index] = []
-                    yield sse.data(chunk)
-        except RequestAbortedError:
-            return
-        except EngineDeadError as e:
-            yield sse.data(APIError(503, f"the engine is not available: {e}").openai_body())
-            return
+        async for update in conversation.run(state, prepared, outputs):
+            pending[update.index].extend(update.logprobs)
+            for chunk in update.events:
+                chunk.pop("usage", None)
+                choice = chunk["choices"][0]
+                choice["index"] = update.index
+                delta = choice["delta"]
+                carries_text = delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                # Logprobs ride on the next chunk that shows text (the parser may hold text back).
+                if prepared.top_logprobs is not None and pending[update.index] and (
+                        carries_text or choice["finish_reason"]):
+                    choice["logprobs"] = {"content": pending[update.index]}
+                    pending[update.index] = []
+                yield sse.data(chunk)
     if include_usage:
         session = prepared.sessions[0].stream
         yield sse.data({"id": session.id, "object": "chat.completion.chunk", "created": session.created,
@@ -98,28 +92,22 @@ def _responses_usage(prepared: PreparedConversation, usage: dict | None) -> dict
 async def responses(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    stream = sampling.field(body, "stream", (bool,), False)
-    prepared = conversation.prepare(state, "responses", body)
+    prepared = await state.run_off_loop(conversation.prepare, state, "responses", body)
     with engine_errors():
         outputs = conversation.submit(state, prepared)
-    if stream:
-        return sse.streaming_response(_responses_stream(request, state, prepared, outputs))
+    if prepared.fields.stream:
+        return sse.streaming_response(_responses_stream(request, state, prepared, outputs),
+                                      sse.responses_error_events)
     await conversation.run_to_end(request, state, prepared, outputs)
     final = prepared.sessions[0].final_response()
     final["usage"] = _responses_usage(prepared, final.get("usage"))
     return JSONResponse(final)
 
 
-async def _responses_stream(request: Request, state, prepared: PreparedConversation, outputs) -> AsyncIterator[str]:
+async def _responses_stream(request: Request, state, prepared: PreparedConversation, outputs) -> AsyncIterator[bytes]:
     async with abort_on_disconnect(request, state.client, [prepared.request_id]):
-        try:
-            async for update in conversation.run(state, prepared, outputs):
-                for item in update.events:
-                    if item["type"] in ("response.completed", "response.incomplete"):
-                        item["response"]["usage"] = _responses_usage(prepared, item["response"].get("usage"))
-                    yield sse.event(item)
-        except RequestAbortedError:
-            return
-        except EngineDeadError as e:
-            yield sse.event({"type": "error", "code": "engine_dead", "message": str(e), "param": None,
-                             "sequence_number": 0})
+        async for update in conversation.run(state, prepared, outputs):
+            for item in update.events:
+                if item["type"] in ("response.completed", "response.incomplete"):
+                    item["response"]["usage"] = _responses_usage(prepared, item["response"].get("usage"))
+                yield sse.event(item)

@@ -3,6 +3,11 @@
 Text, stop strings and n > 1 come from the engine client's OutputProcessor. A batch of prompts
 is one engine request per prompt; choice `index` is prompt_index * n + sample_index, as OpenAI
 numbers them.
+
+`echo` returns the prompt before the completion, and with `logprobs` the prompt tokens'
+logprobs too (the first prompt token has none: null). With `max_tokens: 0` only the prompt is
+returned: this is how lm-evaluation-harness scores multiple-choice answers. The engine always
+generates at least one token, so that one is computed and dropped.
 """
 
 from __future__ import annotations
@@ -11,190 +16,229 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from deepinfer.entrypoints import sampling, sse
-from deepinfer.entrypoints.errors import APIError, bad_request
+from deepinfer.entrypoints.errors import bad_request
+from deepinfer.entrypoints.logprobs import CompletionLogprobs, join_completion_logprobs, prompt_logprobs_json
+from deepinfer.entrypoints.request_fields import CompletionFields, parse_fields
 from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors, get_state, read_json
-from deepinfer.frontend.engine_client import EngineDeadError, RequestAbortedError
-from deepinfer.outputs import CompletionOutput, RequestOutput
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
 
 router = APIRouter()
 
 MAX_PROMPTS = 256
 
 
-def _prompts(state: ServerState, body: dict) -> list[tuple[str | None, list[int]]]:
-    """(text, token ids) per prompt from `prompt`: a string, token ids, or a list of either."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
-        prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
-    if len(prompt) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
-    out = []
-    vocab = state.client.vocab_size
-    for item in prompt:
-        if isinstance(item, str):
-            out.append((item, state.client.tokenizer.encode(item)))
-        elif isinstance(item, list) and item and all(_is_id(t) for t in item):
-            if any(not 0 <= t < vocab for t in item):
-                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-            out.append((None, list(item)))
-        else:
-            raise bad_request("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
-        if not out[-1][1]:
-            raise bad_request("the prompt is empty; it needs at least one token", "prompt")
-    return out
+@dataclass
+class CompletionJob:
+    fields: CompletionFields
+    model: str
+    prompts: list[tuple[str | None, list[int]]]   # (text, token ids) per prompt
+    params: SamplingParams
+    include_usage: bool
+    prompt_only: bool   # max_tokens 0: the generated token is dropped
 
 
 def _is_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _logprobs(out: CompletionOutput, offset: int) -> tuple[dict, int]:
-    """OpenAI's legacy logprobs object for this output's tokens; returns the next text offset."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
-    for token_id, entry in zip(out.token_ids, out.logprobs or []):
-        chosen = entry.get(token_id) or next(iter(entry.values()))
-        text = chosen.decoded_token or ""
-        tokens.append(text)
-        token_logprobs.append(max(chosen.logprob, -9999.0))
-        top.append({lp.decoded_token or "": max(lp.logprob, -9999.0) for lp in entry.values()})
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+def _prompts(state: ServerState, fields: CompletionFields) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) per prompt from `prompt`: a string, token ids, or a list of either."""
+    prompt = fields.prompt
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad_request("prompt must be a string, a list of token ids, or a non-empty list of those", "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+    vocab = state.client.vocab_size
+    for item in prompt:
+        if isinstance(item, list) and item and all(_is_id(t) for t in item):
+            if any(not 0 <= t < vocab for t in item):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        elif not isinstance(item, str) or not item:
+            raise bad_request("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
+    texts = [item for item in prompt if isinstance(item, str)]
+    encoded = iter(state.tokenizer().encode_many(texts, fields.add_special_tokens) if texts else [])
+    out = [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in prompt]
+    if any(not ids for _, ids in out):
+        raise bad_request("the prompt is empty; it needs at least one token", "prompt")
+    return out
+
+
+def _response_format(fields: CompletionFields) -> dict | None:
+    """vLLM also takes OpenAI's response_format on completions; unpacked as the recipe does."""
+    fmt = fields.response_format
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_request("response_format.type must be text, json_object or json_schema", "response_format.type")
+    schema = (fmt.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+    return {"type": kind, "schema": schema}
+
+
+def prepare(state: ServerState, body: dict) -> CompletionJob:
+    """Validate and tokenize; any client mistake is an APIError. Runs off the event loop."""
+    fields = parse_fields("completions", body)
+    model = state.check_model(fields.model)
+    include_usage = sampling.include_usage(fields)
+    if fields.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if fields.best_of is not None and fields.best_of != fields.n:
+        raise bad_request("best_of must equal n (or be omitted)", "best_of")
+    prompt_only = fields.max_tokens == 0
+    if prompt_only and not fields.echo:
+        raise bad_request("max_tokens 0 returns nothing without echo: true", "max_tokens")
+    stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop
+    max_tokens = sampling.default_max_tokens(state, 1 if prompt_only else fields.max_tokens)
+    prompts = _prompts(state, fields)
+    for _, ids in prompts:
+        sampling.check_context(len(ids), max_tokens, state.max_model_len, "prompt")
+    prompt_logprobs = fields.prompt_logprobs
+    if fields.echo and fields.logprobs is not None:
+        prompt_logprobs = max(prompt_logprobs or 0, fields.logprobs)
+    params = sampling.build(fields, state, max_tokens=max_tokens, logprobs=fields.logprobs,
+                            prompt_logprobs=prompt_logprobs, stop=stop, n=fields.n,
+                            response_format=_response_format(fields))
+    return CompletionJob(fields, model, prompts, params, include_usage, prompt_only)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    model = state.check_model(body)
-    stream = sampling.field(body, "stream", (bool,), False)
-    include_usage = sampling.include_usage(body)
-    if body.get("echo"):
-        raise bad_request("echo is not supported", "echo")
-    if body.get("suffix"):
-        raise bad_request("suffix is not supported", "suffix")
-    n = sampling.field(body, "n", (int,), 1)
-    best_of = sampling.field(body, "best_of", (int,))
-    if best_of is not None and best_of != n:
-        raise bad_request("best_of must equal n (or be omitted)", "best_of")
-    logprobs = sampling.field(body, "logprobs", (int,))
-    if logprobs is not None and not 0 <= logprobs <= sampling.MAX_TOP_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {sampling.MAX_TOP_LOGPROBS}], got {logprobs}", "logprobs")
-    stop = sampling.field(body, "stop", (str, list))
-    stop = [stop] if isinstance(stop, str) else stop
-    max_tokens = sampling.field(body, "max_tokens", (int,), 16)
-    prompts = _prompts(state, body)
-    for _, ids in prompts:
-        sampling.check_context(len(ids), max_tokens, state.max_model_len, "prompt")
-    params = sampling.build(body, vocab_size=state.client.vocab_size, max_tokens=max_tokens, logprobs=logprobs,
-                            stop=stop, n=n, seed=sampling.field(body, "seed", (int,)))
-    engine_fields = sampling.engine_request_fields(body)
+    job = await state.run_off_loop(prepare, state, body)
     response_id = f"cmpl-{secrets.token_hex(12)}"
-    request_ids = [f"{response_id}-{i}" for i in range(len(prompts))]
+    request_ids = [f"{response_id}-{i}" for i in range(len(job.prompts))]
     streams = []
+    engine_fields = sampling.engine_request_fields(job.fields)
     try:
         with engine_errors():
-            for request_id, (text, ids) in zip(request_ids, prompts):
-                streams.append(state.client.generate(ids, params, request_id=request_id, prompt=text,
+            for request_id, (text, ids) in zip(request_ids, job.prompts):
+                streams.append(state.client.generate(ids, job.params, request_id=request_id, prompt=text,
                                                      **engine_fields))
-    except APIError:
+    except BaseException:
         for request_id in request_ids:
             state.client.abort(request_id)
         raise
-    created = int(time.time())
-    header = {"id": response_id, "object": "text_completion", "created": created, "model": model}
+    header = {"id": response_id, "object": "text_completion", "created": int(time.time()), "model": job.model}
+    choices = _Choices(state, job)
     merged = _merge(streams)
-    if stream:
-        return sse.streaming_response(_stream(request, state, header, merged, request_ids, n, include_usage))
-    texts: dict[int, list[str]] = {}
-    finals: dict[int, CompletionOutput] = {}
-    logprob_parts: dict[int, list[dict]] = {}
-    usage = _Usage()
-    offsets: dict[int, int] = {}
-    with engine_errors():
-        try:
-            async for prompt_index, out in _watch(request, state, merged, request_ids):
-                usage.add(out)
-                for c in out.outputs:
-                    index = prompt_index * n + c.index
-                    texts.setdefault(index, []).append(c.text)
-                    finals[index] = c
-                    if logprobs is not None:
-                        part, offsets[index] = _logprobs(c, offsets.get(index, 0))
-                        logprob_parts.setdefault(index, []).append(part)
-        except RequestAbortedError:
-            raise APIError(499, "the client closed the request") from None
-    choices = []
-    for index in sorted(finals):
-        lp = _join_logprobs(logprob_parts[index]) if logprobs is not None else None
-        c = finals[index]
-        choices.append({"index": index, "text": "".join(texts[index]), "logprobs": lp,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return JSONResponse({**header, "choices": choices, "usage": usage.body()})
+    if job.fields.stream:
+        return sse.streaming_response(_stream(request, state, job, header, choices, merged, request_ids))
+    async with abort_on_disconnect(request, state.client, request_ids):
+        with engine_errors():
+            async for prompt_index, out in merged:
+                choices.add(prompt_index, out)
+    return JSONResponse({**header, "choices": choices.final(), "usage": choices.usage()})
 
 
-class _Usage:
-    def __init__(self) -> None:
-        self.prompt: dict[str, int] = {}
+class _Choices:
+    """The choices of one completion request as outputs arrive, for both response kinds."""
+
+    def __init__(self, state: ServerState, job: CompletionJob) -> None:
+        self.state, self.job = state, job
+        self.texts: dict[int, list[str]] = {}
+        self.token_ids: dict[int, list[int]] = {}
+        self.logprob_parts: dict[int, list[dict]] = {}   # per choice, one part per output
+        self.logprobs: dict[int, CompletionLogprobs] = {}
+        self.finish: dict[int, tuple] = {}
+        self.prompt_logprobs: dict[int, list] = {}
+        self.prompt_tokens: dict[str, int] = {}
         self.cached: dict[str, int] = {}
-        self.completion = 0
+        self.completion_tokens = 0
 
-    def add(self, out: RequestOutput) -> None:
-        self.prompt[out.request_id] = len(out.prompt_token_ids or ())
+    def add(self, prompt_index: int, out: RequestOutput) -> list[dict]:
+        """Record one output; returns the stream chunks' choices it makes."""
+        job = self.job
+        self.prompt_tokens[out.request_id] = len(out.prompt_token_ids or ())
         self.cached[out.request_id] = out.num_cached_tokens
-        self.completion += sum(len(c.token_ids) for c in out.outputs)
+        if out.prompt_logprobs is not None and prompt_index not in self.prompt_logprobs:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
+        pieces = []
+        for c in out.outputs:
+            index = prompt_index * job.fields.n + c.index
+            first = index not in self.texts
+            text, token_ids, entries = c.text, c.token_ids, c.logprobs
+            if job.prompt_only:
+                text, token_ids, entries = "", [], [] if entries is not None else None
+            else:
+                self.completion_tokens += len(token_ids)
+            tracker = self.logprobs.setdefault(index, CompletionLogprobs())
+            lp = None
+            if first and job.fields.echo:
+                prompt_text, lp = self._echo(prompt_index, out, tracker)
+                text = prompt_text + text
+            if job.fields.logprobs is not None and entries is not None:
+                part = tracker.positions(token_ids, entries)
+                lp = part if lp is None else join_completion_logprobs([lp, part])
+            if lp is not None:
+                self.logprob_parts.setdefault(index, []).append(lp)
+            self.texts.setdefault(index, []).append(text)
+            self.token_ids.setdefault(index, []).extend(token_ids)
+            finish = (c.finish_reason, c.stop_reason)
+            if job.prompt_only and c.finish_reason is not None:
+                finish = ("length", None)
+            self.finish[index] = finish
+            if text or c.finish_reason is not None:
+                piece = {"index": index, "text": text, "logprobs": lp if job.fields.logprobs is not None else None,
+                         "finish_reason": finish[0], "stop_reason": finish[1]}
+                if job.fields.return_token_ids:
+                    piece["token_ids"] = token_ids
+                pieces.append(piece)
+        return pieces
 
-    def body(self) -> dict:
-        prompt = sum(self.prompt.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion,
-                "total_tokens": prompt + self.completion,
+    def _echo(self, prompt_index: int, out: RequestOutput, tracker: CompletionLogprobs) -> tuple[str, dict | None]:
+        """The prompt's text and (with logprobs) its positions' logprobs object."""
+        text, ids = self.job.prompts[prompt_index]
+        if text is None:
+            tokenizer = self.state.client.tokenizer
+            text = tokenizer.decode(ids, skip_special_tokens=False) if tokenizer is not None else ""
+        part = None
+        if self.job.fields.logprobs is not None:
+            part = tracker.positions(ids, out.prompt_logprobs or [None] * len(ids))
+        tracker.offset = len(text)   # generated text starts after the prompt's (decoded) text
+        return text, part
+
+    def final(self) -> list[dict]:
+        job, choices = self.job, []
+        for index in sorted(self.finish):
+            reason, stop_reason = self.finish[index]
+            lp = join_completion_logprobs(self.logprob_parts.get(index, [])) if job.fields.logprobs is not None else None
+            choice = {"index": index, "text": "".join(self.texts[index]), "logprobs": lp,
+                      "finish_reason": reason, "stop_reason": stop_reason}
+            prompt_index = index // job.fields.n
+            if job.fields.prompt_logprobs is not None and prompt_index in self.prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[prompt_index])
+            if job.fields.return_token_ids:
+                choice["token_ids"] = self.token_ids[index]
+                choice["prompt_token_ids"] = job.prompts[prompt_index][1]
+            choices.append(choice)
+        return choices
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
 
 
-def _join_logprobs(parts: list[dict]) -> dict:
-    return {key: [v for part in parts for v in part[key]] for key in ("tokens", "token_logprobs", "top_logprobs",
-                                                                       "text_offset")}
-
-
-async def _stream(request: Request, state: ServerState, header: dict, merged, request_ids: list[str], n: int,
-                  include_usage: bool) -> AsyncIterator[str]:
-    usage = _Usage()
-    offsets: dict[int, int] = {}
-    try:
-        async for prompt_index, out in _watch(request, state, merged, request_ids):
-            usage.add(out)
-            for c in out.outputs:
-                if not c.text and c.finish_reason is None:
-                    continue
-                index = prompt_index * n + c.index
-                lp = None
-                if c.logprobs is not None:
-                    lp, offsets[index] = _logprobs(c, offsets.get(index, 0))
-                yield sse.data({**header, "choices": [{"index": index, "text": c.text, "logprobs": lp,
-                                                       "finish_reason": c.finish_reason,
-                                                       "stop_reason": c.stop_reason}]})
-    except RequestAbortedError:
-        return
-    except EngineDeadError as e:
-        yield sse.data(APIError(503, f"the engine is not available: {e}").openai_body())
-        return
-    if include_usage:
-        yield sse.data({**header, "choices": [], "usage": usage.body()})
-    yield sse.DONE
-
-
-async def _watch(request: Request, state: ServerState, merged, request_ids: list[str]):
-    """Iterate `merged`, aborting every prompt's request if the HTTP client goes away."""
+async def _stream(request: Request, state: ServerState, job: CompletionJob, header: dict, choices: _Choices,
+                  merged, request_ids: list[str]) -> AsyncIterator[bytes]:
     async with abort_on_disconnect(request, state.client, request_ids):
-        async for item in merged:
-            yield item
+        async for prompt_index, out in merged:
+            for piece in choices.add(prompt_index, out):
+                yield sse.data({**header, "choices": [piece]})
+    if job.include_usage:
+        yield sse.data({**header, "choices": [], "usage": choices.usage()})
+    yield sse.DONE
 
 
 async def _merge(streams: list) -> AsyncIterator[tuple[int, RequestOutput]]:
