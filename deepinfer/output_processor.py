@@ -40,10 +40,11 @@ class RequestState:
     sequences: dict[str, SequenceState]       # core request id -> sequence
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    num_unfinished: int = 0   # sequences without a finish reason (kept, not recounted per step)
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.sequences.values())
+        return self.num_unfinished == 0
 
 
 @dataclass
@@ -73,7 +74,8 @@ class OutputProcessor:
             sequences[child_id] = SequenceState(index, detok, logprobs=[] if params.logprobs is not None else None,
                                                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self._parent_of[child_id] = request_id
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences)
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences,
+                                                 num_unfinished=len(sequences))
         return child_ids
 
     def has_unfinished(self) -> bool:
@@ -95,6 +97,8 @@ class OutputProcessor:
                     self._decode_logprobs(p) if p else None for p in out.prompt_logprobs]
             state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
             self._apply(seq, out)
+            if seq.finish_reason is not None:
+                state.num_unfinished -= 1
             if seq.finish_reason == "stop" and out.finish_reason is None:
                 abort_ids.append(out.request_id)   # a stop string ended it, the core doesn't know
             touched[parent_id] = state
@@ -151,7 +155,10 @@ class OutputProcessor:
             return None
         delta = kind is RequestOutputKind.DELTA
         completions = []
-        for seq in sorted(state.sequences.values(), key=lambda s: s.index):
+        sequences = state.sequences.values()
+        if len(state.sequences) > 1:
+            sequences = sorted(sequences, key=lambda s: s.index)
+        for seq in sequences:
             done = seq.finish_reason is not None
             text = seq.detokenizer.get_next_output_text(done, delta) if seq.detokenizer else ""
             token_ids, logprobs = seq.token_ids, seq.logprobs

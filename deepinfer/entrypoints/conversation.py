@@ -92,13 +92,13 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
     elif protocol == "responses":
         top_logprobs = fields.top_logprobs
         sampling.check_logprobs(top_logprobs, state.options.max_logprobs, "top_logprobs")
-    max_tokens = sampling.default_max_tokens(state, conversation.max_tokens)
+    max_tokens = sampling.default_max_tokens(state.sampling_defaults, conversation.max_tokens)
     where = "input" if protocol == "responses" else "messages"
     sampling.check_context(len(prompt_ids), max_tokens, state.max_model_len, where)
     fmt = conversation.response_format
     if encoding.constraint is not None:   # a forced tool choice: the recipe's tool-call format
         sampling.check_tool_schemas(offered_tools(conversation)[0])
-    params = sampling.build(fields, state, max_tokens=max_tokens, logprobs=top_logprobs,
+    params = state.sampling_params(fields, max_tokens=max_tokens, logprobs=top_logprobs,
                             prompt_logprobs=prompt_logprobs, n=n, detokenize=False,
                             response_format={"type": fmt.type, "schema": fmt.schema},
                             tool_constraint=encoding.constraint)

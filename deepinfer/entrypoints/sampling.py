@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from deepinfer.entrypoints.errors import bad_request
+from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -148,13 +149,13 @@ def check_tool_schemas(tools) -> None:
             raise bad_request(f"{where}invalid JSON Schema for tool {tool.name!r}: {reason}", tool.schema_path) from None
 
 
-def build(fields, state, *, max_tokens: int | None, logprobs: int | None = None,
-          prompt_logprobs: int | None = None, stop: list[str] | None = None, n: int = 1,
-          detokenize: bool = True, response_format: dict | None = None,
-          tool_constraint: dict | None = None) -> SamplingParams:
+def build(fields, *, options: ServerOptions, vocab_size: int, max_tokens: int | None,
+          defaults: dict | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
+          stop: list[str] | None = None, n: int = 1, detokenize: bool = True,
+          response_format: dict | None = None, tool_constraint: dict | None = None) -> SamplingParams:
     """SamplingParams from a route's validated fields (request_fields.py); the fields a request
-    leaves out take the model's generation_config defaults, then vLLM's. A bad value is a 400."""
-    options = state.options
+    leaves out take `defaults` (the model's generation_config), then vLLM's. A bad value is a 400."""
+    defaults = defaults or {}
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
     if stop and len(stop) > options.max_stop_sequences:
@@ -170,7 +171,7 @@ def build(fields, state, *, max_tokens: int | None, logprobs: int | None = None,
         "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs,
         "stop": stop or None,
-        "detokenize": detokenize and state.client.tokenizer is not None,
+        "detokenize": detokenize,
         "structured_outputs": structured_outputs(fields, response_format, tool_constraint),
         "presence_penalty": fields.presence_penalty or 0.0,
         "frequency_penalty": fields.frequency_penalty or 0.0,
@@ -185,12 +186,12 @@ def build(fields, state, *, max_tokens: int | None, logprobs: int | None = None,
     for name in _DEFAULTED:
         value = getattr(fields, name) if name in given else None
         if value is None:
-            value = state.sampling_defaults.get(name)
+            value = defaults.get(name)
         if value is not None:
             kwargs[name] = value
     try:
         params = SamplingParams(**kwargs)
-        params.verify_token_ids(state.client.vocab_size)
+        params.verify_token_ids(vocab_size)
         return params
     except (ValueError, TypeError) as e:
         message = str(e)
@@ -199,7 +200,7 @@ def build(fields, state, *, max_tokens: int | None, logprobs: int | None = None,
         raise bad_request(message, param) from None
 
 
-def default_max_tokens(state, requested: int | None) -> int | None:
+def default_max_tokens(defaults: dict, requested: int | None) -> int | None:
     """max_tokens: the request's, else the model's generation_config max_new_tokens, else None
     (up to the context length)."""
-    return requested if requested is not None else state.sampling_defaults.get("max_tokens")
+    return requested if requested is not None else defaults.get("max_tokens")

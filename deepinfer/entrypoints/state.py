@@ -66,6 +66,15 @@ class ServerState:
                                 "as token ids to /v1/completions")
         return tokenizer
 
+    def sampling_params(self, fields, **kwargs):
+        """sampling.build with this server's limits, vocabulary and generation defaults."""
+        from deepinfer.entrypoints import sampling
+
+        kwargs.setdefault("detokenize", True)
+        kwargs["detokenize"] = kwargs["detokenize"] and self.client.tokenizer is not None
+        return sampling.build(fields, options=self.options, vocab_size=self.client.vocab_size,
+                              defaults=self.sampling_defaults, **kwargs)
+
     async def run_off_loop(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` in a worker thread; its exceptions (APIError included) propagate."""
         loop = asyncio.get_running_loop()

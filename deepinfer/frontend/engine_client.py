@@ -310,7 +310,8 @@ class AsyncEngineClient:
             if tracked is None:
                 continue
             timings = tracked.timings
-            num_new = sum(len(c.token_ids) for c in out.outputs)
+            num_new = sum(len(c.token_ids) for c in out.outputs) if len(out.outputs) > 1 else len(
+                out.outputs[0].token_ids)
             first = timings.first_token is None and num_new > 0
             interval = timings.on_tokens(num_new, now)
             if first:

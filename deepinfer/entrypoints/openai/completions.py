@@ -97,14 +97,14 @@ def prepare(state: ServerState, body: dict) -> CompletionJob:
     if prompt_only and not fields.echo:
         raise bad_request("max_tokens 0 returns nothing without echo: true", "max_tokens")
     stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop
-    max_tokens = sampling.default_max_tokens(state, 1 if prompt_only else fields.max_tokens)
+    max_tokens = sampling.default_max_tokens(state.sampling_defaults, 1 if prompt_only else fields.max_tokens)
     prompts = _prompts(state, fields)
     for _, ids in prompts:
         sampling.check_context(len(ids), max_tokens, state.max_model_len, "prompt")
     prompt_logprobs = fields.prompt_logprobs
     if fields.echo and fields.logprobs is not None:
         prompt_logprobs = max(prompt_logprobs or 0, fields.logprobs)
-    params = sampling.build(fields, state, max_tokens=max_tokens, logprobs=fields.logprobs,
+    params = state.sampling_params(fields, max_tokens=max_tokens, logprobs=fields.logprobs,
                             prompt_logprobs=prompt_logprobs, stop=stop, n=fields.n,
                             response_format=_response_format(fields))
     return CompletionJob(fields, model, prompts, params, include_usage, prompt_only)
