@@ -7,7 +7,6 @@ validated fields become SamplingParams, with the limits that depend on the serve
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from deepinfer.entrypoints.errors import bad_request
@@ -144,7 +143,6 @@ def check_tool_schemas(tools) -> None:
             validate_structured_outputs(StructuredOutputsParams(json=tool.parameters))
         except (ValueError, TypeError) as e:
             reason = str(e).removeprefix("invalid structured_outputs.json: ")
-            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)   # xgrammar's time and source line
             where = f"{tool.schema_path}: " if tool.schema_path else ""
             raise bad_request(f"{where}invalid JSON Schema for tool {tool.name!r}: {reason}", tool.schema_path) from None
 

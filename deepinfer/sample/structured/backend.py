@@ -21,6 +21,7 @@ CPU machine).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import xgrammar as xgr
@@ -104,8 +105,14 @@ def validate(params: StructuredOutputsParams) -> None:
 
 
 def _first_line(error: Exception) -> str:
+    """xgrammar's message without its log prefix (`[15:45:42] /project/cpp/x.cc:94: `): clients
+    get the reason, not the library's source paths."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    line = text.splitlines()[0] if text else type(error).__name__
+    return _XGRAMMAR_PREFIX.sub("", line)
+
+
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:.]+\]\s+\S+:\d+:\s*")
 
 
 def grammar_vocab_size(tokenizer, model_vocab_size: int) -> int:
