@@ -87,7 +87,8 @@ class EngineInfo:
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024) -> None:
         self.config = config
-        self.tokenizer = source.tokenizer
+        self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
+        self.eos_token_ids = source.eos_token_ids
         self.vocab_size = source.hf_config["vocab_size"]
         self.model_id = config.model.served_model_name or source.name
         self.max_pending_requests = max_pending_requests
@@ -239,7 +240,7 @@ class AsyncEngineClient:
         tracked = _Tracked(asyncio.Queue(), RequestTimings(len(prompt_token_ids)), child_ids)
         self._requests[request_id] = tracked
         key = extra_key(self.model_id, cache_salt)
-        eos = sorted(self.tokenizer.eos_token_ids)
+        eos = sorted(self.eos_token_ids)
         for index, child_id in enumerate(child_ids):
             self._parent_of[child_id] = request_id
             child_params = params.for_child(index) if params.n > 1 else params
