@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --dtype also takes these; ModelConfig stores the name they stand for.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 QUANTIZATIONS = ("auto", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
@@ -22,46 +25,82 @@ SPEC_VERIFICATION = ("adaptive", "fixed")
 # auto: the model's dtype; fp8 (= fp8_e4m3, vLLM's names): float8 e4m3 with a scale of 1.0
 # (deepinfer/kv_cache/dtypes.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = None          # None: the embedded default model
-    dtype: str = "auto"               # auto: the platform's default (bf16 on CUDA and CPU)
-    max_model_len: int | None = None  # None: the model's own context length
+    """Which model to run and how to load it.
+
+    The string below each field is its user-facing description: `deepinfer --help` shows it
+    (cli/flags.py reads these strings), so keep it about what a user sets, not how it works.
+    """
+
+    model: str | None = None
+    """HF directory, .gguf file or hub id; None: the embedded SmolLM2-135M-Instruct."""
+    dtype: str = "auto"
+    """auto (the platform's default: bf16 on CUDA and CPU) | float32 | bfloat16 | float16;
+    vLLM's aliases half (float16) and float (float32) are accepted."""
+    max_model_len: int | None = None
+    """Longest prompt plus output, in tokens; unset: the model's own context length."""
     seed: int = 0
+    """vLLM's engine seed. deepinfer seeds sampling per request (SamplingParams.seed)."""
     served_model_name: str | None = None
-    # auto: on the CPU in bf16, GGUF 4-bit matrices (and a Q8_0 head) also keep a 4-bit copy
-    # used for small batches, and dense weights a oneDNN-packed copy used above (layers/linear.py);
-    # none: plain dense dequantized weights only (the reference path).
+    """The model id in prefix-cache keys and responses; unset: the model's own name."""
     quantization: str = "auto"
-    # auto: triton on CUDA, cpu on the CPU (the CPU fast path: batched decode attention, fewer
-    # eager ops per layer). reference stays selectable everywhere: it is what the fast paths are
-    # checked against.
+    """auto: on the CPU in bf16, GGUF 4-bit matrices (and a Q8_0 head) also keep a 4-bit copy
+    for small batches and dense weights a oneDNN-packed copy for large ones | none: plain
+    dense dequantized weights only (the reference path)."""
     attention_backend: str = "auto"
-    # CUDA graphs for decode steps (vLLM's flag name): True runs every step eagerly.
+    """auto (triton on CUDA, cpu on the CPU) | reference (plain PyTorch, what the fast paths are
+    checked against) | cpu | triton."""
     enforce_eager: bool = False
+    """Run every step eagerly (no CUDA graphs for decode steps)."""
+    trust_remote_code: bool = False
+    """Accepted for vLLM launch lines; deepinfer never runs code from a model repository, so it
+    has no effect."""
+    generation_config: str = "auto"
+    """Default sampling parameters: auto (the model's generation_config.json) | vllm (none:
+    SamplingParams' own defaults) | a directory holding a generation_config.json."""
+    skip_tokenizer_init: bool = False
+    """Load no tokenizer: prompts must be token ids, outputs carry token ids and empty text."""
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        # Frozen: normalising the alias in place is the one write __post_init__ allows itself,
+        # so that everything after construction sees one spelling per dtype.
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join([*DTYPES, *DTYPE_ALIASES])}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'vllm' or a directory, "
+                             f"got {self.generation_config!r}")
+        if self.trust_remote_code:
+            logger.info("trust_remote_code has no effect: deepinfer never runs code from a model repository")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
+    """Tokens per KV-cache block (a power of two)."""
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 2 << 30       # the KV pool's byte budget on the CPU
+    """Fraction of the GPU's memory the engine may use (weights, activations and KV cache)."""
+    cpu_kv_cache_bytes: int = 2 << 30
+    """The KV pool's byte budget on the CPU."""
     enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None        # override the budget (tests, benchmarks)
-    kv_cache_dtype: str = "auto"            # one of KV_CACHE_DTYPES
+    """Reuse the KV of a prompt prefix computed before (hash-chained full blocks)."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks, overriding the memory budget (tests, benchmarks)."""
+    kv_cache_dtype: str = "auto"
+    """auto (the model's dtype) | fp8 = fp8_e4m3 (float8 e4m3 with a scale of 1.0)."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -79,19 +118,22 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # None: the platform's values, filled in when the engine starts (Platform.batch_limits): on a
-    # CUDA card of 70 GiB or more 512 sequences and 16384 tokens offline (8192 served), on a
-    # smaller card 256 and 8192 (2048), on the CPU 256 and 2048.
     max_num_seqs: int | None = None
+    """Most requests in one step. Unset: the platform's value when the engine starts
+    (Platform.batch_limits): 512 on a CUDA card of 70 GiB or more, 256 on a smaller card or the CPU."""
     max_num_batched_tokens: int | None = None
+    """Most tokens in one step. Unset: the platform's value: 16384 offline (8192 served) on a
+    CUDA card of 70 GiB or more, 8192 (2048) on a smaller card, 2048 on the CPU."""
     enable_chunked_prefill: bool = True
+    """Split a long prompt over several steps, beside running decodes."""
     policy: str = "fcfs"
-    # Structured output: a request whose grammar is not compiled within this many seconds fails
-    # (alone); a request may set a shorter or longer limit of its own.
+    """fcfs (arrival order) | priority (the request's priority, then arrival)."""
     structured_outputs_compile_timeout_s: float = 30.0
-    # Overlapped scheduling (vLLM's flag name): plan and launch step N+1 while the device runs step
-    # N. None: on with CUDA (without speculative decoding), off on the CPU. See engine/core.py.
+    """A request whose grammar is not compiled within this many seconds fails (alone); a
+    request may set its own limit."""
     async_scheduling: bool | None = None
+    """Plan and launch step N+1 while the device runs step N. Unset: on with CUDA (without
+    speculative decoding), off on the CPU (engine/core.py)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -109,6 +151,37 @@ class SchedulerConfig:
         seqs, tokens = limits
         return dataclasses.replace(self, max_num_seqs=self.max_num_seqs or seqs,
                                    max_num_batched_tokens=self.max_num_batched_tokens or tokens)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over devices (vLLM's names). This build runs one rank: every
+    size must be 1, and a larger one is refused here rather than silently run on one device."""
+
+    tensor_parallel_size: int = 1
+    """Devices each layer's weights are split over (only 1 in this build)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split into (only 1 in this build)."""
+    data_parallel_size: int = 1
+    """Engine replicas behind one endpoint (only 1 in this build)."""
+    enable_expert_parallel: bool = False
+    """Split MoE experts over the tensor x data parallel ranks; with one rank it changes nothing."""
+    distributed_executor_backend: str | None = None
+    """mp | ray | uni: how ranks are started. With one rank the worker always runs in the
+    engine core's process, whichever is named."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            size = getattr(self, name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
+            if size > 1:
+                raise ValueError(f"{name}={size}: only {name}=1 is supported in this build "
+                                 "(distributed execution is not implemented yet)")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {backend!r}")
 
 
 @dataclass(frozen=True)
@@ -174,23 +247,32 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if (self.model.skip_tokenizer_init and self.speculative is not None
+                and self.speculative.method == "draft_model"):
+            raise ValueError("speculative_config method 'draft_model' checks that the draft model shares "
+                             "the target's tokenizer, so it cannot run with skip_tokenizer_init=True")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat vLLM-style keyword arguments; unknown names are an error."""
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
-        owners = {f.name: part for part, klass in (("model", ModelConfig), ("cache", CacheConfig),
-                                                   ("scheduler", SchedulerConfig))
-                  for f in dataclasses.fields(klass)}
+        parts: dict[str, dict[str, Any]] = {part: {} for part in _FLAT_PARTS}
+        owners = {f.name: part for part, klass in _FLAT_PARTS.items() for f in dataclasses.fields(klass)}
         for name, value in kwargs.items():
             if name not in owners:
                 raise TypeError(f"unknown engine argument {name!r}; known: "
                                 f"{', '.join(sorted([*owners, 'speculative_config']))}")
             parts[owners[name]][name] = value
-        return cls(ModelConfig(**parts["model"]), CacheConfig(**parts["cache"]),
-                   SchedulerConfig(**parts["scheduler"]), speculative)
+        return cls(**{part: klass(**parts[part]) for part, klass in _FLAT_PARTS.items()}, speculative=speculative)
+
+
+# The EngineConfig parts whose fields are flat keyword arguments (LLM(**kwargs), CLI flags).
+# Field names are unique across them, which is what lets the flat names work.
+_FLAT_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:

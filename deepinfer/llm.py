@@ -2,6 +2,11 @@
 
 It runs the engine core in this process and loops `step()` until every request is done, with a
 tqdm bar showing input and output tokens per second.
+
+As in vLLM, a call without sampling_params uses `get_default_sampling_params()`: SamplingParams'
+defaults overridden by the model's generation_config.json (models/generation_config.py;
+`generation_config="vllm"` turns that off). With `skip_tokenizer_init=True` there is no
+tokenizer: prompts must be token ids, and outputs carry token ids with empty text.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.request import Request
 from deepinfer.kv_cache.prefix_cache import extra_key
+from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import load_model_source
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
@@ -36,7 +42,8 @@ class LLM:
 
     Keyword arguments are EngineConfig fields with vLLM's names: dtype, max_model_len, seed,
     block_size, gpu_memory_utilization, cpu_kv_cache_bytes, enable_prefix_caching,
-    num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy.
+    num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy,
+    generation_config, skip_tokenizer_init, tensor_parallel_size (1 only), ...
     `load_format="dummy"` keeps random weights (for speed measurements of a real shape).
     `speculative_config={"method": "ngram" | "draft_model" | "mtp", "num_speculative_tokens": 5,
     "model": PATH, "verification": "adaptive" | "fixed"}` turns on speculative decoding; its
@@ -47,9 +54,15 @@ class LLM:
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        source = load_model_source(model)
+        source = load_model_source(model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
         self.model_id = self.config.model.served_model_name or source.name
-        self.tokenizer = source.tokenizer
+        self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
+        self.eos_token_ids = source.eos_token_ids
+        self.default_sampling_overrides = default_sampling_overrides(self.config.model.generation_config, source)
+        if self.default_sampling_overrides:
+            logger.info("Default sampling parameters come from the model's generation config: %s "
+                        "(generation_config='vllm' ignores them)", self.default_sampling_overrides)
+        self.get_default_sampling_params()   # a bad value in generation_config.json fails here, not later
         self.engine = EngineCore(self.config, source, load_weights=load_format == "auto")
         self.config = self.engine.config   # with the batch limits the platform filled in
         self.max_model_len = self.engine.max_model_len
@@ -58,7 +71,13 @@ class LLM:
         self._counter = itertools.count()
 
     def get_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this LLM has no tokenizer: it was built with skip_tokenizer_init=True")
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the generation config's overrides (vLLM's method of this name)."""
+        return SamplingParams(**self.default_sampling_overrides)
 
     @property
     def spec_decode_stats(self):
@@ -72,7 +91,9 @@ class LLM:
                  use_tqdm: bool | Callable[..., tqdm] = True, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts), "sampling_params")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = _broadcast(sampling_params, len(prompts), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompts), "priority")
         # generate() returns finished outputs only, so none is built before a request finishes
         # (vLLM's LLM does the same): building one per request per step cost the host ~7 ms per
@@ -92,6 +113,7 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        self._require_tokenizer("chat()")
         prompts = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
@@ -102,7 +124,8 @@ class LLM:
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (n must be 1)."""
-        params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=RequestOutputKind.DELTA)
+        params = dataclasses.replace(sampling_params or self.get_default_sampling_params(),
+                                     output_kind=RequestOutputKind.DELTA)
         if params.n != 1:
             raise ValueError(f"stream() produces one sequence; n must be 1, got {params.n}")
         text, token_ids, params = self._prepare(prompt, params)
@@ -120,6 +143,7 @@ class LLM:
 
     def stream_chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
                     **template_kwargs: Any) -> Iterator[str]:
+        self._require_tokenizer("stream_chat()")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
         return self.stream(prompt, sampling_params)
@@ -132,8 +156,14 @@ class LLM:
             self.engine.abort(processed.abort_ids)
         return processed.request_outputs
 
+    def _require_tokenizer(self, what: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer, and this LLM was built with skip_tokenizer_init=True; "
+                             "pass token ids instead (a list of ints, or {'prompt_token_ids': [...]})")
+
     def _prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         if isinstance(prompt, str):
+            self._require_tokenizer("a text prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict):
             text = prompt.get("prompt")
@@ -141,6 +171,7 @@ class LLM:
             if token_ids is None:
                 if text is None:
                     raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                self._require_tokenizer("a text prompt")
                 token_ids = self.tokenizer.encode(text)
         else:
             text, token_ids = None, list(prompt)
@@ -154,6 +185,8 @@ class LLM:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
                              f"{self.max_model_len}; it must be shorter to leave room for output")
         params.verify_token_ids(vocab)
+        if self.tokenizer is None:
+            params = _without_text(params)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)   # xgrammar's reason, as a ValueError
         return text, token_ids, params
@@ -168,7 +201,7 @@ class LLM:
         for index, child_id in enumerate(child_ids):
             child_params = params.for_child(index) if params.n > 1 else params
             self.engine.add_request(Request(
-                child_id, token_ids, child_params, self.tokenizer.eos_token_ids, max_tokens,
+                child_id, token_ids, child_params, self.eos_token_ids, max_tokens,
                 priority=priority, cache_salt=cache_salt, extra_key=key,
                 block_size=self.config.cache.block_size,
                 skip_prefix_cache=params.prompt_logprobs is not None))
@@ -197,6 +230,16 @@ class LLM:
         if self.engine.spec is not None:
             logger.info("Speculative decoding (cumulative): %s", self.engine.spec.stats.summary())
         return [finished[i] for i in request_ids]
+
+
+def _without_text(params: SamplingParams) -> SamplingParams:
+    """Params for an engine without a tokenizer: no text is made (vLLM forces detokenize off
+    too), so what needs text is refused here with the reason rather than deeper down."""
+    if params.stop:
+        raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True); use stop_token_ids")
+    if params.structured_outputs is not None:
+        raise ValueError("structured outputs need a tokenizer, so they cannot be used with skip_tokenizer_init=True")
+    return params if not params.detokenize else dataclasses.replace(params, detokenize=False)
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

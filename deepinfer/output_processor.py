@@ -58,7 +58,7 @@ def child_request_ids(request_id: str, n: int) -> list[str]:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._parent_of: dict[str, str] = {}
@@ -69,8 +69,9 @@ class OutputProcessor:
         child_ids = child_request_ids(request_id, params.n)
         sequences = {}
         for index, child_id in enumerate(child_ids):
+            # No tokenizer (skip_tokenizer_init): no text, as with detokenize=False.
             detok = (IncrementalDetokenizer.from_params(self.tokenizer, prompt_token_ids, params)
-                     if params.detokenize else None)
+                     if params.detokenize and self.tokenizer is not None else None)
             sequences[child_id] = SequenceState(index, detok, logprobs=[] if params.logprobs is not None else None,
                                                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self._parent_of[child_id] = request_id
@@ -144,7 +145,7 @@ class OutputProcessor:
 
     def _decode_logprobs(self, entry: dict) -> dict:
         for token_id, lp in entry.items():
-            if lp.decoded_token is None:
+            if lp.decoded_token is None and self.tokenizer is not None:
                 lp.decoded_token = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return entry
 

@@ -8,47 +8,55 @@ import sys
 
 from deepinfer import envs
 from deepinfer.cli.args import add_engine_args, engine_kwargs
+from deepinfer.cli.flags import parse_cli
+from deepinfer.cli.server_args import add_server_args, serve_config
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="deepinfer: an LLM inference engine")
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False everywhere: an abbreviated boolean flag (--enforce) would escape
+    # parse_cli's rewrite and swallow the next argument as its value.
+    parser = argparse.ArgumentParser(prog="deepinfer", description="deepinfer: an LLM inference engine",
+                                     allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="complete prompts (default model: SmolLM2-135M-Instruct)")
+    gen = commands.add_parser("generate", allow_abbrev=False, help="complete prompts (default model: SmolLM2-135M-Instruct)")
     gen.add_argument("prompts", nargs="+")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     _add_sampling_args(gen)
     add_engine_args(gen)
 
-    chat = commands.add_parser("chat", help="interactive chat with streamed tokens")
+    chat = commands.add_parser("chat", allow_abbrev=False, help="interactive chat with streamed tokens")
     chat.add_argument("--system", default=None, help="a system message")
     _add_sampling_args(chat)
     add_engine_args(chat)
 
-    serve = commands.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server")
+    serve = commands.add_parser("serve", allow_abbrev=False, help="OpenAI- and Anthropic-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    _add_server_args(serve)
+    add_server_args(serve)
     add_engine_args(serve)
 
-    bench = commands.add_parser("bench", help="benchmarks")
+    bench = commands.add_parser("bench", allow_abbrev=False, help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
-    throughput = bench_commands.add_parser("throughput", help="offline throughput of synthetic requests")
+    throughput = bench_commands.add_parser("throughput", allow_abbrev=False, help="offline throughput of synthetic requests")
     from deepinfer.bench.throughput import add_throughput_args
 
     add_throughput_args(throughput)
     add_engine_args(throughput)
-    latency = bench_commands.add_parser("latency", help="end-to-end latency of one batch (prefill, decode per step)")
+    latency = bench_commands.add_parser("latency", allow_abbrev=False, help="end-to-end latency of one batch (prefill, decode per step)")
     from deepinfer.bench.latency import add_latency_args
 
     add_latency_args(latency)
     add_engine_args(latency)
-    bench_serve = bench_commands.add_parser("serve", help="online serving benchmark against a running server")
+    bench_serve = bench_commands.add_parser("serve", allow_abbrev=False, help="online serving benchmark against a running server")
     from deepinfer.bench.serve import add_serve_bench_args
 
     add_serve_bench_args(bench_serve)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_cli(build_parser(), argv)
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     try:
         if args.command == "generate":
@@ -73,37 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _add_server_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer, or x-api-key)")
-    parser.add_argument("--max-pending-requests", type=int, default=1024,
-                        help="requests in flight beyond this get HTTP 429 (default: 1024)")
-    parser.add_argument("--chat-format", default="auto",
-                        help="auto (the model's chat template; DeepSeek-V4 models: deepseek-v4) | deepseek-v4 | "
-                             "deepseek-v4.1 | hf:DIR")
-    parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-
-
 def _serve(args: argparse.Namespace) -> int:
-    from deepinfer.config import EngineConfig
     from deepinfer.entrypoints.api_server import run_server
 
-    kwargs = engine_kwargs(args)
-    if kwargs.pop("load_format") != "auto":
-        raise ValueError("serve loads real weights; --load-format dummy is for offline benchmarks")
-    if args.model_tag is not None:
-        kwargs["model"] = args.model_tag
-    if args.max_pending_requests < 1:
-        raise ValueError(f"--max-pending-requests must be >= 1, got {args.max_pending_requests}")
-    config = EngineConfig.from_kwargs(**kwargs)
-    from deepinfer.entrypoints.options import ServerOptions
-
-    options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
-                            max_pending_requests=args.max_pending_requests, chat_format=args.chat_format,
-                            uvicorn_log_level=args.uvicorn_log_level)
-    run_server(config, options)
+    run_server(*serve_config(args))
     return 0
 
 

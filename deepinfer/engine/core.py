@@ -93,7 +93,9 @@ class EngineCore:
             # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
             self.spec = build_speculative_decoder(config, self.runner, source, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec)
-        self.structured = StructuredOutputManager(
+        # Grammars are compiled against the tokenizer's vocabulary: without one (skip_tokenizer_init)
+        # there is no structured output, and add_request refuses constrained requests.
+        self.structured = None if source.tokenizer is None else StructuredOutputManager(
             source.tokenizer, hf_config["vocab_size"], f"{source.path}:{source.tokenizer.vocab_size}",
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s,
             unpack_on_host=self.platform.name == "cpu")
@@ -106,6 +108,9 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         constraint = request.sampling_params.structured_outputs
+        if constraint is not None and self.structured is None:
+            raise ValueError("structured outputs need a tokenizer, so they cannot be used with "
+                             "skip_tokenizer_init=True")
         if constraint is not None and request.grammar is None:
             request.grammar = self.structured.grammar_for(constraint)   # compiles from now on
         self.scheduler.add_request(request)
@@ -162,6 +167,8 @@ class EngineCore:
     def _start_bitmask(self, plan: SchedulerPlan):
         """Start filling the structured-output masks of the plan's sampled, constrained requests
         (not of those that stopped since it was made: their matcher is done)."""
+        if self.structured is None:
+            return None
         requests = self.scheduler.requests
         constrained = [c for c in plan.chunks
                        if c.sample and c.request_id in requests and requests[c.request_id].grammar is not None]

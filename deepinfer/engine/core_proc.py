@@ -129,7 +129,7 @@ class EngineCoreProc:
         from deepinfer.engine.core import EngineCore
         from deepinfer.models.loader import load_model_source
 
-        source = load_model_source(self.config.model.model)
+        source = load_model_source(self.config.model.model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
         self.core = EngineCore(self.config, source, offline=False)
         name = self.config.model.served_model_name or source.name
         self.send(Ready(name, self.core.max_model_len, self.core.runner.num_blocks, self.block_size, os.getpid()))

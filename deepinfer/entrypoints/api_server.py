@@ -29,6 +29,7 @@ from deepinfer.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMidd
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
 from deepinfer.frontend.engine_client import AsyncEngineClient
+from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ logger = logging.getLogger(__name__)
 def make_encoder(source: ModelSource, chat_format: str = "auto", chat_template: str | None = None):
     """The recipe encoder for chat routes: DeepSeek-V4 formats by name, else the model's own
     HF chat template (also for GGUF models, whose tokenizer exists only in memory), or the one
-    given with --chat-template (a file or the template text)."""
+    given with --chat-template (its text: ServerOptions reads the file)."""
     from deepinfer_recipe import get_encoder
     from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 
@@ -52,9 +53,7 @@ def make_encoder(source: ModelSource, chat_format: str = "auto", chat_template: 
     tok = source.tokenizer
     if tok is None:
         raise ValueError("the server runs without a tokenizer (--skip-tokenizer-init)")
-    template = tok.chat_template
-    if chat_template is not None:
-        template = open(chat_template).read() if os.path.isfile(chat_template) else chat_template
+    template = chat_template if chat_template is not None else tok.chat_template
     return HFTemplateEncoder.from_tokenizer(tok.backend, template, tok.bos_token, tok.eos_token,
                                             name=f"hf:{source.name}")
 
@@ -64,7 +63,8 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     options = options or ServerOptions()
     client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests,
                                request_timeout_s=options.request_timeout_s,
-                               max_engine_restarts=options.max_engine_restarts, on_fatal=on_fatal)
+                               max_engine_restarts=options.max_engine_restarts,
+                               log_requests=options.enable_log_requests, on_fatal=on_fatal)
     names = list(options.served_model_name) or [client.model_id]
     state = ServerState(client, names, options)
     try:
@@ -72,6 +72,10 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     except Exception as e:   # no template: completions still work, chat routes say why not
         state.encoder_error = f"chat routes are unavailable for this model: {e}"
         logger.warning("%s", state.encoder_error)
+    state.sampling_defaults = default_sampling_overrides(config.model.generation_config, source)
+    if state.sampling_defaults:
+        logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
+                    config.model.generation_config, state.sampling_defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -216,7 +220,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
             server.should_exit = True
 
     # The front end needs only config and tokenizer; the weights load in the core process.
-    source = load_model_source(config.model.model)
+    source = load_model_source(config.model.model, skip_tokenizer_init=config.model.skip_tokenizer_init)
     app = build_app(config, source, options, on_fatal=on_fatal)
     logger.info("serving %s on http://%s:%d", app.state.server.model_name, options.host, options.port)
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,

@@ -8,58 +8,95 @@ chat routes do with tools and reasoning. The CLI flags are generated from these 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from deepinfer.entrypoints.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+__all__ = ["LOG_LEVELS", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "ServerOptions", "load_chat_template"]
 
 
 @dataclass(frozen=True)
 class ServerOptions:
+    """The string under each field is its `deepinfer serve --help` text (cli/flags.py)."""
+
     host: str = "0.0.0.0"
+    """Address to listen on."""
     port: int = 8000
-    # Require this key on every route but the probes (Authorization: Bearer KEY, or x-api-key).
+    """Port to listen on."""
     api_key: str | None = None
-    # Names clients may send as `model`; the first is the one responses carry. Empty: the model's
-    # own name.
+    """Require this key on every route but the probes (Authorization: Bearer KEY, or x-api-key)."""
     served_model_name: tuple[str, ...] = ()
-    # Requests in flight (n > 1 counts n) beyond this get HTTP 429 with Retry-After.
+    """Names clients may send as `model`; the first is the one responses carry (and the
+    prefix-cache key's model id). Empty: the model's own name."""
     max_pending_requests: int = 1024
-    # auto: the model's chat template (DeepSeek-V4 models: deepseek-v4) | deepseek-v4 |
-    # deepseek-v4.1 | hf:DIR
+    """Requests in flight (n > 1 counts n) beyond this get HTTP 429 with Retry-After."""
     chat_format: str = "auto"
-    # A Jinja chat template (a file, or the template text) replacing the model's own.
+    """auto (the model's chat template; DeepSeek-V4 models: deepseek-v4) | deepseek-v4 |
+    deepseek-v4.1 | hf:DIR"""
+    # After construction this holds the template text, never a path (__post_init__).
     chat_template: str | None = None
-    # Limits that keep one request from freezing or crashing the server (4xx, never 500).
+    """A Jinja chat template replacing the model's own: a file, or the template text itself."""
     max_request_body_bytes: int = 16 << 20
+    """Largest request body accepted (413 beyond)."""
     max_json_depth: int = 64
+    """Deepest JSON nesting accepted in a request body."""
     max_stop_sequences: int = 64
-    # A request still running after this many seconds is aborted (408); 0: no deadline.
+    """Most stop strings one request may give."""
     request_timeout_s: float = 0.0
-    # The most `logprobs` / `top_logprobs` a request may ask for (vLLM's --max-logprobs).
+    """A request still running after this many seconds is aborted (408); 0: no deadline."""
     max_logprobs: int = 20
-    # Log one line per request (arrival, prompt length, sampling) at INFO.
+    """The most logprobs / top_logprobs a request may ask for; -1: no limit."""
     enable_log_requests: bool = False
-    # vLLM's tool and reasoning switches: deepinfer's recipe parses tool calls and reasoning for
-    # every format it serves, so these choose among the recipe's parsers (cli/args.py lists them).
+    """Log one line per request (arrival, prompt length, sampling) at INFO."""
     enable_auto_tool_choice: bool = False
+    """Let the model decide when to call tools (tool_choice "auto")."""
     tool_call_parser: str | None = None
+    """vLLM's tool-call parser name; accepted names are those whose format the recipe parses
+    (entrypoints/parser_names.py)."""
     reasoning_parser: str | None = None
-    # The engine core process is restarted this many times when it dies; after that the server
-    # exits with a non-zero status so that its supervisor sees the failure.
+    """vLLM's reasoning parser name; accepted names are those whose format the recipe parses
+    (entrypoints/parser_names.py)."""
     max_engine_restarts: int = 3
+    """Restart a dead engine core process this many times, then exit non-zero so that a
+    supervisor sees the failure."""
     uvicorn_log_level: str = "info"
+    """uvicorn's own log level."""
 
     def __post_init__(self) -> None:
-        def positive(name: str, allow_zero: bool = False) -> None:
+        def at_least(name: str, low: int) -> None:
             value = getattr(self, name)
-            if value < 0 or (value == 0 and not allow_zero):
-                raise ValueError(f"--{name.replace('_', '-')} must be {'>= 0' if allow_zero else '>= 1'}, got {value}")
+            if value < low:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
         for name in ("port", "max_pending_requests", "max_request_body_bytes", "max_json_depth",
-                     "max_stop_sequences", "max_logprobs"):
-            positive(name)
-        positive("request_timeout_s", allow_zero=True)
-        positive("max_engine_restarts", allow_zero=True)
+                     "max_stop_sequences"):
+            at_least(name, 1)
+        at_least("request_timeout_s", 0)
+        at_least("max_engine_restarts", 0)
+        at_least("max_logprobs", -1)
         if self.uvicorn_log_level not in LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level must be one of {', '.join(LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            value = getattr(self, name)
+            if value is not None and value not in known:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} is not one deepinfer's recipe implements; "
+                                 f"accepted: {', '.join(sorted(known))}")
+        # Frozen: these normalisations are the only writes, so later code sees one form.
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if self.chat_template is not None:
+            object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's rule for --chat-template: the text of the file it names; else the value itself
+    when it reads as a template (has `{`, `}` or a newline); else it is a file that is missing."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor template text")

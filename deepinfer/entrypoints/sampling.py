@@ -60,7 +60,8 @@ def engine_request_fields(fields) -> dict:
 
 
 def check_logprobs(value: int | None, limit: int, name: str) -> None:
-    if value is not None and value > limit:
+    """At most --max-logprobs (-1: no limit)."""
+    if value is not None and 0 <= limit < value:
         raise bad_request(f"{name} must be at most {limit} (--max-logprobs), got {value}", name)
 
 

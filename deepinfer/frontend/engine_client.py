@@ -97,15 +97,17 @@ class EngineInfo:
 
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024,
-                 request_timeout_s: float = 0.0, max_engine_restarts: int = 3,
+                 request_timeout_s: float = 0.0, max_engine_restarts: int = 3, log_requests: bool = False,
                  on_fatal: Callable[[str], None] | None = None) -> None:
         self.config = config
-        self.tokenizer = source.tokenizer
+        self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
+        self.eos_token_ids = source.eos_token_ids
         self.vocab_size = source.hf_config["vocab_size"]
         self.model_id = config.model.served_model_name or source.name
         self.max_pending_requests = max_pending_requests
         self.request_timeout_s = request_timeout_s
         self.max_engine_restarts = max_engine_restarts
+        self.log_requests = log_requests
         self.on_fatal = on_fatal
         self.output_processor = OutputProcessor(self.tokenizer)
         self.metrics = ServerMetrics(self.model_id)
@@ -217,7 +219,7 @@ class AsyncEngineClient:
         room = self.info.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         key = extra_key(self.model_id, cache_salt)
-        eos = sorted(self.tokenizer.eos_token_ids)
+        eos = sorted(self.eos_token_ids)
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         try:
             # Built before anything is registered or sent: a value msgpack cannot carry fails
@@ -237,6 +239,11 @@ class AsyncEngineClient:
             self._parent_of[child_id] = request_id
         for raw in encoded:
             self._core.send_encoded(raw)
+        if self.log_requests:   # sizes and settings only: prompts and outputs stay out of logs
+            logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%d, temperature=%g, top_p=%g, top_k=%d, "
+                        "seed=%s, priority=%d, structured=%s", request_id, len(prompt_token_ids), params.n,
+                        max_tokens, params.temperature, params.top_p, params.top_k, params.seed, priority,
+                        params.structured_outputs.kind if params.structured_outputs else None)
         return tracked
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:

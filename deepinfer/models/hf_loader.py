@@ -4,7 +4,8 @@ Layout expected (what `save_pretrained` and the hub produce):
 
     config.json                      required
     model.safetensors                or model-00001-of-0000N.safetensors + model.safetensors.index.json
-    tokenizer.json                   required (a fast tokenizer; slow-only repos are not supported)
+    tokenizer.json                   required unless skip_tokenizer_init (a fast tokenizer; slow-only
+                                     repos are not supported)
     tokenizer_config.json            optional: chat_template, special tokens, add_bos_token
     chat_template.jinja              optional: newer repos keep the template here
     generation_config.json           optional: extra eos ids, sampling defaults
@@ -84,26 +85,17 @@ def iter_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read safetensors file {path}: {e}") from e
 
 
-def load_hf_directory(directory: str):
-    """(config, generation_config, Tokenizer, weights factory) for an HF checkpoint directory."""
-    from deepinfer.tokenizer import Tokenizer
+def load_hf_directory(directory: str, load_tokenizer: bool = True):
+    """(config, generation_config, Tokenizer or None, weights factory) for an HF checkpoint directory.
 
+    load_tokenizer=False (skip_tokenizer_init) reads no tokenizer file, so none need exist.
+    """
     config = read_json(os.path.join(directory, "config.json"))
     # Multimodal checkpoints nest the language model's fields; deepinfer serves the text part.
     if "text_config" in config and "hidden_size" not in config:
         config = {**config["text_config"], "architectures": config.get("architectures", [])}
     generation_config = read_json(os.path.join(directory, "generation_config.json"), required=False) or {}
-
-    tokenizer_config = read_json(os.path.join(directory, "tokenizer_config.json"), required=False) or {}
-    template_path = os.path.join(directory, "chat_template.jinja")
-    if "chat_template" not in tokenizer_config and os.path.isfile(template_path):
-        with open(template_path, encoding="utf-8") as f:
-            tokenizer_config["chat_template"] = f.read()
-    tokenizer = Tokenizer.from_file(
-        os.path.join(directory, "tokenizer.json"),
-        tokenizer_config,
-        generation_config=generation_config or _eos_from_config(config),
-    )
+    tokenizer = _load_tokenizer(directory, config, generation_config) if load_tokenizer else None
 
     if not any(f.endswith(".safetensors") or f == SAFETENSORS_INDEX for f in os.listdir(directory)):
         # A config-only directory serves random-weight runs of a real shape (load_format="dummy");
@@ -117,6 +109,21 @@ def load_hf_directory(directory: str):
         check_safetensors(p)
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]] = lambda: iter_safetensors(paths)  # noqa: E731
     return config, generation_config, tokenizer, weights
+
+
+def _load_tokenizer(directory: str, config: dict, generation_config: dict):
+    from deepinfer.tokenizer import Tokenizer
+
+    tokenizer_config = read_json(os.path.join(directory, "tokenizer_config.json"), required=False) or {}
+    template_path = os.path.join(directory, "chat_template.jinja")
+    if "chat_template" not in tokenizer_config and os.path.isfile(template_path):
+        with open(template_path, encoding="utf-8") as f:
+            tokenizer_config["chat_template"] = f.read()
+    return Tokenizer.from_file(
+        os.path.join(directory, "tokenizer.json"),
+        tokenizer_config,
+        generation_config=generation_config or _eos_from_config(config),
+    )
 
 
 def _eos_from_config(config: dict) -> dict:

@@ -8,6 +8,10 @@
 Whatever the source, the result looks like an HF checkpoint: `hf_config` is config.json-shaped,
 `iter_weights()` yields HF parameter names with tensors in HF layout and value convention, and
 `tokenizer` is a deepinfer Tokenizer. Model code therefore never knows where its weights came from.
+
+`load_model_source(model, skip_tokenizer_init=True)` (vLLM's option) reads no tokenizer at all, so
+a checkpoint without tokenizer files loads; `tokenizer` is None then and the EOS ids come from
+generation_config.json / config.json (`eos_token_ids`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,24 @@ class ModelSource:
     name: str  # short model id: the prefix-cache key's model id and the served model name
     path: str  # resolved local path (a directory or a .gguf file)
     hf_config: dict
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None   # None: loaded with skip_tokenizer_init
     generation_config: dict = field(default_factory=dict)
     # Produces the weights lazily, so that building a ModelSource (config + tokenizer) is cheap
     # and the dequantized weights exist only while the model copies them in.
     _weights: Callable[[bool], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end generation: the tokenizer's, or without one, the `eos_token_id` of
+        generation_config.json, else of config.json (each an int or a list)."""
+        if self.tokenizer is not None:
+            return self.tokenizer.eos_token_ids
+        ids = self.generation_config.get("eos_token_id")
+        if ids is None:
+            ids = self.hf_config.get("eos_token_id")
+        if ids is None:
+            return frozenset()
+        return frozenset(int(i) for i in (ids if isinstance(ids, list) else [ids]))
 
     def iter_weights(self, keep_int4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) pairs; GGUF tensors come dequantized to float32.
@@ -48,23 +65,26 @@ class ModelSource:
         return self._weights(keep_int4)
 
 
-def load_model_source(model: str | None) -> ModelSource:
-    """Resolve `model` (None/"default", a .gguf path, an HF directory, or a hub id) and load it."""
+def load_model_source(model: str | None, *, skip_tokenizer_init: bool = False) -> ModelSource:
+    """Resolve `model` (None/"default", a .gguf path, an HF directory, or a hub id) and load it.
+
+    skip_tokenizer_init: read no tokenizer (ModelSource.tokenizer is None).
+    """
     if model is None or model == "default":
         from deepinfer.models.bundled import SMOLLM2_NAME, default_model_path
 
-        return _load_gguf(default_model_path(), name=SMOLLM2_NAME)
+        return _load_gguf(default_model_path(), SMOLLM2_NAME, skip_tokenizer_init)
 
     path = os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF directory")
-        return _load_gguf(path)
+        return _load_gguf(path, None, skip_tokenizer_init)
     if os.path.isdir(path):
-        return _load_hf_dir(path, name=os.path.basename(os.path.normpath(path)))
+        return _load_hf_dir(path, os.path.basename(os.path.normpath(path)), skip_tokenizer_init)
     if _looks_like_path(model):
         raise ModelLoadError(f"model file or directory not found: {path}")
-    return _load_hf_dir(_download_from_hub(model), name=model)
+    return _load_hf_dir(_download_from_hub(model), model, skip_tokenizer_init)
 
 
 def _looks_like_path(model: str) -> bool:
@@ -72,7 +92,7 @@ def _looks_like_path(model: str) -> bool:
     return model.endswith(".gguf") or model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
 
 
-def _load_gguf(path: str, name: str | None = None) -> ModelSource:
+def _load_gguf(path: str, name: str | None, skip_tokenizer_init: bool) -> ModelSource:
     from deepinfer.models.gguf_loader import GGUFFile, file_cache_key, gguf_config, iter_gguf_weights
     from deepinfer.tokenizer import Tokenizer
 
@@ -81,7 +101,7 @@ def _load_gguf(path: str, name: str | None = None) -> ModelSource:
     gguf = GGUFFile(path)
     config = gguf_config(gguf)
     generation_config = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-    tokenizer = Tokenizer.from_gguf_metadata(
+    tokenizer = None if skip_tokenizer_init else Tokenizer.from_gguf_metadata(
         gguf.metadata, generation_config=generation_config, cache_key=file_cache_key(path)
     )
     if name is None:
@@ -96,10 +116,10 @@ def _load_gguf(path: str, name: str | None = None) -> ModelSource:
     )
 
 
-def _load_hf_dir(path: str, name: str) -> ModelSource:
+def _load_hf_dir(path: str, name: str, skip_tokenizer_init: bool) -> ModelSource:
     from deepinfer.models.hf_loader import load_hf_directory
 
-    config, generation_config, tokenizer, weights = load_hf_directory(path)
+    config, generation_config, tokenizer, weights = load_hf_directory(path, load_tokenizer=not skip_tokenizer_init)
     return ModelSource(
         name=name,
         path=os.path.abspath(path),

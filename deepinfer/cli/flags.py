@@ -1,0 +1,221 @@
+"""Command-line flags generated from a config dataclass: one flag per field, typed by the field.
+
+    add_dataclass_flags(parser, CacheConfig)      # --block-size INT, --enable-prefix-caching, ...
+    args = parse_cli(parser, argv)
+    CacheConfig(**dataclass_values(CacheConfig, args))
+
+The flag of field `foo_bar` is `--foo-bar`; its type is the field's annotation (typing.get_type_hints,
+so `from __future__ import annotations` is fine):
+
+    int / float / str         a value of that type
+    X | None, Optional[X]     a value of X, or `None` to unset it (vLLM's convention)
+    tuple[X, ...], list[X]    one or more values (`--served-model-name a b`)
+    bool, bool | None         `--flag` (true), `--no-flag` (false), or an explicit
+                              `--flag true|false|1|0|yes|no` / `--flag=VALUE` (vLLM launch lines
+                              write `--enable-prefix-caching False`)
+
+The help text is the string literal written under the field (an attribute docstring, as vLLM's
+configs have), followed by the default. A field of any other type is a TypeError when the parser
+is built, so a new field cannot silently become a string flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+TRUE_WORDS = ("true", "1", "yes")
+FALSE_WORDS = ("false", "0", "no")
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def parse_bool(text: str) -> bool:
+    """argparse `type` of boolean flags: true/false, 1/0, yes/no, in any case."""
+    word = text.strip().lower()
+    if word in TRUE_WORDS:
+        return True
+    if word in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false, 1/0, yes/no), got {text!r}")
+
+
+class BooleanFlag(argparse.Action):
+    """`--flag` stores True; `--flag=VALUE` stores parse_bool(VALUE), negated when `invert`
+    (for an opposite-sense alias such as vLLM's `--disable-log-requests`).
+
+    nargs="?" is what lets `--flag=VALUE` through argparse; parse_cli rewrites a bare `--flag`
+    to `--flag=true` first, so that the optional value never swallows a following positional."""
+
+    def __init__(self, option_strings, dest, invert: bool = False, **kwargs) -> None:
+        self.invert = invert
+        super().__init__(option_strings, dest, nargs="?", const=True, type=parse_bool, metavar="BOOL", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (not values) if self.invert else values)
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, klass: type, *,
+                        skip: Sequence[str] = (), aliases: dict[str, Sequence[str]] | None = None,
+                        choices: dict[str, Sequence[Any]] | None = None) -> list[str]:
+    """Add one flag per field of `klass` (but those in `skip`); returns the fields added.
+
+    aliases: extra option strings of a field's flag (e.g. {"tensor_parallel_size": ["-tp"]}).
+    choices: the values a field's flag accepts; anything else is an argparse error listing them.
+    """
+    aliases, choices = aliases or {}, choices or {}
+    hints = typing.get_type_hints(klass)
+    docs = field_docs(klass)
+    added = []
+    for f in dataclasses.fields(klass):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        option_strings = [flag_name(f.name), *aliases.get(f.name, ())]
+        # argparse %-formats help strings, so a literal % must be doubled.
+        help_text = f"{docs.get(f.name, '')} (default: {_show_default(default)})".strip().replace("%", "%%")
+        kind, optional, many = _unwrap(hints[f.name], klass, f.name)
+        if kind is bool and not many:
+            parser.add_argument(*option_strings, action=BooleanFlag, dest=f.name, default=default, help=help_text)
+            parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
+                                help=f"the same as {flag_name(f.name)} false")
+        else:
+            value_type = _optional_of(kind) if optional else kind
+            parser.add_argument(*option_strings, dest=f.name, type=value_type, default=default,
+                                nargs="+" if many else None, choices=choices.get(f.name),
+                                metavar=_metavar(kind, choices.get(f.name)), help=help_text)
+        added.append(f.name)
+    return added
+
+
+def dataclass_values(klass: type, args: argparse.Namespace, *, skip: Sequence[str] = ()) -> dict[str, Any]:
+    """The parsed values of `klass`'s flags, as its constructor wants them (tuples for tuple fields)."""
+    hints = typing.get_type_hints(klass)
+    values = {}
+    for f in dataclasses.fields(klass):
+        if f.name in skip or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if isinstance(value, list) and _unwrap(hints[f.name], klass, f.name)[2]:
+            value = tuple(value)
+        values[f.name] = value
+    return values
+
+
+def parse_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """parser.parse_args(argv), with the boolean flags' values written explicitly first."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(explicit_booleans(argv, _boolean_options(parser)))
+
+
+def explicit_booleans(argv: list[str], boolean_options: set[str]) -> list[str]:
+    """Rewrite `--flag` to `--flag=true` and `--flag VALUE` to `--flag=VALUE` for the boolean
+    flags, where VALUE is one of the boolean words; any other next word stays an argument of its
+    own (`deepinfer generate --enforce-eager "hello"` keeps its prompt). `--a_b` is read as
+    `--a-b`, as vLLM does. Nothing after `--` is touched."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        if token == "--":
+            out.extend(argv[i:])
+            break
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            name = name.replace("_", "-")
+            token = name + eq + value
+            if name in boolean_options and not eq:
+                following = argv[i + 1] if i + 1 < len(argv) else None
+                if following is not None and following.strip().lower() in (*TRUE_WORDS, *FALSE_WORDS):
+                    token, i = f"{name}={following}", i + 1
+                else:
+                    token = f"{name}=true"
+        out.append(token)
+        i += 1
+    return out
+
+
+def field_docs(klass: type) -> dict[str, str]:
+    """{field: the string literal written right under it in the class body}, one line each.
+    Empty when the source is unavailable (a frozen executable): flags then have no help text."""
+    docs: dict[str, str] = {}
+    for base in reversed(klass.__mro__):
+        if not dataclasses.is_dataclass(base):
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(base)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body
+        for statement, following in zip(body, body[1:]):
+            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[statement.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+# ------------------------------------------------------------------------------------ internals
+def _unwrap(hint: Any, klass: type, name: str) -> tuple[type, bool, bool]:
+    """(element type, None allowed, several values) of a field annotation."""
+    optional = False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(members) < len(typing.get_args(hint))
+        if len(members) != 1:
+            raise TypeError(f"{klass.__name__}.{name}: no flag type for the union {hint}")
+        hint = members[0]
+    many = False
+    if typing.get_origin(hint) in (tuple, list):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        if len(set(args)) != 1:
+            raise TypeError(f"{klass.__name__}.{name}: only tuple[X, ...] / list[X] become flags, not {hint}")
+        hint, many = args[0], True
+    if hint not in (bool, int, float, str) or (hint is bool and many):
+        raise TypeError(f"{klass.__name__}.{name}: no flag type for {hint}")
+    return hint, optional, many
+
+
+def _optional_of(kind: type):
+    def parse(text: str):
+        return None if text in ("None", "none") else kind(text)
+
+    parse.__name__ = kind.__name__   # argparse names the type in "invalid int value: 'x'"
+    return parse
+
+
+def _metavar(kind: type, choices: Sequence[Any] | None) -> str | None:
+    if choices is not None:
+        return "{" + ",".join(map(str, choices)) + "}"
+    return {int: "INT", float: "FLOAT", str: None}[kind]
+
+
+def _show_default(default: Any) -> str:
+    if default is None:
+        return "unset"
+    if isinstance(default, tuple):
+        return " ".join(map(str, default)) or "none"
+    return str(default)
+
+
+def _boolean_options(parser: argparse.ArgumentParser) -> set[str]:
+    """The option strings of every BooleanFlag in `parser` and its sub-commands."""
+    found: set[str] = set()
+    for action in parser._actions:   # argparse offers no public walk over its actions
+        if isinstance(action, BooleanFlag):
+            found.update(s for s in action.option_strings if s.startswith("--"))
+        elif isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found |= _boolean_options(sub)
+    return found
