@@ -10,7 +10,7 @@ from deepinfer import envs
 from deepinfer.cli.args import add_engine_args, engine_kwargs
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="deepinfer: an LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     from deepinfer.bench.serve import add_serve_bench_args
 
     add_serve_bench_args(bench_serve)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     try:
         if args.command == "generate":
