@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import os
 import socket
 import statistics
 import sys
@@ -77,9 +78,23 @@ def serve(port: int, interval_s: float) -> None:
         spans.clear()
         return web.json_response(result)
 
+    async def exit_with_parent(app: web.Application):
+        # A benchmark killed by a signal runs no `finally`: the server then stops by itself.
+        parent = os.getppid()
+
+        async def watch() -> None:
+            while os.getppid() == parent:
+                await asyncio.sleep(1)
+            os._exit(0)
+
+        task = asyncio.create_task(watch())
+        yield
+        task.cancel()
+
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/stats", stats)
+    app.cleanup_ctx.append(exit_with_parent)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=4096)
 
 
