@@ -1,288 +1,222 @@
 """`deepinfer bench serve`: replay a workload against a running server, report latency and throughput.
 
-Workloads (`--dataset`):
-  random         prompts of random token ids, lengths uniform in input_len * [1 - r, 1 + r]
-                 (r = --range-ratio), outputs likewise; /v1/completions
-  shared-prefix  --num-prefixes random prefixes of --prefix-len tokens, each prompt one prefix plus a
-                 random suffix: what the prefix cache is for; /v1/completions
-  multi-turn     chat conversations of --turns user turns, each turn sent with the whole history
-                 (the model's earlier replies included); /v1/chat/completions
-Every request streams with `ignore_eos`, so it produces exactly its max_tokens.
+It takes `vllm bench serve`'s flags (a vLLM benchmark command line runs unchanged, flags we do not
+use included) and measures the way vLLM's client does, with vLLM's table and JSON keys; see
+serving/metrics.py for the definitions and serving/client.py for how a stream is timed. Our own
+additions: the shared-prefix and multi-turn datasets, --api-key, --plot, and short aliases kept
+from earlier versions (--dataset, --input-len, --output-len, --range-ratio, --save-result FILE).
 
-Arrivals follow a Poisson process at --request-rate (inf: all at once), optionally capped at
---max-concurrency requests in flight. Reported, with vLLM's JSON key names: request throughput,
-output and total token throughput, and TTFT / TPOT / ITL / E2EL mean, median, std and the
---metric-percentiles (default 50,90,99).
+Differences from vLLM, on purpose: the defaults send no temperature (the server decides, as
+vLLM's do), every dataset here is synthetic so EOS is ignored unless --no-ignore-eos, and the
+exit status is 1 when any request failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
-import random
-import statistics
-import time
-from dataclasses import dataclass, field
-from typing import Any
+import math
+import os
 
-# Token ids in this range exist in every vocabulary we serve and are ordinary (not control) tokens.
-_TOKEN_RANGE = (1000, 20000)
-_WORDS = ("time person year way day thing man world life hand part child eye woman place work week case "
-          "point government company number group problem fact river mountain city music light paper "
-          "water story garden engine window market table letter road ocean forest winter summer").split()
+from deepinfer.bench.serving import metrics, report
+from deepinfer.bench.serving.workload import DATASETS, WorkloadSpec, build_workload, load_tokenizer
+
+BACKENDS = ("openai", "openai-chat", "vllm")   # vllm: vLLM's name for its completions client
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+             "repetition_penalty")
 
 
 def add_serve_bench_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--model", default=None, help="default: the first model the server lists")
-    parser.add_argument("--dataset", choices=["random", "shared-prefix", "multi-turn"], default="random")
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests (multi-turn: conversations)")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by this fraction")
-    parser.add_argument("--prefix-len", type=int, default=256)
-    parser.add_argument("--num-prefixes", type=int, default=4)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all now")
-    parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--metric-percentiles", default="50,90,99")
-    parser.add_argument("--save-result", default=None, metavar="FILE", help="write the JSON result here")
-    parser.add_argument("--plot", default=None, metavar="PNG", help="TTFT/ITL histograms (needs matplotlib)")
+    server = parser.add_argument_group("server")
+    server.add_argument("--backend", choices=BACKENDS, default=None,
+                        help="openai / vllm: /v1/completions; openai-chat: /v1/chat/completions (default: "
+                             "openai, or openai-chat for --endpoint .../chat/completions or multi-turn)")
+    server.add_argument("--base-url", default=None, help="the server's URL (default: http://HOST:PORT)")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--endpoint", default=None, help="API path (default: the backend's)")
+    server.add_argument("--api-key", default=None, help="sent as a bearer token (default: $OPENAI_API_KEY)")
+    server.add_argument("--header", nargs="*", metavar="KEY=VALUE", help="extra headers for every request")
+    server.add_argument("--model", default=None, help="default: the first model the server lists")
+    server.add_argument("--served-model-name", default=None, help="the model name sent, if not --model")
+    server.add_argument("--tokenizer", default=None,
+                        help="a tokenizer.json or a directory with one; used for chat prompt text and for "
+                             "counting output tokens when the server sends no usage (optional)")
+    # vLLM's, accepted so its command lines run; nothing to do here.
+    server.add_argument("--tokenizer-mode", default=None, help=argparse.SUPPRESS)
+    server.add_argument("--trust-remote-code", action="store_true", help=argparse.SUPPRESS)
+
+    data = parser.add_argument_group("workload")
+    data.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random")
+    data.add_argument("--num-prompts", type=int, default=1000, help="requests (multi-turn: conversations)")
+    data.add_argument("--random-input-len", "--input-len", dest="random_input_len", type=int, default=1024)
+    data.add_argument("--random-output-len", "--output-len", dest="random_output_len", type=int, default=128)
+    data.add_argument("--random-range-ratio", "--range-ratio", dest="random_range_ratio", type=float,
+                      default=0.0, help="lengths are uniform in [L * (1 - r), L * (1 + r)]")
+    data.add_argument("--random-prefix-len", type=int, default=0,
+                      help="random: tokens every prompt starts with")
+    data.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens in each prefix")
+    data.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
+    data.add_argument("--turns", type=int, default=3, help="multi-turn: user turns per conversation")
+    data.add_argument("--seed", type=int, default=0)
+
+    traffic = parser.add_argument_group("traffic")
+    traffic.add_argument("--request-rate", type=float, default=float("inf"),
+                         help="requests/s; inf: all at once")
+    traffic.add_argument("--burstiness", type=float, default=1.0,
+                         help="gamma shape of the arrival gaps: 1 Poisson, < 1 burstier, > 1 more even")
+    traffic.add_argument("--max-concurrency", type=int, default=None, help="at most this many in flight")
+    traffic.add_argument("--num-warmups", type=int, default=0, help="unmeasured copies of the first request")
+    traffic.add_argument("--ready-check-timeout-sec", type=int, default=0,
+                         help="retry the first request until it succeeds, for up to this long")
+    traffic.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                         help="generate exactly the asked-for tokens (default: on: the datasets are "
+                              "synthetic)")
+    traffic.add_argument("--request-id-prefix", default=None, help="send x-request-id: PREFIX<i>")
+    traffic.add_argument("--extra-body", type=json.loads, default=None, help="JSON merged into every request")
+    for name in _SAMPLING:
+        kind = int if name == "top_k" else float
+        traffic.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+
+    out = parser.add_argument_group("results")
+    out.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft, tpot, itl, e2el")
+    out.add_argument("--metric-percentiles", default="99", help='e.g. "50,90,99"')
+    out.add_argument("--goodput", nargs="+", metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:10000")
+    out.add_argument("--save-result", nargs="?", const=True, default=False, metavar="FILE",
+                     help="write the JSON result (to FILE, else --result-dir/--result-filename, else "
+                          "vLLM's file name)")
+    out.add_argument("--save-detailed", action="store_true", help="per-request lists in the JSON result")
+    out.add_argument("--append-result", action="store_true", help="add the result as a line to the file")
+    out.add_argument("--result-dir", default=None)
+    out.add_argument("--result-filename", default=None)
+    out.add_argument("--label", default=None,
+                     help="the result's label and file-name prefix (default: the backend)")
+    out.add_argument("--metadata", nargs="*", metavar="KEY=VALUE", help="recorded in the JSON result")
+    out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument("--plot", default=None, metavar="PNG", help="TTFT/ITL histograms (needs matplotlib)")
 
 
-# ------------------------------------------------------------------------------- workload
-@dataclass
-class Job:
-    """One request (or, for multi-turn, one conversation: a request per user turn)."""
-
-    endpoint: str
-    prompts: list[Any]      # completions: [token ids]; multi-turn: the user messages
-    max_tokens: int
-
-
-def _length(rng: random.Random, mean: int, ratio: float) -> int:
-    low, high = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
-    return rng.randint(low, high)
+def _key_values(items: list[str] | None, flag: str) -> dict[str, str]:
+    pairs = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{flag} takes KEY=VALUE, got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return pairs
 
 
-def _ids(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(*_TOKEN_RANGE) for _ in range(n)]
+def resolve_api(args: argparse.Namespace) -> tuple[str, str, bool]:
+    """(backend, endpoint, chat?) from --backend, --endpoint and the dataset, checked against each other."""
+    backend, endpoint = args.backend, args.endpoint
+    if backend is None:
+        wants_chat = args.dataset_name == "multi-turn" or (endpoint or "").endswith("chat/completions")
+        backend = "openai-chat" if wants_chat else "openai"
+    chat = backend == "openai-chat"
+    if endpoint is None:
+        endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+    if chat and not endpoint.endswith("chat/completions"):
+        raise ValueError(f"--backend openai-chat needs a chat endpoint (.../chat/completions), "
+                         f"got {endpoint}")
+    if not chat and (endpoint.endswith("chat/completions") or not endpoint.endswith("completions")):
+        raise ValueError(f"--backend {backend} needs a completions endpoint (.../completions), "
+                         f"got {endpoint}")
+    if args.dataset_name == "multi-turn" and not chat:
+        raise ValueError("--dataset-name multi-turn sends conversations: use --backend openai-chat")
+    return backend, endpoint, chat
 
 
-def build_workload(args: argparse.Namespace) -> list[Job]:
-    rng = random.Random(args.seed)
-    jobs = []
-    if args.dataset == "multi-turn":
-        for _ in range(args.num_prompts):
-            turns = [" ".join(rng.choice(_WORDS) for _ in range(_length(rng, args.input_len, args.range_ratio)))
-                     for _ in range(args.turns)]
-            jobs.append(Job("/v1/chat/completions", turns, _length(rng, args.output_len, args.range_ratio)))
-        return jobs
-    prefixes = [_ids(rng, args.prefix_len) for _ in range(args.num_prefixes)]
-    for i in range(args.num_prompts):
-        prompt = _ids(rng, _length(rng, args.input_len, args.range_ratio))
-        if args.dataset == "shared-prefix":
-            prompt = prefixes[i % len(prefixes)] + prompt
-        jobs.append(Job("/v1/completions", [prompt], _length(rng, args.output_len, args.range_ratio)))
-    return jobs
+def _base_url(args: argparse.Namespace) -> str:
+    if args.base_url:
+        return args.base_url.rstrip("/")
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return f"http://{host}:{args.port}"
 
 
-# ----------------------------------------------------------------------------- measuring
-@dataclass
-class Result:
-    ok: bool
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str = ""
+def _headers(args: argparse.Namespace) -> dict:
+    headers = {"Content-Type": "application/json"}
+    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    headers.update(_key_values(args.header, "--header"))
+    return headers
 
 
-async def _one_request(client, endpoint: str, payload: dict) -> tuple[Result, str]:
-    """Stream one request; returns its measurements and the generated text."""
-    start = time.perf_counter()
-    last = None
-    result, text = Result(ok=False), []
-    try:
-        async with client.stream("POST", endpoint, json=payload) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
-                return result, ""
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                for choice in chunk.get("choices", []):
-                    piece = choice.get("text") if "text" in choice else choice.get("delta", {}).get("content")
-                    if not piece:
-                        continue
-                    now = time.perf_counter()
-                    if last is None:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    text.append(piece)
-    except Exception as e:  # a failed request is counted, not fatal to the benchmark
-        result.error = f"{type(e).__name__}: {e}"
-        return result, ""
-    result.e2e = time.perf_counter() - start
-    result.ok = result.output_tokens > 0
-    return result, "".join(text)
-
-
-async def _run_job(client, job: Job, model: str) -> list[Result]:
-    common = {"model": model, "max_tokens": job.max_tokens, "ignore_eos": True, "temperature": 0,
-              "stream": True, "stream_options": {"include_usage": True}}
-    if job.endpoint == "/v1/completions":
-        return [(await _one_request(client, job.endpoint, {**common, "prompt": job.prompts[0]}))[0]]
-    results, history = [], []
-    for turn in job.prompts:
-        history.append({"role": "user", "content": turn})
-        result, reply = await _one_request(client, job.endpoint, {**common, "messages": history})
-        results.append(result)
-        if not result.ok:
-            break
-        history.append({"role": "assistant", "content": reply})
-    return results
-
-
-async def _run(args: argparse.Namespace, jobs: list[Job]) -> tuple[list[Result], float, str]:
-    import httpx
-
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as client:
-        model = args.model
-        if model is None:
-            model = (await client.get("/v1/models")).json()["data"][0]["id"]
-        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        rng = random.Random(args.seed + 1)
-
-        async def gated(job: Job) -> list[Result]:
-            if gate is None:
-                return await _run_job(client, job, model)
-            async with gate:
-                return await _run_job(client, job, model)
-
-        tasks = []
-        start = time.perf_counter()
-        for job in jobs:
-            tasks.append(asyncio.create_task(gated(job)))
-            if args.request_rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(args.request_rate))
-        results = [r for group in await asyncio.gather(*tasks) for r in group]
-        return results, time.perf_counter() - start, model
-
-
-# ------------------------------------------------------------------------------ reporting
-def summarize(results: list[Result], duration: float, percentiles: list[float]) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    total_in = sum(r.prompt_tokens for r in ok)
-    total_out = sum(r.output_tokens for r in ok)
-    summary: dict[str, Any] = {
-        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
-        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
-        "total_token_throughput": (total_in + total_out) / duration,
-    }
-    series = {
-        "ttft": [r.ttft for r in ok],
-        "tpot": [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1],
-        "itl": [gap for r in ok for gap in r.itl],
-        "e2el": [r.e2e for r in ok],
-    }
-    for name, values in series.items():
-        ms = sorted(v * 1000 for v in values) or [0.0]
-        summary[f"mean_{name}_ms"] = statistics.fmean(ms)
-        summary[f"median_{name}_ms"] = statistics.median(ms)
-        summary[f"std_{name}_ms"] = statistics.pstdev(ms)
-        for p in percentiles:
-            summary[f"p{p:g}_{name}_ms"] = _percentile(ms, p)
-    errors = [r.error for r in results if not r.ok and r.error]
-    if errors:
-        summary["errors"] = errors[:5]
-    return summary
-
-
-def _percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    position = (len(sorted_values) - 1) * p / 100
-    low = int(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
-def print_table(summary: dict[str, Any], percentiles: list[float]) -> None:
-    line = "=" * 50
-    print(f"{' Serving Benchmark Result ':=^50}")
-    rows = [("Successful requests:", summary["completed"]), ("Failed requests:", summary["failed"]),
-            ("Benchmark duration (s):", f"{summary['duration']:.2f}"),
-            ("Total input tokens:", summary["total_input_tokens"]),
-            ("Total generated tokens:", summary["total_output_tokens"]),
-            ("Request throughput (req/s):", f"{summary['request_throughput']:.2f}"),
-            ("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}"),
-            ("Total token throughput (tok/s):", f"{summary['total_token_throughput']:.2f}")]
-    for label, value in rows:
-        print(f"{label:<40}{value:>10}")
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
-    for name, title in titles.items():
-        print(f"{' ' + title + ' ':-^50}")
-        print(f"{'Mean ' + name.upper() + ' (ms):':<40}{summary[f'mean_{name}_ms']:>10.2f}")
-        print(f"{'Median ' + name.upper() + ' (ms):':<40}{summary[f'median_{name}_ms']:>10.2f}")
-        for p in percentiles:
-            print(f"{f'P{p:g} ' + name.upper() + ' (ms):':<40}{summary[f'p{p:g}_{name}_ms']:>10.2f}")
-    print(line)
-
-
-def plot(results: list[Result], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'deepinfer[bench]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if r.ok]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.hist([r.ttft * 1000 for r in ok], bins=30)
-    left.set(title="TTFT", xlabel="ms", ylabel="requests")
-    right.hist([gap * 1000 for r in ok for gap in r.itl], bins=30)
-    right.set(title="Inter-token latency", xlabel="ms", ylabel="tokens")
-    fig.tight_layout()
-    fig.savefig(path)
+def _extra_body(args: argparse.Namespace) -> dict:
+    extra = {name: getattr(args, name) for name in _SAMPLING if getattr(args, name) is not None}
+    if args.ignore_eos is not False:
+        extra["ignore_eos"] = True
+    extra.update(args.extra_body or {})
+    return extra
 
 
 def run_serve_bench(args: argparse.Namespace) -> int:
-    from deepinfer.bench.throughput import run_stamp, save_json
-
-    import logging
-
-    logging.getLogger("httpx").setLevel(logging.WARNING)   # one INFO line per request otherwise
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    jobs = build_workload(args)
-    results, duration, model = asyncio.run(_run(args, jobs))
-    summary = summarize(results, duration, percentiles)
-    print_table(summary, percentiles)
-    summary.update({
-        "backend": "deepinfer", "model_id": model, "dataset": args.dataset, "num_prompts": args.num_prompts,
-        "input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio,
-        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
-        "max_concurrency": args.max_concurrency, **run_stamp(),
-    })
-    if args.dataset == "shared-prefix":
-        summary.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
-    if args.dataset == "multi-turn":
-        summary["turns"] = args.turns
-    save_json(args.save_result, summary)
+    # Everything that can be wrong with the command line fails here, before any request.
+    backend, endpoint, chat = resolve_api(args)
+    percentiles = metrics.parse_percentiles(args.metric_percentiles)
+    selected = metrics.parse_percentile_metrics(args.percentile_metrics)
+    goodput = metrics.parse_goodput(args.goodput)
+    metadata = _key_values(args.metadata, "--metadata")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.plot:
-        plot(results, args.plot)
+        report.check_plot_available()
+    base_url, headers = _base_url(args), _headers(args)
+    extra_body = _extra_body(args)
+    tokenizer = load_tokenizer(args.tokenizer)
+    spec = WorkloadSpec(
+        dataset=args.dataset_name, num_prompts=args.num_prompts, input_len=args.random_input_len,
+        output_len=args.random_output_len, range_ratio=args.random_range_ratio,
+        prefix_len=args.prefix_len if args.dataset_name == "shared-prefix" else args.random_prefix_len,
+        num_prefixes=args.num_prefixes, turns=args.turns, as_text=chat, seed=args.seed)
+    jobs = build_workload(spec, tokenizer)
+
+    from deepinfer.bench.serving.runner import RunSettings, first_model, run_benchmark   # aiohttp: only now
+
+    model_id = args.model or asyncio.run(first_model(base_url, headers))
+    settings = RunSettings(
+        url=base_url + endpoint, chat=chat, model=args.served_model_name or model_id, headers=headers,
+        extra_body=extra_body, request_rate=args.request_rate, burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency, seed=args.seed, keep_text=args.save_detailed,
+        num_warmups=args.num_warmups, ready_check_timeout_s=args.ready_check_timeout_sec,
+        disable_tqdm=args.disable_tqdm, request_id_prefix=args.request_id_prefix)
+    report.print_traffic(args.request_rate, args.burstiness, args.max_concurrency)
+    results, duration = asyncio.run(run_benchmark(settings, jobs))
+
+    summary = metrics.summarize(results, duration, percentiles, selected, goodput, tokenizer)
+    report.print_failures(results)
+    report.print_table(summary, selected, percentiles, args.request_rate, args.max_concurrency, bool(goodput))
+
+    date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    label = args.label or backend
+    config = {
+        "date": date, "endpoint_type": backend, "backend": backend, "label": args.label, "model_id": model_id,
+        "tokenizer_id": args.tokenizer, "num_prompts": args.num_prompts, **metadata,
+        "request_rate": args.request_rate if not math.isinf(args.request_rate) else "inf",
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
+        # ours: the workload and where it ran
+        "dataset_name": args.dataset_name, "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len, "random_range_ratio": args.random_range_ratio,
+        "random_prefix_len": args.random_prefix_len, "machine": _machine(),
+    }
+    if args.dataset_name == "shared-prefix":
+        config.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes)
+    if args.dataset_name == "multi-turn":
+        config["turns"] = args.turns
+    if args.save_result or args.append_result:
+        filename = args.result_filename or (args.save_result if isinstance(args.save_result, str) else None)
+        path = report.result_path(args.result_dir, filename, label, args.request_rate, args.max_concurrency,
+                                  model_id, date)
+        report.save_result(path, report.result_json(config, summary, args.save_detailed), args.append_result)
+        print(f"Saved the result to {path}")
+    if args.plot:
+        report.plot(results, args.plot)
     return 0 if summary["failed"] == 0 else 1
+
+
+def _machine() -> str:
+    from deepinfer.bench.throughput import machine_description
+
+    return machine_description()

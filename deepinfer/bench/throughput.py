@@ -3,7 +3,8 @@
 Prompts are random token ids (seeded, control tokens avoided) so every engine sees the same
 work; each request generates exactly `--output-len` tokens (EOS ignored), greedily. The
 concurrency limit is the engine's `max_num_seqs`: when one request finishes the next starts.
-Prints requests/s and token throughputs; `--output-json` writes them with the machine and date.
+Prints requests/s and token throughputs (also in vLLM's words and JSON keys), with a tqdm bar
+while each level runs; `--output-json` writes them with the machine and date.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                         help="one or more concurrency levels (max requests in flight)")
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def synthetic_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
@@ -87,15 +89,24 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
         # Warm-up (first calls allocate and pick kernels); not timed.
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        # The bar (one update per finished request, with tokens/s) costs next to nothing per step.
+        outputs = llm.generate(prompts, params, use_tqdm=not args.disable_tqdm)
         elapsed = time.perf_counter() - start
         n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
         n_in = sum(len(o.prompt_token_ids) for o in outputs)
+        # vLLM's own lines, so scripts that read `vllm bench throughput` output read ours too.
+        print(f"Throughput: {n / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} total tokens/s, "
+              f"{n_out / elapsed:.2f} output tokens/s")
+        print(f"Total num prompt tokens:  {n_in}")
+        print(f"Total num output tokens:  {n_out}")
         results.append({
             "engine": "deepinfer", "model": llm.model_id, "concurrency": concurrency, "num_prompts": n,
             "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": round(elapsed, 3),
             "request_throughput": n / elapsed, "output_throughput": n_out / elapsed,
             "total_token_throughput": (n_in + n_out) / elapsed, "dtype": str(llm.engine.runner.dtype),
+            # vLLM's keys for the same figures
+            "elapsed_time": elapsed, "num_requests": n, "total_num_tokens": n_in + n_out,
+            "requests_per_second": n / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,
             **run_stamp(),
         })
     print(f"{'concurrency':>11} {'requests':>8} {'elapsed s':>9} {'req/s':>7} {'out tok/s':>10} {'total tok/s':>11}")

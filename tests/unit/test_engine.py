@@ -168,6 +168,11 @@ def test_cli_bench_throughput_and_generate(tiny_llama, tmp_path, capsys):
     rows = json.loads(out_json.read_text())
     assert [(r["concurrency"], r["num_prompts"]) for r in rows] == [(1, 2), (4, 8)]
     assert all(r["output_throughput"] > 0 for r in rows)
+    # vLLM's keys and lines too, and the progress bar.
+    assert [(r["num_requests"], r["total_num_tokens"]) for r in rows] == [(2, 24), (8, 96)]
+    printed = capsys.readouterr()
+    assert printed.out.count("Throughput: ") == 2 and "Total num output tokens:  32" in printed.out
+    assert "Processed prompts" in printed.err and "8/8" in printed.err
     assert main(["generate", "--model", tiny_llama, "--dtype", "float32", "--num-kv-blocks", "256",
                  "--max-tokens", "3", "w5 w6 w7"]) == 0
     assert "[3 tokens, finish_reason=length]" in capsys.readouterr().out

@@ -1,12 +1,10 @@
-"""Server parts that need no server: IPC messages, request checks, timings, bench statistics."""
+"""Server parts that need no server: IPC messages, request checks, timings."""
 
 from __future__ import annotations
 
 import msgspec
-import numpy as np
 import pytest
 
-from deepinfer.bench.serve import Result, _percentile, summarize
 from deepinfer.engine.core import EngineStats
 from deepinfer.engine.core_proc import AddRequest, Failed, InputMessage, OutputMessage, StepOutputs
 from deepinfer.engine.plan import EngineCoreOutput
@@ -104,16 +102,3 @@ def test_request_timings_use_one_clock_each():
     assert timings.on_tokens(1, 100.75) == 0.25
     timings.core_times = RequestTimes(arrival=7.0, first_scheduled=7.5, first_token=8.0, finished=9.0)
     assert (timings.queue_time, timings.prefill_time, timings.decode_time) == (0.5, 0.5, 1.0)
-
-
-def test_bench_percentiles_and_summary():
-    values = sorted(np.random.default_rng(0).random(101).tolist())
-    for p in (50, 90, 99):
-        assert _percentile(values, p) == pytest.approx(np.percentile(values, p))
-    results = [Result(True, 10, 5, ttft=0.1, e2e=0.5, itl=[0.1] * 4), Result(True, 10, 5, ttft=0.3, e2e=0.7,
-                                                                             itl=[0.1] * 4), Result(False)]
-    summary = summarize(results, duration=2.0, percentiles=[50, 99])
-    assert summary["completed"] == 2 and summary["failed"] == 1
-    assert summary["output_throughput"] == 5.0 and summary["request_throughput"] == 1.0
-    assert summary["median_ttft_ms"] == pytest.approx(200) and summary["mean_tpot_ms"] == pytest.approx(100)
-    assert summary["p99_itl_ms"] == pytest.approx(100)
