@@ -84,6 +84,8 @@ def _add_server_args(parser: argparse.ArgumentParser) -> None:
                              "deepseek-v4.1 | hf:DIR")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--metrics-vllm-names", action="store_true",
+                        help="also export every deepinfer:* metric as vllm:* (for vLLM's dashboards and tools)")
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -102,7 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = ServerOptions(host=args.host, port=args.port, api_key=args.api_key,
                             max_pending_requests=args.max_pending_requests, chat_format=args.chat_format,
-                            uvicorn_log_level=args.uvicorn_log_level)
+                            uvicorn_log_level=args.uvicorn_log_level, metrics_vllm_names=args.metrics_vllm_names)
     run_server(config, options)
     return 0
 

@@ -25,6 +25,7 @@ from deepinfer.entrypoints.errors import APIError, is_anthropic_path
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
 from deepinfer.frontend.engine_client import AsyncEngineClient
+from deepinfer.metrics.http import HTTPMetricsMiddleware
 from deepinfer.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ def make_encoder(source: ModelSource, chat_format: str = "auto"):
 def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
     api_key = options.api_key
-    client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests)
+    client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests,
+                               metrics_vllm_names=options.metrics_vllm_names)
     state = ServerState(client, [client.model_id], api_key=api_key)
     try:
         state.encoder = make_encoder(source, options.chat_format)
@@ -85,6 +87,10 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
                                  code="invalid_api_key")
                 return error.response(anthropic=is_anthropic_path(request.url.path))
         return await call_next(request)
+
+    # Added after `authenticate`, so it runs outside it and counts its 401s too (as handler "none":
+    # they never reach a route).
+    app.add_middleware(HTTPMetricsMiddleware, metrics=client.metrics.http)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):

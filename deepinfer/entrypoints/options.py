@@ -48,6 +48,9 @@ class ServerOptions:
     # exits with a non-zero status so that its supervisor sees the failure.
     max_engine_restarts: int = 3
     uvicorn_log_level: str = "info"
+    # Also export every deepinfer:* metric as vllm:*, for vLLM dashboards and tools that cannot
+    # be told another prefix (metrics/prometheus.py says why this is off by default).
+    metrics_vllm_names: bool = False
 
     def __post_init__(self) -> None:
         def positive(name: str, allow_zero: bool = False) -> None:

@@ -30,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from deepinfer import envs
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.engine.core import EngineStats
 from deepinfer.engine.core_proc import (
     Abort, AddRequest, Failed, OutputMessage, Ready, Shutdown, StepOutputs, run_engine_core,
@@ -85,14 +85,17 @@ class EngineInfo:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024,
+                 metrics_vllm_names: bool = False) -> None:
         self.config = config
         self.tokenizer = source.tokenizer
         self.vocab_size = source.hf_config["vocab_size"]
         self.model_id = config.model.served_model_name or source.name
         self.max_pending_requests = max_pending_requests
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = ServerMetrics(self.model_id)
+        # The core resolves max_model_len the same way; the token histograms' buckets need it now.
+        self.metrics = ServerMetrics(self.model_id, resolve_max_model_len(config, source.hf_config),
+                                     engine_healthy=lambda: self.healthy, vllm_names=metrics_vllm_names)
         self.info: EngineInfo | None = None
         self.last_stats: EngineStats | None = None
         self.dead_reason: str | None = None
@@ -139,6 +142,7 @@ class AsyncEngineClient:
             if isinstance(message, Ready):
                 self.info = EngineInfo(self.model_id, message.max_model_len, message.num_kv_blocks,
                                        message.block_size)
+                self.metrics.engine_started(self.config.cache, message.num_kv_blocks, message.pid)
                 break
         self._last_heartbeat = time.monotonic()
         self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
@@ -236,7 +240,8 @@ class AsyncEngineClient:
         room = self.info.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        tracked = _Tracked(asyncio.Queue(), RequestTimings(len(prompt_token_ids)), child_ids)
+        timings = RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens)
+        tracked = _Tracked(asyncio.Queue(), timings, child_ids)
         self._requests[request_id] = tracked
         key = extra_key(self.model_id, cache_salt)
         eos = sorted(self.tokenizer.eos_token_ids)
@@ -290,11 +295,11 @@ class AsyncEngineClient:
 
     def _dispatch(self, message: StepOutputs) -> None:
         self.last_stats = message.stats
-        self.metrics.record_engine_stats(message.stats)
+        self.metrics.record_engine_stats(message.stats, message.iteration_tokens)
         for child_id, times in message.finished_times.items():
             tracked = self._requests.get(self._parent_of.get(child_id, ""))
-            if tracked is not None and tracked.timings.core_times is None:
-                tracked.timings.core_times = times
+            if tracked is not None:
+                tracked.timings.on_core_finished(tracked.child_ids.index(child_id), times)
         if not message.outputs:
             return
         processed = self.output_processor.process(message.outputs)
@@ -306,9 +311,10 @@ class AsyncEngineClient:
             if tracked is None:
                 continue
             timings = tracked.timings
-            num_new = sum(len(c.token_ids) for c in out.outputs)
+            new_per_sequence = [len(c.token_ids) for c in out.outputs]   # ordered by index, all n
+            num_new = sum(new_per_sequence)
             first = timings.first_token is None and num_new > 0
-            interval = timings.on_tokens(num_new, now)
+            interval = timings.on_tokens(new_per_sequence, now)
             if first:
                 self.metrics.record_first_output(timings)
             if num_new:
