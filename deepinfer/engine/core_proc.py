@@ -92,6 +92,9 @@ class StepOutputs(msgspec.Struct, tag="outputs"):
     # Core-clock timestamps of requests that finished this step, for queue/prefill/decode
     # intervals. The front end only subtracts these from each other, never from its own clock.
     finished_times: dict[str, RequestTimes] = {}
+    # Tokens of each engine step whose outputs this message carries (vLLM's iteration_tokens_total):
+    # see step_tokens().
+    iteration_tokens: list[int] = []
 
 
 OutputMessage = Union[Ready, Failed, Heartbeat, StepOutputs]
@@ -152,6 +155,7 @@ class EngineCoreProc:
     def run(self) -> None:
         core = self.core
         pending: list[EngineCoreOutput] = []   # abort outputs to report with the next step
+        iteration_tokens: list[int] = []       # per step, until published
         last_sent = time.monotonic()
         while True:
             self.iteration_started = time.monotonic()
@@ -168,13 +172,16 @@ class EngineCoreProc:
                 else:
                     self._add(message, pending)
             outputs = core.step() if core.has_unfinished() else []
+            if any(out.new_token_ids for out in outputs):
+                iteration_tokens.append(step_tokens(outputs, self.requests))
             if busy and not core.has_unfinished():
                 core.check_idle()
             outputs = pending + outputs
             pending = []
             now = time.monotonic()
             if outputs or now - last_sent >= HEARTBEAT_S:
-                self._publish(outputs)
+                self._publish(outputs, iteration_tokens)
+                iteration_tokens = []
                 last_sent = now
             if not busy and os.getppid() != self.parent_pid:
                 logger.warning("the front end process is gone; engine core exiting")
@@ -193,14 +200,27 @@ class EngineCoreProc:
             return
         self.requests[message.request_id] = request
 
-    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+    def _publish(self, outputs: list[EngineCoreOutput], iteration_tokens: list[int]) -> None:
         finished_times = {}
         for out in outputs:
             if out.finished:
                 request = self.requests.pop(out.request_id, None)
                 if request is not None:
                     finished_times[out.request_id] = request.times
-        self.send(StepOutputs(outputs, self.core.stats(), finished_times))
+        self.send(StepOutputs(outputs, self.core.stats(), finished_times, iteration_tokens))
+
+
+def step_tokens(outputs: list[EngineCoreOutput], requests: dict[str, Request]) -> int:
+    """Tokens of one engine step as vLLM counts them for iteration_tokens_total: every token the
+    step generated, plus the whole prompt of each request whose first token it produced (a
+    chunked prefill counts at its last chunk). Called before `requests` forgets the finished."""
+    total = 0
+    for out in outputs:
+        total += len(out.new_token_ids)
+        request = requests.get(out.request_id)
+        if request is not None and out.new_token_ids and request.num_output_tokens == len(out.new_token_ids):
+            total += request.num_prompt_tokens
+    return total
 
 
 def _exit_on_signal(signum, frame) -> None:

@@ -30,6 +30,7 @@ from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
 from deepinfer.frontend.engine_client import AsyncEngineClient
 from deepinfer.models.generation_config import default_sampling_overrides
+from deepinfer.metrics.http import HTTPMetricsMiddleware
 from deepinfer.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests,
                                request_timeout_s=options.request_timeout_s,
                                max_engine_restarts=options.max_engine_restarts,
-                               log_requests=options.enable_log_requests, on_fatal=on_fatal)
+                               log_requests=options.enable_log_requests,
+                               metrics_vllm_names=options.metrics_vllm_names, on_fatal=on_fatal)
     names = list(options.served_model_name) or [client.model_id]
     state = ServerState(client, names, options)
     try:
@@ -88,10 +90,12 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
 
     app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=lifespan)
     app.state.server = state
-    # Outermost first: the size check answers before the key check reads anything.
+    # The last added runs first: HTTP metrics see every answer (401s and 413s too, as handler
+    # "none": they never reach a route), then the size check answers before the key check.
     if options.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
     app.add_middleware(BodySizeLimitMiddleware, limit=options.max_request_body_bytes)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=client.metrics.http)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError):

@@ -64,6 +64,9 @@ class ServerOptions:
     supervisor sees the failure."""
     uvicorn_log_level: str = "info"
     """uvicorn's own log level."""
+    metrics_vllm_names: bool = False
+    """Also export every deepinfer:* metric as vllm:*, for vLLM dashboards and tools that cannot
+    be told another prefix (metrics/prometheus.py says why this is off by default)."""
 
     def __post_init__(self) -> None:
         def at_least(name: str, low: int) -> None:

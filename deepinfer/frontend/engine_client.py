@@ -30,7 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.engine.core import EngineStats
 from deepinfer.engine.core_proc import Abort, AddRequest, Failed, Heartbeat, StepOutputs
 from deepinfer.frontend.core_process import CoreProcess
@@ -98,7 +98,7 @@ class EngineInfo:
 class AsyncEngineClient:
     def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024,
                  request_timeout_s: float = 0.0, max_engine_restarts: int = 3, log_requests: bool = False,
-                 on_fatal: Callable[[str], None] | None = None) -> None:
+                 metrics_vllm_names: bool = False, on_fatal: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
         self.eos_token_ids = source.eos_token_ids
@@ -110,7 +110,9 @@ class AsyncEngineClient:
         self.log_requests = log_requests
         self.on_fatal = on_fatal
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.metrics = ServerMetrics(self.model_id)
+        # The core resolves max_model_len the same way; the token histograms' buckets need it now.
+        self.metrics = ServerMetrics(self.model_id, resolve_max_model_len(config, source.hf_config),
+                                     engine_healthy=lambda: self.healthy, vllm_names=metrics_vllm_names)
         self.info: EngineInfo | None = None
         self.last_stats: EngineStats | None = None
         self.dead_reason: str | None = None
@@ -134,6 +136,8 @@ class AsyncEngineClient:
         self._core, self.dead_reason, self._busy_for_s = core, None, 0.0
         started = self.info.started if self.info else time.time()
         self.info = EngineInfo(self.model_id, ready.max_model_len, ready.num_kv_blocks, ready.block_size, started)
+        # Also after a restart: counters carry the old core's totals on, process metrics follow the pid.
+        self.metrics.engine_started(self.config.cache, ready.num_kv_blocks, ready.pid)
         self._tasks = [asyncio.create_task(self._output_loop(core), name="engine-outputs")]
         if self._watchdog_task is None:
             self._watchdog_task = asyncio.create_task(self._watchdog(), name="engine-watchdog")
@@ -232,7 +236,8 @@ class AsyncEngineClient:
             self.output_processor.abort(request_id)
             raise
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s > 0 else None
-        tracked = _Tracked(OutputStream(), RequestTimings(len(prompt_token_ids)), child_ids, deadline)
+        timings = RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens)
+        tracked = _Tracked(OutputStream(), timings, child_ids, deadline)
         self._requests[request_id] = tracked
         self._num_pending_seqs += len(child_ids)
         for child_id in child_ids:
@@ -301,11 +306,11 @@ class AsyncEngineClient:
 
     def _record_step(self, message: StepOutputs) -> None:
         self.last_stats = message.stats
-        self.metrics.record_engine_stats(message.stats)
+        self.metrics.record_engine_stats(message.stats, message.iteration_tokens)
         for child_id, times in message.finished_times.items():
             tracked = self._requests.get(self._parent_of.get(child_id, ""))
-            if tracked is not None and tracked.timings.core_times is None:
-                tracked.timings.core_times = times
+            if tracked is not None:
+                tracked.timings.on_core_finished(tracked.child_ids.index(child_id), times)
 
     def _dispatch(self, outputs) -> None:
         processed = self.output_processor.process(outputs)
@@ -317,10 +322,10 @@ class AsyncEngineClient:
             if tracked is None:
                 continue
             timings = tracked.timings
-            num_new = sum(len(c.token_ids) for c in out.outputs) if len(out.outputs) > 1 else len(
-                out.outputs[0].token_ids)
+            new_per_sequence = [len(c.token_ids) for c in out.outputs]   # ordered by index, all n
+            num_new = sum(new_per_sequence)
             first = timings.first_token is None and num_new > 0
-            interval = timings.on_tokens(num_new, now)
+            interval = timings.on_tokens(new_per_sequence, now)
             if first:
                 self.metrics.record_first_output(timings)
             if num_new:

@@ -1,109 +1,174 @@
-"""Prometheus export: vLLM's metric names under a `deepinfer:` prefix, one `model_name` label.
+"""Prometheus export: vLLM v1's metrics, names and semantics, under our `deepinfer:` prefix.
 
-The suffixes match vLLM v1's exactly, so dashboards, autoscalers and KV-aware routers built for
-`vllm:*` work with a prefix change. Gauges and cumulative counters come from the engine core's
-EngineStats (sent with every step and heartbeat); latency histograms come from the front end's
-RequestTimings (metrics/stats.py).
+    metrics = ServerMetrics(model_name, max_model_len, engine_healthy=lambda: client.healthy)
+    metrics.engine_started(cache_config, num_gpu_blocks, pid)   # each time a core is ready
+    metrics.record_engine_stats(stats, iteration_tokens)        # every message from the core
+    metrics.record_first_output / record_tokens / record_finished   # per request, in the front end
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)
+    metrics.render()                                            # the body of GET /metrics
+
+Where the series come from:
+    engine_collector.py   the core's gauges and cumulative counters (EngineStats), engine_healthy
+    this file             per-request histograms and token counters, observed by the front end;
+                          iteration_tokens_total from the core's per-step counts; cache_config_info
+    http.py               http_* (prometheus-fastapi-instrumentator's names, as vLLM exports them)
+    prometheus_client     process_* and python_* of this process; the engine core process's
+                          resources as deepinfer_engine_core_process_*
+
+Suffixes, buckets and what is observed when are vLLM v1's, including the older names its Grafana
+dashboard still reads (time_per_output_token_seconds, gpu_cache_usage_perc), so dashboards,
+autoscalers and routers built for `vllm:*` work with a prefix change. `vllm_names=True`
+(`--metrics-vllm-names`) also exports every `deepinfer:` family under `vllm:`, for tools that
+cannot be told a prefix. It is off by default: every series would be stored twice, and a fleet
+query over `vllm:*` would count these replicas as vLLM ones; Prometheus can also rename at scrape
+time (metric_relabel_configs).
+
+One difference: for a request of n > 1, vLLM counts each of its n sequences as a request of its
+own in request_success, prompt_tokens_total, TTFT and the per-request histograms; we count the
+request once (request_params_n and request_max_num_generation_tokens are once per request in
+both, and iteration_tokens_total counts each sequence's prompt in both). For n = 1 they agree.
+
+`*_created` series are switched off (prometheus_client's disable_created_metrics): one more
+series per counter and histogram that dashboards never read.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import copy
+from collections.abc import Callable, Iterator, Sequence
 
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector, ProcessCollector,
+    disable_created_metrics, generate_latest,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from deepinfer.config import CacheConfig
 from deepinfer.engine.core import EngineStats
+from deepinfer.metrics.engine_collector import ENGINE_INDEX, LABELS, EngineStatsCollector
+from deepinfer.metrics.http import HTTPMetrics
 from deepinfer.metrics.stats import RequestTimings
-from deepinfer.spec_decode.metrics import SpecDecodeStats
 
 PREFIX = "deepinfer:"
+VLLM_PREFIX = "vllm:"
 
-# vLLM's buckets (seconds), so histograms from both engines can be compared bucket by bucket.
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+# vLLM v1's buckets, so histograms from both engines can be compared bucket by bucket.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                 10.0, 20.0, 40.0, 80.0)
-_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's label names where it has the field (it calls the KV pool's blocks num_gpu_blocks on every
+# device), ours otherwise; values written as vLLM writes them, str(value).
+CACHE_CONFIG_LABELS = ("block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
+                       "num_gpu_blocks", "num_gpu_blocks_override", "cpu_kv_cache_bytes", "engine")
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's buckets for token counts per request."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return buckets
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        reg = self.registry
-
-        def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, labels, registry=reg).labels(model_name)
-
-        def counter(name, doc, extra=()):
-            metric = Counter(PREFIX + name, doc, labels + list(extra), registry=reg)
-            return metric if extra else metric.labels(model_name)
-
-        def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg).labels(model_name)
-
+    def __init__(self, model_name: str, max_model_len: int, *, engine_healthy: Callable[[], bool] = lambda: True,
+                 vllm_names: bool = False) -> None:
+        disable_created_metrics()   # process-wide in prometheus_client; see the module docstring
         self.model_name = model_name
-        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
-        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV cache usage; 1 means 100 percent.")
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Preemptions (KV blocks taken back) in the core.")
-        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self._request_success = counter("request_success", "Finished requests.", extra=["finished_reason"])
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
-                             _REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
-                                    _REQUEST_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                      _REQUEST_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "First token to finish.", _REQUEST_BUCKETS)
-        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length per request.",
-                                               _TOKEN_BUCKETS)
-        self.request_generation_tokens = histogram("request_generation_tokens", "Output length per request.",
-                                                   _TOKEN_BUCKETS)
-        # Speculative decoding (vLLM's spec_decode_* names); per position: accepted drafts at
-        # position j, so acceptance at j = num_accepted_tokens_per_pos{position=j} / num_drafts.
-        self.spec_num_drafts = counter("spec_decode_num_drafts", "Verifications (a request's drafts checked once).")
-        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
-        self.spec_num_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.spec_accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
-                                             "Draft tokens accepted, by position in the draft.", extra=["position"])
-        self.spec_verified_per_pos = counter("spec_decode_num_verified_tokens_per_pos",
-                                             "Draft tokens verified, by position in the draft.", extra=["position"])
-        # The core's counters are cumulative; Prometheus counters only go up by increments.
-        self._last_queries = self._last_hits = self._last_preemptions = 0
-        self._last_spec = SpecDecodeStats()
+        # `own` holds the deepinfer: families; `registry` is what /metrics exposes: those (and
+        # their vllm: copies), the HTTP metrics and the process collectors.
+        own = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self.registry.register(_Aliased(own, PREFIX, VLLM_PREFIX if vllm_names else None))
+        self.engine = EngineStatsCollector(PREFIX, model_name, engine_healthy)
+        own.register(self.engine)
+        label_values = (model_name, ENGINE_INDEX)
 
-    # --------------------------------------------------------------------------- recording
-    def record_engine_stats(self, stats: EngineStats) -> None:
-        self.num_requests_running.set(stats.num_running)
-        self.num_requests_waiting.set(stats.num_waiting)
-        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        # A hit must be valid in every layer group, so the first group's counts are the request's.
-        queries = stats.prefix_cache_queries[0] if stats.prefix_cache_queries else 0
-        hits = stats.prefix_cache_hits[0] if stats.prefix_cache_hits else 0
-        self._last_queries = _advance(self.prefix_cache_queries, self._last_queries, queries)
-        self._last_hits = _advance(self.prefix_cache_hits, self._last_hits, hits)
-        self._last_preemptions = _advance(self.num_preemptions, self._last_preemptions, stats.num_preemptions)
-        if stats.spec_decode is not None:
-            self._record_spec(stats.spec_decode)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, LABELS, registry=own).labels(*label_values)
 
-    def _record_spec(self, spec: SpecDecodeStats) -> None:
-        last = self._last_spec
-        _advance(self.spec_num_drafts, last.num_drafts, spec.num_drafts)
-        _advance(self.spec_num_draft_tokens, last.num_draft_tokens, spec.num_draft_tokens)
-        _advance(self.spec_num_accepted_tokens, last.num_accepted_tokens, spec.num_accepted_tokens)
-        for j, (accepted, verified) in enumerate(zip(spec.accepted_per_pos, spec.verified_per_pos)):
-            prev_a = last.accepted_per_pos[j] if j < len(last.accepted_per_pos) else 0
-            prev_v = last.verified_per_pos[j] if j < len(last.verified_per_pos) else 0
-            _advance(self.spec_accepted_per_pos.labels(self.model_name, str(j)), prev_a, accepted)
-            _advance(self.spec_verified_per_pos.labels(self.model_name, str(j)), prev_v, verified)
-        self._last_spec = spec.copy()
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=own).labels(*label_values)
 
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                          LABELS + ["finished_reason"], registry=own)
+        # Every reason from the start, so that increase() sees the first request of each.
+        self._request_success = {reason: success.labels(*label_values, reason) for reason in FINISH_REASONS}
+        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             TPOT_BUCKETS)
+        # vLLM's name of the same histogram before 0.11, still what its Grafana dashboard reads.
+        self.tpot_old_name = histogram("time_per_output_token_seconds", "Histogram of time per output token in "
+                                       "seconds. DEPRECATED: use inter_token_latency_seconds instead.", TPOT_BUCKETS)
+        self.request_tpot = histogram("request_time_per_output_token_seconds",
+                                      "Histogram of time_per_output_token_seconds per request.", TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens processed.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self.request_max_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Histogram of maximum number of requested generation tokens.",
+            token_buckets)
+        self.request_params_n = histogram("request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
+        self.request_params_max_tokens = histogram("request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
+        # An info-style gauge (always 1, the cache config in its labels), set when a core is ready.
+        self._cache_config_info = Gauge(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                        CACHE_CONFIG_LABELS, registry=own)
+
+        self.http = HTTPMetrics(self.registry)
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        # The engine core's CPU and memory (its own process); no /proc entry, no series, until it runs.
+        self._core_pid: int | None = None
+        ProcessCollector(namespace="deepinfer_engine_core", pid=lambda: self._core_pid or "no-engine-core",
+                         registry=self.registry)
+
+    # --------------------------------------------------------------------------- the engine core
+    def engine_started(self, cache: CacheConfig, num_gpu_blocks: int, pid: int | None = None) -> None:
+        """A core process is ready (again, after a restart): its cache config, its pid, and the end
+        of the previous core's counting."""
+        self.engine.engine_started()
+        self._core_pid = pid
+        self._cache_config_info.clear()   # a restarted core may have sized its KV pool differently
+        self._cache_config_info.labels(**_cache_config_labels(cache, num_gpu_blocks)).set(1)
+
+    def record_engine_stats(self, stats: EngineStats, iteration_tokens: Sequence[int] = ()) -> None:
+        """Every message from the core: its latest stats, and the tokens of each engine step it carries
+        (vLLM's iteration_tokens_total: one observation per step that produced output)."""
+        self.engine.update(stats)
+        for tokens in iteration_tokens:
+            self.iteration_tokens.observe(tokens)
+
+    # ------------------------------------------------------------------------------ per request
     def record_first_output(self, timings: RequestTimings) -> None:
         self.prompt_tokens.inc(timings.num_prompt_tokens)
         if timings.ttft is not None:
@@ -113,22 +178,53 @@ class ServerMetrics:
         self.generation_tokens.inc(num_new)
         if itl is not None:
             self.itl.observe(itl)
+            self.tpot_old_name.observe(itl)
 
     def record_finished(self, timings: RequestTimings, finish_reason: str) -> None:
-        self._request_success.labels(self.model_name, finish_reason).inc()
+        self._request_success[finish_reason].inc()
         self.e2e.observe(timings.e2e)
         self.request_prompt_tokens.observe(timings.num_prompt_tokens)
         self.request_generation_tokens.observe(timings.num_generation_tokens)
+        # vLLM observes these once the last of the request's n sequences has finished.
+        self.request_max_generation_tokens.observe(timings.max_sequence_tokens)
+        self.request_params_n.observe(timings.n)
+        if timings.max_tokens:
+            self.request_params_max_tokens.observe(timings.max_tokens)
         for histogram, value in ((self.queue_time, timings.queue_time), (self.prefill_time, timings.prefill_time),
-                                 (self.decode_time, timings.decode_time)):
-            if value is not None:
+                                 (self.decode_time, timings.decode_time),
+                                 (self.inference_time, timings.inference_time),
+                                 (self.request_tpot, timings.mean_time_per_output_token)):
+            if value is not None:   # None: the core never reported this request's times (aborted here)
                 histogram.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def _advance(counter, last: int, current: int) -> int:
-    if current > last:
-        counter.inc(current - last)
-    return max(last, current)
+def _cache_config_labels(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
+    values = (cache.block_size, cache.kv_cache_dtype, cache.enable_prefix_caching, cache.gpu_memory_utilization,
+              num_gpu_blocks, cache.num_kv_blocks, cache.cpu_kv_cache_bytes, ENGINE_INDEX)
+    return dict(zip(CACHE_CONFIG_LABELS, map(str, values)))
+
+
+class _Aliased(Collector):
+    """Every family of `source`, and, with an alias, each one again with `prefix` swapped for it.
+
+    The copies are made at scrape time from the same collected families, so both names always
+    show the same numbers and no metric is defined twice."""
+
+    def __init__(self, source: CollectorRegistry, prefix: str, alias: str | None) -> None:
+        self._source, self._prefix, self._alias = source, prefix, alias
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._source.collect():
+            yield family
+            if self._alias is not None:
+                yield self._renamed(family)
+
+    def _renamed(self, family: Metric) -> Metric:
+        cut = len(self._prefix)
+        renamed = copy.copy(family)
+        renamed.name = self._alias + family.name[cut:]
+        renamed.samples = [s._replace(name=self._alias + s.name[cut:]) for s in family.samples]
+        return renamed

@@ -17,6 +17,7 @@ import openai
 import pytest
 
 from tests.e2e.server_process import start_server, stop_server
+from tests.vllm_dashboard import DASHBOARD_SERIES
 
 MODEL = "SmolLM2-135M-Instruct"
 # Greedy answers must not hinge on a near tie (bf16 batches and prefix-cache hits move logits by
@@ -28,7 +29,7 @@ MAX_PENDING = 6
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = start_server(str(tmp_path_factory.mktemp("server") / "server.log"),
-                       "--max-pending-requests", str(MAX_PENDING))
+                       "--max-pending-requests", str(MAX_PENDING), "--metrics-vllm-names")
     yield srv
     stop_server(srv)
 
@@ -327,4 +328,34 @@ def test_metrics(server, oai):
                  "e2e_request_latency_seconds_bucket", "request_queue_time_seconds_bucket"):
         assert f"deepinfer:{name}" in text, name
     assert f'model_name="{MODEL}"' in text
-    assert metric(server, "prefix_cache_hits_total") > 0   # the repeated prompts above hit
+    for _ in range(2):   # the second one finds the first one's full blocks (system prompt + question)
+        oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=0, max_completion_tokens=1)
+    assert metric(server, "prefix_cache_hits_total") > 0
+
+
+def test_metrics_serve_vllms_dashboard_and_scrapers(server, oai):
+    before = {name: metric(server, name) for name in ("iteration_tokens_total_sum", "iteration_tokens_total_count")}
+    reply = oai.completions.create(model=MODEL, prompt="The river", max_tokens=4, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    # vLLM's rule: a step counts its new tokens, plus the whole prompt of a request it gave its first token.
+    assert metric(server, "iteration_tokens_total_sum") == before["iteration_tokens_total_sum"] + \
+        reply.usage.prompt_tokens + 4
+    assert metric(server, "iteration_tokens_total_count") == before["iteration_tokens_total_count"] + 4
+    oai.chat.completions.create(model=MODEL, messages=JAPAN, temperature=0, max_completion_tokens=4)
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for prefix in ("deepinfer:", "vllm:"):   # ours, and vLLM's names under --metrics-vllm-names
+        missing = [name for name in DASHBOARD_SERIES if not re.search(rf"^{prefix}{name}[{{ ]", text, re.MULTILINE)]
+        assert not missing, prefix
+    assert "_created" not in text
+    assert re.search(r'^http_requests_total\{handler="/v1/completions",method="POST",status="2xx"\} [1-9]', text,
+                     re.MULTILINE)
+    assert 'http_requests_total{handler="/v1/chat/completions",method="POST",status="2xx"}' in text
+    for name in ("http_request_duration_seconds_bucket", "http_request_duration_highr_seconds_count",
+                 "http_request_size_bytes_count", "http_response_size_bytes_sum", "process_resident_memory_bytes",
+                 "process_cpu_seconds_total", "python_info", "deepinfer_engine_core_process_resident_memory_bytes",
+                 "deepinfer:request_inference_time_seconds_sum", "deepinfer:request_time_per_output_token_seconds_sum",
+                 "deepinfer:request_params_n_sum", "deepinfer:request_params_max_tokens_sum"):
+        assert re.search(rf"^{name}[{{ ]", text, re.MULTILINE), name
+    info = re.search(r'^deepinfer:cache_config_info\{([^}]*)\} 1\.0$', text, re.MULTILINE)
+    assert info and re.search(r'num_gpu_blocks="[1-9]', info.group(1)) and 'block_size="16"' in info.group(1)
+    assert metric(server, "engine_healthy") == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -45,6 +46,11 @@ def test_killed_engine_core_turns_into_503s(server):
         time.sleep(0.2)
     health = http.get("/health")
     assert health.status_code == 503 and "engine core" in health.json()["reason"]
+    # /metrics stops describing an engine that is gone: no gauges, a 0 to alert on, counters kept.
+    scrape = http.get("/metrics").text
+    assert re.search(r"^deepinfer:engine_healthy\{[^}]*\} 0\.0$", scrape, re.MULTILINE)
+    assert "deepinfer:num_requests_running" not in scrape and "deepinfer:kv_cache_usage_perc" not in scrape
+    assert "deepinfer:prefix_cache_queries_total" in scrape
     start = time.monotonic()
     response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 503 and time.monotonic() - start < 5

@@ -98,7 +98,8 @@ def test_vllm_guided_fields_constrain_the_output(guided, kind):
 
 def test_request_timings_use_one_clock_each():
     timings = RequestTimings(num_prompt_tokens=10, arrival=100.0)
-    assert timings.on_tokens(1, 100.5) is None and timings.ttft == 0.5
-    assert timings.on_tokens(1, 100.75) == 0.25
-    timings.core_times = RequestTimes(arrival=7.0, first_scheduled=7.5, first_token=8.0, finished=9.0)
+    assert timings.on_tokens([1], 100.5) is None and timings.ttft == 0.5
+    assert timings.on_tokens([1], 100.75) == 0.25
+    timings.on_core_finished(0, RequestTimes(arrival=7.0, first_scheduled=7.5, first_token=8.0, finished=9.0))
     assert (timings.queue_time, timings.prefill_time, timings.decode_time) == (0.5, 0.5, 1.0)
+    assert (timings.inference_time, timings.mean_time_per_output_token) == (1.5, 1.0)

@@ -243,7 +243,7 @@ def test_prometheus_exports_spec_decode_counters():
     from deepinfer.engine.core import EngineStats
     from deepinfer.metrics.prometheus import ServerMetrics
 
-    metrics = ServerMetrics("m")
+    metrics = ServerMetrics("m", 2048)
     stats = SpecDecodeStats(3)
     stats.record(3, 2)
     stats.record(1, 0)
@@ -251,10 +251,11 @@ def test_prometheus_exports_spec_decode_counters():
     stats.record(2, 2)
     metrics.record_engine_stats(EngineStats(1, 0, 0.1, 0, [0], [0], [0], stats.copy()))
     text = metrics.render().decode()
-    assert 'deepinfer:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
-    assert 'deepinfer:spec_decode_num_draft_tokens_total{model_name="m"} 6.0' in text
-    assert 'deepinfer:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text
-    assert 'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+    labels = 'engine="0",model_name="m"'
+    assert f'deepinfer:spec_decode_num_drafts_total{{{labels}}} 3.0' in text
+    assert f'deepinfer:spec_decode_num_draft_tokens_total{{{labels}}} 6.0' in text
+    assert f'deepinfer:spec_decode_num_accepted_tokens_total{{{labels}}} 4.0' in text
+    assert f'deepinfer:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} 2.0' in text
     assert stats.mean_accepted_length == pytest.approx(1 + 4 / 3)
     assert stats.acceptance_rate_per_pos == pytest.approx([2 / 3, 1.0, 0.0])
 

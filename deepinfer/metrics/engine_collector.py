@@ -1,0 +1,125 @@
+"""The engine core's EngineStats as Prometheus families, built when /metrics is scraped.
+
+The core sends its scheduler gauges and its cumulative counters (prefix cache, preemptions,
+speculative decoding) with every step and heartbeat. The front end keeps only the latest
+EngineStats; this collector (prometheus_client's custom-collector pattern) turns it into
+families at scrape time, so a cumulative total is exported as it is, never turned into
+increments by hand.
+
+A dead or silent engine core (the client's `healthy` is False) keeps `engine_healthy` at 0 and
+drops the gauges that describe the engine's present (running, waiting, KV usage) from the scrape:
+their last values would claim a busy engine, 0 would claim an idle one that a router or an
+autoscaler may send traffic to, and NaN poisons sums over replicas. A series that disappears is
+marked stale by Prometheus at the next scrape, so panels show a gap and `absent()` alerts fire.
+The counters stay: they are history, and a counter that vanishes reads as a reset.
+
+A restarted core counts from zero again; `engine_started()` folds the totals of the core that
+is gone into a base, so every exported counter only ever goes up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from deepinfer.engine.core import EngineStats
+
+# vLLM labels every engine metric with the engine index (data-parallel ranks); we run one core.
+ENGINE_INDEX = "0"
+LABELS = ["model_name", "engine"]
+
+# The core's cumulative counters: name -> help. The per-position ones carry a `position` label.
+COUNTERS = {
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+    "num_preemptions": "Cumulative number of preemptions from the engine.",
+    "spec_decode_num_drafts": "Verifications (a request's drafts checked once).",
+    "spec_decode_num_draft_tokens": "Draft tokens verified.",
+    "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
+    "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the draft.",
+    "spec_decode_num_verified_tokens_per_pos": "Draft tokens verified, by position in the draft.",
+}
+# Exported from the start (at 0), so that rate() has a series before the first request.
+ALWAYS_EXPORTED = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+
+# A counter's key: (name, position label or None).
+CounterKey = tuple[str, str | None]
+
+
+def engine_counters(stats: EngineStats) -> dict[CounterKey, float]:
+    """The cumulative counters carried by one EngineStats."""
+    # A hit must be valid in every layer group, so the first group's counts are the request's.
+    counters: dict[CounterKey, float] = {
+        ("prefix_cache_queries", None): stats.prefix_cache_queries[0] if stats.prefix_cache_queries else 0,
+        ("prefix_cache_hits", None): stats.prefix_cache_hits[0] if stats.prefix_cache_hits else 0,
+        ("num_preemptions", None): stats.num_preemptions,
+    }
+    spec = stats.spec_decode
+    if spec is not None:
+        counters[("spec_decode_num_drafts", None)] = spec.num_drafts
+        counters[("spec_decode_num_draft_tokens", None)] = spec.num_draft_tokens
+        counters[("spec_decode_num_accepted_tokens", None)] = spec.num_accepted_tokens
+        for j, (accepted, verified) in enumerate(zip(spec.accepted_per_pos, spec.verified_per_pos)):
+            counters[("spec_decode_num_accepted_tokens_per_pos", str(j))] = accepted
+            counters[("spec_decode_num_verified_tokens_per_pos", str(j))] = verified
+    return counters
+
+
+class EngineStatsCollector(Collector):
+    def __init__(self, prefix: str, model_name: str, healthy: Callable[[], bool]) -> None:
+        self._prefix = prefix
+        self._label_values = [model_name, ENGINE_INDEX]
+        self._healthy = healthy
+        self._latest: EngineStats | None = None
+        self._retired: dict[CounterKey, float] = {}   # totals of engine cores that are gone
+
+    def update(self, stats: EngineStats) -> None:
+        """Called with every EngineStats the core sends; only the latest is kept."""
+        self._latest = stats
+
+    def engine_started(self) -> None:
+        """A (new) core process is ready: what the previous one counted becomes the base."""
+        if self._latest is not None:
+            for key, value in engine_counters(self._latest).items():
+                self._retired[key] = self._retired.get(key, 0) + value
+        self._latest = None
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = self._healthy()
+        yield self._gauge("engine_healthy", "1 while the engine core process is alive and sending; 0 when it "
+                          "is dead or silent (its gauges are then left out).", 1.0 if healthy else 0.0)
+        stats = self._latest
+        if healthy and stats is not None:
+            yield self._gauge("num_requests_running", "Number of requests in model execution batches.",
+                              stats.num_running)
+            yield self._gauge("num_requests_waiting", "Number of requests waiting to be processed.",
+                              stats.num_waiting)
+            yield self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                              stats.kv_cache_usage)
+            # vLLM's name before 0.9, still what its Grafana dashboard reads.
+            yield self._gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
+                              "DEPRECATED: use kv_cache_usage_perc instead.", stats.kv_cache_usage)
+        yield from self._counters()
+
+    def _counters(self) -> Iterator[Metric]:
+        totals = dict.fromkeys(((name, None) for name in ALWAYS_EXPORTED), 0.0)
+        for key, value in self._retired.items():
+            totals[key] = totals.get(key, 0) + value
+        if self._latest is not None:
+            for key, value in engine_counters(self._latest).items():
+                totals[key] = totals.get(key, 0) + value
+        families: dict[str, CounterMetricFamily] = {}
+        for (name, position), value in totals.items():
+            family = families.get(name)
+            if family is None:
+                labels = LABELS + (["position"] if position is not None else [])
+                family = families[name] = CounterMetricFamily(self._prefix + name, COUNTERS[name], labels=labels)
+            family.add_metric(self._label_values + ([position] if position is not None else []), value)
+        yield from families.values()
+
+    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(self._prefix + name, documentation, labels=LABELS)
+        family.add_metric(self._label_values, value)
+        return family
