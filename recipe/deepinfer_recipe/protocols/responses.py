@@ -15,7 +15,7 @@ from pydantic import Discriminator, Field, Tag
 
 from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, ResponseFormat, TextPart, ToolCall, ToolDefinition
 from ..errors import RequestError
-from ._common import Lenient, normalize_strict_schema, require_object_schema, validate
+from ._common import Lenient, Number, PositiveInt64, normalize_strict_schema, require_object_schema, validate
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
@@ -123,9 +123,9 @@ class ResponsesRequest(Lenient):
     tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
     reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    max_output_tokens: PositiveInt64 | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     stream: bool = False
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
