@@ -165,3 +165,25 @@ def test_numbers_still_accept_ints_and_floats():
     with pytest.raises(RequestError) as info:
         parse_request("messages", dict(MESSAGES_Q, thinking={"type": "enabled", "budget_tokens": "1024"}))
     assert info.value.path == "thinking.budget_tokens"
+
+
+@pytest.mark.parametrize("body", [
+    {"input": []}, {"input": ""}, {"input": [{"role": "user", "content": ""}]},
+    {"input": [{"role": "user", "content": []}, {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": ""}]}]},
+    {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]}]},
+    {"input": [], "instructions": ""},
+])
+def test_responses_empty_input_is_refused(body):
+    """Failed before: {"input": []} was accepted and the model generated until max tokens."""
+    with pytest.raises(RequestError) as info:
+        parse_request("responses", body)
+    assert info.value.path == "input"
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "hi"}, {"input": [], "instructions": "Say hello."},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+    {"input": [{"type": "function_call_output", "call_id": "c", "output": ""}]},
+])
+def test_responses_input_with_something_in_it_is_accepted(body):
+    assert parse_request("responses", body).messages

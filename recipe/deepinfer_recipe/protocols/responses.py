@@ -180,6 +180,12 @@ def _messages(request: ResponsesRequest) -> list[Message]:
     return messages
 
 
+def _says_something(message: Message) -> bool:
+    """Text, an image, reasoning, a tool call or a tool result (even an empty one)."""
+    return bool(message.role == "tool" or message.tool_calls or message.reasoning
+                or any(isinstance(part, ImagePart) or part.text for part in message.content))
+
+
 def to_conversation(body: dict) -> Conversation:
     request = validate(ResponsesRequest, body)
     if request.previous_response_id:
@@ -201,8 +207,12 @@ def to_conversation(body: dict) -> Conversation:
     if request.text and request.text.format:
         f = request.text.format
         fmt = ResponseFormat(f.type, f.schema_, f.name, f.strict)
+    messages = _messages(request)
+    if not any(_says_something(m) for m in messages):
+        # Nothing to answer: the model would ramble until max_output_tokens (OpenAI refuses too).
+        raise RequestError("the input is empty: send at least one item with content, or instructions", "input")
     return Conversation(
-        messages=_messages(request),
+        messages=messages,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=request.parallel_tool_calls is not False,
