@@ -15,6 +15,7 @@ does not (SmolLM2), the tag can only be recognised in the text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -116,6 +117,8 @@ class OutputParser:
         elif self._tools is not None:
             events += self._tools.close()
             self._collect(events)
+        if reason == "length":  # a call still open now was cut short (Responses marks it incomplete)
+            events = [dataclasses.replace(e, cut=True) if isinstance(e, ToolCallEnd) else e for e in events]
         return events + [self._finish(reason)]
 
     # -- internals -----------------------------------------------------------------------------

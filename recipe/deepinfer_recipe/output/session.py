@@ -35,6 +35,7 @@ class OutputSession:
         prompt_tokens: int = 0,
         response_id: str | None = None,
         created: int | None = None,
+        echo: dict | None = None,  # request fields the Responses object repeats (PromptEncoding.echo)
     ):
         self.parser = parser
         self.protocol = protocol
@@ -43,7 +44,7 @@ class OutputSession:
         if protocol == "chat":
             self.stream = ChatCompletionsStream(response_id or f"chatcmpl-{secrets.token_hex(12)}", model, created)
         elif protocol == "responses":
-            self.stream = ResponsesStream(response_id or f"resp_{secrets.token_hex(12)}", model, created)
+            self.stream = ResponsesStream(response_id or f"resp_{secrets.token_hex(12)}", model, created, echo)
         elif protocol == "messages":
             self.stream = MessagesStream(response_id or f"msg_{secrets.token_hex(12)}", model)
         else:
@@ -71,7 +72,7 @@ class OutputSession:
         parser = OutputParser(encoder.tokenizer, encoder.markers, encoding.parser_start, encoding.stop, call_id,
                               ignore_eos=ignore_eos)
         prompt_tokens = len(encoding.token_ids or [])
-        return cls(parser, protocol, model, prompt_tokens, **kwargs)
+        return cls(parser, protocol, model, prompt_tokens, echo=encoding.echo, **kwargs)
 
     @property
     def finished(self) -> bool:
