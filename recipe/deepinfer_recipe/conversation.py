@@ -102,6 +102,9 @@ class Conversation:
     stream: bool = False
     model: str | None = None
     protocol: Literal["chat", "responses", "messages"] = "chat"
+    # Request fields the protocol's final object repeats back (the Responses API echoes
+    # instructions, tools, sampling settings, ...); the output side copies them in.
+    echo: dict = field(default_factory=dict)
 
     def thinking_enabled(self, default: bool) -> bool:
         """Thinking switch: an explicit `thinking` wins; without one, effort "none" turns it off

@@ -77,11 +77,15 @@ class SafeTokenizer:
     plain: Tokenizer
     control_ids: frozenset[int]  # ids of every added token (the "control vocabulary")
     cut_pattern: re.Pattern | None  # None: whole-segment encoding only
+    # The added tokens marked `special` (a subset of control_ids): what vLLM's
+    # skip_special_tokens drops from output text.
+    special_ids: frozenset[int] = frozenset()
 
     @classmethod
     def from_json_text(cls, text: str) -> "SafeTokenizer":
         data = json.loads(text)
         control_ids = frozenset(tok["id"] for tok in data.get("added_tokens", []))
+        special_ids = frozenset(tok["id"] for tok in data.get("added_tokens", []) if tok.get("special"))
         plain_data = dict(data)
         plain_data["added_tokens"] = []
         cut = None
@@ -89,7 +93,7 @@ class SafeTokenizer:
             data.get("normalizer") in (None, {"type": "Sequence", "normalizers": []})
         ):
             cut = _DEEPSEEK_V4_CUT
-        return cls(Tokenizer.from_str(text), Tokenizer.from_str(json.dumps(plain_data)), control_ids, cut)
+        return cls(Tokenizer.from_str(text), Tokenizer.from_str(json.dumps(plain_data)), control_ids, cut, special_ids)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "SafeTokenizer":

@@ -108,3 +108,17 @@ def test_from_tokenizer_needs_a_template(model_dir):
 
     with pytest.raises(RecipeError, match="no chat template"):
         HFTemplateEncoder.from_tokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")), "")
+
+
+def test_ignore_eos_skips_the_end_token_and_goes_on(model_dir):
+    from deepinfer_recipe.output import OutputSession
+
+    encoder = get_encoder(f"hf:{model_dir}")
+    encoding = encoder.encode(parse_request("chat", {"messages": [{"role": "user", "content": "Hi"}]}))
+    plain = encoder.tokenizer.encode_plain
+    session = OutputSession.for_encoding(encoder, encoding, "chat", ignore_eos=True)
+    session.feed(plain("Hello") + [129281] + [129280] + plain("user\nmore"))  # <|im_end|> <|im_start|>
+    assert not session.finished
+    session.finish("length")
+    choice = session.final_response()["choices"][0]
+    assert choice["message"]["content"] == "Hellouser\nmore" and choice["finish_reason"] == "length"

@@ -64,6 +64,9 @@ def test_grounding_spellings_in_assistant_history_differ_on_purpose():
 # offered is well defined (the continuation may still call a tool; the parser starts in the
 # content with tool-call parsing on), so we do not refuse it.
 ORACLE_ONLY_REFUSALS = ("Function call should not be used with prefix",)
+# And requests we refuse that deepseek-recipe renders: a Responses input with nothing in it
+# (the model would only ramble until max_output_tokens).
+OURS_ONLY_REFUSALS = ("the input is empty",)
 
 
 @needs_oracle
@@ -88,6 +91,8 @@ def test_random_conversations_match_oracle(seed):
             encoding, error = None, exc
         if refusal is not None:
             assert error is not None or refusal.startswith(ORACLE_ONLY_REFUSALS), (refusal, protocol, body)
+            continue
+        if error is not None and error.message.startswith(OURS_ONLY_REFUSALS):
             continue
         assert error is None, (str(error), protocol, body)
         assert encoding.rendered.text == text, (protocol, body)

@@ -241,3 +241,47 @@ def test_round_trip_reproduces_the_model_turn_ids(protocol, turn):
     assert ours == v4_encoding().encode(request_type(json.dumps(body)).convert(dr.ConversionOptions()).conversation)
     header = [TOK.control_id("<｜Assistant｜>"), TOK.control_id("<think>")]
     assert any(ours[i : i + len(model_ids) + 2] == header + model_ids for i in range(len(ours))), "the turn's ids changed"
+
+
+def test_ignore_eos_generates_past_the_end_token():
+    """Failed before (no such option): the end token always finished the choice, so with the
+    request's ignore_eos everything the engine generated after it was dropped."""
+    after = TOK.encode_plain(" and more") + [0] + TOK.encode_plain("<｜User｜>")  # 0: BOS, a special token
+    answer = model_output("Think.", "Answer.")  # ends with the EOS id
+    for protocol, body in (("chat", CHAT), ("responses", {"input": "q"}), ("messages", {"max_tokens": 99, "messages": CHAT["messages"]})):
+        session = session_for(body, protocol, ignore_eos=True)
+        session.start()
+        session.feed(answer + after)
+        assert not session.finished
+        session.finish("length")
+        final = session.final_response()
+        # EOS and BOS (special) are left out; <｜User｜> is not special: it stays, as in vLLM.
+        if protocol == "chat":
+            choice = final["choices"][0]
+            assert choice["message"]["content"] == "Answer. and more<｜User｜>"
+            assert choice["finish_reason"] == "length"
+            assert final["usage"]["completion_tokens"] == len(answer + after)
+        elif protocol == "responses":
+            assert final["output"][-1]["content"][0]["text"] == "Answer. and more<｜User｜>"
+            assert final["status"] == "incomplete"
+        else:
+            assert final["content"][-1]["text"] == "Answer. and more<｜User｜>"
+            assert final["stop_reason"] == "max_tokens"
+
+
+def test_ignore_eos_still_parses_tool_calls_and_stop_sequences():
+    session = session_for(CHAT, ignore_eos=True)
+    session.feed(OUTPUT + TOK.encode_plain("more"))  # OUTPUT: two DSML calls, then EOS
+    session.finish("length")
+    assert len(session.final_response()["choices"][0]["message"]["tool_calls"]) == 2
+    session = session_for(dict(CHAT, stop=["STOP"], thinking={"type": "disabled"}), ignore_eos=True)
+    session.feed(TOK.encode_plain("a") + [EOS] + TOK.encode_plain("b STOP c"))
+    assert session.finished  # a stop sequence still ends it
+    assert session.final_response()["choices"][0]["message"]["content"] == "ab "
+
+
+def test_without_ignore_eos_the_end_token_finishes():
+    session = session_for(CHAT)
+    session.feed(OUTPUT + TOK.encode_plain(" and more"))
+    assert session.finished
+    assert session.final_response()["choices"][0]["finish_reason"] == "tool_calls"

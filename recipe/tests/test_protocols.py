@@ -124,3 +124,66 @@ def test_forced_tool_choice_with_thinking_is_rejected():
     with pytest.raises(RequestError) as info:
         get_encoder("deepseek-v4").encode(conversation)
     assert info.value.path == "tool_choice"
+
+
+CHAT_Q = {"messages": [{"role": "user", "content": "q"}]}
+MESSAGES_Q = {"max_tokens": 5, "messages": [{"role": "user", "content": "q"}]}
+NUMERIC_FIELDS = [
+    ("chat", CHAT_Q, "seed"), ("chat", CHAT_Q, "max_tokens"), ("chat", CHAT_Q, "max_completion_tokens"),
+    ("chat", CHAT_Q, "temperature"), ("chat", CHAT_Q, "top_p"),
+    ("responses", {"input": "q"}, "max_output_tokens"), ("responses", {"input": "q"}, "temperature"),
+    ("responses", {"input": "q"}, "top_p"),
+    ("messages", MESSAGES_Q, "max_tokens"), ("messages", MESSAGES_Q, "temperature"), ("messages", MESSAGES_Q, "top_p"),
+]
+
+
+@pytest.mark.parametrize("protocol,body,field", NUMERIC_FIELDS, ids=[f"{p}-{f}" for p, _, f in NUMERIC_FIELDS])
+@pytest.mark.parametrize("value", ["1", True, "0.5", [1]], ids=["string", "bool", "float-string", "list"])
+def test_numbers_must_be_json_numbers(protocol, body, field, value):
+    """Failed before for "1" and true: pydantic's lax mode took a numeric string or a bool as a
+    number (OpenAI rejects "42" for seed, and so do the engine's own fields)."""
+    with pytest.raises(RequestError) as info:
+        parse_request(protocol, dict(body, **{field: value}))
+    assert info.value.path == field
+
+
+@pytest.mark.parametrize("protocol,body,field", [f for f in NUMERIC_FIELDS if f[2] in ("seed", "max_tokens", "max_completion_tokens", "max_output_tokens")])
+def test_integers_beyond_int64_are_a_request_error(protocol, body, field):
+    """Failed before: 2**64 passed validation and overflowed later (msgpack, torch)."""
+    with pytest.raises(RequestError) as info:
+        parse_request(protocol, dict(body, **{field: 2**64}))
+    assert info.value.path == field
+    assert parse_request(protocol, dict(body, **{field: 2**63 - 1}))  # the largest int64 is fine
+
+
+def test_numbers_still_accept_ints_and_floats():
+    conversation = parse_request("chat", dict(CHAT_Q, seed=-(2**63), temperature=1, top_p=0.5, max_tokens=3))
+    assert (conversation.seed, conversation.temperature, conversation.top_p, conversation.max_tokens) == (-(2**63), 1.0, 0.5, 3)
+    with pytest.raises(RequestError) as info:
+        parse_request("chat", dict(CHAT_Q, max_tokens=2.0))  # an integer field wants an integer
+    assert info.value.path == "max_tokens"
+    with pytest.raises(RequestError) as info:
+        parse_request("messages", dict(MESSAGES_Q, thinking={"type": "enabled", "budget_tokens": "1024"}))
+    assert info.value.path == "thinking.budget_tokens"
+
+
+@pytest.mark.parametrize("body", [
+    {"input": []}, {"input": ""}, {"input": [{"role": "user", "content": ""}]},
+    {"input": [{"role": "user", "content": []}, {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": ""}]}]},
+    {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]}]},
+    {"input": [], "instructions": ""},
+])
+def test_responses_empty_input_is_refused(body):
+    """Failed before: {"input": []} was accepted and the model generated until max tokens."""
+    with pytest.raises(RequestError) as info:
+        parse_request("responses", body)
+    assert info.value.path == "input"
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "hi"}, {"input": [], "instructions": "Say hello."},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
+    {"input": [{"type": "function_call_output", "call_id": "c", "output": ""}]},
+])
+def test_responses_input_with_something_in_it_is_accepted(body):
+    assert parse_request("responses", body).messages

@@ -44,6 +44,7 @@ class PromptEncoding:
     # For a forced tool call: an xgrammar structural tag (JSON) describing the only text the
     # model may emit (see tools/constraint.py); None when the output is unconstrained.
     constraint: dict | None = None
+    echo: dict = field(default_factory=dict)  # Conversation.echo, for the final response object
 
     def to_json(self) -> dict:
         data = {"format": self.format, "token_ids": self.token_ids, "constraint": self.constraint}
@@ -74,4 +75,4 @@ class Encoder:
         rendered, start = self.render(conversation)
         constraint = self.tool_constraint(conversation)
         ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
-        return PromptEncoding(self.name, rendered, start, ids, list(conversation.stop), constraint)
+        return PromptEncoding(self.name, rendered, start, ids, list(conversation.stop), constraint, dict(conversation.echo))

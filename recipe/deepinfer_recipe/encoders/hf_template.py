@@ -1,19 +1,19 @@
 """Any other model: its Hugging Face chat template (jinja2, sandboxed), made injection-safe.
 
-A chat template renders one string, so the control tokens have to be found afterwards. We never
-search the client's text for them: each client string (message text, reasoning, tool arguments
-and results) is first replaced by a private-use sentinel, the template is rendered, and only
-the text *between* sentinels — the template's own output — is scanned for added-token
-spellings. The sentinels are then swapped back as plain text. If the template transformed a
-client string (e.g. `| trim`) the swap would not reproduce the real render; we detect that and
-fall back to scanning the real render while treating every occurrence of a client string as
-plain. Either way a client string can never become a control token.
+A chat template renders one string, so the control tokens have to be found afterwards. Every
+client string (message text, reasoning, tool names, descriptions, schemas, arguments, results,
+call ids) goes into the template through `protect`. The real render gives the text; another
+render, with the client strings hidden behind placeholders (client_text.py), tells which
+characters the template wrote: only there are added-token spellings control tokens. A client
+string therefore never becomes a control token, and the template's own tokens always are,
+whatever the client spelled: we never search the render for the client's strings. (Only a
+template that acts on what the client spelled, e.g. splits content at a spelled "</think>", gets
+a prompt that differs from its real render: it is rendered with those spellings as plain text.)
 """
 
 from __future__ import annotations
 
 import json
-import re
 from datetime import datetime
 from pathlib import Path
 
@@ -24,14 +24,14 @@ from tokenizers import Tokenizer
 
 from ..conversation import Conversation
 from ..errors import RecipeError, RequestError
-from ..prompt import PromptBuilder, RenderedPrompt
+from ..prompt import RenderedPrompt
 from ..tokenize import SafeTokenizer
 from ..tools.constraint import HermesTags, hermes_constraint, offered_tools, parallel_calls
 from .base import Encoder, OutputMarkers, ParserStart
-from .inline import inline_tool_messages, template_messages
+from .client_text import ControlSpellings, HideAll, HideSpellings, mark_controls
+from .inline import inline_tool_messages, protect_tree, template_messages
 
 _END_OF_TURN_CANDIDATES = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
-_SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
 
 def _raise(message: str):
@@ -59,9 +59,9 @@ class HFTemplateEncoder(Encoder):
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(chat_template)
         self.bos_token, self.eos_token = bos_token or "", eos_token or ""
-        spellings = [s for s in tokenizer.full.get_added_tokens_decoder().values()]
-        contents = sorted({t.content for t in spellings if t.content}, key=len, reverse=True)
-        self._control_pattern = re.compile("|".join(re.escape(c) for c in contents)) if contents else None
+        self._spellings = ControlSpellings(t.content for t in tokenizer.full.get_added_tokens_decoder().values())
+        # Characters placeholders must not be: the template's own may end up in its output.
+        self._template_chars = set(chat_template) | set(self.bos_token) | set(self.eos_token)
         ends = tuple(s for s in (self.eos_token, *_END_OF_TURN_CANDIDATES) if s and tokenizer.has_control(s))
         think = tokenizer.has_control("<think>") and tokenizer.has_control("</think>")
         # Tool calls use the Hermes/Qwen convention; its tags are single tokens where the
@@ -123,7 +123,8 @@ class HFTemplateEncoder(Encoder):
             messages = inline_tool_messages(conversation.messages, offered, protect)
         tools = None
         if offered and self.renders_tools:
-            tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters or {}}}
+            tools = [{"type": "function", "function": {"name": protect(t.name), "description": protect(t.description or ""),
+                                                       "parameters": protect_tree(t.parameters or {}, protect)}}
                      for t in offered]
         last = conversation.messages[-1] if conversation.messages else None
         continuing = bool(last and last.role == "assistant" and last.prefix)
@@ -144,66 +145,49 @@ class HFTemplateEncoder(Encoder):
             raise RequestError(f"the chat template rejected the conversation: {exc}") from None
 
     def render(self, conversation: Conversation) -> tuple[RenderedPrompt, ParserStart]:
-        protected: list[str] = []
+        client: list[str] = []
 
-        def protect(value: str) -> str:
-            protected.append(value)
-            return f"\ue000{len(protected) - 1}\ue001"
+        def collect(value: str) -> str:
+            client.append(value)
+            return value
 
-        with_sentinels = self._render_text(self._template_inputs(conversation, protect))
-        real = self._render_text(self._template_inputs(conversation, lambda v: v))
-        swapped = _SENTINEL.sub(lambda m: protected[int(m.group(1))], with_sentinels)
-        builder = PromptBuilder()
-        tool_strings = _variants(self._tool_strings(conversation))
-        if swapped == real and "\ue000" not in "".join(protected):
-            cursor = 0
-            for match in _SENTINEL.finditer(with_sentinels):
-                self._emit_template_text(builder, with_sentinels[cursor : match.start()], tool_strings)
-                builder.text(protected[int(match.group(1))])
-                cursor = match.end()
-            self._emit_template_text(builder, with_sentinels[cursor:], tool_strings)
-        else:
-            self._emit_template_text(builder, real, _variants(protected) + tool_strings)
-        text = builder.build()
-        if text.text != real:  # pragma: no cover - construction guarantees it
-            raise RecipeError("internal error: rendered text changed while marking control tokens")
+        real = self._render_text(self._template_inputs(conversation, collect))
         offered, _ = offered_tools(conversation)
-        return text, ParserStart("content", False, bool(offered))
+        return self._mark_controls(conversation, real, client), ParserStart("content", False, bool(offered))
 
-    @staticmethod
-    def _tool_strings(conversation: Conversation) -> list[str]:
-        return [s for t in conversation.tools for s in (t.description, json.dumps(t.parameters, ensure_ascii=False)) if s]
-
-    def _emit_template_text(self, builder: PromptBuilder, text: str, client_strings: list[str]) -> None:
-        """Mark added-token spellings in template text as control, except inside client strings."""
-        if self._control_pattern is None:
-            builder.text(text)
-            return
-        plain_spans = []
-        # Only client strings that spell a control token need masking; masking others (say a
-        # one-letter description) would wrongly demote the template's own tokens.
-        for value in (v for v in client_strings if self._control_pattern.search(v)):
-            start = text.find(value)
-            while start >= 0:
-                plain_spans.append((start, start + len(value)))
-                start = text.find(value, start + 1)
-        cursor = 0
-        for match in self._control_pattern.finditer(text):
-            if any(a < match.end() and match.start() < b for a, b in plain_spans):
+    def _mark_controls(self, conversation: Conversation, real: str, client: list[str]) -> RenderedPrompt:
+        """The real render with the template's control tokens marked (see the module docstring)."""
+        if self._spellings.pattern is None:
+            return RenderedPrompt(real)
+        client_chars = set().union(*client)
+        taken = self._template_chars | client_chars
+        fallback = None
+        for make_hiding in (lambda: HideAll(client_chars, taken), lambda: HideSpellings(self._spellings, taken)):
+            try:
+                hiding = make_hiding()
+            except RequestError:
+                continue  # not enough placeholders to hide every character: try the other way
+            hidden = self._render_hidden(conversation, hiding)
+            if hidden is None:
                 continue
-            builder.text(text[cursor : match.start()])
-            builder.control(match.group())
-            cursor = match.end()
-        builder.text(text[cursor:])
+            if hiding.restore(hidden) == real:
+                return mark_controls(hidden, hiding.restore, self._spellings.pattern)
+            fallback = hidden, hiding
+        if fallback is None:
+            raise RequestError("the chat template cannot render this conversation with its control-token spellings as text")
+        # The template's output depends on what the client spelled (it looked for a spelled
+        # control token, say splitting content at "</think>"). Use the render in which it saw
+        # the spellings as the plain text they are; only there does it differ from the real one.
+        hidden, hiding = fallback
+        return mark_controls(hidden, hiding.restore, self._spellings.pattern)
+
+    def _render_hidden(self, conversation: Conversation, hiding) -> str | None:
+        """The render with every client string hidden; None if the template then fails (it
+        inspected the strings and rejects what it saw, e.g. ids of the wrong shape)."""
+        try:
+            return self._template.render(**self._template_inputs(conversation, hiding.hide))
+        except Exception:  # noqa: BLE001 - any failure means only "this hiding does not fit"
+            return None
 
 
-def _variants(strings: list[str]) -> list[str]:
-    """Each client string as it may appear in a render: raw, or JSON-escaped by `tojson`."""
-    out = []
-    for value in strings:
-        if value:
-            out.append(value)
-            escaped = json.dumps(value, ensure_ascii=False)[1:-1]
-            if escaped != value:
-                out.append(escaped)
-    return out
+

@@ -8,8 +8,8 @@ output parser reads back, so the model still sees what it may call and what came
   * an assistant call becomes `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` text;
   * tool results become one user message of `<tool_response>` blocks (templates that insist on
     alternating user/assistant turns accept that).
-Every client string passes through `protect` (see hf_template.py), so none of it can become a
-control token, whatever it spells.
+Every client string (ids, names and JSON keys included) passes through `protect` (see
+hf_template.py), so none of it can become a control token, whatever it spells.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ def template_messages(messages: list[Message], protect) -> list[dict]:
             item["reasoning_content"] = protect(m.reasoning)
         if m.tool_calls:
             item["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": protect(c.name), "arguments": _arguments(c.arguments, protect)}}
+                {"id": protect(c.id), "type": "function", "function": {"name": protect(c.name), "arguments": _arguments(c.arguments, protect)}}
                 for c in m.tool_calls
             ]
         if m.tool_call_id:
-            item["tool_call_id"] = m.tool_call_id
+            item["tool_call_id"] = protect(m.tool_call_id)
         items.append(item)
     return items
 
@@ -95,11 +95,23 @@ def inline_tool_messages(messages: list[Message], tools: list[ToolDefinition], p
 
 
 def _arguments(arguments: str, protect):
-    """HF templates expect arguments as a mapping (most `tojson` them); protect string values."""
+    """HF templates expect arguments as a mapping (most `tojson` them); every string in it, keys
+    and nested values included, is the client's."""
     try:
         parsed = json.loads(arguments)
     except ValueError:
         return protect(arguments)
     if not isinstance(parsed, dict):
         return protect(arguments)
-    return {key: protect(value) if isinstance(value, str) else value for key, value in parsed.items()}
+    return protect_tree(parsed, protect)
+
+
+def protect_tree(value, protect):
+    """A JSON value with every string in it, keys included, passed through `protect`."""
+    if isinstance(value, str):
+        return protect(value)
+    if isinstance(value, dict):
+        return {protect(k) if isinstance(k, str) else k: protect_tree(v, protect) for k, v in value.items()}
+    if isinstance(value, list):
+        return [protect_tree(v, protect) for v in value]
+    return value

@@ -15,6 +15,7 @@ does not (SmolLM2), the tag can only be recognised in the text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import secrets
@@ -54,6 +55,7 @@ class OutputParser:
         start: ParserStart = ParserStart(),
         stop: list[str] | None = None,
         call_id: Callable[[int], str] = default_call_id,
+        ignore_eos: bool = False,
     ):
         self._detok = IncrementalDetokenizer(tokenizer)
         ids = lambda s: tokenizer.control_id(s) if s and tokenizer.has_control(s) else None
@@ -62,6 +64,11 @@ class OutputParser:
         self._call_open, self._call_close = ids(markers.tool_call_start), ids(markers.tool_call_end)
         marker_ids = (self._think_start, self._think_end, self._dsml, self._call_open, self._call_close)
         self._spelling = {i: tokenizer.full.id_to_token(i) for i in marker_ids if i is not None}
+        # ignore_eos (the engine generates past the end of the turn, up to max_tokens): an end
+        # token does not finish, and like every other special token that means nothing to the
+        # parser it is left out of the text, as vLLM's skip_special_tokens does. The finish then
+        # comes from the caller's finish("length").
+        self._skipped = (self._eos | tokenizer.special_ids) - set(self._spelling) if ignore_eos else frozenset()
         self._markers = markers
         self._parse_tools = start.parse_tool_calls and self._dsml is not None
         # Hermes-style calls; `_open_text` is set when the opening tag is plain text, not a token.
@@ -110,6 +117,8 @@ class OutputParser:
         elif self._tools is not None:
             events += self._tools.close()
             self._collect(events)
+        if reason == "length":  # a call still open now was cut short (Responses marks it incomplete)
+            events = [dataclasses.replace(e, cut=True) if isinstance(e, ToolCallEnd) else e for e in events]
         return events + [self._finish(reason)]
 
     # -- internals -----------------------------------------------------------------------------
@@ -120,6 +129,8 @@ class OutputParser:
         return Finished(reason, self.stop_sequence)
 
     def _one(self, token_id: int) -> list[Event]:
+        if token_id in self._skipped:
+            return []
         if token_id in self._eos:
             return self.finish("stop")
         if token_id == self._think_end and self.stage == "reasoning":

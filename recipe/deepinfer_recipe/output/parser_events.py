@@ -35,6 +35,7 @@ class ToolCallDelta:
 class ToolCallEnd:
     index: int
     arguments: str  # the whole JSON arguments text
+    cut: bool = False  # closed because max tokens stopped the output inside the call
 
 
 @dataclass

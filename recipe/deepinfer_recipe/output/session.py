@@ -6,6 +6,9 @@
     events += session.finish("length")     # only if the engine stopped it (EOS is seen in feed)
     body = session.final_response()
 `session.finished` turns true on EOS or a stop sequence: the engine should stop generating then.
+With `for_encoding(..., ignore_eos=True)` (the request's ignore_eos) end tokens do not finish
+the session: they are left out of the text, parsing goes on, and the caller's finish("length")
+ends it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class OutputSession:
         prompt_tokens: int = 0,
         response_id: str | None = None,
         created: int | None = None,
+        echo: dict | None = None,  # request fields the Responses object repeats (PromptEncoding.echo)
     ):
         self.parser = parser
         self.protocol = protocol
@@ -40,7 +44,7 @@ class OutputSession:
         if protocol == "chat":
             self.stream = ChatCompletionsStream(response_id or f"chatcmpl-{secrets.token_hex(12)}", model, created)
         elif protocol == "responses":
-            self.stream = ResponsesStream(response_id or f"resp_{secrets.token_hex(12)}", model, created)
+            self.stream = ResponsesStream(response_id or f"resp_{secrets.token_hex(12)}", model, created, echo)
         elif protocol == "messages":
             self.stream = MessagesStream(response_id or f"msg_{secrets.token_hex(12)}", model)
         else:
@@ -54,18 +58,21 @@ class OutputSession:
         protocol: Literal["chat", "responses", "messages"],
         model: str = "",
         call_id: Callable[[int], str] | None = None,
+        ignore_eos: bool = False,
         **kwargs,
     ) -> "OutputSession":
         """call_id: makes the id of the n-th tool call; by default a random one with the
-        protocol's prefix ("toolu_" for Messages, as Anthropic's ids, else "call_")."""
+        protocol's prefix ("toolu_" for Messages, as Anthropic's ids, else "call_").
+        ignore_eos: generation goes on past end tokens (see the module docstring)."""
         if call_id is None:
             prefix = "toolu_" if protocol == "messages" else "call_"
             call_id = functools.partial(default_call_id, prefix=prefix)
         if encoder.tokenizer is None:
             raise RecipeError(f"format {encoder.name} has no tokenizer to decode output with")
-        parser = OutputParser(encoder.tokenizer, encoder.markers, encoding.parser_start, encoding.stop, call_id)
+        parser = OutputParser(encoder.tokenizer, encoder.markers, encoding.parser_start, encoding.stop, call_id,
+                              ignore_eos=ignore_eos)
         prompt_tokens = len(encoding.token_ids or [])
-        return cls(parser, protocol, model, prompt_tokens, **kwargs)
+        return cls(parser, protocol, model, prompt_tokens, echo=encoding.echo, **kwargs)
 
     @property
     def finished(self) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import copy
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 from ..errors import RequestError
 from ..tools.schema_check import check_tool_schema
@@ -18,6 +18,16 @@ class Lenient(BaseModel):
     """Request models ignore unknown fields, as the real APIs do (clients send extras)."""
 
     model_config = ConfigDict(extra="ignore")
+
+
+# Numbers in requests are JSON numbers: pydantic's lax mode would also take "42" or true, which
+# OpenAI and Anthropic reject (and the engine's own fields do too). Integers are bounded to int64,
+# so a huge one is a 400 naming the field instead of an OverflowError in the sampler.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Int64 = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
+PositiveInt64 = Annotated[int, Strict(), Field(ge=1, le=INT64_MAX)]
+NonNegativeInt64 = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
+Number = Annotated[float, Strict()]  # an integer is a number too; strict floats accept ints
 
 
 def _json_path(data: Any, loc: tuple) -> tuple[str, int]:

@@ -18,7 +18,7 @@ from ..conversation import (
     ToolDefinition,
 )
 from ..errors import RequestError
-from ._common import Lenient, normalize_strict_schema, require_object_schema, validate
+from ._common import Int64, Lenient, Number, PositiveInt64, normalize_strict_schema, require_object_schema, validate
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
@@ -143,11 +143,11 @@ class ChatCompletionRequest(Lenient):
     thinking: ThinkingSwitch | None = None
     reasoning_effort: Effort | None = None
     stop: Union[str, list[str], None] = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    max_tokens: PositiveInt64 | None = None
+    max_completion_tokens: PositiveInt64 | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    seed: Int64 | None = None
     stream: bool = False
     parallel_tool_calls: bool | None = None
 

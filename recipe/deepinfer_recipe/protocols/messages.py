@@ -15,7 +15,7 @@ from pydantic import Field
 
 from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, TextPart, ToolCall, ToolDefinition
 from ..errors import RequestError
-from ._common import Lenient, require_object_schema, validate
+from ._common import Lenient, NonNegativeInt64, Number, PositiveInt64, require_object_schema, validate
 
 
 class TextBlock(Lenient):
@@ -82,7 +82,7 @@ class ToolChoice(Lenient):
 
 class Thinking(Lenient):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: NonNegativeInt64 | None = None
 
 
 class OutputConfig(Lenient):
@@ -91,7 +91,7 @@ class OutputConfig(Lenient):
 
 class MessagesRequest(Lenient):
     model: str | None = None
-    max_tokens: int = Field(ge=1)
+    max_tokens: PositiveInt64
     system: Union[str, list[TextBlock], None] = None
     messages: list[InputMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -99,8 +99,8 @@ class MessagesRequest(Lenient):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: Annotated[Number, Field(ge=0, le=1)] | None = None
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     stream: bool = False
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Strict, Tag
 
 from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, ResponseFormat, TextPart, ToolCall, ToolDefinition
 from ..errors import RequestError
-from ._common import Lenient, normalize_strict_schema, require_object_schema, validate
+from ._common import Lenient, NonNegativeInt64, Number, PositiveInt64, normalize_strict_schema, require_object_schema, validate
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 
@@ -103,16 +103,19 @@ class NamedChoice(Lenient):
 class TextFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
+    description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
 class TextConfig(Lenient):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
 
 
 class ReasoningConfig(Lenient):
     effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # echoed; we write no summaries
 
 
 class ResponsesRequest(Lenient):
@@ -123,12 +126,18 @@ class ResponsesRequest(Lenient):
     tool_choice: Union[Literal["none", "auto", "required"], NamedChoice, None] = None
     reasoning: ReasoningConfig | None = None
     text: TextConfig | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    max_output_tokens: PositiveInt64 | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(ge=0, le=1)] | None = None
     stream: bool = False
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
+    # Only repeated back in the response object (see `_echo`).
+    top_logprobs: NonNegativeInt64 | None = None  # the server bounds it (its max_logprobs)
+    truncation: Literal["disabled"] | None = None  # nothing is ever truncated to fit
+    metadata: dict[str, Annotated[str, Strict()]] | None = None
+    user: str | None = None
+    store: bool | None = None
 
 
 def _parts(content) -> list:
@@ -180,6 +189,12 @@ def _messages(request: ResponsesRequest) -> list[Message]:
     return messages
 
 
+def _says_something(message: Message) -> bool:
+    """Text, an image, reasoning, a tool call or a tool result (even an empty one)."""
+    return bool(message.role == "tool" or message.tool_calls or message.reasoning
+                or any(isinstance(part, ImagePart) or part.text for part in message.content))
+
+
 def to_conversation(body: dict) -> Conversation:
     request = validate(ResponsesRequest, body)
     if request.previous_response_id:
@@ -201,8 +216,12 @@ def to_conversation(body: dict) -> Conversation:
     if request.text and request.text.format:
         f = request.text.format
         fmt = ResponseFormat(f.type, f.schema_, f.name, f.strict)
+    messages = _messages(request)
+    if not any(_says_something(m) for m in messages):
+        # Nothing to answer: the model would ramble until max_output_tokens (OpenAI refuses too).
+        raise RequestError("the input is empty: send at least one item with content, or instructions", "input")
     return Conversation(
-        messages=_messages(request),
+        messages=messages,
         tools=tools,
         tool_choice=choice,
         parallel_tool_calls=request.parallel_tool_calls is not False,
@@ -214,4 +233,40 @@ def to_conversation(body: dict) -> Conversation:
         stream=request.stream,
         model=request.model,
         protocol="responses",
+        echo=_echo(request),
     )
+
+
+def _echo(request: ResponsesRequest) -> dict:
+    """The request's settings as OpenAI's Response object repeats them. Sampling values the
+    request left out stay null: the server fills in the model's defaults, which only it knows."""
+    tools = [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters, "strict": t.strict}
+             for t in request.tools or [] if t.type == "function"]  # hosted tools were dropped, not run
+    choice = request.tool_choice or "auto"
+    if isinstance(choice, NamedChoice):
+        choice = {"type": "function", "name": choice.name}
+    text: dict = {"format": {"type": "text"}}
+    if request.text is not None:
+        if request.text.format is not None:
+            text["format"] = request.text.format.model_dump(by_alias=True, exclude_none=True)
+        if request.text.verbosity is not None:
+            text["verbosity"] = request.text.verbosity
+    reasoning = request.reasoning
+    return {
+        "instructions": request.instructions,
+        "max_output_tokens": request.max_output_tokens,
+        "parallel_tool_calls": request.parallel_tool_calls is not False,
+        "previous_response_id": None,  # refused above: every request carries its whole input
+        "reasoning": {"effort": reasoning.effort if reasoning else None, "summary": reasoning.summary if reasoning else None},
+        "service_tier": "default",  # there is one tier
+        "store": False,  # nothing is stored, whatever the request asked
+        "temperature": request.temperature,
+        "text": text,
+        "tool_choice": choice,
+        "tools": tools,
+        "top_logprobs": request.top_logprobs,
+        "top_p": request.top_p,
+        "truncation": "disabled",
+        "user": request.user,
+        "metadata": request.metadata or {},
+    }
