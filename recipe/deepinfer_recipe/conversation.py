@@ -105,6 +105,9 @@ class Conversation:
     # Request fields the protocol's final object repeats back (the Responses API echoes
     # instructions, tools, sampling settings, ...); the output side copies them in.
     echo: dict = field(default_factory=dict)
+    # Extra variables for a Jinja chat template (vLLM's `chat_template_kwargs`); encoders of
+    # fixed formats (DeepSeek-V4) have no template and refuse them.
+    template_kwargs: dict = field(default_factory=dict)
 
     def thinking_enabled(self, default: bool) -> bool:
         """Thinking switch: an explicit `thinking` wins; without one, effort "none" turns it off

@@ -84,7 +84,8 @@ def _responses_usage(prepared: PreparedConversation, usage: dict | None) -> dict
     prompt, completion, cached = prepared.usage_counts()
     usage = dict(usage or {"input_tokens": prompt, "output_tokens": completion, "total_tokens": prompt + completion,
                            "output_tokens_details": {"reasoning_tokens": 0}})
-    usage["input_tokens_details"] = {"cached_tokens": cached}
+    # Keep the recipe's other details (the SDK requires them); only the cache hit is known here.
+    usage["input_tokens_details"] = {**usage.get("input_tokens_details", {}), "cached_tokens": cached}
     return usage
 
 
@@ -108,6 +109,6 @@ async def _responses_stream(request: Request, state, prepared: PreparedConversat
     async with abort_on_disconnect(request, state.client, [prepared.request_id]):
         async for update in conversation.run(state, prepared, outputs):
             for item in update.events:
-                if item["type"] in ("response.completed", "response.incomplete"):
+                if item["type"] == "response.completed":
                     item["response"]["usage"] = _responses_usage(prepared, item["response"].get("usage"))
                 yield sse.event(item)

@@ -132,6 +132,11 @@ class HFTemplateEncoder(Encoder):
                   "bos_token": self.bos_token, "eos_token": self.eos_token}
         if conversation.thinking is not None or conversation.reasoning_effort == "none":
             inputs["enable_thinking"] = conversation.thinking_enabled(default=True)
+        for key, value in conversation.template_kwargs.items():
+            if key in inputs:   # what the conversation itself says is not the client's to replace
+                raise RequestError(f"chat_template_kwargs.{key} is set from the request itself; drop it",
+                                   f"chat_template_kwargs.{key}")
+            inputs[key] = protect_tree(value, protect)   # client text, like any other
         return inputs
 
     def tool_constraint(self, conversation: Conversation) -> dict | None:
