@@ -13,7 +13,7 @@
 #                of the saturated run (flame-graph text under $OUT)
 #   vllm         `vllm serve --load-format dummy` (needs vLLM in /tmp/site: .vllm-peer/vllm_install.sh)
 # Workload: 1000 requests of 1024 random tokens in, 256 out (ignore_eos), all sent at once, at most
-# 512 in flight; then 300 requests at 10 requests/s (TTFT and ITL at a moderate rate).
+# 512 in flight; then 200 requests at 10 requests/s (TTFT and ITL at a moderate rate).
 # Dependencies the GPU image lacks travel as wheels in .whl/ and are installed into /tmp/di-site.
 set -u
 OUT=${OUT:-/tmp/serve-vs-vllm}; mkdir -p "$OUT"
@@ -29,7 +29,7 @@ SPY=/tmp/di-site/bin/py-spy
 MODEL=/tmp/llama3-8b-dummy    # config + tokenizer only: vLLM's --load-format dummy
 CKPT=/tmp/llama3-8b-random    # the same shape with random bf16 weights, for deepinfer
 SATURATED="--dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --request-rate inf --max-concurrency 512"
-MODERATE="--dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 300 --request-rate 10"
+MODERATE="--dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 200 --request-rate 10"
 COMMON="--ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --result-dir $OUT"
 
 [ -d $MODEL ] || python3 "$peer/make_llama3_8b_dummy.py" $MODEL >/dev/null
@@ -55,25 +55,26 @@ wait_healthy() {   # port pid
   return 1
 }
 
-clients() {   # name port
+clients() {   # name port: both clients on the saturated workload, then the moderate rate
   local name=$1 port=$2
-  echo "--- deepinfer bench serve -> $name (saturated)"
-  timeout 240 $DI bench serve --port "$port" --model llama3-8b $SATURATED $COMMON --disable-tqdm \
-    --result-filename "di_client_${name}_saturated.json" 2>&1 | tail -32
   if [ -d /tmp/site/vllm ]; then
     echo "--- vllm bench serve -> $name (saturated)"
     timeout 240 $VL bench serve --backend openai --endpoint /v1/completions --port "$port" --model llama3-8b \
       --tokenizer $MODEL $SATURATED $COMMON --disable-tqdm --result-filename "vllm_client_${name}_saturated.json" \
       2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT|ITL|E2EL|Failed"
   fi
-  echo "--- deepinfer bench serve -> $name (10 requests/s)"
-  timeout 120 $DI bench serve --port "$port" --model llama3-8b $MODERATE $COMMON --disable-tqdm \
-    --result-filename "di_client_${name}_rate10.json" 2>&1 | grep -E "Successful|duration|throughput|TTFT|ITL|Failed"
+  echo "--- deepinfer bench serve -> $name (saturated)"
+  timeout 240 $DI bench serve --port "$port" --model llama3-8b $SATURATED $COMMON --disable-tqdm \
+    --result-filename "di_client_${name}_saturated.json" 2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT|ITL|E2EL|Failed"
   if [ -d /tmp/site/vllm ]; then
     echo "--- vllm bench serve -> $name (10 requests/s)"
     timeout 120 $VL bench serve --backend openai --endpoint /v1/completions --port "$port" --model llama3-8b \
       --tokenizer $MODEL $MODERATE $COMMON --disable-tqdm --result-filename "vllm_client_${name}_rate10.json" \
       2>&1 | grep -E "Successful|duration|throughput|TTFT|ITL|Failed"
+  else
+    echo "--- deepinfer bench serve -> $name (10 requests/s)"
+    timeout 120 $DI bench serve --port "$port" --model llama3-8b $MODERATE $COMMON --disable-tqdm \
+      --result-filename "di_client_${name}_rate10.json" 2>&1 | grep -E "Successful|duration|throughput|TTFT|ITL|Failed"
   fi
 }
 
@@ -103,13 +104,16 @@ for stage in "$@"; do
       deepinfer_server b16k --max-num-batched-tokens 16384 && { clients deepinfer16k 8000; stop $DI_PID; } ;;
     profile)
       deepinfer_server profile || continue
-      core=$(pgrep -P $DI_PID -f multiprocessing | head -1)
+      core=$(pgrep -P $DI_PID | head -1)   # the engine core is the front end's one child process
       ( sleep 15; $SPY record --nonblocking -p $DI_PID -d 20 -r 200 -f raw -o "$OUT/pyspy_frontend.txt" >/dev/null 2>&1 ) &
+      p1=$!
       ( sleep 15; $SPY record --nonblocking -p "$core" -d 20 -r 200 -f raw -o "$OUT/pyspy_core.txt" >/dev/null 2>&1 ) &
+      p2=$!
       ( sleep 15; top -b -d 2 -n 10 -H -p "$DI_PID,$core" > "$OUT/top_threads.txt" ) &
+      p3=$!
       timeout 240 $DI bench serve --port 8000 --model llama3-8b $SATURATED $COMMON --disable-tqdm \
         --result-filename di_client_profile.json 2>&1 | grep -E "Successful|duration|throughput|TPOT|ITL"
-      wait; stop $DI_PID ;;
+      wait $p1 $p2 $p3; stop $DI_PID ;;
     vllm)
       t0=$(date +%s)
       $VL serve $MODEL --load-format dummy --dtype bfloat16 --max-model-len 1280 --gpu-memory-utilization 0.90 \
