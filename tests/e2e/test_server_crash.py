@@ -82,6 +82,11 @@ def test_stalled_core_is_seen_within_seconds_and_recovers(server, http):
         refused = http.post("/v1/chat/completions", json=HI)
         assert refused.status_code == 503 and time.monotonic() - start < 2, refused.text   # not queued
         assert refused.headers["retry-after"] == "1"
+        # Gauges of a core that is not answering are not reported as if live (counters stay).
+        scrape = http.get("/metrics").text
+        assert re.search(r"^deepinfer:engine_healthy\{[^}]*\} 0\.0$", scrape, re.MULTILINE)
+        assert "deepinfer:num_requests_running" not in scrape and "deepinfer:kv_cache_usage_perc" not in scrape
+        assert "deepinfer:prefix_cache_queries_total" in scrape
         reader.join(timeout=10)
         assert not reader.is_alive(), "a stream hung on a stalled core"
         assert any("engine is not available" in line for line in result["lines"])
