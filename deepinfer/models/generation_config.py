@@ -19,9 +19,10 @@ when no SamplingParams is given, the server per field).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import TYPE_CHECKING, Any
+
+from deepinfer.models.hf_loader import read_json
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import ModelSource
@@ -48,14 +49,7 @@ def read_generation_config(setting: str, source: ModelSource) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a directory holding a "
                          f"generation_config.json; {path} does not exist")
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read generation config {path}: {e}") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"generation config {path} should hold a JSON object, not {type(value).__name__}")
-    return value
+    return read_json(path)   # its errors (ModelLoadError, a ValueError) name the file
 
 
 def default_sampling_overrides(setting: str, source: ModelSource) -> dict[str, Any]:

@@ -212,7 +212,7 @@ def test_http_metrics_use_the_instrumentators_names():
         return StreamingResponse(iter([b"ab", b"cde"]), media_type="text/plain")
 
     @app.get("/metrics")
-    async def scrape():
+    async def metrics_route():
         return {}
 
     async def drive():

@@ -94,6 +94,20 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes, 
     start = out.start_time = clock()
     last = None
     tail = b""
+
+    def on_event(event: bytes, now: float) -> None:
+        nonlocal last
+        if carries_choice(event):
+            if last is None:
+                out.ttft = now - start
+            else:
+                itl.append(now - last)
+            last = now
+            if kept is not None:
+                kept.append(event)
+        elif event:
+            others.append(event)
+
     try:
         async with session.post(url, data=body, headers=headers) as response:
             if response.status != 200:
@@ -108,28 +122,9 @@ async def stream_request(session: aiohttp.ClientSession, url: str, body: bytes, 
                 events = chunk.split(b"\n\n")
                 tail = events.pop()              # an incomplete event waits for the next read
                 for event in events:
-                    if carries_choice(event):
-                        if last is None:
-                            out.ttft = now - start
-                        else:
-                            itl.append(now - last)
-                        last = now
-                        if kept is not None:
-                            kept.append(event)
-                    elif event:
-                        others.append(event)
+                    on_event(event, now)
             if tail.strip():                     # a last event without the closing blank line
-                now = clock()
-                if carries_choice(tail):
-                    if last is None:
-                        out.ttft = now - start
-                    else:
-                        itl.append(now - last)
-                    last = now
-                    if kept is not None:
-                        kept.append(tail)
-                else:
-                    others.append(tail)
+                on_event(tail, clock())
     except Exception as e:  # a failed request is counted, not fatal to the benchmark
         out.error = f"{type(e).__name__}: {e}"
         return out
