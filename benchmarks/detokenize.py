@@ -1,4 +1,4 @@
-"""The two incremental detokenizers and the two stop-string paths, timed on the same token streams.
+"""The detokenizer's decoders and its two users' per-step paths, timed on the same token streams.
 
     PYTHONPATH=.:recipe .venv/bin/python benchmarks/detokenize.py [--streams 512] [--tokens 256]
 
@@ -6,11 +6,13 @@ Token streams: the embedded SmolLM2 tokenizer, two kinds of text (ASCII words; C
 and accented words), `--streams` streams of `--tokens` tokens each, fed one token per step. Every
 stream ends on a whole character (trailing tokens of a cut character are replaced by ".").
 
-Decoders alone (microseconds per token, best of `--repeats`):
-  * engine/decode_stream: deepinfer/detokenizer.py, `step()` through tokenizers' DecodeStream;
-  * engine/offsets: the same class with its offsets fallback (decode a window twice);
-  * recipe/bytes: recipe/deepinfer_recipe/output/detokenize.py, `push()` through a token -> bytes
-    table and Python's incremental UTF-8 decoder.
+There used to be two detokenizers (commit 01a5a14 has this script timing both): the engine's,
+on tokenizers' DecodeStream with an offsets fallback, and the chat parser's, on a token -> bytes
+table. One is left, recipe/deepinfer_recipe/output/detokenize.py, and both ways of decoding are
+its decoders, timed here `step()` by `step()` (microseconds per token, best of `--repeats`):
+  * bytes: a token -> bytes table and Python's incremental UTF-8 decoder (byte-level tokenizers);
+  * decode_stream: tokenizers' DecodeStream;
+  * offsets: the fallback (decode a window twice).
 Whole per-step paths, with stop strings (so the hold-back runs every step):
   * engine path: `update([t])` + `get_next_output_text(finished=False, delta=True)`, as
     deepinfer/output_processor.py calls it for /v1/completions and the offline LLM;
@@ -29,12 +31,13 @@ import time
 
 import tokenizers
 
-from deepinfer.detokenizer import IncrementalDetokenizer as EngineDetokenizer
-from deepinfer.models.loader import load_model_source
 from deepinfer_recipe.encoders.base import ParserStart
 from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
-from deepinfer_recipe.output.detokenize import IncrementalDetokenizer as RecipeDetokenizer
+from deepinfer_recipe.output.byte_level import byte_table
+from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
 from deepinfer_recipe.output.parser import OutputParser
+
+from deepinfer.models.loader import load_model_source
 
 WORDS = {
     "ascii": "the model token cache request scheduler latency batch prefix return def value compute".split(),
@@ -67,25 +70,21 @@ def best_of(repeats: int, run) -> tuple[float, list]:
     return best, result
 
 
-def decoders(tok, safe_tokenizer, prompt):
+def decoders(tok, prompt):
     """name -> function(stream) -> text, each feeding one token at a time."""
-    def engine(use_decode_stream):
+    def decoder(name):
         def run(stream):
-            detok = EngineDetokenizer(tok, prompt, use_decode_stream=use_decode_stream)
+            detok = IncrementalDetokenizer(tok, prompt, decoder=name)
             return "".join(detok.step(t) for t in stream)
         return run
 
-    def recipe(stream):
-        detok = RecipeDetokenizer(safe_tokenizer)
-        return "".join(detok.push(t) for t in stream) + detok.flush()
-
-    return {"engine/decode_stream": engine(True), "engine/offsets": engine(False), "recipe/bytes": recipe}
+    return {name: decoder(name) for name in ("bytes", "decode_stream", "offsets")}
 
 
 def paths(tok, encoder, prompt, stops):
     """name -> function(stream) -> (stop string or None, final text), one token per step."""
     def engine(stream):
-        detok = EngineDetokenizer(tok, prompt, stop=stops)
+        detok = IncrementalDetokenizer(tok, prompt, stop=stops)
         stop, streamed = None, ""
         for t in stream:
             stop = detok.update([t])
@@ -117,7 +116,8 @@ def main() -> int:
     tok = load_model_source("default").tokenizer   # the embedded SmolLM2-135M-Instruct
     encoder = HFTemplateEncoder.from_tokenizer(tok.backend, tok.chat_template, tok.bos_token, tok.eos_token)
     prompt = tok.encode("Write something:", add_special_tokens=False)
-    RecipeDetokenizer(encoder.tokenizer).push(0)   # builds its token table once, outside the timing
+    byte_table(tok.backend)             # built once per tokenizer: outside the timing
+    byte_table(encoder.tokenizer.full)
     n_tokens = args.streams * args.tokens
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"tokenizers {tokenizers.__version__}; {args.streams} streams x {args.tokens} tokens per kind, "
@@ -127,7 +127,7 @@ def main() -> int:
     for kind in WORDS:
         streams = make_streams(tok, kind, args.streams, args.tokens)
         expected = [tok.decode(s) for s in streams]
-        for name, decode in decoders(tok, encoder.tokenizer, prompt).items():
+        for name, decode in decoders(tok, prompt).items():
             seconds, texts = best_of(args.repeats, lambda: [decode(s) for s in streams])
             same = texts == expected
             ok &= same
