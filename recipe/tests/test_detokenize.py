@@ -8,11 +8,10 @@ import os
 import random
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
 from deepinfer_recipe.output.byte_level import byte_table
 from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
 from deepinfer_recipe.output.stop import StopChecker
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

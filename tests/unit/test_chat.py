@@ -5,12 +5,12 @@ and the format picked from the model's architecture."""
 from __future__ import annotations
 
 import pytest
+from deepinfer_recipe import parse_request
+from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.chat import apply_template_kwargs, make_encoder
 from deepinfer.models.loader import ModelSource
-from deepinfer_recipe import parse_request
-from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 ORDINARY = [

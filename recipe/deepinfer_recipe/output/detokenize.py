@@ -155,7 +155,7 @@ class IncrementalDetokenizer:
         try:
             for token_id in context:
                 stream.step(self._tokenizer, token_id)
-        except Exception:
+        except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception ("Invalid prefix")
             return  # offsets from here on
         self._stream = stream
 
@@ -168,7 +168,7 @@ class IncrementalDetokenizer:
         if self._stream is not None:
             try:
                 chunk = self._stream.step(self._tokenizer, token_id)
-            except Exception:
+            except Exception:  # noqa: BLE001 - as in _start_stream
                 # DecodeStream gave up on this tokenizer; the offsets decoder continues from
                 # the last token whose text was emitted (_read_offset), so nothing is lost.
                 self._stream = None
