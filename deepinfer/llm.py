@@ -1,7 +1,9 @@
 """The offline API: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`.
 
 It runs the engine core in this process and loops `step()` until every request is done, with a
-tqdm bar showing input and output tokens per second.
+tqdm bar showing input and output tokens per second. Chats are rendered by the recipe, as the
+server's chat routes render them (deepinfer/chat.py): the DeepSeek-V4 format for that
+architecture, else the model's chat template, and never a control token from the user's text.
 
 As in vLLM, a call without sampling_params uses `get_default_sampling_params()`: SamplingParams'
 defaults overridden by the model's generation_config.json (models/generation_config.py;
@@ -18,8 +20,10 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Union
 
+from deepinfer_recipe import Encoder, parse_request
 from tqdm.auto import tqdm
 
+from deepinfer.chat import apply_template_kwargs, make_encoder
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.request import Request
@@ -69,6 +73,10 @@ class LLM:
         self.vocab_size = source.hf_config["vocab_size"]
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
+        # What chat() needs to pick and build its encoder, on first use (~1 s for SmolLM2's):
+        # the source without its weights, which need not stay alive for that.
+        self._chat_source = dataclasses.replace(source, _weights=None)
+        self._chat_encoders: dict[str | None, Encoder] = {}   # by chat_template (None: the model's)
 
     def get_tokenizer(self):
         if self.tokenizer is None:
@@ -108,18 +116,19 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool | Callable[..., tqdm] = True, add_generation_prompt: bool = True,
-             tools: list[dict[str, Any]] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation (OpenAI chat messages) through the recipe, then generate.
+
+        chat_template: a Jinja template (its text) instead of the model's format.
+        tools: OpenAI tool definitions; a template that does not show tools gets them written
+            into the messages, as the server's chat routes do.
+        chat_template_kwargs: `enable_thinking` for every format, any other key a template variable.
+        """
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        self._require_tokenizer("chat()")
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                      tools=tools, **(chat_template_kwargs or {}))
-            # The template already carries BOS when the model wants one.
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, tools, chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
@@ -141,11 +150,14 @@ class LLM:
         finally:  # the caller stopped early: free the request's blocks
             self.engine.abort(self.output_processor.abort(request_id))
 
-    def stream_chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None,
+    def stream_chat(self, messages: list[dict[str, Any]], sampling_params: SamplingParams | None = None, *,
+                    chat_template: str | None = None, add_generation_prompt: bool = True,
+                    tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                     **template_kwargs: Any) -> Iterator[str]:
-        self._require_tokenizer("stream_chat()")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-        prompt = {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+        """`chat()` for one conversation, yielding text as it is produced. Extra keyword
+        arguments are template variables, as in chat_template_kwargs."""
+        prompt = self._chat_prompt(messages, chat_template, add_generation_prompt, tools,
+                                   {**(chat_template_kwargs or {}), **template_kwargs})
         return self.stream(prompt, sampling_params)
 
     # ------------------------------------------------------------------------------ internals
@@ -155,6 +167,26 @@ class LLM:
         if processed.abort_ids:
             self.engine.abort(processed.abort_ids)
         return processed.request_outputs
+
+    def _chat_prompt(self, messages: list[dict[str, Any]], chat_template: str | None, add_generation_prompt: bool,
+                     tools: list[dict[str, Any]] | None, template_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+        """One conversation as a prompt dict: the recipe's ids, and the rendered text beside them."""
+        self._require_tokenizer("a chat")
+        encoder = self._chat_encoders.get(chat_template)
+        if encoder is None:
+            # An explicit template wins over the format the architecture would pick.
+            chat_format = "auto" if chat_template is None else "template"
+            encoder = self._chat_encoders[chat_template] = make_encoder(self._chat_source, chat_format, chat_template)
+        body: dict[str, Any] = {"messages": messages}
+        if tools:
+            body["tools"] = tools
+        conversation = parse_request("chat", body)   # RequestError (a ValueError) names the bad field
+        conversation.add_generation_prompt = add_generation_prompt
+        apply_template_kwargs(conversation, template_kwargs or {}, encoder)
+        encoding = encoder.encode(conversation)
+        if encoding.token_ids is None:
+            raise ValueError(f"the chat format {encoder.name} has no tokenizer to encode the prompt with")
+        return {"prompt": encoding.rendered.text, "prompt_token_ids": encoding.token_ids}
 
     def _require_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:

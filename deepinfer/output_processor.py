@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.detokenizer import IncrementalDetokenizer
+from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
+
 from deepinfer.engine.plan import EngineCoreOutput
 from deepinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -70,7 +71,7 @@ class OutputProcessor:
         sequences = {}
         for index, child_id in enumerate(child_ids):
             # No tokenizer (skip_tokenizer_init): no text, as with detokenize=False.
-            detok = (IncrementalDetokenizer.from_params(self.tokenizer, prompt_token_ids, params)
+            detok = (_detokenizer(self.tokenizer, prompt_token_ids, params)
                      if params.detokenize and self.tokenizer is not None else None)
             sequences[child_id] = SequenceState(index, detok, logprobs=[] if params.logprobs is not None else None,
                                                 cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -172,3 +173,13 @@ class OutputProcessor:
         error = next((s.error for s in state.sequences.values() if s.error), None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, state.prompt_logprobs,
                              completions, finished, num_cached_tokens=state.num_cached_tokens, error=error)
+
+
+def _detokenizer(tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:
+    """One sequence's detokenizer (the one the chat routes' parser uses too), with the request's
+    text options."""
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                  skip_special_tokens=params.skip_special_tokens,
+                                  stop=params.stop,
+                                  include_stop_str_in_output=params.include_stop_str_in_output,
+                                  min_tokens=params.min_tokens)

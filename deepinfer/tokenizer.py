@@ -24,7 +24,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from deepinfer import envs
-from deepinfer.models.loader import ModelLoadError
+from deepinfer.models.errors import ModelLoadError
 
 # Bump when the GGUF conversion below changes, so stale cached tokenizer.json files are ignored.
 _GGUF_CONVERTER_VERSION = 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import time
 from typing import Any
@@ -23,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import deepinfer
+from deepinfer.chat import make_encoder
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints.errors import APIError, is_anthropic_path
 from deepinfer.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -34,29 +34,6 @@ from deepinfer.metrics.http import HTTPMetricsMiddleware
 from deepinfer.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)
-
-
-def make_encoder(source: ModelSource, chat_format: str = "auto", chat_template: str | None = None):
-    """The recipe encoder for chat routes: DeepSeek-V4 formats by name, else the model's own
-    HF chat template (also for GGUF models, whose tokenizer exists only in memory), or the one
-    given with --chat-template (its text: ServerOptions reads the file)."""
-    from deepinfer_recipe import get_encoder
-    from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
-
-    if chat_format == "auto":
-        architectures = source.hf_config.get("architectures") or []
-        chat_format = "deepseek-v4" if any("DeepseekV4" in a for a in architectures) else "template"
-    if chat_format in ("deepseek-v4", "deepseek-v4.1"):
-        tokenizer_json = os.path.join(source.path, "tokenizer.json")
-        return get_encoder(chat_format, tokenizer_json if os.path.isfile(tokenizer_json) else None)
-    if chat_format.startswith("hf:"):
-        return get_encoder(chat_format)
-    tok = source.tokenizer
-    if tok is None:
-        raise ValueError("the server runs without a tokenizer (--skip-tokenizer-init)")
-    template = chat_template if chat_template is not None else tok.chat_template
-    return HFTemplateEncoder.from_tokenizer(tok.backend, template, tok.bos_token, tok.eos_token,
-                                            name=f"hf:{source.name}")
 
 
 def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions | None = None,

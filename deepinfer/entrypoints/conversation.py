@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from deepinfer_recipe import RequestError, parse_request
-from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 from deepinfer_recipe.errors import RecipeError
 from deepinfer_recipe.output import OutputSession
 from deepinfer_recipe.tools.constraint import offered_tools
 
+from deepinfer.chat import apply_template_kwargs
 from deepinfer.entrypoints import sampling
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.request_fields import SamplingFields, parse_fields
@@ -71,7 +71,7 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
     try:
         conversation = parse_request(protocol, body)
         if protocol == "chat":
-            _apply_template_kwargs(conversation, fields.chat_template_kwargs or {}, encoder)
+            apply_template_kwargs(conversation, fields.chat_template_kwargs or {}, encoder)
         encoding = encoder.encode(conversation)
     except RequestError as e:
         raise bad_request(str(e), e.path) from None
@@ -115,25 +115,6 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
                                                    ignore_eos=fields.ignore_eos))
     return PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs,
                                 sampling.engine_request_fields(fields), fields, created)
-
-
-def _apply_template_kwargs(conversation, kwargs: dict, encoder) -> None:
-    """vLLM's chat_template_kwargs: `enable_thinking` / `thinking` switch thinking for every
-    format (as the request's own `thinking` field does); any other key is a variable for the
-    model's Jinja template, which fixed formats (DeepSeek-V4) do not have."""
-    kwargs = dict(kwargs)
-    for switch in ("enable_thinking", "thinking"):
-        if switch in kwargs:
-            value = kwargs.pop(switch)
-            if not isinstance(value, bool):
-                raise bad_request(f"chat_template_kwargs.{switch} must be a boolean", f"chat_template_kwargs.{switch}")
-            if conversation.thinking is None:
-                conversation.thinking = value
-    if kwargs and not isinstance(encoder, HFTemplateEncoder):
-        key = next(iter(kwargs))
-        raise bad_request(f"chat_template_kwargs.{key}: this model's chat format ({encoder.name}) has no template "
-                          "variables", f"chat_template_kwargs.{key}")
-    conversation.template_kwargs = kwargs
 
 
 def submit(state: ServerState, prepared: PreparedConversation) -> AsyncIterator[RequestOutput]:

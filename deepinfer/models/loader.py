@@ -21,14 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deepinfer.models.errors import ModelLoadError  # raised here; callers import it from here too
+
 if TYPE_CHECKING:
     import torch
 
     from deepinfer.tokenizer import Tokenizer
-
-
-class ModelLoadError(ValueError):
-    """A model file is missing, corrupt, or of a kind deepinfer cannot read. Names the file."""
 
 
 @dataclass

@@ -108,6 +108,9 @@ class Conversation:
     # Extra variables for a Jinja chat template (vLLM's `chat_template_kwargs`); encoders of
     # fixed formats (DeepSeek-V4) have no template and refuse them.
     template_kwargs: dict = field(default_factory=dict)
+    # False: the prompt ends with the last message, without the opening of the assistant's
+    # turn (vLLM's add_generation_prompt=False, which offline chat() offers).
+    add_generation_prompt: bool = True
 
     def thinking_enabled(self, default: bool) -> bool:
         """Thinking switch: an explicit `thinking` wins; without one, effort "none" turns it off

@@ -122,3 +122,17 @@ def test_ignore_eos_skips_the_end_token_and_goes_on(model_dir):
     session.finish("length")
     choice = session.final_response()["choices"][0]
     assert choice["message"]["content"] == "Hellouser\nmore" and choice["finish_reason"] == "length"
+
+
+def test_without_generation_prompt_the_prompt_ends_with_the_last_message(model_dir):
+    """Conversation.add_generation_prompt=False (offline chat()'s add_generation_prompt): the
+    template renders without the assistant header, and so does DeepSeek-V4."""
+    conversation = parse_request("chat", {"messages": [{"role": "user", "content": "Hi there"}]})
+    conversation.add_generation_prompt = False
+    text = get_encoder(f"hf:{model_dir}").encode(conversation).rendered.text
+    assert text == "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+    v4 = get_encoder("deepseek-v4")
+    with_header = v4.encode(parse_request("chat", {"messages": [{"role": "user", "content": "Hi there"}]}))
+    without = v4.encode(conversation)
+    assert with_header.rendered.text == without.rendered.text + "<｜Assistant｜><think>"
+    assert with_header.token_ids[:len(without.token_ids)] == without.token_ids

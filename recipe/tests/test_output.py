@@ -100,6 +100,45 @@ def test_stop_sequence_and_length():
     assert session.final_response()["stop_reason"] == "max_tokens"
 
 
+def test_stop_sequences_follow_the_engine_rules():
+    """The chat parser and the engine's detokenizer share one stop-string checker: the stop
+    string that completes first wins (here "bc", though "abcd" is listed first and starts
+    earlier), and the streamed content never shows the start of a stop string."""
+    body = {"messages": [{"role": "user", "content": "q"}], "stop": ["abcd", "bc"], "thinking": {"type": "disabled"}}
+    session = session_for(body)
+    session.feed(TOK.encode_plain("zabcd"))
+    assert session.final_response()["choices"][0]["message"]["content"] == "za"
+    assert session.parser.stop_sequence == "bc"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_chat_stops_where_the_engine_detokenizer_stops(seed):
+    import random
+
+    from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
+
+    rng = random.Random(seed)
+    pieces = ["ab", "a", "b", " ", "世界", "🙂", "c", "ba", " the"]
+    for _ in range(40):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14)))
+        stops = ["".join(rng.choice("ab世🙂 ") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 3))]
+        ids = TOK.encode_plain(text)
+        detok = IncrementalDetokenizer(TOK, stop=stops)
+        session = session_for({"messages": [{"role": "user", "content": "q"}], "stop": stops, "thinking": {"type": "disabled"}})
+        events = []
+        for token_id in ids:
+            detok.update([token_id])
+            events += session.feed([token_id])
+            if session.finished:
+                break
+        if not session.finished:
+            events += session.finish("length")
+        streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+        content = session.final_response()["choices"][0]["message"]["content"] or ""
+        assert (session.parser.stop_sequence, content) == (detok.stop_reason, detok.output_text), (text, stops)
+        assert streamed == content, (text, stops)
+
+
 def test_multibyte_characters_split_across_tokens_are_whole():
     session = session_for({"messages": [{"role": "user", "content": "q"}], "thinking": {"type": "disabled"}})
     text = "🙂🚀 emoji and ŧĥïś"

@@ -256,6 +256,8 @@ class DeepSeekV4Encoder(Encoder):
             start = self._render_assistant(b, turn.message, keep, is_last, start)
             if turn.message.prefix and is_last:
                 return b.build(), start
+        if not conversation.add_generation_prompt:
+            return b.build(), start
         b.control(T.ASSISTANT).control(T.THINK if thinking else T.END_THINK)
         if forced:
             b.text("\n\n<").control(T.DSML).text(self.dsml_names.calls + ">\n")

@@ -128,7 +128,8 @@ class HFTemplateEncoder(Encoder):
                      for t in offered]
         last = conversation.messages[-1] if conversation.messages else None
         continuing = bool(last and last.role == "assistant" and last.prefix)
-        inputs = {"messages": messages, "tools": tools, "add_generation_prompt": not continuing,
+        inputs = {"messages": messages, "tools": tools,
+                  "add_generation_prompt": conversation.add_generation_prompt and not continuing,
                   "bos_token": self.bos_token, "eos_token": self.eos_token}
         if conversation.thinking is not None or conversation.reasoning_effort == "none":
             inputs["enable_thinking"] = conversation.thinking_enabled(default=True)

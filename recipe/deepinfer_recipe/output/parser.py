@@ -25,6 +25,7 @@ from ..encoders.base import OutputMarkers, ParserStart
 from ..tokenize import SafeTokenizer
 from .detokenize import IncrementalDetokenizer
 from .hermes_calls import HermesCallBlock
+from .stop import StopChecker
 # The event types live in parser_events.py; the renderers import them from here as well.
 from .parser_events import (
     ContentDelta,
@@ -57,7 +58,9 @@ class OutputParser:
         call_id: Callable[[int], str] = default_call_id,
         ignore_eos: bool = False,
     ):
-        self._detok = IncrementalDetokenizer(tokenizer)
+        # Control ids are acted on here, so the detokenizer keeps every token's text (the
+        # parser drops the ones it must: see _skipped).
+        self._detok = IncrementalDetokenizer(tokenizer.full, skip_special_tokens=False)
         ids = lambda s: tokenizer.control_id(s) if s and tokenizer.has_control(s) else None
         self._eos = {ids(s) for s in markers.end_of_turn} - {None}
         self._think_start, self._think_end, self._dsml = ids(markers.think_start), ids(markers.think_end), ids(markers.dsml)
@@ -75,7 +78,7 @@ class OutputParser:
         self._hermes = start.parse_tool_calls and markers.tool_call_start is not None
         self._open_text = markers.tool_call_start if self._hermes and self._call_open is None else None
         self._after_call = False  # drop the whitespace between consecutive calls
-        self._stop = [s for s in (stop or []) if s]
+        self._stops = StopChecker([s for s in (stop or []) if s])
         self._call_id = call_id
         self.stage = start.stage
         self._strip_leading = not start.continuation
@@ -154,7 +157,7 @@ class OutputParser:
             return self._tool_text(self._detok.flush()) + self._close_call(end_seen=True)
         if token_id in self._spelling:  # a marker where it has no meaning: keep it visible
             return self._text(self._detok.flush() + self._spelling[token_id])
-        return self._text(self._detok.push(token_id))
+        return self._text(self._detok.step(token_id))
 
     def _text(self, text: str) -> list[Event]:
         if not text:
@@ -179,23 +182,24 @@ class OutputParser:
             if not text:
                 return events
             self._after_call = False
+        # `text` is the held-back tail (searched before, never a whole stop string) plus new
+        # text, so searching all of it finds the stop string that completes first.
+        stop = self._stops.find(text)
         if self._open_text is not None:
             at = text.find(self._open_text)
-            if at >= 0 and not any(0 <= text.find(stop) < at for stop in self._stop):
+            if at >= 0 and (stop is None or stop.start >= at):   # a stop string before the tag wins
                 events = self._emit_content(text[:at], final=True)
                 if self.finished:
                     return events
                 events += self._open_call(self._open_text)
                 return events + self._tool_text(text[at + len(self._open_text):])
-        for stop in self._stop:
-            at = text.find(stop)
-            if at >= 0:
-                self.stop_sequence = stop
-                if text[:at]:
-                    self.content += text[:at]
-                    events.append(ContentDelta(text[:at]))
-                self._pending = ""
-                return events + [self._finish("stop_sequence")]
+        if stop is not None:
+            self.stop_sequence = stop.stop
+            if text[:stop.start]:
+                self.content += text[:stop.start]
+                events.append(ContentDelta(text[:stop.start]))
+            self._pending = ""
+            return events + [self._finish("stop_sequence")]
         hold = 0 if final else self._holdback(text)
         ready, self._pending = text[: len(text) - hold], text[len(text) - hold :]
         if ready:
@@ -211,12 +215,7 @@ class OutputParser:
             hold = len(text) - match.start()
         if self._open_text is not None:
             hold = max(hold, _partial_suffix(text, self._open_text))
-        for stop in self._stop:
-            for size in range(min(len(stop) - 1, len(text)), 0, -1):
-                if text.endswith(stop[:size]):
-                    hold = max(hold, size)
-                    break
-        return hold
+        return max(hold, self._stops.hold_back(text))
 
     def _open_call(self, spelling: str) -> list[Event]:
         self._pending = ""

@@ -1,14 +1,17 @@
-"""Incremental detokenization (both decoders) against full decodes, and stop strings that never
-leak into streamed text, fuzzed over split points."""
+"""Incremental detokenization (every decoder) against full decodes, and stop strings that never
+leak into streamed text, fuzzed over split points.
+
+The engine's output processor (deepinfer/output_processor.py) and the chat output parser both use
+this detokenizer; tests/unit/test_engine.py and tests/test_output.py cover them as its users."""
 
 import os
 import random
 
 import pytest
+from deepinfer_recipe.output.byte_level import byte_table
+from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
+from deepinfer_recipe.output.stop import StopChecker
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-from deepinfer.detokenizer import IncrementalDetokenizer, StopChecker
-from deepinfer.sampling_params import SamplingParams
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -74,48 +77,81 @@ def expected_continuation(tok: Tokenizer, context: list[int], ids: list[int],
     return full[len(before):]
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False], ids=["decode_stream", "offsets"])
+def _decoders(tok: Tokenizer) -> list[str]:
+    """The decoders that apply to `tok` ("bytes" only to byte-level ones)."""
+    return (["bytes"] if isinstance(tok.decoder, decoders.ByteLevel) else []) + ["decode_stream", "offsets"]
+
+
 @pytest.mark.parametrize("text", TEXTS)
-def test_stream_equals_full_decode(tokenizer, text, use_decode_stream):
+def test_stream_equals_full_decode(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     prompt = tokenizer.encode("A prompt:", add_special_tokens=False).ids
-    detok = IncrementalDetokenizer(tokenizer, prompt, use_decode_stream=use_decode_stream)
-    assert detok.uses_decode_stream == use_decode_stream
-    deltas = [detok.step(t) for t in ids]
-    assert not any("\ufffd" in d for d in deltas), "a partial character leaked"
-    assert "".join(deltas) == detok.output_text == expected_continuation(tokenizer, prompt, ids)
-    # Without a prompt, byte-level tokenizers reproduce the plain decode exactly.
-    if tokenizer is not _cache.get("sentencepiece"):
-        plain = IncrementalDetokenizer(tokenizer, use_decode_stream=use_decode_stream)
-        assert "".join(plain.step(t) for t in ids) == tokenizer.decode(ids)
+    for decoder in _decoders(tokenizer):
+        detok = IncrementalDetokenizer(tokenizer, prompt, decoder=decoder)
+        assert detok.decoder == decoder
+        deltas = [detok.step(t) for t in ids]
+        assert not any("\ufffd" in d for d in deltas), f"{decoder}: a partial character leaked"
+        assert "".join(deltas) == detok.output_text == expected_continuation(tokenizer, prompt, ids), decoder
+        # Without a prompt, byte-level tokenizers reproduce the plain decode exactly.
+        if tokenizer is not _cache.get("sentencepiece"):
+            plain = IncrementalDetokenizer(tokenizer, decoder=decoder)
+            assert "".join(plain.step(t) for t in ids) == tokenizer.decode(ids), decoder
+
+
+def test_auto_picks_bytes_for_byte_level_only(tokenizer):
+    expected = "bytes" if isinstance(tokenizer.decoder, decoders.ByteLevel) else "decode_stream"
+    assert IncrementalDetokenizer(tokenizer).decoder == expected
+    if expected != "bytes":
+        with pytest.raises(ValueError, match="not ByteLevel"):
+            IncrementalDetokenizer(tokenizer, decoder="bytes")
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        IncrementalDetokenizer(tokenizer, decoder="fast")
+
+
+def test_byte_table_equals_decode_on_random_ids(tokenizer):
+    """Every id, added tokens included, in random sequences: the table's bytes decode to what
+    tokenizers' own decode gives (both with and without special tokens)."""
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        pytest.skip("not a byte-level tokenizer")
+    table = byte_table(tokenizer)
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    assert len(table.bytes_of) == vocab_size
+    added = list(tokenizer.get_added_tokens_decoder())
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.choice(added) if rng.random() < 0.2 else rng.randrange(vocab_size) for _ in range(rng.randint(1, 12))]
+        for skip in (False, True):
+            data = b"".join(table.bytes_of[i] for i in ids if not (skip and i in table.special_ids))
+            assert data.decode("utf-8", errors="replace") == tokenizer.decode(ids, skip_special_tokens=skip), ids
 
 
 def test_multibyte_character_needs_several_tokens():
     tok = _cache.setdefault("byte_level", _byte_level_bpe())
     ids = tok.encode("𝔘", add_special_tokens=False).ids  # unseen 4-byte char: 4 byte tokens
     assert len(ids) == 4
-    detok = IncrementalDetokenizer(tok)
-    assert [detok.step(t) for t in ids] == ["", "", "", "𝔘"]
+    for decoder in _decoders(tok):
+        detok = IncrementalDetokenizer(tok, decoder=decoder)
+        assert [detok.step(t) for t in ids] == ["", "", "", "𝔘"], decoder
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
-def test_update_with_several_tokens(use_decode_stream):
+@pytest.mark.parametrize("decoder", ["bytes", "decode_stream", "offsets"])
+def test_update_with_several_tokens(decoder):
     tok = _cache.setdefault("byte_level", _byte_level_bpe())
     ids = tok.encode(TEXTS[1], add_special_tokens=False).ids
-    detok = IncrementalDetokenizer(tok, use_decode_stream=use_decode_stream)
+    detok = IncrementalDetokenizer(tok, decoder=decoder)
     for start in range(0, len(ids), 3):
         assert detok.update(ids[start:start + 3]) is None
     assert detok.output_text == tok.decode(ids) and detok.token_ids == ids
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
-def test_skip_special_tokens(use_decode_stream):
+@pytest.mark.parametrize("decoder", ["bytes", "decode_stream", "offsets"])
+def test_skip_special_tokens(decoder):
     tok = _cache.setdefault("byte_level", _byte_level_bpe())
     special = tok.token_to_id("<|im_start|>")
     ids = tok.encode("Hello", add_special_tokens=False).ids + [special] + \
         tok.encode(" world 🙂", add_special_tokens=False).ids
-    skipped = IncrementalDetokenizer(tok, use_decode_stream=use_decode_stream)
-    kept = IncrementalDetokenizer(tok, skip_special_tokens=False, use_decode_stream=use_decode_stream)
+    skipped = IncrementalDetokenizer(tok, decoder=decoder)
+    kept = IncrementalDetokenizer(tok, skip_special_tokens=False, decoder=decoder)
     assert "".join(skipped.step(t) for t in ids) == "Hello world 🙂"
     assert "".join(kept.step(t) for t in ids) == "Hello<|im_start|> world 🙂"
 
@@ -124,8 +160,9 @@ def test_sentencepiece_first_token_keeps_its_space():
     tok = _cache.setdefault("sentencepiece", _sentencepiece_like())
     prompt = tok.encode("The fox", add_special_tokens=False).ids
     ids = tok.encode("jumps over", add_special_tokens=False).ids  # starts with '▁'
-    detok = IncrementalDetokenizer(tok, prompt)
-    assert "".join(detok.step(t) for t in ids) == " jumps over"
+    for decoder in ("decode_stream", "offsets"):
+        detok = IncrementalDetokenizer(tok, prompt, decoder=decoder)
+        assert "".join(detok.step(t) for t in ids) == " jumps over", decoder
 
 
 class _FailingStream:
@@ -147,10 +184,10 @@ def test_switch_to_offsets_mid_stream_loses_nothing(fail_at):
     tok = _cache.setdefault("byte_level", _byte_level_bpe())
     ids = tok.encode(TEXTS[1], add_special_tokens=False).ids
     prompt = tok.encode("Q:", add_special_tokens=False).ids
-    detok = IncrementalDetokenizer(tok, prompt)
+    detok = IncrementalDetokenizer(tok, prompt, decoder="decode_stream")
     detok._stream = _FailingStream(detok._stream, fail_at)
     text = "".join(detok.step(t) for t in ids)
-    assert not detok.uses_decode_stream
+    assert detok.decoder == "offsets"
     assert text == expected_continuation(tok, prompt, ids)
 
 
@@ -211,9 +248,9 @@ def test_stop_checker_fuzz_character_chunks(include):
         assert (stop, buffer) == (expected_stop, expected_text), (text, stops)
 
 
-@pytest.mark.parametrize("use_decode_stream", [True, False])
+@pytest.mark.parametrize("decoder", ["bytes", "decode_stream", "offsets"])
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_strings_never_leak_in_stream(include, use_decode_stream):
+def test_stop_strings_never_leak_in_stream(include, decoder):
     tok = _cache.setdefault("byte_level", _byte_level_bpe())
     rng = random.Random(99)
     pieces = ["ab", "a", "b", " ", "世界", "🙂", "\n", "c", "ba"]
@@ -231,8 +268,7 @@ def test_stop_strings_never_leak_in_stream(include, use_decode_stream):
                 stops.append("".join(rng.choice("ab世🙂") for _ in range(rng.randint(1, 3))))
         expected_stop, expected_text = _reference(text, stops, include)
         delta = trial % 2 == 0
-        detok = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=include,
-                                       use_decode_stream=use_decode_stream)
+        detok = IncrementalDetokenizer(tok, stop=stops, include_stop_str_in_output=include, decoder=decoder)
         streamed, pos, stop = "", 0, None
         while pos < len(ids) and stop is None:
             step_ids = ids[pos:pos + rng.randint(1, 3)]
@@ -282,8 +318,7 @@ def test_stop_terminated_token_text_is_dropped():
 
 def test_output_kinds_and_release_on_finish():
     tok = _cache.setdefault("byte_level", _byte_level_bpe())
-    params = SamplingParams(stop=["STOP"])
-    detok = IncrementalDetokenizer.from_params(tok, [], params)
+    detok = IncrementalDetokenizer(tok, [], stop=["STOP"])
     detok.update([tok.token_to_id(c) for c in "abS"])
     assert detok.get_next_output_text(finished=False, delta=False) == "ab"   # "S" may start STOP
     assert detok.get_next_output_text(finished=False, delta=True) == "ab"
@@ -294,3 +329,52 @@ def test_output_kinds_and_release_on_finish():
     detok.update([tok.token_to_id("S")])
     assert detok.get_next_output_text(finished=True, delta=True) == "S"      # length/EOS: release
     assert detok.get_next_output_text(finished=True, delta=False) == "abSTxS"
+
+
+def _hold_back_reference(text: str, stops: list[str]) -> int:
+    """The longest suffix of `text` that is a proper prefix of some stop string, by brute force."""
+    return max((n for n in range(1, len(text) + 1) for s in stops if len(s) > n and s.startswith(text[-n:])),
+               default=0)
+
+
+def test_hold_back_fuzz_against_brute_force():
+    rng = random.Random(4321)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab🙂 ") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        checker = StopChecker(stops)
+        text = "".join(rng.choice("ab🙂 c") for _ in range(rng.randint(0, 10)))
+        assert checker.hold_back(text) == _hold_back_reference(text, stops), (text, stops)
+
+
+def test_find_reports_where_the_match_lies():
+    checker = StopChecker(["bc", "abcd"])
+    assert checker.find("zabcd") == ("bc", 2, 4)
+    # Only matches ending in the new characters count: "bc" ends before the last one.
+    assert checker.find("zabcd", 1) == ("abcd", 1, 5)
+    assert checker.find("zab") is None and StopChecker().find("anything") is None
+
+
+# ------------------------------------------------------------------------------ flush
+@pytest.mark.parametrize("decoder", ["bytes", "decode_stream", "offsets"])
+def test_flush_releases_a_cut_character_and_restarts(decoder):
+    """What the chat parser relies on where a control token interrupts the text: the pending
+    bytes of a cut character come out as U+FFFD, and decoding goes on afresh."""
+    tok = _cache.setdefault("byte_level", _byte_level_bpe())
+    cut = tok.encode("𝔘", add_special_tokens=False).ids     # 4 byte tokens
+    tail = tok.encode(" world 🙂", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(tok, decoder=decoder)
+    assert [detok.step(t) for t in tok.encode("Hi", add_special_tokens=False).ids + cut[:2]][-1] == ""
+    assert detok.flush() == "\ufffd" * tok.decode(cut[:2]).count("\ufffd")
+    assert detok.flush() == ""                                  # nothing pending any more
+    assert "".join(detok.step(t) for t in tail) == " world 🙂"
+    assert detok.output_text == "Hi" + tok.decode(cut[:2]) + " world 🙂"
+    assert detok.decoder == decoder
+
+
+def test_flush_keeps_context_for_sentencepiece():
+    tok = _cache.setdefault("sentencepiece", _sentencepiece_like())
+    detok = IncrementalDetokenizer(tok, decoder="decode_stream")
+    text = "".join(detok.step(t) for t in tok.encode("The fox", add_special_tokens=False).ids)
+    text += detok.flush()
+    text += "".join(detok.step(t) for t in tok.encode("jumps", add_special_tokens=False).ids)
+    assert text == "The fox jumps"     # the word after the flush keeps its leading space
