@@ -35,8 +35,7 @@ import msgspec
 import zmq
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.core import EngineStats
-from deepinfer.engine.plan import EngineCoreOutput
+from deepinfer.engine.plan import EngineCoreOutput, EngineStats
 from deepinfer.engine.request import Request, RequestTimes
 from deepinfer.sampling_params import SamplingParams
 
@@ -135,7 +134,7 @@ class EngineCoreProc:
         source = load_model_source(self.config.model.model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
         self.core = EngineCore(self.config, source, offline=False)
         name = self.config.model.served_model_name or source.name
-        self.send(Ready(name, self.core.max_model_len, self.core.runner.num_blocks, self.block_size, os.getpid()))
+        self.send(Ready(name, self.core.max_model_len, self.core.num_kv_blocks, self.block_size, os.getpid()))
 
     def start_heartbeat(self) -> None:
         def beat() -> None:
@@ -248,4 +247,6 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         finally:
             proc.ctx.destroy(linger=2000)
         os._exit(1)
+    if proc.core is not None:
+        proc.core.shutdown()
     proc.ctx.destroy(linger=1000)

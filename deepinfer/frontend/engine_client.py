@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
-from deepinfer.engine.core import EngineStats
 from deepinfer.engine.core_proc import Abort, AddRequest, Failed, Heartbeat, StepOutputs
+from deepinfer.engine.plan import EngineStats
 from deepinfer.frontend.core_process import CoreProcess
 from deepinfer.frontend.output_stream import OutputStream
 from deepinfer.kv_cache.prefix_cache import extra_key
