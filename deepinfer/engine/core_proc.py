@@ -35,9 +35,9 @@ import msgspec
 import zmq
 
 from deepinfer.config import EngineConfig
+from deepinfer.engine.admission import AddRequest, to_request
 from deepinfer.engine.plan import EngineCoreOutput, EngineStats
 from deepinfer.engine.request import Request, RequestTimes
-from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +45,7 @@ HEARTBEAT_S = 0.5
 
 
 # ------------------------------------------------------------------------------ messages in
-class AddRequest(msgspec.Struct, tag="add"):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    max_tokens: int
-    priority: int = 0
-    cache_salt: Union[str, None] = None
-    extra_key: bytes = b""
-    skip_prefix_cache: bool = False
+# AddRequest (engine/admission.py): one child request, as admission resolved it.
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -188,10 +179,7 @@ class EngineCoreProc:
 
     def _add(self, message: AddRequest, pending: list[EngineCoreOutput]) -> None:
         try:
-            request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                              frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
-                              cache_salt=message.cache_salt, extra_key=message.extra_key,
-                              block_size=self.block_size, skip_prefix_cache=message.skip_prefix_cache)
+            request = to_request(message, self.block_size)
             self.core.add_request(request)
         except Exception:  # the front end validates; this is a last line, not a crash
             logger.exception("engine core rejected request %s", message.request_id)
