@@ -71,10 +71,10 @@ class Step:
 
     def __init__(self, contexts: list[int], q_lens: list[int], seed: int = 0,
                  heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> None:
-        from deepinfer.engine.plan import ScheduledChunk
         from deepinfer.kv_cache.dtypes import to_cache_dtype
         from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers
         from deepinfer.layers.attention import Attention
+        from deepinfer.worker.request_states import StepChunk
 
         rng = random.Random(seed)
         torch.manual_seed(seed)
@@ -85,7 +85,7 @@ class Step:
         self.chunks = []
         for i, (c, n, nb) in enumerate(zip(contexts, q_lens, blocks_per_seq)):
             blocks = [free.pop() for _ in range(nb)]
-            self.chunks.append(ScheduledChunk(f"r{i}", c, n, [blocks], sample=True))
+            self.chunks.append(StepChunk(f"r{i}", c, n, [blocks], sample=True))
         self.token_ids = {ch.request_id: [1] * (ch.start + ch.num_tokens) for ch in self.chunks}
         self.groups = group_layers([FullAttentionSpec(kv_heads, head_dim, DTYPE, CACHE_DTYPE)])
         rows = (sum(blocks_per_seq) + 1) * BLOCK

@@ -42,7 +42,7 @@ def capture_decode_step(llm):
     """Run one engine step and keep the model's inputs of it (ids, positions, attention metadata)."""
     from deepinfer.layers.attention.metadata import get_forward_context
 
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     captured = {}
     original = model.forward
 
@@ -87,7 +87,7 @@ def main() -> None:
             llm._step()
 
         step = fastest(llm._step, args.steps, args.rounds)
-        model = llm.engine.runner.model
+        model = llm.engine.executor.runner.model
         inputs = capture_decode_step(llm)
 
         def forward():

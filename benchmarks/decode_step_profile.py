@@ -111,7 +111,7 @@ def main() -> None:
     generate(args.steps + 1)()   # warm-up
     bandwidth = copy_bandwidth()
     decode_s = min(timed(generate(257)) - timed(generate(1)) for _ in range(3))
-    roofline = bandwidth / llm.engine.runner.weight_bytes
+    roofline = bandwidth / llm.engine.executor.runner.weight_bytes
     print(f"decode {256 / decode_s:.1f} tok/s unprofiled (best of 3), roofline {roofline:.1f} tok/s at "
           f"{bandwidth / 1e12:.3f} TB/s: {256 / decode_s / roofline:.3f} of it")
     wall_1, prefill = kernel_events(generate(1))

@@ -218,7 +218,7 @@ def main() -> None:
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
               kv_cache_dtype=args.kv_cache_dtype)
     report(result, "engine_start_s", time.perf_counter() - t, args.out)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     report(result, "weight_gb", runner.weight_bytes / 1e9, args.out)
     report(result, "kv_blocks", runner.num_blocks, args.out)
 
@@ -280,7 +280,7 @@ def decode_batch1(llm, vocab: int, bandwidth: float) -> dict:
 
     overlapped = core.async_scheduling
     out = {"async_scheduling": overlapped, "decode_b1_1k_tok_s": decode_b1(),
-           "roofline_tok_s": bandwidth / llm.engine.runner.weight_bytes}
+           "roofline_tok_s": bandwidth / llm.engine.executor.runner.weight_bytes}
     out["decode_fraction_of_roofline"] = out["decode_b1_1k_tok_s"] / out["roofline_tok_s"]
     core.async_scheduling = not overlapped
     out[f"decode_b1_1k_tok_s_async_{not overlapped}"] = decode_b1()
@@ -334,7 +334,7 @@ def offline_throughput(llm, c: dict, vocab: int, requests: int, bandwidth: float
 def concurrent_requests(llm, tokens_per_request: int) -> int:
     """How many requests of this length run at once: max_num_seqs, or fewer if the KV pool is
     smaller (the floor's weight reads per decode step count batches of this size)."""
-    runner, config = llm.engine.runner, llm.engine.scheduler.config
+    runner, config = llm.engine.executor.runner, llm.engine.scheduler.config
     blocks_each = math.ceil(tokens_per_request / runner.block_size)
     return min(config.max_num_seqs, runner.num_blocks // blocks_each)
 

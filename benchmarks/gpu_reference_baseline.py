@@ -76,8 +76,8 @@ def main() -> None:
     # No prefix caching: the timed runs repeat prompts, and a hit would skip the work measured.
     llm = LLM(write_config_dir(config), load_format="dummy", max_model_len=8192 + 256,
               max_num_batched_tokens=8192, gpu_memory_utilization=0.6, enable_prefix_caching=False)
-    model = llm.engine.runner.model
-    weight_bytes = llm.engine.runner.weight_bytes
+    model = llm.engine.executor.runner.model
+    weight_bytes = llm.engine.executor.runner.weight_bytes
     params = sum(p.numel() for p in model.parameters())
     greedy = dict(temperature=0, ignore_eos=True)
 

@@ -117,7 +117,7 @@ def main() -> None:
                         assert text.startswith('{"facts"') or text.startswith("{"), text
 
     ratio = best["json"] / best["free"]
-    runner = llm.engine.runner
+    runner = llm.engine.executor.runner
     device = (__import__("torch").cuda.get_device_name() if runner.platform.name == "cuda"
               else f"{platform.machine()} CPU, {__import__('os').cpu_count()} cores")
     print(f"device: {device}; model: {args.shape}; async_scheduling: {llm.engine.async_scheduling}")

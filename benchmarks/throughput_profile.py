@@ -6,7 +6,7 @@
 1. Times the run as (c) does (overlapped loop, nothing wrapped), twice: cold and warm, each with
    the Triton compiles it met (kernels compiled on first use of a new specialization; Triton's
    disk cache, ~/.triton, turns a repeat into a load of ~0.01 s).
-2. Runs it again with the plain loop, whose `runner.execute` returns only once the step's
+2. Runs it again with the plain loop, whose executor calls return only once the step's
    tokens are on the host, and times each step there. Steps are grouped by kind: decode-only
    steps (by batch size) and mixed steps (with prompt tokens). The sum is the plain loop's
    device-plus-host time; the overlapped loop hides the host part, so the first figure is lower.
@@ -71,24 +71,29 @@ class TritonCompiles:
 
 
 def step_times(llm, prompts, params) -> list[tuple[int, int, float]]:
-    """(decode rows, prompt tokens, seconds) of every step of a plain-loop run."""
-    runner, records = llm.engine.runner, []
-    execute = runner.execute
+    """(decode rows, prompt tokens, seconds) of every step of a plain-loop run: from queuing the
+    forward to the collected result (the plain loop makes the executor's three calls in a row)."""
+    executor, records, started = llm.engine.executor, [], []
+    execute_model, collect = executor.execute_model, executor.collect
 
-    def timed_execute(plan):
-        start = time.perf_counter()
-        result = execute(plan)
+    def timed_execute_model(plan):
+        started.append((time.perf_counter(), plan))
+        return execute_model(plan)
+
+    def timed_collect(launched):
+        result = collect(launched)
+        start, plan = started.pop()
         decode_rows = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.sample)
         prompt_tokens = sum(c.num_tokens for c in plan.chunks) - decode_rows
         records.append((decode_rows, prompt_tokens, time.perf_counter() - start))
         return result
 
-    runner.execute = timed_execute
+    executor.execute_model, executor.collect = timed_execute_model, timed_collect
     async_before, llm.engine.async_scheduling = llm.engine.async_scheduling, False
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        runner.execute = execute
+        del executor.execute_model, executor.collect
         llm.engine.async_scheduling = async_before
     return records
 
@@ -118,8 +123,9 @@ def host_phases(llm, prompts, params) -> None:
     """Where the host's time goes in an overlapped run. `collect` is mostly the wait for the
     device; when it is near zero the device waited for the host instead (host-bound steps)."""
     engine = llm.engine
-    phases = [(engine.scheduler, "schedule"), (engine.runner, "forward"), (engine.runner, "sample"),
-              (engine.runner, "collect"), (engine.scheduler, "update")]
+    runner = engine.executor.runner
+    phases = [(engine.scheduler, "schedule"), (runner, "forward"), (runner, "sample"),
+              (runner, "collect"), (engine.scheduler, "update")]
     totals: dict[str, float] = collections.defaultdict(float)
     originals = [(owner, name, getattr(owner, name)) for owner, name in phases]
 
@@ -189,7 +195,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.output_len, **GREEDY)
     print(f"{torch.cuda.get_device_name()}, {args.shape}, {args.requests} x {args.input_len} in / "
           f"{args.output_len} out, max_num_seqs {args.max_num_seqs}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}, {llm.engine.runner.num_blocks} KV blocks "
+          f"max_num_batched_tokens {args.max_num_batched_tokens}, {llm.engine.executor.runner.num_blocks} KV blocks "
           f"({args.kv_cache_dtype})")
     print(f"engine start: {compiles.take()}")
     # The first run meets shapes no kernel has seen yet (plans, compiles); the second does not.

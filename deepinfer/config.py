@@ -167,8 +167,9 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     """Split MoE experts over the tensor x data parallel ranks; with one rank it changes nothing."""
     distributed_executor_backend: str | None = None
-    """mp | ray | uni: how ranks are started. With one rank the worker always runs in the
-    engine core's process, whichever is named."""
+    """mp | ray | uni: how ranks are started (executor/abstract.py, Executor.get_class). Only
+    uni, one worker in the engine core's process, is built so far (None means it too); the
+    engine refuses mp and ray at start."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):

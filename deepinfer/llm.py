@@ -25,9 +25,8 @@ from tqdm.auto import tqdm
 
 from deepinfer.chat import apply_template_kwargs, make_encoder
 from deepinfer.config import EngineConfig
+from deepinfer.engine.admission import EngineFacts, child_requests, to_request
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.request import Request
-from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import load_model_source
 from deepinfer.output_processor import OutputProcessor
@@ -70,6 +69,7 @@ class LLM:
         self.engine = EngineCore(self.config, source, load_weights=load_format == "auto")
         self.config = self.engine.config   # with the batch limits the platform filled in
         self.max_model_len = self.engine.max_model_len
+        self._facts = EngineFacts(self.model_id, self.max_model_len, self.eos_token_ids)   # for admission
         self.vocab_size = source.hf_config["vocab_size"]
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
@@ -226,17 +226,10 @@ class LLM:
     def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
                      priority: int, cache_salt: str | None) -> str:
         request_id = str(next(self._counter))
-        room = self.max_model_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
-        key = extra_key(self.model_id, cache_salt)
-        for index, child_id in enumerate(child_ids):
-            child_params = params.for_child(index) if params.n > 1 else params
-            self.engine.add_request(Request(
-                child_id, token_ids, child_params, self.eos_token_ids, max_tokens,
-                priority=priority, cache_salt=cache_salt, extra_key=key,
-                block_size=self.config.cache.block_size,
-                skip_prefix_cache=params.prompt_logprobs is not None))
+        children = child_requests(request_id, token_ids, params, self._facts, priority=priority, cache_salt=cache_salt)
+        self.output_processor.add_request(request_id, text, token_ids, params)
+        for child in children:
+            self.engine.add_request(to_request(child, self.config.cache.block_size))
         return request_id
 
     def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:

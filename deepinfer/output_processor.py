@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
 
+from deepinfer.engine.admission import child_request_ids  # the n fan-out rule: admission's
 from deepinfer.engine.plan import EngineCoreOutput
 from deepinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
@@ -52,10 +53,6 @@ class RequestState:
 class ProcessedOutputs:
     request_outputs: list[RequestOutput]
     abort_ids: list[str]       # core requests ended by a stop string: abort them in the core
-
-
-def child_request_ids(request_id: str, n: int) -> list[str]:
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
 class OutputProcessor:

@@ -103,7 +103,7 @@ def run_throughput(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> i
             "engine": "deepinfer", "model": llm.model_id, "concurrency": concurrency, "num_prompts": n,
             "input_len": args.input_len, "output_len": args.output_len, "elapsed_s": round(elapsed, 3),
             "request_throughput": n / elapsed, "output_throughput": n_out / elapsed,
-            "total_token_throughput": (n_in + n_out) / elapsed, "dtype": str(llm.engine.runner.dtype),
+            "total_token_throughput": (n_in + n_out) / elapsed, "dtype": str(llm.engine.executor.runner.dtype),
             # vLLM's keys for the same figures
             "elapsed_time": elapsed, "num_requests": n, "total_num_tokens": n_in + n_out,
             "requests_per_second": n / elapsed, "tokens_per_second": (n_in + n_out) / elapsed,

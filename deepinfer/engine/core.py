@@ -1,21 +1,28 @@
-"""The engine core: model runner + KV manager + scheduler, stepped in a loop.
+"""The engine core: executor + KV manager + scheduler, stepped in a loop.
+
+The core never touches the model runner: it talks to an executor (executor/), which runs each
+plan on the worker(s) and reports the KV layout at start. A step's structured-output masks
+are filled by a worker thread (`_start_bitmask`, a BitmaskFill) while the forward runs; the
+core waits for the fill right before queuing the sampling and hands the filled masks over as
+a value (GrammarOutput). The plan itself is final when `schedule()` returns.
 
 Plain loop (`async_scheduling=False`):
 
     step():  plan = scheduler.schedule()
-             plan.grammar_bitmask = <start filling the structured-output masks in a worker>
-             result = runner.execute(plan)          # the runner applies the masks before sampling
+             fill = <start filling the structured-output masks in a worker>
+             forward = executor.execute_model(plan)     # the masks fill while the forward runs
+             result = executor.collect(executor.sample_tokens(forward, fill.result()))
              return scheduler.update(plan, result)
 
 Overlapped loop (`async_scheduling=True`, the default on CUDA): the host plans and queues the
 forward of step N+1 while the device still runs step N, applies N's result while N+1's forward
 runs, and only then queues N+1's sampling, so grammar masks and penalties see N's token:
 
-    step():  plan = scheduler.schedule()            # N's sampled tokens count as known
-             forward = runner.forward(plan)         # queued behind N; inputs from N's device tokens
-             outputs = scheduler.update(*in_flight) # waits for N only; matchers advance
-             plan.grammar_bitmask = <fill the masks for N+1>
-             in_flight = (plan, runner.sample(forward, plan.grammar_bitmask))
+    step():  plan = scheduler.schedule()                # N's sampled tokens count as known
+             forward = executor.execute_model(plan)     # queued behind N; inputs from N's device tokens
+             outputs = scheduler.update(*in_flight)     # waits for N only; matchers advance
+             fill = <fill the masks for N+1>
+             in_flight = (plan, executor.sample_tokens(forward, fill.result()))
 
 With grammar rows in N+1, the last line would wait for the fill: the sampling is queued by the
 next step() instead, right after it schedules N+2, so the masks fill while the caller turns
@@ -34,36 +41,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
-from deepinfer.engine.plan import EngineCoreOutput, SchedulerPlan
+from deepinfer.engine.plan import EngineCoreOutput, EngineStats, ForwardStep, LaunchedStep, SchedulerPlan
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.executor import Executor
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
-from deepinfer.spec_decode import SpecDecodeStats, build_speculative_decoder
-from deepinfer.worker.model_runner import ForwardStep, LaunchedStep, ModelRunner
+from deepinfer.sample.structured.bitmask import BitmaskFill
+from deepinfer.spec_decode import build_speculative_decoder
 
 logger = logging.getLogger(__name__)
 
 
 # How long an idle engine sleeps on a compiling grammar before looking at its inputs again.
 GRAMMAR_IDLE_WAIT_S = 0.005
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: list[int]   # per layer group, in tokens
-    prefix_cache_hits: list[int]
-    prefix_cache_evictions: list[int]  # per layer group, in blocks
-    spec_decode: SpecDecodeStats | None = None   # cumulative; None without speculative decoding
 
 
 class EngineCore:
@@ -78,20 +73,20 @@ class EngineCore:
         self.config = config
         hf_config = source.hf_config
         self.max_model_len = resolve_max_model_len(config, hf_config)
-        self.runner = ModelRunner(config, hf_config, self.platform, source if load_weights else None)
-        needed = blocks_for_longest_request(self.runner.groups, self.max_model_len, config)
-        if self.runner.num_blocks - 1 < needed:
+        self.executor = Executor.from_config(config, source, load_weights=load_weights)
+        kv = self.executor.kv_cache_config
+        needed = blocks_for_longest_request(kv.groups, self.max_model_len, config)
+        if kv.num_blocks - 1 < needed:
             raise ValueError(
-                f"the KV cache has {self.runner.num_blocks - 1} blocks, but one request of max_model_len="
-                f"{self.max_model_len} tokens needs {needed} across {len(self.runner.groups)} layer groups; "
+                f"the KV cache has {kv.num_blocks - 1} blocks, but one request of max_model_len="
+                f"{self.max_model_len} tokens needs {needed} across {len(kv.groups)} layer groups; "
                 "raise the KV budget (cpu_kv_cache_bytes / gpu_memory_utilization / num_kv_blocks) "
                 "or lower max_model_len")
-        self.kv_manager = KVCacheManager(self.runner.groups, self.runner.num_blocks,
-                                         config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(kv.groups, kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.spec = None
         if config.speculative is not None:
             # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
-            self.spec = build_speculative_decoder(config, self.runner, source, self.max_model_len)
+            self.spec = build_speculative_decoder(config, self.executor, source, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec)
         # Grammars are compiled against the tokenizer's vocabulary: without one (skip_tokenizer_init)
         # there is no structured output, and add_request refuses constrained requests.
@@ -104,7 +99,11 @@ class EngineCore:
         self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
         # Overlapped loop, a step with grammar rows: its forward is queued, its sampling waits for
         # the bitmask fill and is queued by the next step(), after that step's schedule.
-        self._deferred_sample: tuple[SchedulerPlan, ForwardStep] | None = None
+        self._deferred_sample: tuple[SchedulerPlan, ForwardStep, BitmaskFill | None] | None = None
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.executor.kv_cache_config.num_blocks
 
     def add_request(self, request: Request) -> None:
         constraint = request.sampling_params.structured_outputs
@@ -140,19 +139,20 @@ class EngineCore:
             return failed
         outputs = failed
         if not self.async_scheduling:
-            # The masks fill in a worker while the forward runs.
-            plan.grammar_bitmask = self._start_bitmask(plan)
+            fill = self._start_bitmask(plan)   # fills in a worker while the forward runs
             start = time.perf_counter()
-            result = self.runner.execute(plan)
+            forward = self.executor.execute_model(plan)
+            launched = self.executor.sample_tokens(forward, None if fill is None else fill.result())
+            result = self.executor.collect(launched)
             if self.spec is not None:   # the result is on the host: the step has finished
                 self.spec.observe_step(plan.chunks, time.perf_counter() - start)
             return outputs + self.scheduler.update(plan, result)
-        forward = self.runner.forward(plan)
+        forward = self.executor.execute_model(plan)
         if self._in_flight is not None:
             outputs += self._apply_in_flight()   # the device runs `forward` meanwhile
-        plan.grammar_bitmask = self._start_bitmask(plan)
-        self._deferred_sample = (plan, forward)
-        if plan.grammar_bitmask is None:
+        fill = self._start_bitmask(plan)
+        self._deferred_sample = (plan, forward, fill)
+        if fill is None:
             self._launch_deferred_sample()
         # else: the masks fill while the caller processes `outputs`; the next step() queues the
         # sampling before anything else reaches the device (has_unfinished() stays True till then).
@@ -160,11 +160,12 @@ class EngineCore:
 
     def _launch_deferred_sample(self) -> None:
         if self._deferred_sample is not None:
-            plan, forward = self._deferred_sample
+            plan, forward, fill = self._deferred_sample
             self._deferred_sample = None
-            self._in_flight = (plan, self.runner.sample(forward, plan.grammar_bitmask))
+            grammar = None if fill is None else fill.result()   # waits for the fill, if still running
+            self._in_flight = (plan, self.executor.sample_tokens(forward, grammar))
 
-    def _start_bitmask(self, plan: SchedulerPlan):
+    def _start_bitmask(self, plan: SchedulerPlan) -> BitmaskFill | None:
         """Start filling the structured-output masks of the plan's sampled, constrained requests
         (not of those that stopped since it was made: their matcher is done)."""
         if self.structured is None:
@@ -178,7 +179,7 @@ class EngineCore:
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
         plan, launched = self._in_flight
         self._in_flight = None
-        return self.scheduler.update(plan, self.runner.collect(launched))
+        return self.scheduler.update(plan, self.executor.collect(launched))
 
     def check_idle(self) -> None:
         """With no request left, every KV block must be free: log any that is not (a leak)."""
@@ -192,6 +193,12 @@ class EngineCore:
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters],
                            self.spec.stats.copy() if self.spec is not None else None)
+
+    def shutdown(self) -> None:
+        """Release the workers and the grammar threads; the core is not used afterwards."""
+        self.executor.shutdown()
+        if self.structured is not None:
+            self.structured.shutdown()
 
 
 def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:

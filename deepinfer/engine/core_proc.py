@@ -35,10 +35,9 @@ import msgspec
 import zmq
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.core import EngineStats
-from deepinfer.engine.plan import EngineCoreOutput
+from deepinfer.engine.admission import AddRequest, to_request
+from deepinfer.engine.plan import EngineCoreOutput, EngineStats
 from deepinfer.engine.request import Request, RequestTimes
-from deepinfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +45,7 @@ HEARTBEAT_S = 0.5
 
 
 # ------------------------------------------------------------------------------ messages in
-class AddRequest(msgspec.Struct, tag="add"):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    eos_token_ids: list[int]
-    max_tokens: int
-    priority: int = 0
-    cache_salt: Union[str, None] = None
-    extra_key: bytes = b""
-    skip_prefix_cache: bool = False
+# AddRequest (engine/admission.py): one child request, as admission resolved it.
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -135,7 +125,7 @@ class EngineCoreProc:
         source = load_model_source(self.config.model.model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
         self.core = EngineCore(self.config, source, offline=False)
         name = self.config.model.served_model_name or source.name
-        self.send(Ready(name, self.core.max_model_len, self.core.runner.num_blocks, self.block_size, os.getpid()))
+        self.send(Ready(name, self.core.max_model_len, self.core.num_kv_blocks, self.block_size, os.getpid()))
 
     def start_heartbeat(self) -> None:
         def beat() -> None:
@@ -189,10 +179,7 @@ class EngineCoreProc:
 
     def _add(self, message: AddRequest, pending: list[EngineCoreOutput]) -> None:
         try:
-            request = Request(message.request_id, message.prompt_token_ids, message.sampling_params,
-                              frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
-                              cache_salt=message.cache_salt, extra_key=message.extra_key,
-                              block_size=self.block_size, skip_prefix_cache=message.skip_prefix_cache)
+            request = to_request(message, self.block_size)
             self.core.add_request(request)
         except Exception:  # the front end validates; this is a last line, not a crash
             logger.exception("engine core rejected request %s", message.request_id)
@@ -248,4 +235,6 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         finally:
             proc.ctx.destroy(linger=2000)
         os._exit(1)
+    if proc.core is not None:
+        proc.core.shutdown()
     proc.ctx.destroy(linger=1000)

@@ -1,28 +1,95 @@
-"""The typed boundary between the scheduler and the model runner. Read this file first.
+"""The typed boundaries of the engine core. Read this file first.
 
-Every engine step is:  plan = scheduler.schedule()  ->  result = runner.execute(plan)
-->  outputs = scheduler.update(plan, result).  Nothing else crosses between the two: the runner
-never sees a Request, the scheduler never sees a tensor.
+Every engine step is:
+
+    plan = scheduler.schedule()                      # SchedulerPlan: final once returned
+    forward = executor.execute_model(plan)           # ForwardStep: a handle, the tensors stay in the worker
+    launched = executor.sample_tokens(forward, grammar)   # grammar: GrammarOutput (filled masks) or None
+    result = executor.collect(launched)              # RunnerResult
+    outputs = scheduler.update(plan, result)         # list[EngineCoreOutput]
+
+Nothing else crosses between the scheduler and the runner: the runner never sees a Request, the
+scheduler never sees a tensor (GrammarOutput's mask is the one tensor, made on the host beside
+the scheduler). Every type here is a plain value that a later multi-process executor can send
+to its workers as it is: nothing in it is live (no Future, no lock) or changes after it is made.
+
+Per-request state crosses once: a request (re)joining the runner comes whole (NewRequestData,
+with its block tables); while it runs, a plan carries only what changed (CachedRequestData:
+block-table diffs, see engine/block_tables.py). The runner keeps its own copy and applies them.
+
+Also here: the KV layout the executor reports at start (KVCacheConfig), what the core returns
+per request (EngineCoreOutput) and its gauges and counters (EngineStats).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec_decode.metrics import SpecDecodeStats
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepinfer.kv_cache.specs import KVCacheGroup
 
 
+# ------------------------------------------------------------------------------ start-up
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The KV layout the executor settled on at start (vLLM's name): layer groups, and the
+    number of blocks its memory budget holds. The engine core sizes its KV manager from it."""
+
+    groups: list[KVCacheGroup]
+    num_blocks: int            # including the null block 0, which no request owns
+    block_size: int
+
+
+# ------------------------------------------------------------------- scheduler -> runner
 @dataclass
 class NewRequestData:
-    """Sent once when a request (re)joins the runner: what it must keep per request."""
+    """Sent once when a request (re)joins the runner: what it keeps per request."""
 
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]   # non-empty when a preempted request resumes
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    block_ids: list[list[int]]    # every layer group's block table (a copy: the scheduler changes its own)
+
+
+@dataclass
+class BlockTableDiff:
+    """How one layer group's block table changed since the runner last heard of the request.
+
+    Applied as: table[:num_null] become the null block, then table[start:] = new_block_ids.
+    Tables change in three ways: blocks are appended (allocation); leading entries become the
+    null block (a sliding-window group frees blocks behind its window; the null entries are
+    always a prefix of the table); the tail is cut (speculative decoding gives back the blocks
+    of rejected drafts), so `start` can be shorter than the runner's table.
+    """
+
+    num_null: int
+    start: int
+    new_block_ids: list[int]
+
+
+@dataclass
+class CachedRequestData:
+    """A scheduled request the runner already holds: only what changed (vLLM's name).
+
+    A plan carries one only for a request whose state changed; a decode inside its last
+    block sends nothing but its chunk."""
+
+    request_id: str
+    block_table_diffs: list[BlockTableDiff] | None = None   # one per layer group; None: no table changed
+    # Tokens the runner did not sample itself, appended after dropping its last
+    # `num_dropped_tokens` (a draft model's runner: the target accepted other tokens than the
+    # drafts it sampled). The target's runner samples every token it holds: both stay empty.
+    new_token_ids: list[int] = field(default_factory=list)
+    num_dropped_tokens: int = 0
 
 
 @dataclass
@@ -32,28 +99,65 @@ class ScheduledChunk:
     request_id: str
     start: int
     num_tokens: int
-    block_ids: list[list[int]]    # the full block table of every layer group
     # True when the chunk reaches the end of the known tokens, so its last position is sampled.
     sample: bool
     prompt_logprobs: bool = False  # also return logprobs of the prompt tokens in this chunk
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify (DSpark issue)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerPlan:
+    """One step's work. Final when `schedule()` returns: nobody adds to it afterwards (the
+    structured-output masks travel apart, as a GrammarOutput given to `sample_tokens`)."""
+
     new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
     chunks: list[ScheduledChunk]
-    finished_request_ids: list[str]   # the runner drops their state
+    # The runner drops their state. Applied before new_requests: a request preempted and
+    # readmitted by one schedule is in both, and must come back whole.
+    finished_request_ids: list[str]
     num_scheduled_tokens: int
-    # Structured output: a sample.structured.StepBitmask with one row per sampled request that
-    # has a grammar, filled by a worker thread while the forward runs; None when no row has one.
-    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
 
 
+# A grammar mask row is keyed by request id, or by (request id, j) for a request verifying
+# drafts: row j is the mask after its drafts 1..j.
+GrammarRowKey = str | tuple[str, int]
+
+
+@dataclass(frozen=True)
+class GrammarOutput:
+    """The filled structured-output masks of one step (vLLM's name), handed to sampling.
+
+    The engine core fills them in a worker thread while the step's forward runs, and waits for
+    the fill only right before `sample_tokens`; so the mask is a finished value by the time it
+    crosses (sample/structured/bitmask.py applies it)."""
+
+    rows: dict[GrammarRowKey, int]   # key -> its row in `bitmask`
+    # What the runner applies: packed int32 rows (GPU), a float32 additive bias (CPU: 0 allowed,
+    # -inf not, expanded by the worker), or a bool mask (True = not allowed).
+    bitmask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ForwardStep:
+    """A step whose forward the executor has queued: a handle for `sample_tokens`. The hidden
+    states and logits stay in the worker."""
+
+    step_id: int
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose sampling is queued too: a handle for `collect`, which waits for it."""
+
+    step_id: int
+
+
+# ------------------------------------------------------------------- runner -> scheduler
 # Per position: {token_id: Logprob}; the sampled token first, then the top-k.
 PositionLogprobs = dict[int, Logprob]
 
@@ -62,11 +166,12 @@ PositionLogprobs = dict[int, Logprob]
 class RunnerResult:
     """What one forward produced, keyed by request id."""
 
-    sampled_token_ids: dict[str, list[int]]              # one token now; accepted drafts later
+    sampled_token_ids: dict[str, list[int]]              # one token, or accepted drafts + one
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
 
 
+# --------------------------------------------------------------------- core -> front end
 @dataclass
 class EngineCoreOutput:
     """What the scheduler reports per request after applying a result."""
@@ -83,3 +188,17 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    """The core's gauges and cumulative counters, sent with every step's outputs."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: list[int]   # per layer group, in tokens
+    prefix_cache_hits: list[int]
+    prefix_cache_evictions: list[int]  # per layer group, in blocks
+    spec_decode: SpecDecodeStats | None = None   # cumulative; None without speculative decoding

@@ -17,6 +17,9 @@ request whose token is still being sampled on the device counts it as known
 (`num_samples_in_flight`), so it is scheduled to compute that token's position, whose id the
 runner takes from the device. A request stopped by that token is found one step late; the result
 of its extra chunk is ignored.
+What the runner learns of a request is sent once (NewRequestData, with its block tables) and
+then as diffs (CachedRequestData, only when its tables changed; engine/block_tables.py keeps the
+record), and `schedule()` returns the plan final: nothing is added to it afterwards.
 """
 
 from __future__ import annotations
@@ -26,8 +29,15 @@ import time
 from collections.abc import Iterable
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.plan import (EngineCoreOutput, NewRequestData, RunnerResult, ScheduledChunk,
-                                   SchedulerPlan)
+from deepinfer.engine.block_tables import RunnerBlockTables
+from deepinfer.engine.plan import (
+    CachedRequestData,
+    EngineCoreOutput,
+    NewRequestData,
+    RunnerResult,
+    ScheduledChunk,
+    SchedulerPlan,
+)
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.sample.structured.grammar import GrammarState, RequestGrammar
@@ -50,7 +60,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []   # told to the runner in the next plan
-        self._known_to_runner: set[str] = set()
+        self.runner_tables = RunnerBlockTables()   # the requests the runner holds, and their tables
         self.num_preemptions = 0
 
     # ------------------------------------------------------------------------------- requests
@@ -114,6 +124,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
+        cached_requests: list[CachedRequestData] = []
         scheduled: set[str] = set()
         drafts: dict[str, list[int]] = {}
         if self.spec is not None and self.running:
@@ -141,6 +152,11 @@ class Scheduler:
                         break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the list shrank, same index is the next request
+            # Never preempted later in this schedule (victims exclude scheduled requests), so the
+            # diff and the chunk reach a runner that still holds the request.
+            diffs = self.runner_tables.diff(request.request_id, request.block_ids)
+            if diffs is not None:
+                cached_requests.append(CachedRequestData(request.request_id, diffs))
             chunks.append(self._chunk(request, num_new, spec))
             scheduled.add(request.request_id)
             budget -= num_new + len(spec)
@@ -173,14 +189,14 @@ class Scheduler:
             self.running.append(request)
             new_requests.append(NewRequestData(
                 request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                request.sampling_params, request.eos_token_ids))
-            self._known_to_runner.add(request.request_id)
+                request.sampling_params, request.eos_token_ids,
+                self.runner_tables.new_request(request.request_id, request.block_ids)))
             chunks.append(self._chunk(request, num_new))
             scheduled.add(request.request_id)
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerPlan(new_requests, chunks, finished,
+        return SchedulerPlan(new_requests, cached_requests, chunks, finished,
                              self.config.max_num_batched_tokens - budget)
 
     @staticmethod
@@ -195,7 +211,6 @@ class Scheduler:
             request_id=request.request_id,
             start=start,
             num_tokens=num_new + len(request.spec_token_ids),   # drafts ride after the known tokens
-            block_ids=[list(ids) for ids in request.block_ids],
             sample=start + num_new == self._target(request),
             prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                              and start < request.num_prompt_tokens),
@@ -238,8 +253,7 @@ class Scheduler:
         self._enqueue(request, front=True)
 
     def _drop_from_runner(self, request_id: str) -> None:
-        if request_id in self._known_to_runner:
-            self._known_to_runner.discard(request_id)
+        if self.runner_tables.forget(request_id):
             self._finished_ids.append(request_id)
 
     # --------------------------------------------------------------------------------- update
@@ -291,6 +305,7 @@ class Scheduler:
                     request.num_computed_tokens += num_accepted
                     self.kv.cache_computed_blocks(request)
                     self.kv.free_tail(request)
+                    self.runner_tables.cut(request.request_id, request.block_ids)
             if request.times.first_token is None and new_tokens:
                 request.times.first_token = now
             logprobs = result.logprobs.get(chunk.request_id)

@@ -31,11 +31,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
-from deepinfer.engine.core import EngineStats
-from deepinfer.engine.core_proc import Abort, AddRequest, Failed, Heartbeat, StepOutputs
+from deepinfer.engine.admission import EngineFacts, child_requests
+from deepinfer.engine.core_proc import Abort, Failed, Heartbeat, StepOutputs
+from deepinfer.engine.plan import EngineStats
 from deepinfer.frontend.core_process import CoreProcess
 from deepinfer.frontend.output_stream import OutputStream
-from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.metrics.prometheus import ServerMetrics
 from deepinfer.metrics.stats import RequestTimings
 from deepinfer.models.loader import ModelSource
@@ -114,6 +114,7 @@ class AsyncEngineClient:
         self.metrics = ServerMetrics(self.model_id, resolve_max_model_len(config, source.hf_config),
                                      engine_healthy=lambda: self.healthy, vllm_names=metrics_vllm_names)
         self.info: EngineInfo | None = None
+        self._facts: EngineFacts | None = None
         self.last_stats: EngineStats | None = None
         self.dead_reason: str | None = None
         self.num_restarts = 0
@@ -136,6 +137,7 @@ class AsyncEngineClient:
         self._core, self.dead_reason, self._busy_for_s = core, None, 0.0
         started = self.info.started if self.info else time.time()
         self.info = EngineInfo(self.model_id, ready.max_model_len, ready.num_kv_blocks, ready.block_size, started)
+        self._facts = EngineFacts(self.model_id, ready.max_model_len, self.eos_token_ids)   # for admission
         # Also after a restart: counters carry the old core's totals on, process metrics follow the pid.
         self.metrics.engine_started(self.config.cache, ready.num_kv_blocks, ready.pid)
         self._tasks = [asyncio.create_task(self._output_loop(core), name="engine-outputs")]
@@ -220,21 +222,13 @@ class AsyncEngineClient:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        room = self.info.max_model_len - len(prompt_token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        key = extra_key(self.model_id, cache_salt)
-        eos = sorted(self.eos_token_ids)
+        # Built and encoded before anything is registered or sent: a value msgpack cannot carry
+        # fails here and leaves no trace (no slot taken, nothing half-sent to the core).
+        messages = child_requests(request_id, prompt_token_ids, params, self._facts, priority=priority,
+                                  cache_salt=cache_salt)
+        encoded = [self._core.encode(m) for m in messages]
+        max_tokens = messages[0].max_tokens
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        try:
-            # Built before anything is registered or sent: a value msgpack cannot carry fails
-            # here and leaves no trace (no slot taken, nothing half-sent to the core).
-            messages = [AddRequest(child_id, prompt_token_ids, params.for_child(index) if params.n > 1 else params,
-                                   eos, max_tokens, priority, cache_salt, key, params.prompt_logprobs is not None)
-                        for index, child_id in enumerate(child_ids)]
-            encoded = [self._core.encode(m) for m in messages]
-        except BaseException:
-            self.output_processor.abort(request_id)
-            raise
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s > 0 else None
         timings = RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens)
         tracked = _Tracked(OutputStream(), timings, child_ids, deadline)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from deepinfer.engine.core import EngineStats
+from deepinfer.engine.plan import EngineStats
 
 # vLLM labels every engine metric with the engine index (data-parallel ranks); we run one core.
 ENGINE_INDEX = "0"

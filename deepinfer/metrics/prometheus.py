@@ -38,14 +38,21 @@ import copy
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import (
-    CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector, ProcessCollector,
-    disable_created_metrics, generate_latest,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
 )
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from deepinfer.config import CacheConfig
-from deepinfer.engine.core import EngineStats
+from deepinfer.engine.plan import EngineStats
 from deepinfer.metrics.engine_collector import ENGINE_INDEX, LABELS, EngineStatsCollector
 from deepinfer.metrics.http import HTTPMetrics
 from deepinfer.metrics.stats import RequestTimings

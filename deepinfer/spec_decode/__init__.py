@@ -2,15 +2,18 @@
 
     drafter.py      the interface: up to k draft tokens per request + a confidence per position
     ngram.py        prompt lookup (model-free)
-    draft_model.py  a second model sharing the tokenizer, with its own runner and KV cache
-    mtp.py          the hook for a model's own MTP head
+    draft_model.py  a second model sharing the tokenizer, with its own executor and KV cache
+    mtp.py          the hook for a model's own MTP head (run by the executor)
     calibration.py  confidence -> conditional acceptance, learned online
     cost_model.py   step time vs drafts per sequence, profiled at start-up
     policy.py       which draft positions to verify: fixed, or by expected tokens per second
     decoder.py      the scheduler's side (propose, admit, observe)
     verifier.py     acceptance from the target's logits (greedy match, rejection sampling)
-    runner_ops.py   the runner's side (logits at every draft position; cost profiling)
     metrics.py      acceptance counters
+
+The runner's side (logits at every draft position, verify-step timing, the MTP head) is the
+model runner's own (worker/model_runner.py), reached through the executor; nothing here imports
+the worker.
 
 Configured by `speculative_config` (config.SpeculativeConfig); built by `build_speculative_decoder`.
 """
@@ -25,15 +28,17 @@ from deepinfer.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     from deepinfer.config import EngineConfig
+    from deepinfer.executor import Executor
     from deepinfer.models.loader import ModelSource
     from deepinfer.spec_decode.cost_model import StepCostModel
-    from deepinfer.worker.model_runner import ModelRunner
 
 __all__ = ["Draft", "DraftRequest", "Drafter", "SpecDecodeStats", "SpeculativeDecoder",
            "build_speculative_decoder"]
 
 
-def build_drafter(config: EngineConfig, runner: ModelRunner, source: ModelSource) -> Drafter:
+def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource) -> Drafter:
+    """`executor` runs the target model (MTP drafts with its head; a draft model gets as many
+    KV blocks as it has)."""
     spec = config.speculative
     if spec.method == "ngram":
         from deepinfer.spec_decode.ngram import NgramDrafter
@@ -42,23 +47,22 @@ def build_drafter(config: EngineConfig, runner: ModelRunner, source: ModelSource
     if spec.method == "mtp":
         from deepinfer.spec_decode.mtp import MTPDrafter
 
-        return MTPDrafter(runner.model, spec.num_speculative_tokens)
+        return MTPDrafter(executor, source.hf_config, spec.num_speculative_tokens)
     from deepinfer.spec_decode.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(spec.model, config, source.tokenizer, source.hf_config["vocab_size"],
-                             runner.num_blocks, runner.platform, spec.num_speculative_tokens)
+                             executor.kv_cache_config.num_blocks, spec.num_speculative_tokens)
 
 
-def build_speculative_decoder(config: EngineConfig, runner: ModelRunner, source: ModelSource,
+def build_speculative_decoder(config: EngineConfig, executor: Executor, source: ModelSource,
                               max_model_len: int, cost_model: StepCostModel | None = None) -> SpeculativeDecoder:
     """The drafter first (it may fail fast on a bad config), then, for adaptive verification, the
     step-cost profile (unless given one)."""
     spec = config.speculative
-    drafter = build_drafter(config, runner, source)
+    drafter = build_drafter(config, executor, source)
     if spec.verification == "adaptive" and cost_model is None:
         from deepinfer.spec_decode.cost_model import profile_step_cost
-        from deepinfer.spec_decode.runner_ops import time_forward
 
-        cost_model = profile_step_cost(lambda b, q: time_forward(runner, b, q), spec.num_speculative_tokens,
+        cost_model = profile_step_cost(executor.profile_verify_step, spec.num_speculative_tokens,
                                        config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
     return SpeculativeDecoder(spec, drafter, max_model_len, cost_model)

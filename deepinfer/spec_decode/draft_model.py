@@ -1,9 +1,15 @@
 """A draft model: a second (smaller) model sharing the target's tokenizer proposes the drafts.
 
-It runs on deepinfer's own pieces: a ModelRunner of its own (weights, KV tensors) and a
-KVCacheManager of its own over that runner's blocks (no prefix caching: draft KV is cheap to
-recompute and short-lived). Per request it remembers how many leading tokens its KV holds
-correctly (`num_computed`). A proposal round for a batch is k forwards of the draft model:
+It runs on deepinfer's own pieces: an executor of its own, built by the same factory as the
+target's (Executor.from_config: its model runner, weights and KV tensors), and a KVCacheManager
+of its own over that runner's blocks (no prefix caching: draft KV is cheap to recompute and
+short-lived). It talks to its runner in plans, as the scheduler talks to the target's: a
+request comes whole the first time (NewRequestData), then as diffs (CachedRequestData: new
+block ids, and the tokens the target accepted in place of the runner's own drafts).
+
+Per request it remembers how many leading tokens its KV holds correctly (`num_computed_tokens`)
+and what its runner's token list holds (the request's tokens up to `num_runner_real`, then the
+drafts it sampled last). A proposal round for a batch is k forwards of the draft model:
 
     forward 1: each request's tokens the draft has not seen yet (the tokens accepted since the
                last round, or its whole prompt the first time) -> argmax = draft 1
@@ -24,7 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.config import CacheConfig, EngineConfig, ModelConfig
-from deepinfer.engine.plan import NewRequestData, ScheduledChunk, SchedulerPlan
+from deepinfer.engine.block_tables import RunnerBlockTables
+from deepinfer.engine.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
@@ -41,8 +48,10 @@ class _DraftSeq:
 
     request_id: str
     num_computed_tokens: int = 0          # leading tokens whose draft KV is valid
-    num_real_tokens: int = 0              # tokens of the request seen at the last round
-    last_drafts: list[int] = field(default_factory=list)
+    # The draft runner's token list: the request's first `num_runner_real` tokens, then
+    # `runner_drafts` (what it sampled in the last round it took part in).
+    num_runner_real: int = 0
+    runner_drafts: list[int] = field(default_factory=list)
     block_ids: list[list[int]] = field(default_factory=list)
     num_published_blocks: int = 0
 
@@ -51,9 +60,9 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
 
     def __init__(self, draft_path: str, target_config: EngineConfig, target_tokenizer, target_vocab_size: int,
-                 num_blocks: int, platform, num_speculative_tokens: int) -> None:
+                 num_blocks: int, num_speculative_tokens: int) -> None:
+        from deepinfer.executor import Executor
         from deepinfer.models.loader import load_model_source
-        from deepinfer.worker.model_runner import ModelRunner
 
         source = load_model_source(draft_path)
         _check_same_tokenizer(source, target_tokenizer, target_vocab_size, draft_path)
@@ -66,23 +75,26 @@ class DraftModelDrafter(Drafter):
             CacheConfig(block_size=target_config.cache.block_size, num_kv_blocks=num_blocks,
                         enable_prefix_caching=False),
             # The target's batch limits: the draft computes the same steps' tokens.
-            target_config.scheduler)
-        self.runner = ModelRunner(config, source.hf_config, platform, source)
-        self.kv = KVCacheManager(self.runner.groups, self.runner.num_blocks, config.cache.block_size,
-                                 enable_prefix_caching=False)
+            target_config.scheduler,
+            target_config.parallel)
+        self.executor = Executor.from_config(config, source)
+        kv = self.executor.kv_cache_config
+        self.kv = KVCacheManager(kv.groups, kv.num_blocks, kv.block_size, enable_prefix_caching=False)
         self.eos = frozenset(target_tokenizer.eos_token_ids)
         self.k = num_speculative_tokens
         self.seqs: dict[str, _DraftSeq] = {}
+        self.runner_tables = RunnerBlockTables()   # what the draft runner holds of each table
         self._dropped: list[str] = []      # tell the draft runner to forget these next round
 
     def release(self, live_request_ids: set[str]) -> None:
         for request_id in [r for r in self.seqs if r not in live_request_ids]:
             self.kv.free(self.seqs.pop(request_id))
-            self._dropped.append(request_id)
+            if self.runner_tables.forget(request_id):
+                self._dropped.append(request_id)
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
         active: list[tuple[DraftRequest, _DraftSeq]] = []
-        new_requests = []
+        new_requests, cached_requests = [], []
         for request in requests:
             seq = self.seqs.get(request.request_id)
             if seq is None:
@@ -93,11 +105,13 @@ class DraftModelDrafter(Drafter):
             if want <= 0 or not self.kv.allocate(seq, len(request.token_ids) - seq.num_computed_tokens + want - 1):
                 continue
             active.append((request, seq))
-            # The runner keeps its own copy of the token ids; re-register the request each
-            # round with the current ones (a list copy, far cheaper than the forwards).
-            self._dropped.append(request.request_id)
-            new_requests.append(NewRequestData(request.request_id, list(request.token_ids), [], _DRAFT_PARAMS,
-                                               self.eos))
+            if request.request_id not in self.runner_tables:
+                new_requests.append(NewRequestData(request.request_id, list(request.token_ids), [], _DRAFT_PARAMS,
+                                                   self.eos, self.runner_tables.new_request(request.request_id,
+                                                                                            seq.block_ids)))
+            else:
+                cached_requests.append(self._diff(seq, request.token_ids))
+            seq.num_runner_real, seq.runner_drafts = len(request.token_ids), []
         drafts = {request.request_id: Draft() for request, _ in active}
         for step in range(self.k):
             chunks = []
@@ -106,14 +120,14 @@ class DraftModelDrafter(Drafter):
                     continue
                 start = seq.num_computed_tokens
                 total = len(request.token_ids) + step   # tokens known to the draft runner now
-                chunks.append(ScheduledChunk(request.request_id, start, total - start,
-                                             [list(ids) for ids in seq.block_ids], sample=True))
+                chunks.append(ScheduledChunk(request.request_id, start, total - start, sample=True))
                 seq.num_computed_tokens = total
             if not chunks:
                 break
-            plan = SchedulerPlan(new_requests, chunks, self._dropped, sum(c.num_tokens for c in chunks))
-            new_requests, self._dropped = [], []
-            result = self.runner.execute(plan)
+            plan = SchedulerPlan(new_requests, cached_requests, chunks, self._dropped,
+                                 sum(c.num_tokens for c in chunks))
+            new_requests, cached_requests, self._dropped = [], [], []
+            result = self.executor.execute(plan)
             for chunk in chunks:
                 token = result.sampled_token_ids[chunk.request_id][0]
                 logprob = result.logprobs[chunk.request_id][0][token].logprob
@@ -121,23 +135,32 @@ class DraftModelDrafter(Drafter):
                 draft.token_ids.append(token)
                 draft.confidences.append(math.exp(logprob))
         for request, seq in active:
-            seq.num_real_tokens = len(request.token_ids)
-            seq.last_drafts = drafts[request.request_id].token_ids
+            seq.runner_drafts = list(drafts[request.request_id].token_ids)   # the runner appended them
         return drafts
+
+    def _diff(self, seq: _DraftSeq, token_ids: Sequence[int]) -> CachedRequestData:
+        """What the draft runner's copy of a request lacks: its drafts the target accepted stay,
+        the rest go, and the request's tokens after them come."""
+        base, held = seq.num_runner_real, seq.runner_drafts
+        assert len(token_ids) >= base, "a running request's tokens never shrink"
+        kept = 0
+        while kept < len(held) and base + kept < len(token_ids) and token_ids[base + kept] == held[kept]:
+            kept += 1
+        return CachedRequestData(seq.request_id, self.runner_tables.diff(seq.request_id, seq.block_ids),
+                                 list(token_ids[base + kept:]), len(held) - kept)
 
     def _sync(self, seq: _DraftSeq, token_ids: Sequence[int]) -> None:
         """Keep the draft KV of drafts the target accepted; forget the rest."""
-        if seq.num_computed_tokens > seq.num_real_tokens:
-            base = seq.num_real_tokens
+        if seq.num_computed_tokens > seq.num_runner_real:
+            base = seq.num_runner_real
             kept = 0
             # Draft i sits at position base + i; its KV was computed iff it was fed back.
-            while (kept < len(seq.last_drafts) - 1 and base + kept < len(token_ids)
-                   and token_ids[base + kept] == seq.last_drafts[kept]):
+            while (kept < len(seq.runner_drafts) - 1 and base + kept < len(token_ids)
+                   and token_ids[base + kept] == seq.runner_drafts[kept]):
                 kept += 1
             seq.num_computed_tokens = min(seq.num_computed_tokens, base + kept)
-        # A preempted-and-resumed request can come back shorter than we last saw it.
+        # The step computing the last known token samples draft 1: at least that one is left.
         seq.num_computed_tokens = min(seq.num_computed_tokens, max(len(token_ids) - 1, 0))
-        seq.num_real_tokens = len(token_ids)
 
 
 def _check_same_tokenizer(source, target_tokenizer, target_vocab_size: int, path: str) -> None:

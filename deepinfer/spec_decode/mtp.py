@@ -2,29 +2,34 @@
 
 A model that carries such a head exposes `propose_mtp(requests) -> {request_id: Draft}` (it
 runs the head on the hidden states of its last forward and returns drafts with the head's own
-confidences). No model deepinfer ships has one yet, so building this drafter for any of them
-fails at start-up with a message that says so, instead of silently decoding without drafts.
+confidences); the executor runs it where the model lives (Executor.propose_mtp). No model
+deepinfer ships has one yet, so building this drafter for any of them fails at start-up with a
+message that says so, instead of silently decoding without drafts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
+
+if TYPE_CHECKING:
+    from deepinfer.executor import Executor
 
 
 class MTPDrafter(Drafter):
     name = "mtp"
 
-    def __init__(self, model, num_speculative_tokens: int) -> None:
-        propose = getattr(model, "propose_mtp", None)
-        if propose is None:
+    def __init__(self, executor: Executor, hf_config: dict, num_speculative_tokens: int) -> None:
+        if not executor.supports_mtp():
+            architecture = ", ".join(hf_config.get("architectures") or ["the model"])
             raise ValueError(
                 f"speculative_config.method 'mtp' is not available for this model: "
-                f"{type(model).__name__} has no multi-token-prediction head "
+                f"{architecture} has no multi-token-prediction head "
                 "(use method 'ngram', or 'draft_model' with a smaller model sharing the tokenizer)")
-        self._propose = propose
+        self.executor = executor
         self.k = num_speculative_tokens
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
-        return self._propose(requests)
+        return self.executor.propose_mtp(requests)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.engine.plan import ScheduledChunk
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.layers.attention.metadata import AttentionMetadata, GroupMetadata
 from deepinfer.platforms.transfer import to_device
+from deepinfer.worker.request_states import StepChunk
 
 # Triton backend: a fresh chunk (one that starts at position 0, so this step holds all its K/V)
 # this long or longer attends with SDPA's flash kernel over the step's own K/V; see
@@ -35,7 +35,7 @@ FRESH_SDPA_MIN_TOKENS = 512
 
 @dataclass
 class StepInputs:
-    chunks: list[ScheduledChunk]        # in row order (decodes first)
+    chunks: list[StepChunk]        # in row order (decodes first)
     input_ids: torch.Tensor
     positions: torch.Tensor
     attention: AttentionMetadata
@@ -73,7 +73,7 @@ def padded_block_table(tables: list[list[int]]) -> np.ndarray:
     return out
 
 
-def _slots(chunks: list[ScheduledChunk], group_id: int, block_size: int) -> np.ndarray:
+def _slots(chunks: list[StepChunk], group_id: int, block_size: int) -> np.ndarray:
     """The cache row of every token of the chunks, in order. A one-token chunk (a decode) is
     looked up directly: numpy per chunk costs more than the lookup, at 512 decodes a step."""
     parts: list[np.ndarray] = []
@@ -93,7 +93,7 @@ def _slots(chunks: list[ScheduledChunk], group_id: int, block_size: int) -> np.n
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[int]],
+def build_step_inputs(chunks: list[StepChunk], token_ids: dict[str, list[int]],
                       groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
                       layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       device: torch.device, backend: str = "reference", decode_splits: int = 1,

@@ -1,31 +1,47 @@
 """The model runner: builds the model and the KV tensors, then executes scheduler plans.
 
 Construction reads top to bottom in the order of the work: build the model -> load weights ->
-size the KV pool from the memory budget -> allocate the KV tensors. `execute(plan)` keeps a
-small state per request (its token ids, sampling params, RNG), builds the step's inputs, runs
-the forward, samples, and returns a `RunnerResult`.
+size the KV pool from the memory budget -> allocate the KV tensors. It is driven through an
+executor (executor/), never by the engine core directly. It keeps a small state per request
+(token ids, sampling params, RNG, block tables: worker/request_states.py), updated from each
+plan's new requests and diffs, builds the step's inputs, runs the forward, samples, and returns
+a `RunnerResult`, in three calls, none of the first two waiting for the device:
+  forward(plan)              queue the forward and the logits of the rows to sample
+  sample(forward, grammar)   queue sampling (grammar masks and penalties see every earlier token)
+                             and the copy of the tokens to the host
+  collect(launched)          wait for that step alone, return its RunnerResult
+The calls take and return handles (ForwardStep, LaunchedStep in engine/plan.py); the tensors
+behind them stay here. Overlapped scheduling (engine/core.py) interleaves the calls of two
+steps. Until collected, each sampled token is a PLACEHOLDER in the request's token list; a
+forward that needs it as input takes it from the device tensor of the step before.
 
-`execute(plan)` runs three parts in a row; overlapped scheduling (engine/core.py) calls them
-apart, and none of the first two waits for the device:
-  forward(plan)          queue the forward and the logits of the rows to sample
-  sample(step, masks)    queue sampling (grammar masks and penalties see every earlier token)
-                         and the copy of the tokens to the host
-  collect(launched)      wait for that step alone, return its RunnerResult
-Until collected, each sampled token is a PLACEHOLDER in the request's token list; a forward that
-needs it as input takes it from the device tensor of the step before.
+Speculative decoding's runner side is here too: a chunk with drafts is verified in `sample`
+(the target's logits at every draft position, spec_decode/verifier.py), `profile_verify_step`
+times verify-shaped steps for the adaptive policy's cost model, and `propose_mtp` runs a
+model's own multi-token-prediction head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
-from deepinfer.engine.plan import NewRequestData, RunnerResult, ScheduledChunk, SchedulerPlan
+from deepinfer.engine.plan import (
+    ForwardStep,
+    GrammarOutput,
+    KVCacheConfig,
+    LaunchedStep,
+    RunnerResult,
+    SchedulerPlan,
+)
 from deepinfer.kv_cache.dtypes import is_fp8, resolve_cache_dtype
 from deepinfer.kv_cache.specs import KVCacheGroup, group_layers, num_slots
 from deepinfer.layers.attention import forward_context
@@ -33,13 +49,15 @@ from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
 from deepinfer.platforms.transfer import to_device
-from deepinfer.sample.logprobs import compute_prompt_logprobs
+from deepinfer.sample.logprobs import compute_prompt_logprobs, top_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
-from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec_decode.runner_ops import verify_chunks
+from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
+from deepinfer.spec_decode.verifier import VerifyRequest, verify
 from deepinfer.worker.input_batch import FRESH_SDPA_MIN_TOKENS, StepInputs, build_step_inputs
+from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
 
 if TYPE_CHECKING:
+    from deepinfer.spec_decode.drafter import Draft, DraftRequest
     from deepinfer.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)
@@ -50,19 +68,8 @@ PLACEHOLDER = -1
 
 
 @dataclass
-class RunnerRequestState:
-    token_ids: list[int]          # prompt + sampled tokens, as far as the runner knows
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]   # kept beside token_ids so the sampler gets them without a copy
-    params: SamplingParams
-    eos_token_ids: frozenset[int]
-    generator: torch.Generator | None
-    num_placeholders: int = 0     # trailing sampled tokens not collected yet (overlapped scheduling)
-
-
-@dataclass
-class ForwardStep:
-    """A step whose forward is queued: what sampling needs from it."""
+class _QueuedForward:
+    """Behind a ForwardStep: what sampling needs from the step's forward."""
 
     inputs: StepInputs | None             # None: nothing to compute
     hidden: torch.Tensor | None           # None when a CUDA graph ran (it returns logits only); only
@@ -72,8 +79,8 @@ class ForwardStep:
 
 
 @dataclass
-class LaunchedStep:
-    """A step whose device work is queued; `ModelRunner.collect` turns it into a RunnerResult."""
+class _QueuedSample:
+    """Behind a LaunchedStep: its device work is queued; `collect` turns it into a RunnerResult."""
 
     result: RunnerResult                  # what is known on the host already (verify, prompt logprobs)
     sampled_request_ids: list[str] = field(default_factory=list)   # one per sampled row
@@ -139,6 +146,10 @@ class ModelRunner:
 
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
+        # Steps behind the handles given out and not redeemed yet, by step id.
+        self._step_ids = itertools.count()
+        self._forwards: dict[int, _QueuedForward] = {}
+        self._samples: dict[int, _QueuedSample] = {}
         # The last launched step's sampled tokens (device) and each request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -192,7 +203,7 @@ class ModelRunner:
         rows = min(self.config.scheduler.max_num_seqs, tokens)
         blocks = -(-tokens // self.block_size) + 1
         caches = self._scratch_caches(blocks)
-        chunk = ScheduledChunk("profile", 0, tokens, [list(range(1, blocks)) for _ in self.groups], sample=True)
+        chunk = StepChunk("profile", 0, tokens, [list(range(1, blocks)) for _ in self.groups], sample=True)
         inputs = build_step_inputs([chunk], {"profile": [0] * tokens}, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, caches, self.device,
                                    backend=self.attention_backend)
@@ -228,7 +239,7 @@ class ModelRunner:
             count = -(-(cached + new) // self.block_size)
             table = list(range(next_block, next_block + count))
             next_block += count
-            chunks.append(ScheduledChunk(f"warm-up {i}", cached, new, [table for _ in self.groups], sample=True))
+            chunks.append(StepChunk(f"warm-up {i}", cached, new, [table for _ in self.groups], sample=True))
             token_ids[f"warm-up {i}"] = [0] * (cached + new)
         inputs = build_step_inputs(chunks, token_ids, self.groups, self.block_size, self.layer_to_group,
                                    self.layer_to_slot, caches, self.device, backend=self.attention_backend,
@@ -250,19 +261,20 @@ class ModelRunner:
             cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes, weight_bytes=self.weight_bytes)
         return max(budget // self.bytes_per_block, 2)
 
-    # ------------------------------------------------------------------------------- execute
-    def execute(self, plan: SchedulerPlan) -> RunnerResult:
-        return self.collect(self.sample(self.forward(plan), plan.grammar_bitmask))
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        return KVCacheConfig(self.groups, self.num_blocks, self.block_size)
 
+    # ------------------------------------------------------------------------------- execute
     @torch.inference_mode()
     def forward(self, plan: SchedulerPlan) -> ForwardStep:
-        """Queue the step's forward and the logits of its sampled rows."""
-        for request_id in plan.finished_request_ids:
-            self.requests.pop(request_id, None)
-        for new in plan.new_requests:
-            self.requests[new.request_id] = self._new_state(new)
+        """Apply the plan's request changes, then queue the step's forward and the logits of
+        its sampled rows."""
+        update_states(self.requests, plan, self.device)
+        handle = ForwardStep(next(self._step_ids))
         if plan.is_empty:
-            return ForwardStep(None, None, [], None)
+            self._forwards[handle.step_id] = _QueuedForward(None, None, [], None)
+            return handle
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
         graphs = self.decode_graphs
@@ -271,7 +283,7 @@ class ModelRunner:
                      and graphs.bucket_for(len(plan.chunks)) is not None)
         # A graph replays with its bucket's split count; eager steps pick theirs the same way.
         decode_splits = self.decode_splits(graphs.bucket_for(len(plan.chunks)) if use_graph else len(plan.chunks))
-        inputs = build_step_inputs(plan.chunks, token_ids, self.groups, self.block_size,
+        inputs = build_step_inputs(step_chunks(self.requests, plan.chunks), token_ids, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device,
                                    backend=self.attention_backend, decode_splits=decode_splits)
         self._fill_placeholders(inputs)
@@ -290,21 +302,25 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index)
             if sample_rows:
                 logits = self.model.compute_logits(hidden[index] if every_row else hidden)
-        return ForwardStep(inputs, hidden, sample_rows, logits)
+        self._forwards[handle.step_id] = _QueuedForward(inputs, hidden, sample_rows, logits)
+        return handle
 
     @torch.inference_mode()
-    def sample(self, step: ForwardStep, grammar_bitmask=None) -> LaunchedStep:
+    def sample(self, forward: ForwardStep, grammar: GrammarOutput | None = None) -> LaunchedStep:
         """Queue sampling after a forward; returns without waiting for the device (except for
         draft verification and prompt logprobs, which need host values at once)."""
-        launched = LaunchedStep(RunnerResult(sampled_token_ids={}))
+        step = self._forwards.pop(forward.step_id)
+        launched = _QueuedSample(RunnerResult(sampled_token_ids={}))
+        handle = LaunchedStep(forward.step_id)
+        self._samples[handle.step_id] = launched
         result, inputs = launched.result, step.inputs
         if inputs is None:
-            return launched
+            return handle
         if step.sample_rows:
             logits = step.logits
             request_ids = [inputs.chunks[i].request_id for i in step.sample_rows]
-            if grammar_bitmask is not None:   # structured output: disallowed tokens -> -inf
-                grammar_bitmask.apply(logits, request_ids)
+            if grammar is not None:   # structured output: disallowed tokens -> -inf
+                apply_grammar_bitmask(logits, grammar, request_ids)
             # Every earlier step is collected by now, so penalties and seeds see real tokens.
             # (A request that stopped on the last collected token is sampled once more here;
             # the scheduler ignores that token.)
@@ -321,8 +337,8 @@ class ModelRunner:
 
         verify_rows = [i for i, c in enumerate(inputs.chunks) if c.spec_token_ids]
         if verify_rows:   # speculative decoding: sample at every draft position, keep what passes
-            verify_chunks(self, [inputs.chunks[i] for i in verify_rows],
-                          [inputs.last_token_index[i] for i in verify_rows], step.hidden, result, grammar_bitmask)
+            self._verify_drafts([inputs.chunks[i] for i in verify_rows],
+                                [inputs.last_token_index[i] for i in verify_rows], step.hidden, result, grammar)
 
         for i, chunk in enumerate(inputs.chunks):
             if chunk.prompt_logprobs:
@@ -331,11 +347,12 @@ class ModelRunner:
         if self.platform.name == "cuda":
             launched.done = torch.cuda.Event()
             launched.done.record()
-        return launched
+        return handle
 
-    def collect(self, launched: LaunchedStep) -> RunnerResult:
+    def collect(self, handle: LaunchedStep) -> RunnerResult:
         """Wait for a launched step and return its result; the requests' placeholders for its
         tokens get their values."""
+        launched = self._samples.pop(handle.step_id)
         result = launched.result
         if launched.sample is None:
             return result
@@ -375,22 +392,10 @@ class ModelRunner:
             tokens = self._last_sampled[0]
             inputs.input_ids[to_device(rows, self.device, torch.long)] = tokens[to_device(sources, self.device, torch.long)]
 
-    def _new_state(self, new: NewRequestData) -> RunnerRequestState:
-        generator = None
-        if new.sampling_params.seed is not None:
-            generator = torch.Generator(device=self.device)
-        return RunnerRequestState(new.prompt_token_ids + new.output_token_ids, list(new.prompt_token_ids),
-                                  list(new.output_token_ids), new.sampling_params, new.eos_token_ids, generator)
-
     def _sampling_row(self, request_id: str) -> SamplingRow:
         state = self.requests[request_id]
-        output_ids = state.output_token_ids
-        if state.generator is not None:
-            # NOTE: reseeded from (seed, position) every step, so a seeded request draws the same
-            # tokens whatever it is batched with, and again after a preemption and recompute.
-            state.generator.manual_seed((state.params.seed * 1_000_003 + len(output_ids)) % 2**63)
-        return SamplingRow(state.params, state.prompt_token_ids, output_ids,
-                           state.generator, state.eos_token_ids)
+        return SamplingRow(state.params, state.prompt_token_ids, state.output_token_ids,
+                           self._reseeded(state), state.eos_token_ids)
 
     def _prompt_logprobs(self, chunk, hidden: torch.Tensor, last_index: int):
         """Logprobs of the prompt tokens this chunk predicts: position p predicts token p + 1."""
@@ -404,3 +409,84 @@ class ModelRunner:
             logits = self.model.compute_logits(rows)
             entries += [t.to_dict() for t in compute_prompt_logprobs(logits, targets, state.params.prompt_logprobs)]
         return entries
+
+    # -------------------------------------------------------------------- speculative decoding
+    def _verify_drafts(self, chunks: list[StepChunk], last_indices: list[int], hidden: torch.Tensor,
+                       result: RunnerResult, grammar: GrammarOutput | None) -> None:
+        """A chunk with drafts was run as 1 known token + m drafts (input_batch.py); its last
+        m + 1 hidden states give the target's logits after each draft prefix. The accepted
+        tokens go into the result and into the request's token lists, so the runner never holds
+        a rejected draft."""
+        index: list[int] = []
+        requests = []
+        for chunk, last in zip(chunks, last_indices):
+            drafts = list(chunk.spec_token_ids)
+            index.extend(range(last - len(drafts), last + 1))
+            state = self.requests[chunk.request_id]
+            requests.append(VerifyRequest(drafts, _draft_rows(state, drafts), self._reseeded(state)))
+        logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        if grammar is not None:   # structured output: row j masked as after drafts 1..j
+            apply_grammar_bitmask(logits, grammar, [(c.request_id, j) for c in chunks
+                                                    for j in range(len(c.spec_token_ids) + 1)])
+        offset = 0
+        for chunk, request, verdict in zip(chunks, requests, verify(logits, requests)):
+            state = self.requests[chunk.request_id]
+            state.token_ids.extend(verdict.token_ids)
+            state.output_token_ids.extend(verdict.token_ids)
+            result.sampled_token_ids[chunk.request_id] = verdict.token_ids
+            if state.params.logprobs is not None:
+                # Row j's raw logits are the target's at the position of the j-th emitted token.
+                n = len(verdict.token_ids)
+                entries = top_logprobs(logits[offset:offset + n], torch.tensor(verdict.token_ids),
+                                       [state.params.logprobs] * n)
+                result.logprobs[chunk.request_id] = [e.to_dict() for e in entries]
+            offset += len(request.rows)
+
+    @staticmethod
+    def _reseeded(state: RunnerRequestState) -> torch.Generator | None:
+        if state.generator is not None:
+            # NOTE: reseeded from (seed, position) every step, plain sampling and verification
+            # alike, so a seeded request draws the same tokens whatever it is batched with, and
+            # again after a preemption and recompute.
+            state.generator.manual_seed((state.params.seed * 1_000_003 + len(state.output_token_ids)) % 2**63)
+        return state.generator
+
+    @torch.inference_mode()
+    def profile_verify_step(self, num_seqs: int, num_query: int, context: int = 128) -> float:
+        """Seconds for one verify-shaped step: num_seqs sequences, each 1 token + num_query - 1
+        drafts at `context` tokens of history, logits at every query token. Runs at start-up
+        only: it writes garbage KV into the first blocks, which no request owns yet."""
+        bs = self.block_size
+        context = max(min(context, (self.num_blocks - 1) * bs - num_query), 0)
+        blocks = list(range(1, -(-(context + num_query) // bs) + 1))
+        chunks = [StepChunk(f"profile-{i}", context, num_query, [blocks for _ in self.groups], True,
+                            spec_token_ids=[0] * (num_query - 1)) for i in range(num_seqs)]
+        token_ids = {c.request_id: [0] * (context + 1) for c in chunks}
+        start = time.perf_counter()
+        inputs = build_step_inputs(chunks, token_ids, self.groups, bs, self.layer_to_group, self.layer_to_slot,
+                                   self.kv_caches, self.device, backend=self.attention_backend,
+                                   decode_splits=self.decode_splits(len(chunks)))
+        with forward_context(inputs.attention):
+            hidden = self.model(inputs.input_ids, inputs.positions)
+        self.model.compute_logits(hidden).argmax(dim=-1).tolist()   # .tolist() waits for the device
+        return time.perf_counter() - start
+
+    def supports_mtp(self) -> bool:
+        """Whether the model carries a multi-token-prediction head (spec_decode/mtp.py)."""
+        return hasattr(self.model, "propose_mtp")
+
+    def propose_mtp(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        return self.model.propose_mtp(requests)
+
+
+def _draft_rows(state: RunnerRequestState, drafts: list[int]) -> list[SamplingRow]:
+    """The m + 1 sampling rows of a request verifying m drafts."""
+    params = state.params
+    outputs = state.output_token_ids
+    rows = []
+    for j in range(len(drafts) + 1):
+        # Penalties and min_tokens see the drafts before row j as generated output; other rows
+        # only need the length, so they share the list instead of copying it per row.
+        seen = outputs + drafts[:j] if j and (params.has_penalties or params.min_tokens) else outputs
+        rows.append(SamplingRow(params, state.prompt_token_ids, seen, None, state.eos_token_ids))
+    return rows

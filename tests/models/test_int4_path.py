@@ -41,8 +41,8 @@ def both_paths():
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
     dense = LLM(dtype="bfloat16", quantization="none", max_model_len=512, num_kv_blocks=64)
     fast = LLM(dtype="bfloat16", max_model_len=512, num_kv_blocks=64)
-    assert any(getattr(m, "int4_weight", None) is not None for m in fast.engine.runner.model.modules())
-    assert all(getattr(m, "int4_weight", None) is None for m in dense.engine.runner.model.modules())
+    assert any(getattr(m, "int4_weight", None) is not None for m in fast.engine.executor.runner.model.modules())
+    assert all(getattr(m, "int4_weight", None) is None for m in dense.engine.executor.runner.model.modules())
     return ([o.outputs[0] for o in dense.generate(TEXTS, params, use_tqdm=False)],
             [o.outputs[0] for o in fast.generate(TEXTS, params, use_tqdm=False)], fast)
 
@@ -58,7 +58,7 @@ def test_int4_decode_agrees_with_dense_reference(both_paths):
 
 def test_int4_and_dense_linear_agree_on_random_inputs(both_paths):
     _, _, fast = both_paths
-    layer = fast.engine.runner.model.model.layers[3].mlp.gate_up_proj
+    layer = fast.engine.executor.runner.model.model.layers[3].mlp.gate_up_proj
     x = torch.randn(4, layer.in_features, dtype=torch.bfloat16)
     fast_out = layer(x).float()
     dense_out = torch.nn.functional.linear(x.float(), layer.weight.float())

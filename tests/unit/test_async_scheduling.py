@@ -53,7 +53,7 @@ def test_engine_resolves_the_flag():
 def test_overlapped_loop_launches_before_collecting(engines):
     """The point of the mode: step N+1's forward is queued while step N is still uncollected."""
     _, overlapped = engines
-    runner = overlapped.engine.runner
+    runner = overlapped.engine.executor.runner
     calls: list[str] = []
     forward, collect = runner.forward, runner.collect
     runner.forward = lambda plan: (calls.append("forward"), forward(plan))[1]

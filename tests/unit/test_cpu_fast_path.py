@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.plan import ScheduledChunk
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.layers.attention import Attention, forward_context
 from deepinfer.layers.attention.cpu_decode import FP32_MAX_ROWS
 from deepinfer.layers.linear import Int8Blocks, int4_available, int4_matmul, pack_int4
 from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.worker.input_batch import build_step_inputs
+from deepinfer.worker.request_states import StepChunk
 
 BS = 16
 CASES = [   # (heads, kv_heads, head_dim, window, dtype)
@@ -28,7 +28,7 @@ CASES = [   # (heads, kv_heads, head_dim, window, dtype)
 ]
 
 
-def random_batch(rng: random.Random, num_blocks: int, num_decodes: int) -> list[ScheduledChunk]:
+def random_batch(rng: random.Random, num_blocks: int, num_decodes: int) -> list[StepChunk]:
     """`num_decodes` decodes of random lengths plus a few prefill chunks, random block tables."""
     free = list(range(1, num_blocks))
     rng.shuffle(free)
@@ -39,7 +39,7 @@ def random_batch(rng: random.Random, num_blocks: int, num_decodes: int) -> list[
         context = rng.randint(1 if kind == "decode" else 0, 120)
         num_tokens = 1 if kind == "decode" else rng.randint(2, 30)
         blocks = [free.pop() for _ in range(-(-(context + num_tokens) // BS))]
-        chunks.append(ScheduledChunk(f"r{i}", context, num_tokens, [blocks], sample=True))
+        chunks.append(StepChunk(f"r{i}", context, num_tokens, [blocks], sample=True))
     return chunks
 
 
@@ -82,8 +82,8 @@ def test_cpu_decode_matches_reference(case, num_decodes, seed):
 def test_decode_only_step_and_padding():
     """A decode-only step (returned without a copy) whose rows differ in length: the padding of
     the short rows is hidden from them."""
-    chunks = [ScheduledChunk("a", 3, 1, [[5]], sample=True),
-              ScheduledChunk("b", 70, 1, [[9, 2, 7, 4, 11]], sample=True)]
+    chunks = [StepChunk("a", 3, 1, [[5]], sample=True),
+              StepChunk("b", 70, 1, [[9, 2, 7, 4, 11]], sample=True)]
     ref, out, inputs = run_backends(chunks, 8, 2, 64, None, torch.float32, seed=3)
     assert inputs.attention.groups[0].decode_bias is not None
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -75,8 +75,8 @@ def outputs(tiny_llama):
         prompt_logprobs[name] = [[entry[token].logprob for entry, token in zip(o.prompt_logprobs[1:], p[1:])]
                                  for o, p in zip(llm.generate([list(p) for p in PROMPTS], scoring,
                                                               use_tqdm=False), PROMPTS)]
-        blocks[name] = llm.engine.runner.num_blocks
-        assert llm.engine.runner.kv_caches[0][0].dtype == (torch.float32 if name == "auto" else FP8_DTYPE)
+        blocks[name] = llm.engine.executor.runner.num_blocks
+        assert llm.engine.executor.runner.kv_caches[0][0].dtype == (torch.float32 if name == "auto" else FP8_DTYPE)
     return runs, prompt_logprobs, blocks
 
 

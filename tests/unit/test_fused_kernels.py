@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.plan import ScheduledChunk
 from deepinfer.kv_cache.dtypes import to_cache_dtype
 from deepinfer.kv_cache.specs import group_layers, num_slots
 from deepinfer.layers.attention import forward_context
@@ -28,6 +27,7 @@ from deepinfer.layers.rotary import RotaryEmbedding
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.worker.input_batch import build_step_inputs
+from deepinfer.worker.request_states import StepChunk
 from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
 
 LOW = torch.float16 if INTERPRETED else torch.bfloat16   # the interpreter runs on NumPy: no bf16
@@ -360,7 +360,7 @@ def run_step(model, dtype: torch.dtype, backend: str, plan=MIXED_STEP):
         for _ in groups:
             tables.append(list(range(next_block, next_block + -(-total // BS))))
             next_block += len(tables[-1])
-        chunks.append(ScheduledChunk(f"r{i}", context, new, tables, sample=True))
+        chunks.append(StepChunk(f"r{i}", context, new, tables, sample=True))
         token_ids[f"r{i}"] = [rng.randrange(2, TINY["vocab_size"]) for _ in range(total)]
     inputs = build_step_inputs(chunks, token_ids, groups, BS, layer_to_group, layer_to_slot, caches,
                                DEVICE, backend=backend, decode_splits=2)

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import CacheConfig
-from deepinfer.engine.core import EngineStats
 from deepinfer.engine.core_proc import step_tokens
+from deepinfer.engine.plan import EngineStats
 from deepinfer.engine.request import Request, RequestTimes
 from deepinfer.metrics.http import HTTPMetricsMiddleware
 from deepinfer.metrics.prometheus import ServerMetrics, buckets_1_2_5

@@ -5,9 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from deepinfer.engine.core import EngineStats
 from deepinfer.engine.core_proc import AddRequest, Failed, InputMessage, OutputMessage, StepOutputs
-from deepinfer.engine.plan import EngineCoreOutput
+from deepinfer.engine.plan import EngineCoreOutput, EngineStats
 from deepinfer.engine.request import RequestTimes
 from deepinfer.entrypoints import sampling
 from deepinfer.entrypoints.errors import APIError

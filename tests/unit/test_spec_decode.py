@@ -240,7 +240,7 @@ def test_speculative_config_from_json_and_cli():
 
 
 def test_prometheus_exports_spec_decode_counters():
-    from deepinfer.engine.core import EngineStats
+    from deepinfer.engine.plan import EngineStats
     from deepinfer.metrics.prometheus import ServerMetrics
 
     metrics = ServerMetrics("m", 2048)
@@ -324,8 +324,8 @@ def test_cost_model_corrects_a_bad_profile_point_online():
 def test_spec_stats_cross_the_engine_process_boundary():
     import msgspec
 
-    from deepinfer.engine.core import EngineStats
     from deepinfer.engine.core_proc import OutputMessage, StepOutputs
+    from deepinfer.engine.plan import EngineStats
 
     stats = SpecDecodeStats(2)
     stats.record(2, 1)

@@ -12,9 +12,10 @@ import tokenizers
 import torch
 import xgrammar as xgr
 
+from deepinfer.engine.plan import GrammarOutput
 from deepinfer.sample.structured import GrammarState, RequestGrammar, StructuredOutputManager, validate
 from deepinfer.sample.structured.backend import make_tokenizer_info
-from deepinfer.sample.structured.bitmask import StepBitmask, bitmask_bias, unpack_bitmask
+from deepinfer.sample.structured.bitmask import apply_grammar_bitmask, bitmask_bias, unpack_bitmask
 from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.tokenizer import Tokenizer
 
@@ -118,27 +119,21 @@ def test_bitmask_bias_masks_like_unpack_and_fill(mask_vocab, width):
     for request_ids in (["a", "b", "c", "d", "e"], ["x", "c", "y", "a"]):   # in order; mixed batch
         got, want = logits[:len(request_ids)].clone(), logits[:len(request_ids)].clone()
         for result, target in ((bias, got), (~unpack_bitmask(bitmask, width), want)):
-            done = Future()
-            done.set_result(result)
-            StepBitmask(dict(zip("abcde", range(5))), bitmask, done).apply(target, request_ids)
+            apply_grammar_bitmask(target, GrammarOutput(dict(zip("abcde", range(5))), result), request_ids)
         assert torch.equal(got, want)
 
 
 def test_step_bitmask_masks_only_constrained_rows():
     bitmask = torch.zeros(1, 1, dtype=torch.int32)
     bitmask[0, 0] = 0b10                # token 1 only
-    done = Future()
-    done.set_result(~unpack_bitmask(bitmask, 8))
-    step = StepBitmask({"constrained": 0}, bitmask, done)
+    step = GrammarOutput({"constrained": 0}, ~unpack_bitmask(bitmask, 8))
     logits = torch.arange(2 * 8, dtype=torch.bfloat16).view(2, 8)
-    step.apply(logits, ["free", "constrained"])
+    apply_grammar_bitmask(logits, step, ["free", "constrained"])
     assert logits[0].tolist() == list(range(8))
     assert logits[1].argmax().item() == 1 and torch.isinf(logits[1]).sum() == 7
     every = torch.zeros(2, 8, dtype=torch.float32)   # all rows constrained: the in-place path
-    blocked_both = Future()
-    blocked_both.set_result(~unpack_bitmask(bitmask.repeat(2, 1), 8))
-    both = StepBitmask({"x": 0, "y": 1}, bitmask.repeat(2, 1), blocked_both)
-    both.apply(every, ["x", "y"])
+    both = GrammarOutput({"x": 0, "y": 1}, ~unpack_bitmask(bitmask.repeat(2, 1), 8))
+    apply_grammar_bitmask(every, both, ["x", "y"])
     assert torch.isinf(every).sum() == 14
 
 
@@ -157,7 +152,7 @@ def test_batched_fill_masks_like_one_row_at_a_time(unpack_on_host):
         step = m.start_bitmask({**grammars, "chain": chain_grammar}, {"chain": [ids["a"], ids["c"]]})
         rows = ["r0", "r1", "r2", ("chain", 0), ("chain", 1), ("chain", 2)]
         logits = torch.zeros(len(rows), 40)
-        step.apply(logits, rows)
+        apply_grammar_bitmask(logits, step.result(), rows)
         got = [set(torch.nonzero(~torch.isinf(row)).flatten().tolist()) for row in logits]
         assert got[:3] == [expected["r0"], expected["r1"], expected["r2"]]
         reference = ready_grammar(m, choice=["abc", "acb"])   # same grammar, its own matcher

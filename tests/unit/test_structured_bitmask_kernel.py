@@ -1,4 +1,4 @@
-"""The Triton kernel that applies packed grammar bitmasks (the CUDA path of StepBitmask.apply)
+"""The Triton kernel that applies packed grammar bitmasks (the CUDA path of apply_grammar_bitmask)
 against the reference path: unpack_bitmask, then masked_fill.
 
 Random bitmasks (all-allowed, all-blocked and mixed words, bit 31 included), vocabularies that
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.sample.structured.bitmask import StepBitmask, unpack_bitmask
+from deepinfer.engine.plan import GrammarOutput
+from deepinfer.sample.structured.bitmask import apply_grammar_bitmask, unpack_bitmask
 from tests.triton_support import DEVICE  # skips this module without a way to run Triton
 
 from deepinfer.sample.structured.bitmask_kernel import apply_packed_bitmask  # noqa: E402  (needs triton)
@@ -55,23 +56,19 @@ def test_kernel_matches_unpack_and_fill(vocab, mask_vocab, dtype):
 
 
 def test_step_bitmask_apply_packed_matches_unpacked():
-    """StepBitmask.apply gives the same logits whether the worker unpacked the rows (CPU path)
+    """apply_grammar_bitmask gives the same logits whether the worker unpacked the rows (CPU path)
     or left them packed for the kernel (GPU path), for rows in order and for a mixed batch."""
-    from concurrent.futures import Future
-
     gen = torch.Generator().manual_seed(0)
     vocab = 3000
     bitmask = random_bitmask(3, vocab, gen)
 
-    def step(packed: bool) -> StepBitmask:
-        done = Future()
-        done.set_result(bitmask if packed else ~unpack_bitmask(bitmask, vocab))
-        return StepBitmask({"a": 0, "b": 1, "c": 2}, bitmask, done)
+    def step(packed: bool) -> GrammarOutput:
+        return GrammarOutput({"a": 0, "b": 1, "c": 2}, bitmask if packed else ~unpack_bitmask(bitmask, vocab))
 
     for request_ids in (["a", "b", "c"], ["x", "c", "y", "a"]):
         logits = torch.randn(len(request_ids), vocab, generator=gen).to(DEVICE)
         unpacked, packed = logits.clone(), logits.clone()
-        step(False).apply(unpacked, request_ids)
-        step(True).apply(packed, request_ids)
+        apply_grammar_bitmask(unpacked, step(False), request_ids)
+        apply_grammar_bitmask(packed, step(True), request_ids)
         assert torch.equal(unpacked, packed)
         assert torch.isinf(packed).any() and not torch.isinf(packed[[i for i, r in enumerate(request_ids) if r in "xy"]]).any()

@@ -16,10 +16,10 @@ import random
 import pytest
 import torch
 
-from deepinfer.engine.plan import ScheduledChunk
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.layers.attention import Attention, forward_context
 from deepinfer.worker.input_batch import build_step_inputs
+from deepinfer.worker.request_states import StepChunk
 from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
 
 BS = 16
@@ -54,7 +54,7 @@ def random_batch(rng: random.Random, num_blocks: int):
                 num_tokens += len(drafts)
         total = context + num_tokens
         blocks = [free.pop() for _ in range(-(-total // BS))]
-        chunks.append(ScheduledChunk(f"r{i}", context, num_tokens, [blocks], sample=True, spec_token_ids=drafts))
+        chunks.append(StepChunk(f"r{i}", context, num_tokens, [blocks], sample=True, spec_token_ids=drafts))
     return chunks
 
 
@@ -145,10 +145,10 @@ def test_fresh_chunks_dispatch(window):
     """A decode, a long fresh chunk, a fresh chunk under the threshold and one on a cached prefix:
     the long fresh one goes to SDPA unless a window shorter than it cuts it; all match the reference."""
     dtype = torch.float16 if INTERPRETED else torch.bfloat16
-    chunks = [ScheduledChunk("dec", 30, 1, [[1, 2]], sample=True),
-              ScheduledChunk("fresh", 0, 24, [[3, 4]], sample=True),
-              ScheduledChunk("short", 0, MIN_FRESH - 1, [[5]], sample=True),
-              ScheduledChunk("extend", 40, 20, [[6, 7, 8, 9]], sample=True)]
+    chunks = [StepChunk("dec", 30, 1, [[1, 2]], sample=True),
+              StepChunk("fresh", 0, 24, [[3, 4]], sample=True),
+              StepChunk("short", 0, MIN_FRESH - 1, [[5]], sample=True),
+              StepChunk("extend", 40, 20, [[6, 7, 8, 9]], sample=True)]
     ref, out, inputs = run_backends(chunks, 8, 2, 64, window, dtype, seed=0)
     group = inputs.attention.groups[0]
     if window == 10:
@@ -173,9 +173,9 @@ def test_fresh_chunk_length_buckets(bucket, monkeypatch):
     monkeypatch.setattr(Attention, "_causal_flash",
                         lambda self, q, k, v, batch=1: seen.append(q.shape[0]) or causal_flash(self, q, k, v, batch))
     dtype = torch.float16 if INTERPRETED else torch.bfloat16
-    chunks = [ScheduledChunk("dec", 30, 1, [[1, 2]], sample=True),
-              ScheduledChunk("fresh", 0, 24, [[3, 4]], sample=True),
-              ScheduledChunk("extend", 40, 27, [[6, 7, 8, 9, 10]], sample=True)]
+    chunks = [StepChunk("dec", 30, 1, [[1, 2]], sample=True),
+              StepChunk("fresh", 0, 24, [[3, 4]], sample=True),
+              StepChunk("extend", 40, 27, [[6, 7, 8, 9, 10]], sample=True)]
     ref, out, inputs = run_backends(chunks, 8, 2, 64, None, dtype, seed=0)
     assert inputs.attention.groups[0].sdpa_prefill_ranges == [(1, 25)]
     assert seen == [{1: 24, 16: 32, 64: 64}[bucket]]
@@ -205,9 +205,9 @@ def test_equal_fresh_chunks_in_one_call(monkeypatch):
     monkeypatch.setattr(Attention, "_causal_flash", lambda self, q, k, v, batch=1: (
         seen.append((q.shape[0], batch)) or causal_flash(self, q, k, v, batch)))
     dtype = torch.float16 if INTERPRETED else torch.bfloat16
-    chunks = [ScheduledChunk("dec", 30, 1, [[1, 2]], sample=True)]
-    chunks += [ScheduledChunk(f"fresh{i}", 0, 16, [[3 + i]], sample=True) for i in range(3)]
-    chunks += [ScheduledChunk("extend", 40, 9, [[6, 7, 8, 9]], sample=True)]
+    chunks = [StepChunk("dec", 30, 1, [[1, 2]], sample=True)]
+    chunks += [StepChunk(f"fresh{i}", 0, 16, [[3 + i]], sample=True) for i in range(3)]
+    chunks += [StepChunk("extend", 40, 9, [[6, 7, 8, 9]], sample=True)]
     ref, out, inputs = run_backends(chunks, 8, 2, 64, None, dtype, seed=2)
     assert inputs.attention.groups[0].sdpa_prefill_ranges == [(1, 17), (17, 33), (33, 49)]
     assert seen == [(48, 3)]
@@ -218,7 +218,7 @@ def test_one_fresh_chunk_step():
     """A step that is one fresh chunk returns SDPA's output without a copy into `out`
     (only rows padded up to the length bucket, dropped by a view)."""
     dtype = torch.float16 if INTERPRETED else torch.bfloat16
-    chunks = [ScheduledChunk("fresh", 0, 40, [[4, 2, 7]], sample=True)]
+    chunks = [StepChunk("fresh", 0, 40, [[4, 2, 7]], sample=True)]
     ref, out, inputs = run_backends(chunks, 32, 8, 128, None, dtype, seed=1)
     group = inputs.attention.groups[0]
     assert group.sdpa_prefill_ranges == [(0, 40)] and group.kernel_prefill_rows is None

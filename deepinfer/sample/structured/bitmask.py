@@ -1,14 +1,15 @@
 """One step's token bitmask: filled on the CPU beside the forward, applied to the logits after it.
 
-The engine core asks the manager for a `StepBitmask` right after scheduling; a worker thread
+The engine core asks the manager for a `BitmaskFill` right after scheduling; a worker thread
 fills one int32 row per constrained request (bit t of a row set = token t allowed) while the
-runner builds inputs and runs the model. The runner calls `apply` on the logits of the sampled
-rows, which waits for the fill (usually long done) and sets every disallowed logit to -inf
-before the sampler sees them. Unconstrained rows are untouched.
+runner builds inputs and runs the model. Before queuing the step's sampling the core waits for
+the fill (usually long done) and hands its result, a GrammarOutput (engine/plan.py), to the
+runner, whose `apply_grammar_bitmask` sets every disallowed logit to -inf before the sampler
+sees them. Unconstrained rows are untouched.
 
 Thread safety: the fill reads the matchers; the scheduler advances them only in `update`, after
-the runner sampled the step (`apply` waited for the fill by then), and the next fill starts
-after that update, so the two never overlap (plain and overlapped loop alike).
+the core waited for the fill of that step, and the next fill starts after that update, so the
+two never overlap (plain and overlapped loop alike).
 """
 
 from __future__ import annotations
@@ -18,50 +19,58 @@ from concurrent.futures import Future
 
 import torch
 
+from deepinfer.engine.plan import GrammarOutput, GrammarRowKey
 from deepinfer.platforms.transfer import to_device
 
 
-class StepBitmask:
-    def __init__(self, rows: dict[str, int], bitmask: torch.Tensor, blocked: Future) -> None:
-        self.rows = rows            # request id -> its row in `bitmask`
+class BitmaskFill:
+    """A fill under way in the manager's worker; lives in the engine core, never in a plan."""
+
+    def __init__(self, rows: dict[GrammarRowKey, int], bitmask: torch.Tensor, blocked: Future) -> None:
+        self.rows = rows            # request id (or (request id, j)) -> its row in `bitmask`
         self.bitmask = bitmask      # int32 [len(rows), ceil(grammar vocab / 32)], on the CPU
-        # Future of what `apply` reads: on a GPU the packed rows themselves; on the CPU a float32
-        # [len(rows), vocab] bias (0 allowed, -inf not) that the worker expands beside the
-        # forward, so only one add is left on the engine loop. (A bool mask, True = not
-        # allowed, is also taken: the reference path.)
+        # Future of what `apply_grammar_bitmask` reads: on a GPU the packed rows themselves; on the
+        # CPU a float32 [len(rows), vocab] bias (0 allowed, -inf not) that the worker expands
+        # beside the forward, so only one add is left on the engine loop. (A bool mask, True =
+        # not allowed, is also taken: the reference path.)
         self._blocked = blocked
 
-    def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
-        """Mask logits in place; logits row i belongs to request_ids[i]."""
-        logit_rows = [i for i, rid in enumerate(request_ids) if rid in self.rows]
-        if not logit_rows:
-            return
-        filled = self._blocked.result()   # re-raises a failed fill here
-        mask_rows = [self.rows[request_ids[i]] for i in logit_rows]
-        in_order = logit_rows == list(range(logits.shape[0])) and mask_rows == list(range(filled.shape[0]))
-        if filled.dtype == torch.int32 and logits.is_cuda:
-            # Packed rows on a GPU: copy 32x fewer bytes, expand and fill in one kernel there.
-            from deepinfer.sample.structured.bitmask_kernel import apply_packed_bitmask
+    def result(self) -> GrammarOutput:
+        """Wait for the fill; re-raises a failed one."""
+        return GrammarOutput(self.rows, self._blocked.result())
 
-            rows = None if in_order else to_device([logit_rows, mask_rows], logits.device, torch.int32)
-            apply_packed_bitmask(logits, to_device(filled, logits.device), rows)
-            return
-        if filled.is_floating_point():   # the CPU's additive bias (bitmask_bias)
-            bias = to_device(filled, logits.device)
-            if in_order:
-                logits.add_(bias)
-                return
-            index = to_device(logit_rows, logits.device, torch.long)
-            logits[index] = logits[index] + bias[to_device(mask_rows, logits.device, torch.long)]
-            return
-        # The reference path: a bool mask (unpacked here from packed rows off the GPU).
-        blocked = ~unpack_bitmask(filled, logits.shape[-1]) if filled.dtype == torch.int32 else filled
-        blocked = to_device(blocked, logits.device)
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarOutput, keys: Sequence[GrammarRowKey]) -> None:
+    """Mask logits in place; logits row i belongs to keys[i] (a request id, or (request id, j))."""
+    logit_rows = [i for i, key in enumerate(keys) if key in grammar.rows]
+    if not logit_rows:
+        return
+    filled = grammar.bitmask
+    mask_rows = [grammar.rows[keys[i]] for i in logit_rows]
+    in_order = logit_rows == list(range(logits.shape[0])) and mask_rows == list(range(filled.shape[0]))
+    if filled.dtype == torch.int32 and logits.is_cuda:
+        # Packed rows on a GPU: copy 32x fewer bytes, expand and fill in one kernel there.
+        from deepinfer.sample.structured.bitmask_kernel import apply_packed_bitmask
+
+        rows = None if in_order else to_device([logit_rows, mask_rows], logits.device, torch.int32)
+        apply_packed_bitmask(logits, to_device(filled, logits.device), rows)
+        return
+    if filled.is_floating_point():   # the CPU's additive bias (bitmask_bias)
+        bias = to_device(filled, logits.device)
         if in_order:
-            logits.masked_fill_(blocked, float("-inf"))   # every row constrained, same order
+            logits.add_(bias)
             return
         index = to_device(logit_rows, logits.device, torch.long)
-        logits[index] = logits[index].masked_fill(blocked[to_device(mask_rows, logits.device, torch.long)], float("-inf"))
+        logits[index] = logits[index] + bias[to_device(mask_rows, logits.device, torch.long)]
+        return
+    # The reference path: a bool mask (unpacked here from packed rows off the GPU).
+    blocked = ~unpack_bitmask(filled, logits.shape[-1]) if filled.dtype == torch.int32 else filled
+    blocked = to_device(blocked, logits.device)
+    if in_order:
+        logits.masked_fill_(blocked, float("-inf"))   # every row constrained, same order
+        return
+    index = to_device(logit_rows, logits.device, torch.long)
+    logits[index] = logits[index].masked_fill(blocked[to_device(mask_rows, logits.device, torch.long)], float("-inf"))
 
 
 # _BYTE_BITS[b, j] is bit j of byte b: unpacking a byte is one table lookup.

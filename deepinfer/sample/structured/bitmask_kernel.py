@@ -1,4 +1,4 @@
-"""Packed grammar bitmask -> -inf logits in one Triton kernel (the CUDA path of StepBitmask.apply).
+"""Packed grammar bitmask -> -inf logits in one Triton kernel (the CUDA path of apply_grammar_bitmask).
 
 The reference path (bitmask.unpack_bitmask, then masked_fill) unpacks the int32 words into a
 bool [rows, vocab] tensor through a byte table and fills from it: four or five kernels, and as

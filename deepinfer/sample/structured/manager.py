@@ -2,8 +2,8 @@
 
     arrival:     request.grammar = manager.grammar_for(params)   # compile starts now, in a worker
     scheduling:  the request waits in WAITING_FOR_GRAMMAR until request.grammar.poll() is READY
-    each step:   plan.grammar_bitmask = manager.start_bitmask(plan, requests)  # filled beside the forward
-                 runner: plan.grammar_bitmask.apply(logits, ...)               # before sampling
+    each step:   fill = manager.start_bitmask(grammars)      # filled in a worker beside the forward
+                 runner.sample(forward, fill.result())       # the core waits, the runner applies it
     update:      request.grammar.accept(token) for every accepted token
 
 Compiled grammars are cached by (tokenizer, grammar): the cache holds the compile's Future, so
@@ -24,7 +24,7 @@ import torch
 import xgrammar as xgr
 
 from deepinfer.sample.structured import backend
-from deepinfer.sample.structured.bitmask import StepBitmask, bitmask_bias
+from deepinfer.sample.structured.bitmask import BitmaskFill, bitmask_bias
 from deepinfer.sample.structured.grammar import RequestGrammar
 from deepinfer.sampling_params import StructuredOutputsParams
 
@@ -50,7 +50,7 @@ class StructuredOutputManager:
         # Rows without drafts fill in parallel, in xgrammar's own threads (the GIL released).
         self._batch_matcher = xgr.BatchGrammarMatcher()
         # On the CPU the worker also expands the bits into an additive bias, beside the forward;
-        # on a GPU the packed rows (32x smaller) are copied and applied there (StepBitmask.apply).
+        # on a GPU the packed rows (32x smaller) are copied and applied there (bitmask.apply_grammar_bitmask).
         self.unpack_on_host = unpack_on_host
         self._backend: backend.XGrammarBackend | None = None
         self._backend_lock = threading.Lock()
@@ -100,7 +100,7 @@ class StructuredOutputManager:
 
     # ------------------------------------------------------------------------------ bitmask
     def start_bitmask(self, grammars: dict[str, RequestGrammar],
-                      drafts: dict[str, list[int]] | None = None) -> StepBitmask | None:
+                      drafts: dict[str, list[int]] | None = None) -> BitmaskFill | None:
         """Start filling one bitmask row per request that samples under a grammar this step.
 
         A request verifying speculative drafts d_1..d_m gets m + 1 rows, keyed (request_id, j):
@@ -143,7 +143,7 @@ class StructuredOutputManager:
                 self._batch_matcher.batch_fill_next_token_bitmask(single_matchers, bitmask, single_rows)
             return bitmask_bias(bitmask, self.vocab_size) if self.unpack_on_host else bitmask
 
-        return StepBitmask(rows, bitmask, self._fill_pool.submit(fill))
+        return BitmaskFill(rows, bitmask, self._fill_pool.submit(fill))
 
     def shutdown(self) -> None:
         self._compile_pool.shutdown(wait=False, cancel_futures=True)

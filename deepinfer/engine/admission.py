@@ -1,0 +1,82 @@
+"""Admission: one user request -> the engine core's requests, the same way on every path.
+
+    messages = child_requests(request_id, prompt_ids, params, facts, priority=..., cache_salt=...)
+    request = to_request(message, block_size)      # in the core (process), one per message
+
+Three callers share it: the offline `LLM` (both halves, in one process), the server's engine
+client (the first half; it sends the messages to the core process) and the core process (the
+second half). What it decides:
+
+  - max_tokens: the room left before max_model_len (or less, when the request asks for less);
+  - n > 1 fans out into n child requests `{id}-{index}`, each with n=1 and, when seeded, its
+    own seed (SamplingParams.for_child); the front end's output processor gathers them back;
+  - extra_key: model id + cache_salt, part of every block hash (kv_cache/prefix_cache.py), so
+    tenants with different salts never share KV blocks;
+  - prompt_logprobs skip the prefix cache: every prompt position must be computed.
+
+`child_requests` is pure (it registers nothing), so a caller can build and encode everything
+before it commits to anything (the engine client's add_request is transactional).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from deepinfer.engine.request import Request
+from deepinfer.kv_cache.prefix_cache import extra_key
+from deepinfer.sampling_params import SamplingParams
+
+
+class AddRequest(msgspec.Struct, tag="add"):
+    """One core request, fully resolved: what the core needs to build its Request (and, as a
+    message, what the front end sends the core process)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int
+    priority: int = 0
+    cache_salt: str | None = None
+    extra_key: bytes = b""
+    skip_prefix_cache: bool = False
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What admission needs to know about the engine, fixed once it has started."""
+
+    model_id: str                 # served model name: part of every block hash
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+
+def child_request_ids(request_id: str, n: int) -> list[str]:
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    room = max_model_len - num_prompt_tokens
+    return room if params.max_tokens is None else min(params.max_tokens, room)
+
+
+def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, facts: EngineFacts, *,
+                   priority: int = 0, cache_salt: str | None = None) -> list[AddRequest]:
+    """The core requests of one user request, in child order (their ids: child_request_ids)."""
+    max_tokens = resolve_max_tokens(params, len(prompt_token_ids), facts.max_model_len)
+    key = extra_key(facts.model_id, cache_salt)
+    eos = sorted(facts.eos_token_ids)
+    skip_prefix_cache = params.prompt_logprobs is not None
+    return [AddRequest(child_id, prompt_token_ids, params.for_child(index) if params.n > 1 else params, eos,
+                       max_tokens, priority, cache_salt, key, skip_prefix_cache)
+            for index, child_id in enumerate(child_request_ids(request_id, params.n))]
+
+
+def to_request(message: AddRequest, block_size: int) -> Request:
+    """The engine core's Request for one admitted child."""
+    return Request(message.request_id, message.prompt_token_ids, message.sampling_params,
+                   frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
+                   cache_salt=message.cache_salt, extra_key=message.extra_key, block_size=block_size,
+                   skip_prefix_cache=message.skip_prefix_cache)

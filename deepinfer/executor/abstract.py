@@ -1,0 +1,96 @@
+"""The executor interface: everything the engine core asks of the model's worker(s).
+
+The engine core never touches a model runner: it learns the KV layout from the executor at
+start (`kv_cache_config`), hands it each plan, and gets the result back through handles:
+
+    forward = executor.execute_model(plan)               # queue the forward
+    launched = executor.sample_tokens(forward, grammar)  # queue the sampling (masks filled by then)
+    result = executor.collect(launched)                  # wait for that step, RunnerResult
+
+The overlapped loop (engine/core.py) interleaves these calls of two steps; the plain loop makes
+them in a row. Everything that crosses is a plan type (engine/plan.py): plain values a later
+multi-process executor can send to its ranks. Speculative decoding's runner-side work also goes
+through here (`profile_verify_step`, `propose_mtp`), and a draft model gets an executor of its
+own from the same factory (`Executor.from_config`).
+
+Which executor runs is ParallelConfig.distributed_executor_backend, vLLM's field: "uni" (one
+worker in this process, also what None means) is the one built so far; "mp" and "ray" are
+refused with a clear error until their issues land.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from deepinfer.config import EngineConfig, ParallelConfig
+from deepinfer.engine.plan import (
+    ForwardStep,
+    GrammarOutput,
+    KVCacheConfig,
+    LaunchedStep,
+    RunnerResult,
+    SchedulerPlan,
+)
+
+if TYPE_CHECKING:
+    from deepinfer.models.loader import ModelSource
+    from deepinfer.spec_decode.drafter import Draft, DraftRequest
+
+
+class Executor(ABC):
+    # Set by every executor's constructor, once its worker(s) sized the KV pool.
+    kv_cache_config: KVCacheConfig
+
+    @staticmethod
+    def get_class(parallel: ParallelConfig) -> type[Executor]:
+        """The executor class for `distributed_executor_backend` (None: "uni")."""
+        backend = parallel.distributed_executor_backend
+        if backend in (None, "uni"):
+            from deepinfer.executor.uniproc import UniProcExecutor
+
+            return UniProcExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r} is not implemented yet; this build runs one "
+                         "worker in the engine core's process: use 'uni' or leave it unset")
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, source: ModelSource, *, load_weights: bool = True) -> Executor:
+        """Build the executor `config` asks for, with its worker(s) ready to execute plans.
+        `load_weights=False` keeps random weights (benchmarks of a real shape)."""
+        return cls.get_class(config.parallel)(config, source, load_weights=load_weights)
+
+    # ---------------------------------------------------------------------------- steps
+    @abstractmethod
+    def execute_model(self, plan: SchedulerPlan) -> ForwardStep:
+        """Apply the plan's request changes and queue its forward."""
+
+    @abstractmethod
+    def sample_tokens(self, forward: ForwardStep, grammar: GrammarOutput | None) -> LaunchedStep:
+        """Queue the sampling of a queued forward, with the step's grammar masks if any."""
+
+    @abstractmethod
+    def collect(self, launched: LaunchedStep) -> RunnerResult:
+        """Wait for a launched step (only that one) and return its result."""
+
+    def execute(self, plan: SchedulerPlan) -> RunnerResult:
+        """The three calls in a row, for a plan without grammar rows (a draft model's steps)."""
+        return self.collect(self.sample_tokens(self.execute_model(plan), None))
+
+    # ------------------------------------------------------------- speculative decoding
+    @abstractmethod
+    def profile_verify_step(self, num_seqs: int, num_query: int) -> float:
+        """Seconds one verify-shaped step takes (start-up only; see ModelRunner)."""
+
+    @abstractmethod
+    def supports_mtp(self) -> bool:
+        """Whether the model has a multi-token-prediction head to draft with."""
+
+    @abstractmethod
+    def propose_mtp(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
+        """Drafts from the model's own MTP head."""
+
+    # -------------------------------------------------------------------------- the end
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the worker(s); the executor is not used afterwards."""
