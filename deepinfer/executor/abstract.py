@@ -20,6 +20,8 @@ refused with a clear error until their issues land.
 
 from __future__ import annotations
 
+import logging
+
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -39,6 +41,9 @@ if TYPE_CHECKING:
     from deepinfer.spec_decode.drafter import Draft, DraftRequest
 
 
+logger = logging.getLogger(__name__)
+
+
 class Executor(ABC):
     # Set by every executor's constructor, once its worker(s) sized the KV pool.
     kv_cache_config: KVCacheConfig
@@ -47,6 +52,12 @@ class Executor(ABC):
     def get_class(parallel: ParallelConfig) -> type[Executor]:
         """The executor class for `distributed_executor_backend` (None: "uni")."""
         backend = parallel.distributed_executor_backend
+        if backend in ("mp", "ray"):
+            # ParallelConfig admits only one rank in this build, and one rank is what the
+            # in-process executor runs: a vLLM launch line naming mp or ray still works.
+            logger.info("distributed_executor_backend=%s with one rank: the worker runs in the engine core's "
+                        "process (multi-process executors arrive with tensor parallelism)", backend)
+            backend = "uni"
         if backend in (None, "uni"):
             from deepinfer.executor.uniproc import UniProcExecutor
 
