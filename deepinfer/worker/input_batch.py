@@ -35,13 +35,13 @@ class StepInputs:
     last_token_index: list[int]
 
 
-def _slots(chunks: list[ScheduledChunk], group_id: int, block_size: int) -> np.ndarray:
-    """The cache row of every token of the chunks, in order. A one-token chunk (a decode) is
-    looked up directly: numpy per chunk costs more than the lookup, at 512 decodes a step."""
+def _slots(chunks: list[ScheduledChunk], tables: list[list[int]], block_size: int) -> np.ndarray:
+    """The cache row of every token of the chunks, in order (tables: each chunk's block ids). A
+    one-token chunk (a decode) is looked up directly: numpy per chunk costs more than the lookup,
+    at 512 decodes a step."""
     parts: list[np.ndarray] = []
     singles: list[int] = []
-    for c in chunks:
-        ids = c.block_ids[group_id]
+    for c, ids in zip(chunks, tables):
         if c.num_tokens == 1:
             singles.append(ids[c.start // block_size] * block_size + c.start % block_size)
             continue
@@ -90,9 +90,11 @@ def build_step_inputs(chunks: list[ScheduledChunk], token_ids: dict[str, list[in
     def to_dev(a: np.ndarray) -> torch.Tensor:
         return to_device(torch.from_numpy(a), device)   # queued: the device may be busy
 
+    block_tables = [[c.block_ids[group.group_id] for c in ordered] for group in groups]
     step = StepLayout(
         decodes=decodes, prefills=prefills, prefill_query_ranges=prefill_ranges, groups=groups,
-        slot_mappings=[to_dev(_slots(ordered, group.group_id, block_size)) for group in groups],
+        block_tables=block_tables,
+        slot_mappings=[to_dev(_slots(ordered, tables, block_size)) for tables in block_tables],
         block_size=block_size, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot, kv_caches=kv_caches,
         device=device, decode_splits=decode_splits, fresh_sdpa_min_tokens=fresh_sdpa_min_tokens)
     attention: AttentionMetadata = backend.build_metadata(step)

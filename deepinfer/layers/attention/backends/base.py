@@ -75,6 +75,9 @@ class StepLayout:
     prefills: list[ScheduledChunk]
     prefill_query_ranges: list[tuple[int, int]]   # each prefill chunk's token range in the step
     groups: list[KVCacheGroup]
+    # Per group (in `groups` order), each chunk's block ids in row order (decodes first): the
+    # only place backends learn where a request's KV lives.
+    block_tables: list[list[list[int]]]
     slot_mappings: list[torch.Tensor]             # per group, on the device (GroupMetadata.slot_mapping)
     block_size: int
     layer_to_group: list[int]

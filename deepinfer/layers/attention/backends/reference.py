@@ -42,13 +42,14 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
 
     def build_metadata(self, step: StepLayout) -> AttentionMetadata:
-        groups = [self._group_metadata(step, group, slots) for group, slots in zip(step.groups, step.slot_mappings)]
+        groups = [self._group_metadata(step, i) for i in range(len(step.groups))]
         return AttentionMetadata(groups=groups, **step.metadata_fields(self))
 
-    def _group_metadata(self, step: StepLayout, group, slot_mapping: torch.Tensor) -> GatherGroupMetadata:
-        window, block_size = sliding_window_of(group), step.block_size
-        tables = [np.asarray(c.block_ids[group.group_id], dtype=np.int64) for c in step.ordered]
-        meta = GatherGroupMetadata(slot_mapping=slot_mapping)
+    def _group_metadata(self, step: StepLayout, index: int) -> GatherGroupMetadata:
+        group, block_size = step.groups[index], step.block_size
+        window = sliding_window_of(group)
+        tables = [np.asarray(t, dtype=np.int64) for t in step.block_tables[index]]
+        meta = GatherGroupMetadata(slot_mapping=step.slot_mappings[index])
         decodes = step.decodes
         if decodes:
             qpos = np.array([c.start for c in decodes], dtype=np.int64)

@@ -127,7 +127,7 @@ class TritonBackend(AttentionBackend):
         prefills, ordered = step.prefills, step.ordered
         min_fresh = FRESH_SDPA_MIN_TOKENS if step.fresh_sdpa_min_tokens is None else step.fresh_sdpa_min_tokens
         groups = []
-        for group, slot_mapping in zip(step.groups, step.slot_mappings):
+        for group, tables, slot_mapping in zip(step.groups, step.block_tables, step.slot_mappings):
             window = sliding_window_of(group)
             # Plain causal SDPA is exact for a fresh chunk only if no window cuts it: the last
             # query (position n - 1) sees keys > n - 1 - window, i.e. all of them when window >= n.
@@ -142,7 +142,7 @@ class TritonBackend(AttentionBackend):
                     kernel_rows.append(i)
             groups.append(TritonGroupMetadata(
                 slot_mapping=slot_mapping,
-                block_table=step.to_device(padded_block_table([c.block_ids[group.group_id] for c in ordered])),
+                block_table=step.to_device(padded_block_table(tables)),
                 sdpa_prefill_ranges=sdpa_ranges,
                 kernel_prefill_rows=step.to_device(np.array(kernel_rows, dtype=np.int32)) if kernel_rows else None,
                 kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0)))
