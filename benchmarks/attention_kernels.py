@@ -115,7 +115,7 @@ class Step:
         """The attention the layer runs after its KV write, as a no-argument function to time."""
         meta = inputs.attention
         group = meta.groups[0]
-        return lambda: self.layer._triton(meta, group, self.q, self.k, self.v, self.k_cache, self.v_cache)
+        return lambda: meta.backend.attend(self.layer, meta, group, self.q, self.k, self.v, self.k_cache, self.v_cache)
 
     def contiguous_kv(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Sequence `seq`'s whole K/V (cache + this step's rows already written) as [Hkv, L, D],

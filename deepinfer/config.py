@@ -54,8 +54,9 @@ class ModelConfig:
     for small batches and dense weights a oneDNN-packed copy for large ones | none: plain
     dense dequantized weights only (the reference path)."""
     attention_backend: str = "auto"
-    """auto (triton on CUDA, cpu on the CPU) | reference (plain PyTorch, what the fast paths are
-    checked against) | cpu | triton."""
+    """auto (the platform's choice: triton on CUDA when Triton imports, cpu on the CPU) | reference
+    (plain PyTorch, what the fast paths are checked against) | cpu | triton. Read once, by
+    layers/attention/backends/selection.py."""
     enforce_eager: bool = False
     """Run every step eagerly (no CUDA graphs for decode steps)."""
     trust_remote_code: bool = False

@@ -66,7 +66,7 @@ def run_latency(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> int:
         "percentiles_s": {str(q): _percentile(latencies, q) for q in (10, 25, 50, 75, 90, 99)},
         "prefill_s": prefill_s, "decode_ms_per_step": 1e3 * statistics.median(per_token),
         "decode_tok_s": args.batch_size / statistics.median(per_token),
-        "dtype": str(llm.engine.executor.runner.dtype), "attention_backend": llm.engine.executor.runner.attention_backend,
+        "dtype": str(llm.engine.executor.runner.dtype), "attention_backend": llm.engine.executor.runner.attention_backend.name,
         **run_stamp(),
     }
     print(f"Avg latency: {result['avg_latency_s']:.4f} s over {args.num_iters} iterations "

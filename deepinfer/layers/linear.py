@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.layers import fused
+from deepinfer.layers.attention.metadata import current_backend
 
 INT4_GROUP = 32
 # Above this many rows the dense bf16 matmul (oneDNN-packed, pack_dense) beats the int4 kernel.
@@ -159,7 +159,7 @@ class Linear(nn.Linear):
             self.packed_weight = pack_dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1 and fused.enabled():
+        if x.dim() == 2 and x.shape[0] == 1 and current_backend().fused_gemv:
             # One row on the CUDA fast path: the Triton GEMV, 3-38 % faster than cuBLAS per matrix
             # on the H200. A first multi-row version lost to cuBLAS at two rows on four of
             # Llama-3-8B's five matrices, so more rows stay on cuBLAS.

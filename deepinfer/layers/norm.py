@@ -2,10 +2,11 @@
 
 Both take an optional `residual`: `norm(x, residual)` adds x into the residual stream and
 normalises the sum, returning (normed, new residual), which is how decoder layers carry
-(hidden, residual) from one half to the next. On the CUDA fast path (attention backend "triton")
-that is one Triton kernel that updates the residual in place (deepinfer/layers/fused/rms_norm.py);
-on the CPU fast path (backend "cpu") a shorter chain of eager ops (_rms_norm_cpu). F.rms_norm
-below is the reference both are tested against.
+(hidden, residual) from one half to the next. Where the forward's backend turns on `fused_norm`
+(the CUDA fast path) that is one Triton kernel that updates the residual in place
+(deepinfer/layers/fused/rms_norm.py); where it turns on `short_cpu_norm` (the CPU fast path) a
+shorter chain of eager ops (_rms_norm_cpu). F.rms_norm below is the reference both are tested
+against.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.layers import fused
 from deepinfer.layers.attention.metadata import current_backend
 
 
@@ -32,10 +32,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if fused.enabled():
+        backend = current_backend()
+        if backend.fused_norm:
             from deepinfer.layers.fused.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
-        norm = _rms_norm_cpu if current_backend() == "cpu" else F.rms_norm
+        norm = _rms_norm_cpu if backend.short_cpu_norm else F.rms_norm
         if residual is None:
             return norm(x, x.shape[-1:], self.weight, self.eps)
         residual = residual + x
@@ -43,7 +44,7 @@ class RMSNorm(nn.Module):
 
 
 def _rms_norm_cpu(x: torch.Tensor, shape: torch.Size, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The CPU fast path's RMSNorm (attention backend "cpu"), in HF's rounding order.
+    """The CPU fast path's RMSNorm (AttentionBackend.short_cpu_norm), in HF's rounding order.
 
     torch's rms_norm runs on the CPU as a chain of about ten small ops (upcast, pow, mean, add,
     rsqrt, multiply, downcast, ...), ~25 us a call inside a SmolLM2 step, 61 calls per step.
@@ -74,7 +75,7 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if fused.enabled():
+        if current_backend().fused_norm:
             from deepinfer.layers.fused.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, residual, weight_offset=1.0)
         if residual is None:

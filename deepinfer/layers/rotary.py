@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from deepinfer.layers import fused
 from deepinfer.layers.attention.metadata import current_backend
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -59,11 +58,11 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Applies rope to q and k of shape [tokens, heads, head_dim] at the given positions.
 
-    On the CUDA fast path (attention backend "triton") one Triton kernel rotates q and k in
-    place (deepinfer/layers/fused/rotary.py). On the CPU fast path (backend "cpu") `rotate`
-    does it in three eager ops instead of the reference's seven per tensor, and models rotate q
-    and k together where they lie side by side in the fused qkv output. The reference is
-    `forward` outside those backends."""
+    Where the forward's backend turns on `fused_rotary` (the CUDA fast path) one Triton kernel
+    rotates q and k in place (deepinfer/layers/fused/rotary.py). Where it turns on
+    `short_cpu_rotary` (the CPU fast path) `rotate` does it in three eager ops instead of the
+    reference's seven per tensor, and models rotate q and k together where they lie side by side
+    in the fused qkv output. The reference is `forward` on the other backends."""
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_position: int) -> None:
         super().__init__()
@@ -78,10 +77,11 @@ class RotaryEmbedding(nn.Module):
         self._cached_fast: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if fused.enabled():
+        backend = current_backend()
+        if backend.fused_rotary:
             from deepinfer.layers.fused.rotary import apply_rotary_
             return apply_rotary_(positions, q, k, self.cos, self.sin)
-        if current_backend() == "cpu":
+        if backend.short_cpu_rotary:
             return self.rotate(positions, q), self.rotate(positions, k)
         # Layers share one RotaryEmbedding per rope setting, and within a forward they all pass
         # the same positions tensor: look the rows up once.

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deepinfer.kv_cache.specs import KVCacheSpec
-from deepinfer.layers import fused
+from deepinfer.layers.attention.metadata import current_backend
 from deepinfer.layers.linear import (HEAD_INT4_MAX_ROWS, FusedLinear, Int4Blocks, Int8Blocks, Linear, dense_matmul,
                                      int4_available, int4_matmul, onednn_packing_available, pack_dense, pack_int4)
 
@@ -65,7 +65,7 @@ class CausalLM(nn.Module):
                 return int4_matmul(torch.cat((hidden, hidden), dim=-1), *self.head_int4).float()
             if self.head_packed is not None:
                 return dense_matmul(hidden, self.head_packed, None).float()
-        if hidden.dim() == 2 and hidden.shape[0] == 1 and fused.enabled():   # as Linear.forward
+        if hidden.dim() == 2 and hidden.shape[0] == 1 and current_backend().fused_gemv:   # as Linear.forward
             from deepinfer.layers.fused.gemv import gemv   # imports triton: CUDA fast path only
             return gemv(hidden, self.head_weight()).float()
         return torch.nn.functional.linear(hidden, self.head_weight()).float()

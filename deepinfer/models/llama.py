@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from deepinfer.layers import fused
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.attention.metadata import current_backend
 from deepinfer.layers.linear import FusedLinear, Linear
@@ -76,7 +75,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if not self.has_qk_norm and current_backend() == "cpu":
+        if not self.has_qk_norm and current_backend().short_cpu_rotary:
             # CPU fast path: q and k lie side by side in qkv, so one rotation covers both.
             heads = self.num_heads + self.num_kv_heads
             qk = self.rotary.rotate(positions, qkv[:, :heads * self.head_dim].view(-1, heads, self.head_dim))
@@ -88,7 +87,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # The attention layer applies the rotary: on the fast path in the kernel that writes K/V.
+        # The attention layer applies the rotary: on the CUDA fast path in the kernel that writes K/V.
         return self.o_proj(self.attn(q, k, v, positions, self.rotary))
 
 
@@ -101,7 +100,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused.enabled():   # CUDA fast path: one kernel (deepinfer/layers/fused/activation.py)
+        if current_backend().fused_activation:   # one kernel (deepinfer/layers/fused/activation.py)
             from deepinfer.layers.fused.activation import act_and_mul
             return self.down_proj(act_and_mul(gate_up, self.act))
         gate, up = gate_up.chunk(2, dim=-1)

@@ -1,8 +1,9 @@
 """Platforms: the accelerator the engine runs on, chosen once by DEEPINFER_ACCELERATOR.
 
 `current_platform()` resolves `auto` to CUDA when a CUDA device is present, else the CPU. The
-platform owns the device, the default dtype, the memory query and the attention backend name;
-nothing else in the engine branches on `torch.cuda.is_available()`.
+platform owns the device, the default dtype, the memory query and what attention_backend="auto"
+means on it (Platform.default_attention_backend); nothing else in the engine branches on
+`torch.cuda.is_available()`.
 """
 
 from __future__ import annotations

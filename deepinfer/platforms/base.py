@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from deepinfer.layers.attention.backends import AttentionBackend
 
 
 class Platform(ABC):
@@ -12,8 +16,11 @@ class Platform(ABC):
     device: torch.device
     # The dtype used when the user asks for dtype="auto".
     default_dtype: torch.dtype
-    # Name of the attention backend the runner builds (see layers/attention).
-    attention_backend: str = "reference"
+
+    @abstractmethod
+    def default_attention_backend(self) -> tuple[type[AttentionBackend], str]:
+        """The attention backend attention_backend="auto" means here, and why (for the start-up
+        log line; layers/attention/backends/selection.py builds and checks it)."""
 
     @abstractmethod
     def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,

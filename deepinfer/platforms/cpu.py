@@ -16,6 +16,11 @@ class CpuPlatform(Platform):
     # bf16 support, pass dtype="float32".
     default_dtype = torch.bfloat16
 
+    def default_attention_backend(self):
+        from deepinfer.layers.attention.backends.cpu import CpuBackend
+
+        return CpuBackend, "the CPU fast path"
+
     def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,
                               weight_bytes: int) -> int:
         return cpu_kv_cache_bytes

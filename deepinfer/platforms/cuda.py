@@ -27,6 +27,17 @@ class CudaPlatform(Platform):
             raise RuntimeError("DEEPINFER_ACCELERATOR=cuda but torch sees no CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device())
 
+    def default_attention_backend(self):
+        try:
+            import triton
+        except ImportError as e:   # a torch build without Triton: the plain PyTorch path still runs
+            from deepinfer.layers.attention.backends.reference import ReferenceBackend
+
+            return ReferenceBackend, f"Triton does not import ({e}), so no fast path"
+        from deepinfer.layers.attention.backends.triton import TritonBackend
+
+        return TritonBackend, f"Triton {triton.__version__} imports"
+
     def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,
                               weight_bytes: int) -> int:
         # What the process may use in all is a fraction of the card; the weights and the peak

@@ -5,11 +5,12 @@ would spend most of the step waiting for Python to launch them. A graph records 
 once and replays them for the price of one.
 
 What a graph may see: only tensors that live as long as it does. So every per-step input
-(token ids, positions, KV lengths, KV write rows, block tables) has one static buffer sized for
-the largest bucket, and a step copies its values into the front of those buffers; the graph of
-the smallest bucket >= the batch replays, with the padding rows set to length 0 (the decode
-kernel skips them) and to write into the null block. Per-request state (the KV cache, the
-requests' token lists, the sampler's RNGs) stays outside, where it already lives.
+(token ids, positions here; KV lengths, KV write rows, block tables in the attention backend's
+DecodeGraphBuffers) has one static buffer sized for the largest bucket, and a step copies its
+values into the front of those buffers; the graph of the smallest bucket >= the batch replays,
+with the padding rows made harmless (for the Triton backend: length 0, which the decode kernel
+skips, and writes into the null block). Per-request state (the KV cache, the requests' token
+lists, the sampler's RNGs) stays outside, where it already lives.
 
 Prefill and mixed steps run eagerly: their shapes vary too much for graphs to pay.
 """
@@ -22,8 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.layers.attention import AttentionMetadata, forward_context
-from deepinfer.layers.attention.metadata import GroupMetadata
-from deepinfer.layers.attention.triton_decode import num_splits_for
+from deepinfer.layers.attention.backends import AttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -41,45 +41,28 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model, num_groups: int, num_kv_heads: int, max_batch: int, max_blocks_per_seq: int,
-                 block_size: int, layer_to_group: list[int], layer_to_slot: list[int],
+    def __init__(self, model, backend: AttentionBackend, num_groups: int, num_kv_heads: int, max_batch: int,
+                 max_blocks_per_seq: int, block_size: int, layer_to_group: list[int], layer_to_slot: list[int],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
         self.model = model
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.layer_to_group, self.layer_to_slot, self.kv_caches = layer_to_group, layer_to_slot, kv_caches
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         b = self.max_batch
         self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
         self.positions = torch.zeros(b, dtype=torch.long, device=device)
-        self.seq_lens = torch.zeros(b, dtype=torch.int32, device=device)
-        self.slot_mappings = [torch.zeros(b, dtype=torch.long, device=device) for _ in range(num_groups)]
-        self.block_tables = [torch.zeros(b, max_blocks_per_seq, dtype=torch.int32, device=device)
-                             for _ in range(num_groups)]
+        self.attention_buffers = backend.decode_graph_buffers(
+            num_groups=num_groups, max_batch=b, max_blocks_per_seq=max_blocks_per_seq, num_kv_heads=num_kv_heads,
+            block_size=block_size, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot,
+            kv_caches=kv_caches, device=device)
         self.graphs: dict[int, _Graph] = {}
-
-    def splits(self, batch: int) -> int:
-        return num_splits_for(batch, self.num_kv_heads, self.num_sms)
-
-    def _metadata(self, bucket: int) -> AttentionMetadata:
-        groups = [GroupMetadata(slots[:bucket], None, None, [], block_table=table[:bucket])
-                  for slots, table in zip(self.slot_mappings, self.block_tables)]
-        return AttentionMetadata(
-            num_tokens=bucket, num_decode_tokens=bucket, prefill_query_ranges=[], groups=groups,
-            layer_to_group=self.layer_to_group, layer_to_slot=self.layer_to_slot, kv_caches=self.kv_caches,
-            block_size=self.block_size, backend="triton", seq_lens=self.seq_lens[:bucket],
-            num_decode_splits=self.splits(bucket))
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Record every bucket, largest first so the smaller ones reuse its memory pool."""
-        # Capture-time inputs: length-1 sequences reading and writing row 0 of the null block.
-        self.seq_lens.fill_(1)
+        self.attention_buffers.fill_for_capture()
         pool = None
         for bucket in reversed(self.buckets):
-            meta = self._metadata(bucket)
+            meta = self.attention_buffers.metadata(bucket)
             ids, pos = self.input_ids[:bucket], self.positions[:bucket]
             with forward_context(meta):   # warm-up: Triton compiles and autotunes outside capture
                 self.model.compute_logits(self.model(ids, pos))
@@ -92,7 +75,7 @@ class DecodeGraphs:
                 logits = self.model.compute_logits(self.model(ids, pos))
             pool = graph.pool()
             self.graphs[bucket] = _Graph(graph, logits)
-        self.seq_lens.zero_()
+        self.attention_buffers.clear_after_capture()
         torch.cuda.synchronize()
         logger.info("CUDA graphs captured for decode batch sizes %s", self.buckets)
 
@@ -103,22 +86,14 @@ class DecodeGraphs:
         return None
 
     def run(self, inputs) -> torch.Tensor:
-        """Logits [batch, vocab] of a decode-only step (StepInputs built for the triton backend)."""
+        """Logits [batch, vocab] of a decode-only step (StepInputs built by the graphs' backend)."""
         meta: AttentionMetadata = inputs.attention
         batch = meta.num_tokens
         bucket = self.bucket_for(batch)
         assert bucket is not None and meta.num_decode_tokens == batch
         self.input_ids[:batch].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:batch].copy_(inputs.positions, non_blocking=True)
-        self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
-        for g, group in enumerate(meta.groups):
-            self.slot_mappings[g][:batch].copy_(group.slot_mapping, non_blocking=True)
-            width = group.block_table.shape[1]
-            self.block_tables[g][:batch, :width].copy_(group.block_table, non_blocking=True)
-        if bucket > batch:   # padding rows: nothing to attend to, writes land in the null block
-            self.seq_lens[batch:bucket].zero_()
-            for slots in self.slot_mappings:
-                slots[batch:bucket].zero_()
+        self.attention_buffers.load(meta, bucket)
         entry = self.graphs[bucket]
         entry.graph.replay()
         return entry.logits[:batch]

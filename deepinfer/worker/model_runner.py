@@ -42,9 +42,11 @@ from deepinfer.engine.plan import (
     RunnerResult,
     SchedulerPlan,
 )
-from deepinfer.kv_cache.dtypes import is_fp8, resolve_cache_dtype
+from deepinfer.kv_cache.dtypes import resolve_cache_dtype
 from deepinfer.kv_cache.specs import KVCacheGroup, group_layers, num_slots
 from deepinfer.layers.attention import forward_context
+from deepinfer.layers.attention.backends import select_backend
+from deepinfer.layers.attention.backends.triton import FRESH_SDPA_MIN_TOKENS
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
@@ -53,7 +55,7 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs, top_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
 from deepinfer.spec_decode.verifier import VerifyRequest, verify
-from deepinfer.worker.input_batch import FRESH_SDPA_MIN_TOKENS, StepInputs, build_step_inputs
+from deepinfer.worker.input_batch import StepInputs, build_step_inputs
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
 
 if TYPE_CHECKING:
@@ -129,7 +131,9 @@ class ModelRunner:
         for g in self.groups:
             for slot, layer in enumerate(g.layer_ids):
                 self.layer_to_group[layer], self.layer_to_slot[layer] = g.group_id, slot
-        self.attention_backend = self._attention_backend()
+        # The attention backend, chosen once (layers/attention/backends/selection.py): it builds each
+        # step's metadata, and every layer of a forward asks it which fast ops to run.
+        self.attention_backend = select_backend(config, platform, self.kv_cache_dtype)
         self.max_blocks_per_seq = -(-self._max_model_len() // self.block_size)
         if platform.name == "cuda":
             self._profile_peak_memory()   # the KV budget is what is left after the peak
@@ -153,43 +157,20 @@ class ModelRunner:
         # The last launched step's sampled tokens (device) and each request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
         self.decode_graphs: DecodeGraphs | None = None
-        if self.attention_backend == "triton":
-            from deepinfer.worker.cuda_graphs import DecodeGraphs  # imports triton: CUDA only
-
-            self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.attention_backend.needs_warm_up:
             self._warm_up_kernels()
-            if not config.model.enforce_eager:
-                self.decode_graphs = DecodeGraphs(
-                    self.model, len(self.groups), spec.num_kv_heads, min(config.scheduler.max_num_seqs, 512),
-                    self.max_blocks_per_seq, self.block_size, self.layer_to_group, self.layer_to_slot,
-                    self.kv_caches, self.device)
-                self.decode_graphs.capture()
+        if self.attention_backend.supports_decode_graphs and not config.model.enforce_eager:
+            from deepinfer.worker.cuda_graphs import DecodeGraphs
+
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.attention_backend, len(self.groups), spec.num_kv_heads,
+                min(config.scheduler.max_num_seqs, 512), self.max_blocks_per_seq, self.block_size,
+                self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
+            self.decode_graphs.capture()
 
     def decode_splits(self, batch: int) -> int:
-        """Sequence splits of the Triton decode kernel for a batch of this many rows."""
-        if self.attention_backend != "triton":
-            return 1
-        from deepinfer.layers.attention.triton_decode import num_splits_for
-
-        return num_splits_for(batch, self.groups[0].spec.num_kv_heads, self.num_sms)
-
-    def _attention_backend(self) -> str:
-        choice = self.config.model.attention_backend
-        if choice == "auto":
-            choice = "triton" if self.platform.name == "cuda" else "cpu"
-        if choice == "triton" and self.platform.name != "cuda":
-            raise ValueError("attention_backend='triton' needs CUDA; this platform is "
-                             f"{self.platform.name} (use 'reference', 'cpu' or 'auto')")
-        if choice == "cpu" and self.platform.name != "cpu":
-            raise ValueError("attention_backend='cpu' is the CPU fast path; this platform is "
-                             f"{self.platform.name} (use 'reference', 'triton' or 'auto')")
-        if choice == "triton" and is_fp8(self.kv_cache_dtype):
-            capability = torch.cuda.get_device_capability(self.device)
-            if capability < (8, 9):   # Triton converts to and from float8 e4m3 from Ada/Hopper on
-                raise ValueError(f"kv_cache_dtype={self.config.cache.kv_cache_dtype!r} on the triton backend needs "
-                                 f"a GPU of compute capability 8.9 or newer, this one is {capability[0]}.{capability[1]} "
-                                 "(use kv_cache_dtype='auto', or attention_backend='reference')")
-        return choice
+        """Sequence splits of the decode kernel for a batch of this many rows (1 but on Triton)."""
+        return self.attention_backend.decode_splits(batch, self.groups[0].spec.num_kv_heads)
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.config, self.hf_config)

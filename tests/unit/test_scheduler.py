@@ -6,7 +6,7 @@ import torch
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.plan import RunnerResult
-from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers

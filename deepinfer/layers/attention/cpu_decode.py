@@ -3,12 +3,12 @@
 The reference (Attention._decode) gathers K and V token-major, [B, L, kv_heads, D], then asks
 matmul for [B, kv_heads, D, L]: a permuted view that matmul copies before multiplying, and a
 float32 copy on top. At 32 rows that was ~70 % of the layer's attention time on the 2-core box.
-Here the runner precomputes, once per step, a head-major row index (GroupMetadata.decode_head_rows),
-so one index_select per cache yields K and V as [B * kv_heads, L, D], contiguous: the layout
-torch.bmm takes as it is, with the G query heads that share a KV head as the rows of one small
-product. Rows shorter than the longest are padded with the null block's row 0 and hidden by the
-same additive bias as the reference (0 / -inf, [B, 1, 1, L]); a sliding window is already cut
-out by the gather, as in the reference.
+Here the CPU backend (backends/cpu.py) precomputes, once per step, a head-major row index
+(GatherGroupMetadata.decode_head_rows), so one index_select per cache yields K and V as
+[B * kv_heads, L, D], contiguous: the layout torch.bmm takes as it is, with the G query heads
+that share a KV head as the rows of one small product. Rows shorter than the longest are padded
+with the null block's row 0 and hidden by the same additive bias as the reference (0 / -inf,
+[B, 1, 1, L]); a sliding window is already cut out by the gather, as in the reference.
 
 Precision: up to FP32_MAX_ROWS rows the products run in float32 (exact softmax, and for a few
 tiny matrices float32 GEMMs are faster than bf16 ones here); above, in the model's dtype, with
@@ -36,7 +36,7 @@ FP32_MAX_ROWS = 4
 def cpu_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          head_rows: torch.Tensor, bias: torch.Tensor | None, scale: float) -> torch.Tensor:
     """q: [B, H, D]; caches: [rows, kv_heads, D]; head_rows: [B * kv_heads * L] (see
-    GroupMetadata.decode_head_rows); bias: [B, 1, 1, L] or None -> [B, H, D] in q's dtype."""
+    GatherGroupMetadata.decode_head_rows); bias: [B, 1, 1, L] or None -> [B, H, D] in q's dtype."""
     threads = torch.get_num_threads()
     if q.shape[0] > SINGLE_THREAD_MAX_ROWS or threads == 1:
         return _attend(q, k_cache, v_cache, head_rows, bias, scale)

@@ -1,16 +1,25 @@
-"""The attention layer models use: writes this step's K/V into the paged cache, then attends."""
+"""The attention layer models use: writes this step's K/V into the paged cache, then attends.
+
+The step's backend (backends/) decides how: which rows go to which kernel, where K/V come from.
+This layer holds what is the layer's own (heads, scale, window) and the attention it computes
+over K/V it is handed, which the backends call: `_decode` (one query per row, batched),
+`_sdpa` (a masked chunk) and `_fresh_chunk` / `_causal_flash` (causal chunks over the step's
+own K/V, SDPA's tiled kernels on the fast path).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from deepinfer.kv_cache.dtypes import read_cache_rows, write_cache_rows
-from deepinfer.layers.attention.cpu_decode import cpu_decode_attention
 from deepinfer.layers.attention.metadata import get_forward_context
-from deepinfer.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from deepinfer.layers.rotary import RotaryEmbedding
 
 # SDPA backends for fresh prefill chunks on the fast path, in order of preference (_causal_flash).
 _TILED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
@@ -55,70 +64,11 @@ class Attention(nn.Module):
         With `rotary` (and `positions`), q and k are rotated here first, so that the fast path
         rotates them and writes K/V into the cache in one kernel (layers/fused/rotary.py)."""
         meta = get_forward_context()
+        backend = meta.backend
         group = meta.groups[meta.layer_to_group[self.layer_id]]
         k_cache, v_cache = meta.kv_caches[meta.layer_to_slot[self.layer_id]]
-        if meta.backend == "triton" and rotary is not None:
-            from deepinfer.layers.fused.rotary import rotate_and_write_kv_
-            rotate_and_write_kv_(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, group.slot_mapping)
-        elif meta.backend == "triton":   # both caches in one kernel (deepinfer/layers/fused/kv_write.py)
-            from deepinfer.layers.fused.kv_write import write_kv_cache
-            write_kv_cache(k, v, k_cache, v_cache, group.slot_mapping)
-        else:
-            if rotary is not None:
-                q, k = rotary(positions, q, k)
-            write_cache_rows(k_cache, group.slot_mapping, k)
-            write_cache_rows(v_cache, group.slot_mapping, v)
-
-        if meta.backend == "triton":
-            return self._triton(meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)
-        n_dec = meta.num_decode_tokens
-        decoded = None
-        if n_dec and meta.backend == "cpu":
-            decoded = cpu_decode_attention(q[:n_dec], k_cache, v_cache, group.decode_head_rows,
-                                           group.decode_bias, self.scale)
-        elif n_dec:
-            keys = read_cache_rows(k_cache, group.decode_gather, q.dtype)
-            values = read_cache_rows(v_cache, group.decode_gather, q.dtype)
-            decoded = self._decode(q[:n_dec], keys, values, group.decode_bias)
-        if n_dec == q.shape[0]:   # a decode-only step: no copy into `out`
-            return decoded.reshape(n_dec, -1)
-        out = torch.empty_like(q)
-        if decoded is not None:
-            out[:n_dec] = decoded
-        for (start, end), (rows, mask) in zip(meta.prefill_query_ranges, group.prefill):
-            keys = read_cache_rows(k_cache, rows, q.dtype).unsqueeze(0)
-            values = read_cache_rows(v_cache, rows, q.dtype).unsqueeze(0)
-            out[start:end] = self._sdpa(q[start:end].unsqueeze(0), keys, values, mask.unsqueeze(0)).squeeze(0)
-        return out.reshape(q.shape[0], -1)
-
-    def _triton(self, meta, group, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """The CUDA fast path (decode rows come first). Decodes and most prefill rows read K/V
-        through the block tables with the Triton kernels; long fresh prefill chunks (position 0
-        onwards, chosen per group in worker/input_batch.py) attend with SDPA's flash kernel over
-        this step's own k/v: the rows just written to the cache, with the values the cache holds
-        (an fp8 cache's write kernel rounds k and v in place, see kv_cache/dtypes.py)."""
-        from deepinfer.layers.attention.triton_decode import paged_decode_attention
-        from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
-
-        fresh = group.sdpa_prefill_ranges
-        if len(fresh) == 1 and fresh[0] == (0, q.shape[0]):
-            return self._fresh_chunk(q, k, v, 0, q.shape[0])   # one fresh chunk: no copy into `out`
-        out = torch.empty_like(q)
-        n_dec = meta.num_decode_tokens
-        if n_dec:
-            paged_decode_attention(q[:n_dec], k_cache, v_cache, group.block_table[:n_dec], meta.seq_lens[:n_dec],
-                                   self.scale, self.sliding_window, meta.block_size, meta.num_decode_splits,
-                                   out=out[:n_dec])
-        if group.kernel_prefill_rows is not None:
-            paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
-                                    meta.prefill_query_start, group.kernel_max_prefill_len, self.scale,
-                                    self.sliding_window, meta.block_size, out=out[n_dec:],
-                                    seq_ids=group.kernel_prefill_rows)
-        for start, end, count in equal_length_runs(fresh):
-            out[start:end] = (self._fresh_chunk(q, k, v, start, end) if count == 1
-                              else self._causal_flash(q[start:end], k[start:end], v[start:end], count))
-        return out
+        q, k = backend.write_kv(self, meta, group, q, k, v, positions, rotary, k_cache, v_cache)
+        return backend.attend(self, meta, group, q, k, v, k_cache, v_cache).reshape(q.shape[0], -1)
 
     def _fresh_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                      end: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Paged decode attention in Triton: one query token per sequence, GQA, split along the sequence.
 
-Layout (the core's, see worker/input_batch.py): K and V caches are [rows, kv_heads, head_dim]
+Layout (the core's, see backends/triton.py): K and V caches are [rows, kv_heads, head_dim]
 with row = block_id * block_size + offset, in q's dtype or in fp8 (kv_cache/dtypes.py);
 `block_table[b, i]` is the i-th block of sequence b; `seq_lens[b]` counts the KV positions
 including this step's token (already written).

@@ -27,9 +27,11 @@ kernel that skipped it could finish before its predecessor). `gdc_launch_depende
 after the wait lets the next kernel launch once all of this kernel's programs have started.
 Kernels launched without PDL (cuBLAS, PyTorch ops) wait for everything before them as usual.
 
-The plain PyTorch code in norm.py, rotary.py, models/llama.py and attention/layer.py stays the
-reference path (CPU, and the CUDA reference backend that parity tests use); these kernels run
-only inside a forward whose attention backend is "triton" (`enabled()`), and tests compare the
+The plain PyTorch code in norm.py, rotary.py, linear.py, models/ and the reference attention
+backend stays the reference path (CPU, and the CUDA reference backend that parity tests use);
+these kernels run only inside a forward whose attention backend turns them on, each by its own
+flag (AttentionBackend.fused_norm, fused_rotary, fused_activation, fused_gemv in
+layers/attention/backends/base.py; the Triton backend turns on all four), and tests compare the
 two (tests/unit/test_fused_kernels.py).
 
 Every kernel is CUDA-graph safe: shapes and launch grids depend only on tensor shapes, never on
@@ -45,12 +47,6 @@ import os
 import torch
 
 from deepinfer import envs
-from deepinfer.layers.attention.metadata import current_backend
-
-
-def enabled() -> bool:
-    """True inside a forward on the fast path (attention backend "triton")."""
-    return current_backend() == "triton"
 
 
 @functools.cache

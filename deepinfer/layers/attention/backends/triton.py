@@ -1,0 +1,242 @@
+"""The Triton backend, CUDA's fast path: paged attention kernels, every fused kernel, CUDA graphs.
+
+Attention reads the block tables directly (no gathered rows): decode rows go to the split decode
+kernel (triton_decode.py) or, over an fp8 cache, to the CUDA C++ kernel (cuda_decode.py) where it
+takes the call; chunks on top of cached tokens and short fresh chunks go to the paged prefill
+kernel (triton_prefill.py), one launch for all of them; long fresh chunks (from position 0, so
+the step holds all their K/V) attend with SDPA's tiled kernels over the step's own K/V
+(Attention._fresh_chunk). Around attention it turns on every fused kernel of layers/fused/.
+
+Triton is imported only inside the methods that launch kernels: this module is imported on CPU
+machines too (selection.py lists every backend).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from deepinfer.kv_cache.dtypes import is_fp8
+from deepinfer.layers.attention.backends.base import (AttentionBackend, AttentionMetadata, DecodeGraphBuffers,
+                                                      GroupMetadata, StepLayout, sliding_window_of)
+from deepinfer.layers.attention.layer import equal_length_runs
+
+# A fresh chunk (one that starts at position 0, so this step holds all its K/V) this long or
+# longer attends with SDPA's flash kernel over the step's own K/V; see Attention._fresh_chunk.
+# Shorter ones stay in the paged prefill kernel, whose one launch covers every short chunk of the
+# step: a flash call per short chunk would launch fewer programs (128-query tiles x heads) than
+# the GPU has multiprocessors, once per chunk and layer.
+FRESH_SDPA_MIN_TOKENS = 512
+
+
+@dataclass(kw_only=True)
+class TritonGroupMetadata(GroupMetadata):
+    # [num_seqs, max_blocks] int32 block ids per row (decodes first), 0-padded.
+    block_table: torch.Tensor
+    # How this group's prefill rows are attended (a group's sliding window decides, so it is per
+    # group). Fresh chunks (the chunk starts at position 0, is long enough to fill the GPU, and no
+    # window cuts it) attend over this step's own K/V with SDPA's flash kernel: their token ranges
+    # in the step, on the host. Every other prefill row goes to the paged prefill kernel: their
+    # indices among the prefill rows [n] int32 (None: there are none) and the longest of those
+    # chunks (the kernel's grid).
+    sdpa_prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
+    kernel_prefill_rows: torch.Tensor | None = None
+    kernel_max_prefill_len: int = 0
+
+
+@dataclass(kw_only=True)
+class TritonMetadata(AttentionMetadata):
+    # Shared by every group: KV length per row including this step's tokens [num_seqs] int32
+    # (decodes first), where each prefill row starts in q counted from the first prefill token
+    # [num_prefills + 1] int32, and the number of sequence splits of the decode kernel (fixed per
+    # batch size so CUDA graphs stay valid).
+    seq_lens: torch.Tensor
+    prefill_query_start: torch.Tensor | None = None
+    num_decode_splits: int = 1
+
+
+def padded_block_table(tables: list[list[int]]) -> np.ndarray:
+    """Rows of block ids, right-padded with the null block 0, as int32 (what the kernels read).
+    Filled in one pass over all ids: a copy per row cost ~3 us, 1.5 ms at 512 rows."""
+    lengths = np.fromiter((len(t) for t in tables), dtype=np.int64, count=len(tables))
+    out = np.zeros((len(tables), int(lengths.max(initial=1))), dtype=np.int32)
+    total = int(lengths.sum())
+    if total:
+        out[np.arange(out.shape[1]) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), dtype=np.int32, count=total)
+    return out
+
+
+def _flash_takes(group, device: torch.device) -> bool:
+    """Whether SDPA's flash backend takes this group's K/V as they are. On CUDA it wants fp16 or
+    bf16 and a head size <= 256 (and pads, i.e. copies, one not a multiple of 8); the CPU's flash
+    kernel (Triton's interpreter in tests) takes any."""
+    spec = group.spec
+    if device.type != "cuda":
+        return True
+    return spec.dtype in (torch.float16, torch.bfloat16) and spec.head_size <= 256 and spec.head_size % 8 == 0
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    fused_norm = True
+    fused_rotary = True
+    fused_activation = True
+    fused_gemv = True
+    needs_warm_up = True
+    supports_decode_graphs = True
+
+    def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
+        super().__init__(device, kv_cache_dtype)
+        self._num_sms: int | None = None
+        # The decode choice: over an fp8 cache, the CUDA C++ kernel wherever it takes the call
+        # (paged_decode_attention's "auto": cuda_decode.supported, per call, since q's dtype and
+        # the strides decide), Triton's split kernel elsewhere; over a 16-bit cache always
+        # Triton's. Unknown cache dtype (a backend built by name in tests): "auto".
+        self.cuda_fp8_decode = kv_cache_dtype is None or is_fp8(kv_cache_dtype)
+
+    @classmethod
+    def check_supported(cls, platform, kv_cache_dtype) -> None:
+        if platform.device.type != "cuda":
+            raise ValueError(f"attention_backend={cls.name!r} needs CUDA; this platform is "
+                             f"{platform.name} (use 'reference', 'cpu' or 'auto')")
+        if is_fp8(kv_cache_dtype):
+            capability = torch.cuda.get_device_capability(platform.device)
+            if capability < (8, 9):   # Triton converts to and from float8 e4m3 from Ada/Hopper on
+                raise ValueError(f"an fp8 kv_cache_dtype on the {cls.name} backend needs a GPU of compute "
+                                 f"capability 8.9 or newer, this one is {capability[0]}.{capability[1]} "
+                                 "(use kv_cache_dtype='auto', or attention_backend='reference')")
+
+    def describe(self) -> str:
+        decode = ("decode over the fp8 cache: the CUDA C++ kernel where it applies, else Triton's"
+                  if self.cuda_fp8_decode else "decode: Triton's split kernel")
+        return f"{super().describe()}; {decode}"
+
+    def decode_splits(self, batch: int, num_kv_heads: int) -> int:
+        from deepinfer.layers.attention.triton_decode import num_splits_for
+
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return num_splits_for(batch, num_kv_heads, self._num_sms)
+
+    # ----------------------------------------------------------------------------- metadata
+    def build_metadata(self, step: StepLayout) -> TritonMetadata:
+        prefills, ordered = step.prefills, step.ordered
+        min_fresh = FRESH_SDPA_MIN_TOKENS if step.fresh_sdpa_min_tokens is None else step.fresh_sdpa_min_tokens
+        groups = []
+        for group, tables, slot_mapping in zip(step.groups, step.block_tables, step.slot_mappings):
+            window = sliding_window_of(group)
+            # Plain causal SDPA is exact for a fresh chunk only if no window cuts it: the last
+            # query (position n - 1) sees keys > n - 1 - window, i.e. all of them when window >= n.
+            # A window that cuts the chunk would need a mask, and flash takes none.
+            flash = _flash_takes(group, step.device)
+            sdpa_ranges, kernel_rows = [], []
+            for i, (c, token_range) in enumerate(zip(prefills, step.prefill_query_ranges)):
+                if (flash and c.start == 0 and c.num_tokens >= min_fresh
+                        and (not window or window >= c.num_tokens)):
+                    sdpa_ranges.append(token_range)
+                else:
+                    kernel_rows.append(i)
+            groups.append(TritonGroupMetadata(
+                slot_mapping=slot_mapping,
+                block_table=step.to_device(padded_block_table(tables)),
+                sdpa_prefill_ranges=sdpa_ranges,
+                kernel_prefill_rows=step.to_device(np.array(kernel_rows, dtype=np.int32)) if kernel_rows else None,
+                kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0)))
+        lengths = [c.num_tokens for c in prefills]
+        return TritonMetadata(
+            groups=groups, **step.metadata_fields(self),
+            seq_lens=step.to_device(np.array([c.start + c.num_tokens for c in ordered], dtype=np.int32)),
+            prefill_query_start=step.to_device(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
+            num_decode_splits=step.decode_splits)
+
+    # ---------------------------------------------------------------------------- attention
+    def write_kv(self, layer, meta, group, q, k, v, positions, rotary, k_cache, v_cache):
+        if rotary is not None and self.fused_rotary:   # rotated in place, K/V written, one kernel
+            from deepinfer.layers.fused.rotary import rotate_and_write_kv_
+            rotate_and_write_kv_(positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, group.slot_mapping)
+            return q, k
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
+        from deepinfer.layers.fused.kv_write import write_kv_cache   # both caches in one kernel
+        write_kv_cache(k, v, k_cache, v_cache, group.slot_mapping)
+        return q, k
+
+    def attend(self, layer, meta, group, q, k, v, k_cache, v_cache):
+        """Decode rows come first. Decodes and most prefill rows read K/V through the block
+        tables with the kernels; long fresh prefill chunks attend with SDPA's flash kernel over
+        this step's own k/v: the rows just written to the cache, with the values the cache holds
+        (an fp8 cache's write kernel rounds k and v in place, see kv_cache/dtypes.py)."""
+        from deepinfer.layers.attention.triton_decode import paged_decode_attention
+        from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
+
+        fresh = group.sdpa_prefill_ranges
+        if len(fresh) == 1 and fresh[0] == (0, q.shape[0]):
+            return layer._fresh_chunk(q, k, v, 0, q.shape[0])   # one fresh chunk: no copy into `out`
+        out = torch.empty_like(q)
+        n_dec = meta.num_decode_tokens
+        if n_dec:
+            paged_decode_attention(q[:n_dec], k_cache, v_cache, group.block_table[:n_dec], meta.seq_lens[:n_dec],
+                                   layer.scale, layer.sliding_window, meta.block_size, meta.num_decode_splits,
+                                   out=out[:n_dec], kernel="auto" if self.cuda_fp8_decode else "triton")
+        if group.kernel_prefill_rows is not None:
+            paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
+                                    meta.prefill_query_start, group.kernel_max_prefill_len, layer.scale,
+                                    layer.sliding_window, meta.block_size, out=out[n_dec:],
+                                    seq_ids=group.kernel_prefill_rows)
+        for start, end, count in equal_length_runs(fresh):
+            out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
+                              else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
+        return out
+
+    # --------------------------------------------------------------------------- CUDA graphs
+    def decode_graph_buffers(self, *, num_groups, max_batch, max_blocks_per_seq, num_kv_heads, block_size,
+                             layer_to_group, layer_to_slot, kv_caches, device) -> TritonGraphBuffers:
+        return TritonGraphBuffers(self, num_groups, max_batch, max_blocks_per_seq, num_kv_heads, block_size,
+                                  layer_to_group, layer_to_slot, kv_caches, device)
+
+
+class TritonGraphBuffers(DecodeGraphBuffers):
+    """Per-step inputs of the decode kernels (KV lengths, KV write rows, block tables) in buffers
+    sized for the largest bucket. A step's values go into their front; padding rows get length 0
+    (the decode kernel skips them) and write into the null block."""
+
+    def __init__(self, backend: TritonBackend, num_groups: int, max_batch: int, max_blocks_per_seq: int,
+                 num_kv_heads: int, block_size: int, layer_to_group: list[int], layer_to_slot: list[int],
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+        self.backend, self.num_kv_heads, self.block_size = backend, num_kv_heads, block_size
+        self.layer_to_group, self.layer_to_slot, self.kv_caches = layer_to_group, layer_to_slot, kv_caches
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=device)
+        self.slot_mappings = [torch.zeros(max_batch, dtype=torch.long, device=device) for _ in range(num_groups)]
+        self.block_tables = [torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+                             for _ in range(num_groups)]
+
+    def metadata(self, bucket: int) -> TritonMetadata:
+        groups = [TritonGroupMetadata(slot_mapping=slots[:bucket], block_table=table[:bucket])
+                  for slots, table in zip(self.slot_mappings, self.block_tables)]
+        return TritonMetadata(
+            backend=self.backend, num_tokens=bucket, num_decode_tokens=bucket, prefill_query_ranges=[],
+            groups=groups, layer_to_group=self.layer_to_group, layer_to_slot=self.layer_to_slot,
+            kv_caches=self.kv_caches, block_size=self.block_size, seq_lens=self.seq_lens[:bucket],
+            num_decode_splits=self.backend.decode_splits(bucket, self.num_kv_heads))
+
+    def fill_for_capture(self) -> None:
+        self.seq_lens.fill_(1)   # length-1 sequences reading and writing row 0 of the null block
+
+    def clear_after_capture(self) -> None:
+        self.seq_lens.zero_()
+
+    def load(self, meta: TritonMetadata, bucket: int) -> None:
+        batch = meta.num_tokens
+        self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)
+        for g, group in enumerate(meta.groups):
+            self.slot_mappings[g][:batch].copy_(group.slot_mapping, non_blocking=True)
+            width = group.block_table.shape[1]
+            self.block_tables[g][:batch, :width].copy_(group.block_table, non_blocking=True)
+        if bucket > batch:   # padding rows: nothing to attend to, writes land in the null block
+            self.seq_lens[batch:bucket].zero_()
+            for slots in self.slot_mappings:
+                slots[batch:bucket].zero_()
