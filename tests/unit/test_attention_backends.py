@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from deepinfer.config import ATTENTION_BACKENDS, EngineConfig
-from deepinfer.engine.plan import ScheduledChunk
 from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers
 from deepinfer.layers.attention.backends import select_backend
 from deepinfer.layers.attention.backends.cpu import CpuBackend
@@ -23,6 +22,7 @@ from deepinfer.layers.attention.metadata import current_backend, forward_context
 from deepinfer.platforms.cpu import CpuPlatform
 from deepinfer.platforms.cuda import CudaPlatform
 from deepinfer.worker.input_batch import build_step_inputs
+from deepinfer.worker.request_states import StepChunk
 
 PACKAGE = Path(__file__).resolve().parents[2] / "deepinfer"
 # The module that turns the config's name into a backend object, and the config that defines and
@@ -131,7 +131,7 @@ def test_the_forward_context_carries_the_backend_that_built_the_step():
     assert type(current_backend()) is ReferenceBackend
     groups = group_layers([FullAttentionSpec(2, 8, torch.float32)])
     caches = [(torch.zeros(64, 2, 8), torch.zeros(64, 2, 8))]
-    chunks = [ScheduledChunk("a", 5, 1, [[1]], sample=True), ScheduledChunk("b", 0, 4, [[2]], sample=True)]
+    chunks = [StepChunk("a", 5, 1, [[1]], sample=True), StepChunk("b", 0, 4, [[2]], sample=True)]
     token_ids = {"a": [1] * 6, "b": [1] * 4}
     backend = CpuBackend()
     inputs = build_step_inputs(chunks, token_ids, groups, 16, [0], [0], caches, torch.device("cpu"), backend=backend)

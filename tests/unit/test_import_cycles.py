@@ -2,10 +2,11 @@
 
 The graph is read from the source with `ast`: an edge for each import a module makes while it is
 imported (its top level, class bodies and `if` / `try` blocks), not for imports inside functions,
-which run later and are the usual way to defer a heavy or optional dependency. Imports under
-`if TYPE_CHECKING:` count: a cycle there is the same tangle of responsibilities, only hidden from
-the interpreter (models/loader.py <-> tokenizer.py was one, until ModelLoadError got its own
-module). The recipe's modules are in the graph too, and must not import deepinfer or torch at all.
+which run later and are the usual way to defer a heavy or optional dependency, nor for imports
+under `if TYPE_CHECKING:`, which never run: annotations may name types both ways (a layer calls
+its attention backend, and the backend's signatures name the layer it reads). models/loader.py <->
+tokenizer.py was a real cycle, until ModelLoadError got its own module. The recipe's modules are
+in the graph too, and must not import deepinfer or torch at all.
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ class _ImportTimeImports(ast.NodeVisitor):
 
     def visit_FunctionDef(self, node) -> None:   # a function body runs when called, not on import
         pass
+
+    def visit_If(self, node) -> None:
+        test = node.test
+        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
+            for child in node.orelse:   # only the else branch runs
+                self.visit(child)
+            return
+        self.generic_visit(node)
 
     visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
 
