@@ -48,6 +48,7 @@ run: install
 	$(VENV)/bin/deepinfer generate --chat "$(PROMPT)"
 
 test: install
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
 # The CPU throughput figures of docs/benchmarks.md (deepinfer beside llama.cpp).

@@ -101,7 +101,7 @@ def main() -> None:
     best: dict[tuple[int, str, str], float] = {}
     for _ in range(args.rounds):
         for rows in args.rows:
-            for name, (o, i, _) in SHAPES.items():
+            for name, (_, i, _) in SHAPES.items():
                 x32 = torch.randn(rows, i)
                 for dname, dt in DTYPES.items():
                     x = x32.to(dt)

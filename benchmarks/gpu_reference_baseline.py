@@ -45,7 +45,10 @@ def copy_bandwidth() -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(10):
-        start.record(); dst.copy_(src); end.record(); torch.cuda.synchronize()
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     del src, dst
     return 2 * (2 << 30) / sorted(times)[len(times) // 2]
@@ -60,7 +63,8 @@ def matmul_rate() -> float:
     start.record()
     for _ in range(10):
         a @ b
-    end.record(); torch.cuda.synchronize()
+    end.record()
+    torch.cuda.synchronize()
     return 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3)
 
 
@@ -83,19 +87,24 @@ def main() -> None:
 
     prompt = [[(7 * i) % 100000 + 10 for i in range(1024)]]
     llm.generate(prompt, SamplingParams(max_tokens=8, **greedy), use_tqdm=False)   # warm-up
-    torch.cuda.synchronize(); t = time.perf_counter()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     llm.generate(prompt, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-    torch.cuda.synchronize(); prefill_1k = time.perf_counter() - t
+    torch.cuda.synchronize()
+    prefill_1k = time.perf_counter() - t
     t = time.perf_counter()
     llm.generate(prompt, SamplingParams(max_tokens=129, **greedy), use_tqdm=False)
-    torch.cuda.synchronize(); decode_tps = 128 / (time.perf_counter() - t - prefill_1k)
+    torch.cuda.synchronize()
+    decode_tps = 128 / (time.perf_counter() - t - prefill_1k)
     roofline = bandwidth / weight_bytes
 
     long_prompt = [[(13 * i) % 100000 + 10 for i in range(8192)]]
     llm.generate(long_prompt, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-    torch.cuda.synchronize(); t = time.perf_counter()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     llm.generate(long_prompt, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
-    torch.cuda.synchronize(); prefill_s = time.perf_counter() - t
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t
     # Matmul FLOPs of the prefill (attention score/value products included, causal half).
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     prefill_flops = 2 * (params - config["vocab_size"] * h) * 8192 + layers * 2 * 2 * 8192 * 8192 * h / 2

@@ -38,10 +38,8 @@ import resource
 import time
 from pathlib import Path
 
-import numpy as np
-
 import llama_cpp as L
-
+import numpy as np
 
 # --------------------------------------------------------------------------- helpers
 

@@ -173,7 +173,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
         num_prefixes=args.num_prefixes, turns=args.turns, as_text=chat, seed=args.seed)
     jobs = build_workload(spec, tokenizer)
 
-    from deepinfer.bench.serving.runner import RunSettings, first_model, run_benchmark   # aiohttp: only now
+    from deepinfer.bench.serving.runner import RunSettings, first_model, run_benchmark  # aiohttp: only now
 
     model_id = args.model or asyncio.run(first_model(base_url, headers))
     settings = RunSettings(

@@ -29,8 +29,8 @@ from deepinfer.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMidd
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
 from deepinfer.frontend.engine_client import AsyncEngineClient
-from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.metrics.http import HTTPMetricsMiddleware
+from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import ModelSource
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,7 @@ reaches the grammar compiler.
 from __future__ import annotations
 
 import msgspec
-from starlette.requests import ClientDisconnect
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from deepinfer.entrypoints.errors import APIError, bad_request
 from deepinfer.entrypoints.middleware import body_too_large

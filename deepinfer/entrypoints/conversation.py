@@ -25,9 +25,9 @@ from deepinfer_recipe.tools.constraint import offered_tools
 from deepinfer.chat import apply_template_kwargs
 from deepinfer.entrypoints import sampling
 from deepinfer.entrypoints.errors import bad_request
+from deepinfer.entrypoints.logprobs import chat_logprob, prompt_logprobs_json
 from deepinfer.entrypoints.request_fields import SamplingFields, parse_fields
 from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors
-from deepinfer.entrypoints.logprobs import chat_logprob, prompt_logprobs_json
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 

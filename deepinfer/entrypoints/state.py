@@ -16,8 +16,13 @@ from deepinfer.entrypoints.body import decode_json, read_body
 from deepinfer.entrypoints.errors import APIError
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.frontend.engine_client import (
-    RETRY_AFTER_S, AsyncEngineClient, EngineDeadError, RequestAbortedError, RequestFailedError,
-    RequestTimeoutError, ServerBusyError,
+    RETRY_AFTER_S,
+    AsyncEngineClient,
+    EngineDeadError,
+    RequestAbortedError,
+    RequestFailedError,
+    RequestTimeoutError,
+    ServerBusyError,
 )
 
 

@@ -21,7 +21,6 @@ refused with a clear error until their issues land.
 from __future__ import annotations
 
 import logging
-
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING

@@ -95,7 +95,7 @@ class KVCacheManager:
             for g, ids in enumerate(hit_blocks):
                 self.pool.touch(ids)
                 request.block_ids[g].extend(ids)
-        for g, ids in enumerate(request.block_ids):
+        for ids in request.block_ids:
             missing = _cdiv(total_tokens, bs) - len(ids)
             if missing > 0:
                 new = self.pool.allocate(missing)

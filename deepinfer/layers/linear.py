@@ -163,7 +163,7 @@ class Linear(nn.Linear):
             # One row on the CUDA fast path: the Triton GEMV, 3-38 % faster than cuBLAS per matrix
             # on the H200. A first multi-row version lost to cuBLAS at two rows on four of
             # Llama-3-8B's five matrices, so more rows stay on cuBLAS.
-            from deepinfer.layers.fused.gemv import gemv   # imports triton: CUDA fast path only
+            from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
             return gemv(x, self.weight, self.bias)
         if x.dtype == torch.bfloat16 and x.dim() == 2:
             if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:

@@ -19,8 +19,19 @@ from torch import nn
 
 from deepinfer.kv_cache.specs import KVCacheSpec
 from deepinfer.layers.attention.metadata import current_backend
-from deepinfer.layers.linear import (HEAD_INT4_MAX_ROWS, FusedLinear, Int4Blocks, Int8Blocks, Linear, dense_matmul,
-                                     int4_available, int4_matmul, onednn_packing_available, pack_dense, pack_int4)
+from deepinfer.layers.linear import (
+    HEAD_INT4_MAX_ROWS,
+    FusedLinear,
+    Int4Blocks,
+    Int8Blocks,
+    Linear,
+    dense_matmul,
+    int4_available,
+    int4_matmul,
+    onednn_packing_available,
+    pack_dense,
+    pack_int4,
+)
 
 # (fused parameter name, HF name, shard index)
 FUSED_PROJECTIONS = (
@@ -66,7 +77,7 @@ class CausalLM(nn.Module):
             if self.head_packed is not None:
                 return dense_matmul(hidden, self.head_packed, None).float()
         if hidden.dim() == 2 and hidden.shape[0] == 1 and current_backend().fused_gemv:   # as Linear.forward
-            from deepinfer.layers.fused.gemv import gemv   # imports triton: CUDA fast path only
+            from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
             return gemv(hidden, self.head_weight()).float()
         return torch.nn.functional.linear(hidden, self.head_weight()).float()
 
@@ -123,7 +134,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear) and len(parts) == n_shards:  # every shard 4-bit, or none
                 module.set_int4(Int4Blocks.concat([parts[i] for i in range(n_shards)]))
         expected = set()
-        for pname, param in params.items():
+        for pname in params:
             if isinstance(self.get_submodule(pname.rsplit(".", 1)[0]), FusedLinear):
                 continue
             expected.add(pname)

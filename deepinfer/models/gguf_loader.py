@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from deepinfer.layers.linear import Int4Blocks, Int8Blocks
-
 from deepinfer.models.loader import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"

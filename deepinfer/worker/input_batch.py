@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.worker.request_states import StepChunk
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.layers.attention.backends import AttentionBackend, AttentionMetadata, StepLayout, backend_named
 from deepinfer.layers.attention.backends.base import flat_rows
 from deepinfer.platforms.transfer import to_device
+from deepinfer.worker.request_states import StepChunk
 
 
 @dataclass

@@ -44,13 +44,13 @@ class PromptBuilder:
         self._length = 0
         self._ranges: list[tuple[int, int]] = []
 
-    def text(self, value: str) -> "PromptBuilder":
+    def text(self, value: str) -> PromptBuilder:
         if value:
             self._parts.append(value)
             self._length += len(value)
         return self
 
-    def control(self, spelling: str) -> "PromptBuilder":
+    def control(self, spelling: str) -> PromptBuilder:
         start = self._length
         self._parts.append(spelling)
         self._length += len(spelling)

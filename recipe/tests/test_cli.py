@@ -5,7 +5,6 @@ import json
 import sys
 
 import pytest
-
 from deepinfer_recipe.cli import main
 
 

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from deepinfer_recipe import get_encoder, parse_request
 from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 from deepinfer_recipe.tokenize import SafeTokenizer, deepseek_v4_tokenizer_path
@@ -83,9 +82,8 @@ def test_template_from_string_and_raise_exception(model_dir):
 def test_from_tokenizer_object_matches_directory(model_dir):
     """A tokenizer built in memory (as for GGUF models) plus a template string encodes and parses
     exactly like the same tokenizer loaded from a directory."""
-    from tokenizers import Tokenizer
-
     from deepinfer_recipe.output import OutputSession
+    from tokenizers import Tokenizer
 
     backend = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     in_memory = HFTemplateEncoder.from_tokenizer(backend, CHATML, eos_token="<|im_end|>", name="mem")
@@ -102,9 +100,8 @@ def test_from_tokenizer_object_matches_directory(model_dir):
 
 
 def test_from_tokenizer_needs_a_template(model_dir):
-    from tokenizers import Tokenizer
-
     from deepinfer_recipe.errors import RecipeError
+    from tokenizers import Tokenizer
 
     with pytest.raises(RecipeError, match="no chat template"):
         HFTemplateEncoder.from_tokenizer(Tokenizer.from_file(str(model_dir / "tokenizer.json")), "")

@@ -6,11 +6,10 @@ model output stay text."""
 import json
 
 import pytest
-
-from oracle import dr, needs_oracle, render
 from deepinfer_recipe import get_encoder, parse_request
 from deepinfer_recipe.output import OutputSession
 from deepinfer_recipe.tokenize import deepseek_v4_tokenizer_path
+from oracle import dr, needs_oracle, render
 
 ADDED = json.loads(deepseek_v4_tokenizer_path().read_text(encoding="utf-8"))["added_tokens"]
 ALL_SPELLINGS = "".join(token["content"] for token in ADDED)

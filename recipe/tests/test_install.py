@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from deepinfer_recipe import get_encoder, parse_request
 from deepinfer_recipe.tokenize import deepseek_v4_tokenizer_path
 

@@ -5,11 +5,10 @@ published)."""
 import random
 
 import pytest
-
 from corpus import CORPUS, V41
+from deepinfer_recipe import RequestError, get_encoder, parse_request
 from oracle import needs_oracle, render
 from random_conversations import random_request
-from deepinfer_recipe import RequestError, get_encoder, parse_request
 
 
 def ours(protocol, body):

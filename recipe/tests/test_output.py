@@ -3,10 +3,9 @@
 import json
 
 import pytest
-
-from oracle import dr, needs_oracle, v4_encoding
 from deepinfer_recipe import get_encoder, parse_request
 from deepinfer_recipe.output import OutputSession
+from oracle import dr, needs_oracle, v4_encoding
 
 ENCODER = get_encoder("deepseek-v4")
 TOK = ENCODER.tokenizer

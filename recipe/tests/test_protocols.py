@@ -1,7 +1,6 @@
 """Request validation: unknown fields ignored, invalid ones named by their JSON path."""
 
 import pytest
-
 from corpus import CORPUS, V41
 from deepinfer_recipe import RequestError, get_encoder, parse_request
 from deepinfer_recipe.conversation import ImagePart, NamedToolChoice

@@ -8,7 +8,6 @@ import json
 import typing
 
 import pytest
-
 from test_output import DSML, EOS, THINK_END, TOK, TOOLS, model_output, session_for
 
 openai = pytest.importorskip("openai")

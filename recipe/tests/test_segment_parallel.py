@@ -1,11 +1,10 @@
 """Segment-parallel encoding gives exactly the ids of single-call encoding."""
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from deepinfer_recipe import get_encoder
 from deepinfer_recipe import tokenize as tokenize_module
 from deepinfer_recipe.tokenize import SafeTokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 TOK = get_encoder("deepseek-v4").tokenizer
 ALPHABET = st.sampled_from(list("abcXYZ \n\t\r.,;:!?'\"()<>[]{}-_/\\|0123456789") + ["é", "ß", "数", "据", "ひ", "カ", "한", "🙂", "\u0301", "｜", "▁", "  ", "\n\n", " a", "\na"])

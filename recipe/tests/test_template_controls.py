@@ -6,11 +6,10 @@ strings (trim, tojson, lower, split), which take the other ways of finding the c
 import json
 
 import pytest
-from tokenizers import Tokenizer
-
 from deepinfer_recipe import parse_request
 from deepinfer_recipe.encoders.client_text import ControlSpellings
 from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
+from tokenizers import Tokenizer
 
 
 @pytest.fixture(scope="module")

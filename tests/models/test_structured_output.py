@@ -165,7 +165,7 @@ def test_invalid_constraints_are_rejected_with_the_reason(llm):
 def _slow_schema(num_properties: int) -> dict:
     """Bounded string repeats make xgrammar precompute large automata: seconds on 2 CPU cores."""
     return {"type": "object", "required": [f"k{i}" for i in range(num_properties)],
-            "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{1,%d}" % (60 + i)}
+            "properties": {f"k{i}": {"type": "string", "pattern": f"[a-z]{{1,{60 + i}}}"}
                            for i in range(num_properties)}}
 
 

@@ -18,6 +18,7 @@ LOW = torch.float16 if INTERPRETED else torch.bfloat16
 
 # The kernel module imports triton: only after the skip above.
 from deepinfer.layers.fused.gemv import DEFAULT_CONFIG, TUNED, gemv, gemv_config  # noqa: E402
+
 SHAPES = [(1728, 576), (576, 576), (3072, 576), (576, 1536),   # SmolLM2-135M: qkv, o, gate_up, down
           (1536, 640), (640, 1024), (4096, 640),                # Gemma 3 270M
           (6144, 4096), (4096, 14336),                          # Llama-3-8B qkv, down

@@ -59,8 +59,11 @@ def _transformers_gemma3_subset(path: str):
     import gguf
     from gguf.quants import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, get_gguf_hf_weights_map,
-                                                          load_gguf_checkpoint)
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+    )
 
     reader = gguf.GGUFReader(path)  # the slow part (~15 s for 262k tokens): do it once
     with pytest.MonkeyPatch.context() as mp:

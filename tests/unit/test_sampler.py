@@ -9,8 +9,15 @@ import torch
 from deepinfer.sample import logprobs as logprobs_module
 from deepinfer.sample import penalties
 from deepinfer.sample.logprobs import compute_prompt_logprobs
-from deepinfer.sample.sampler import (ARGMAX_CHUNK, Sampler, SamplingRow, apply_top_k_top_p, greedy_argmax,
-                                      make_generator, two_pass_argmax)
+from deepinfer.sample.sampler import (
+    ARGMAX_CHUNK,
+    Sampler,
+    SamplingRow,
+    apply_top_k_top_p,
+    greedy_argmax,
+    make_generator,
+    two_pass_argmax,
+)
 from deepinfer.sampling_params import SamplingParams
 
 # A small known distribution; logits are its logs shifted by a constant (softmax ignores it).

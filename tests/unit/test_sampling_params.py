@@ -5,8 +5,7 @@ import dataclasses
 import pytest
 
 from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer.sampling_params import (RequestOutputKind, SamplingParams, SamplingType,
-                                       StructuredOutputsParams)
+from deepinfer.sampling_params import RequestOutputKind, SamplingParams, SamplingType, StructuredOutputsParams
 
 
 def test_defaults_match_vllm():

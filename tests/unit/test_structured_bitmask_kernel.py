@@ -16,7 +16,8 @@ from deepinfer.engine.plan import GrammarOutput
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask, unpack_bitmask
 from tests.triton_support import DEVICE  # skips this module without a way to run Triton
 
-from deepinfer.sample.structured.bitmask_kernel import apply_packed_bitmask  # noqa: E402  (needs triton)
+# isort: split
+from deepinfer.sample.structured.bitmask_kernel import apply_packed_bitmask  # (needs triton)
 
 
 def random_bitmask(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:

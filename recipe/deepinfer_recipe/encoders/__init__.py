@@ -7,7 +7,7 @@ import functools
 from ..errors import RecipeError
 from ..tokenize import SafeTokenizer
 from .base import Encoder, OutputMarkers, ParserStart, PromptEncoding
-from .deepseek_v4 import DeepSeekV41Encoder, DeepSeekV4Encoder
+from .deepseek_v4 import DeepSeekV4Encoder, DeepSeekV41Encoder
 
 FORMATS = ("deepseek-v4", "deepseek-v4.1", "hf:PATH")
 

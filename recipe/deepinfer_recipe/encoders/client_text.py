@@ -25,7 +25,7 @@ Two ways of hiding, tried in this order (hf_template.py):
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from ..errors import RequestError
 from ..prompt import PromptBuilder, RenderedPrompt
@@ -56,11 +56,12 @@ class ControlSpellings:
         # The edges as sent, and inside surrounding whitespace (which `| trim` removes).
         start, end = len(value) - len(value.lstrip()), len(value.rstrip())
         for edge in {len(value), end}:  # ends with the beginning of a spelling
-            size = self._edge_size(lambda n: value[edge - n : edge], edge, self._heads)
+            size = self._edge_size(lambda n, edge=edge: value[edge - n : edge], edge, self._heads)
             if size:
                 spans.append((edge - size, edge))
         for edge in {0, start}:  # starts with the end of a spelling
-            size = self._edge_size(lambda n: value[edge : edge + n], len(value) - edge, self._tails)
+            size = self._edge_size(lambda n, edge=edge: value[edge : edge + n], len(value) - edge,
+                                    self._tails)
             if size:
                 spans.append((edge, edge + size))
         return spans

@@ -20,7 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, TextPart, ToolDefinition
+from ..conversation import Conversation, Message, NamedToolChoice, TextPart, ToolDefinition
 from ..errors import RequestError
 from ..prompt import PromptBuilder, RenderedPrompt
 from ..tokenize import SafeTokenizer, load_deepseek_v4_tokenizer

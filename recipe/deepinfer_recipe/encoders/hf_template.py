@@ -74,7 +74,7 @@ class HFTemplateEncoder(Encoder):
         self.renders_tools = self._template_renders_tools()
 
     @classmethod
-    def from_directory(cls, path: str | Path, tokenizer_path: str | None = None) -> "HFTemplateEncoder":
+    def from_directory(cls, path: str | Path, tokenizer_path: str | None = None) -> HFTemplateEncoder:
         directory = Path(path)
         config_file = directory / "tokenizer_config.json"
         if not config_file.exists():
@@ -94,7 +94,7 @@ class HFTemplateEncoder(Encoder):
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Tokenizer, chat_template: str, bos_token: str | None = None,
-                       eos_token: str | None = None, name: str = "hf") -> "HFTemplateEncoder":
+                       eos_token: str | None = None, name: str = "hf") -> HFTemplateEncoder:
         """From a `tokenizers.Tokenizer` object and a template string, for models whose tokenizer
         exists only in memory (a GGUF file carries a vocabulary and a template, no tokenizer.json)."""
         if not chat_template:

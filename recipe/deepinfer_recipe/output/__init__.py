@@ -3,7 +3,13 @@ protocol stream events."""
 
 from .detokenize import IncrementalDetokenizer
 from .parser import (
-    ContentDelta, Finished, OutputParser, ReasoningDelta, ToolCallDelta, ToolCallEnd, ToolCallStart,
+    ContentDelta,
+    Finished,
+    OutputParser,
+    ReasoningDelta,
+    ToolCallDelta,
+    ToolCallEnd,
+    ToolCallStart,
 )
 from .session import OutputSession
 from .stop import StopChecker

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Callable
+from collections.abc import Callable
 
 from .parser_events import Event, ToolCallDelta, ToolCallEnd, ToolCallStart
 

@@ -19,13 +19,14 @@ import dataclasses
 import json
 import re
 import secrets
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from ..encoders.base import OutputMarkers, ParserStart
 from ..tokenize import SafeTokenizer
 from .detokenize import IncrementalDetokenizer
 from .hermes_calls import HermesCallBlock
-from .stop import StopChecker
+
 # The event types live in parser_events.py; the renderers import them from here as well.
 from .parser_events import (
     ContentDelta,
@@ -37,6 +38,7 @@ from .parser_events import (
     ToolCallEnd,
     ToolCallStart,
 )
+from .stop import StopChecker
 
 # Stands for one emitted DSML id inside the tool-call buffer. A lone surrogate can never come out
 # of UTF-8 decoding, so text cannot forge it.
@@ -53,7 +55,7 @@ class OutputParser:
         self,
         tokenizer: SafeTokenizer,
         markers: OutputMarkers,
-        start: ParserStart = ParserStart(),
+        start: ParserStart | None = None,
         stop: list[str] | None = None,
         call_id: Callable[[int], str] = default_call_id,
         ignore_eos: bool = False,
@@ -63,6 +65,7 @@ class OutputParser:
         self._detok = IncrementalDetokenizer(tokenizer.full, skip_special_tokens=False)
         ids = lambda s: tokenizer.control_id(s) if s and tokenizer.has_control(s) else None
         self._eos = {ids(s) for s in markers.end_of_turn} - {None}
+        start = start or ParserStart()
         self._think_start, self._think_end, self._dsml = ids(markers.think_start), ids(markers.think_end), ids(markers.dsml)
         self._call_open, self._call_close = ids(markers.tool_call_start), ids(markers.tool_call_end)
         marker_ids = (self._think_start, self._think_end, self._dsml, self._call_open, self._call_close)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 import secrets
 import time
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 from ..encoders.base import Encoder, PromptEncoding
 from ..errors import RecipeError
@@ -60,7 +61,7 @@ class OutputSession:
         call_id: Callable[[int], str] | None = None,
         ignore_eos: bool = False,
         **kwargs,
-    ) -> "OutputSession":
+    ) -> OutputSession:
         """call_id: makes the id of the n-th tool call; by default a random one with the
         protocol's prefix ("toolu_" for Messages, as Anthropic's ids, else "call_").
         ignore_eos: generation goes on past end tokens (see the module docstring)."""

@@ -18,7 +18,15 @@ from ..conversation import (
     ToolDefinition,
 )
 from ..errors import RequestError
-from ._common import Int64, Lenient, Number, PositiveInt64, normalize_strict_schema, require_object_schema, validate
+from ._common import (
+    Int64,
+    Lenient,
+    Number,
+    PositiveInt64,
+    normalize_strict_schema,
+    require_object_schema,
+    validate,
+)
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 

@@ -13,7 +13,15 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
-from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, TextPart, ToolCall, ToolDefinition
+from ..conversation import (
+    Conversation,
+    ImagePart,
+    Message,
+    NamedToolChoice,
+    TextPart,
+    ToolCall,
+    ToolDefinition,
+)
 from ..errors import RequestError
 from ._common import Lenient, NonNegativeInt64, Number, PositiveInt64, require_object_schema, validate
 

@@ -13,9 +13,26 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Strict, Tag
 
-from ..conversation import Conversation, ImagePart, Message, NamedToolChoice, ResponseFormat, TextPart, ToolCall, ToolDefinition
+from ..conversation import (
+    Conversation,
+    ImagePart,
+    Message,
+    NamedToolChoice,
+    ResponseFormat,
+    TextPart,
+    ToolCall,
+    ToolDefinition,
+)
 from ..errors import RequestError
-from ._common import Lenient, NonNegativeInt64, Number, PositiveInt64, normalize_strict_schema, require_object_schema, validate
+from ._common import (
+    Lenient,
+    NonNegativeInt64,
+    Number,
+    PositiveInt64,
+    normalize_strict_schema,
+    require_object_schema,
+    validate,
+)
 
 Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
 

@@ -10,8 +10,13 @@
                 that reads a name; "auto" is the platform's choice
 """
 
-from deepinfer.layers.attention.backends.base import (AttentionBackend, AttentionMetadata, DecodeGraphBuffers,
-                                                      GroupMetadata, StepLayout)
+from deepinfer.layers.attention.backends.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeGraphBuffers,
+    GroupMetadata,
+    StepLayout,
+)
 from deepinfer.layers.attention.backends.selection import backend_named, select_backend
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "DecodeGraphBuffers", "GroupMetadata", "StepLayout",

@@ -24,11 +24,11 @@ import torch
 from deepinfer.platforms.transfer import to_device
 
 if TYPE_CHECKING:
-    from deepinfer.worker.request_states import StepChunk
     from deepinfer.kv_cache.specs import KVCacheGroup
     from deepinfer.layers.attention.layer import Attention
     from deepinfer.layers.rotary import RotaryEmbedding
     from deepinfer.platforms import Platform
+    from deepinfer.worker.request_states import StepChunk
 
 
 def flat_rows(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

@@ -15,8 +15,14 @@ import numpy as np
 import torch
 
 from deepinfer.kv_cache.dtypes import read_cache_rows, write_cache_rows
-from deepinfer.layers.attention.backends.base import (AttentionBackend, AttentionMetadata, GroupMetadata, StepLayout,
-                                                      flat_rows, sliding_window_of)
+from deepinfer.layers.attention.backends.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    GroupMetadata,
+    StepLayout,
+    flat_rows,
+    sliding_window_of,
+)
 
 
 @dataclass(kw_only=True)

@@ -20,8 +20,14 @@ import numpy as np
 import torch
 
 from deepinfer.kv_cache.dtypes import is_fp8
-from deepinfer.layers.attention.backends.base import (AttentionBackend, AttentionMetadata, DecodeGraphBuffers,
-                                                      GroupMetadata, StepLayout, sliding_window_of)
+from deepinfer.layers.attention.backends.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    DecodeGraphBuffers,
+    GroupMetadata,
+    StepLayout,
+    sliding_window_of,
+)
 from deepinfer.layers.attention.layer import equal_length_runs
 
 # A fresh chunk (one that starts at position 0, so this step holds all its K/V) this long or
@@ -161,7 +167,7 @@ class TritonBackend(AttentionBackend):
             return q, k
         if rotary is not None:
             q, k = rotary(positions, q, k)
-        from deepinfer.layers.fused.kv_write import write_kv_cache   # both caches in one kernel
+        from deepinfer.layers.fused.kv_write import write_kv_cache  # both caches in one kernel
         write_kv_cache(k, v, k_cache, v_cache, group.slot_mapping)
         return q, k
 
