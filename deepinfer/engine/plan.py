@@ -58,6 +58,13 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     block_ids: list[list[int]]    # every layer group's block table (a copy: the scheduler changes its own)
+    # SWA Bounded Replay (kv_cache/manager.py): when the request resumes on cached full-attention
+    # KV whose sliding-window KV is gone, it recomputes from `window_floor` on, and
+    # sliding-window layers see no key below that position (the rows below were never rebuilt).
+    # Full-attention layers write no K/V below `write_floor`: they keep their cached, exact rows
+    # (swa_replay_full_kv="keep"). Both 0: a plain request.
+    window_floor: int = 0
+    write_floor: int = 0
 
 
 @dataclass
@@ -105,6 +112,32 @@ class ScheduledChunk:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify (DSpark issue)
 
 
+@dataclass
+class KVTransfer:
+    """One copy between the device pool and a KV tier, of whole blocks of one layer group:
+    device_block_ids[i] <-> tier_slots[i] (kv_cache/connector.py)."""
+
+    transfer_id: int
+    request_id: str               # whose KV (a load), or the request that computed it (a save)
+    group_id: int
+    device_block_ids: list[int]
+    tier_slots: list[int]
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the KV connector's worker side starts this step (vLLM's name). Loads fill device
+    blocks of requests parked in WAITING_FOR_KV; saves copy blocks a finished step computed.
+    Both run asynchronously; the runner reports each transfer_id once done (RunnerResult)."""
+
+    loads: list[KVTransfer] = field(default_factory=list)
+    saves: list[KVTransfer] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.loads or self.saves)
+
+
 @dataclass(frozen=True)
 class SchedulerPlan:
     """One step's work. Final when `schedule()` returns: nobody adds to it afterwards (the
@@ -117,6 +150,7 @@ class SchedulerPlan:
     # readmitted by one schedule is in both, and must come back whole.
     finished_request_ids: list[str]
     num_scheduled_tokens: int
+    kv_connector_metadata: KVConnectorMetadata | None = None   # None: no KV connector configured
 
     @property
     def is_empty(self) -> bool:
@@ -169,6 +203,8 @@ class RunnerResult:
     sampled_token_ids: dict[str, list[int]]              # one token, or accepted drafts + one
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
+    # KV connector transfers (KVTransfer.transfer_id) that completed since the last result.
+    finished_kv_transfers: list[int] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------- core -> front end
