@@ -102,6 +102,16 @@ class CacheConfig:
     """Exact number of KV blocks, overriding the memory budget (tests, benchmarks)."""
     kv_cache_dtype: str = "auto"
     """auto (the model's dtype) | fp8 = fp8_e4m3 (float8 e4m3 with a scale of 1.0)."""
+    swa_retention_s: float = 180.0
+    """Seconds a cached sliding-window block is kept after its last use; older ones are never
+    hit and are reused first. Full-attention blocks stay cached until evicted."""
+    swa_replay_tokens: int | None = None
+    """SWA Bounded Replay: when full-attention KV covers a prefix whose sliding-window KV is
+    gone, recompute only its last this many tokens (sliding-window layers attend inside them
+    alone; an approximation). Unset: the model's window. 0: exact (recompute the whole prompt)."""
+    swa_replay_full_kv: str = "keep"
+    """keep | recompute: whether replayed positions keep their cached full-attention KV (exact
+    rows) or recompute it too."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -115,6 +125,14 @@ class CacheConfig:
             raise ValueError(f"cpu_kv_cache_bytes must be >= 1, got {self.cpu_kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if not self.swa_retention_s >= 0:   # also refuses NaN
+            raise ValueError(f"swa_retention_s must be >= 0, got {self.swa_retention_s}")
+        if self.swa_replay_tokens is not None and (isinstance(self.swa_replay_tokens, bool)
+                                                   or not isinstance(self.swa_replay_tokens, int)
+                                                   or self.swa_replay_tokens < 0):
+            raise ValueError(f"swa_replay_tokens must be an integer >= 0, got {self.swa_replay_tokens!r}")
+        if self.swa_replay_full_kv not in ("keep", "recompute"):
+            raise ValueError(f"swa_replay_full_kv must be 'keep' or 'recompute', got {self.swa_replay_full_kv!r}")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ from deepinfer.engine.plan import EngineCoreOutput, EngineStats, ForwardStep, La
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.executor import Executor
-from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.kv_cache.manager import KVCacheManager, replay_config
+from deepinfer.kv_cache.prefix_cache import hash_root
 from deepinfer.models.loader import ModelSource
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
@@ -82,7 +83,11 @@ class EngineCore:
                 f"{self.max_model_len} tokens needs {needed} across {len(kv.groups)} layer groups; "
                 "raise the KV budget (cpu_kv_cache_bytes / gpu_memory_utilization / num_kv_blocks) "
                 "or lower max_model_len")
-        self.kv_manager = KVCacheManager(kv.groups, kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
+        self.kv_manager = KVCacheManager(
+            kv.groups, kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching,
+            replay=replay_config(config.cache, kv.groups), swa_retention_s=config.cache.swa_retention_s,
+            hash_root=hash_root(source.name, getattr(source, "revision", None), kv.block_size,
+                                config.cache.kv_cache_dtype, tp_rank=0))
         self.spec = None
         if config.speculative is not None:
             # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
@@ -183,16 +188,19 @@ class EngineCore:
 
     def check_idle(self) -> None:
         """With no request left, every KV block must be free: log any that is not (a leak)."""
-        held = self.kv_manager.pool.blocks_in_use()
+        held = self.kv_manager.blocks_in_use()
         if held:
             logger.error("KV blocks still referenced with no request in the engine (block: refs): %s", held)
 
     def stats(self) -> EngineStats:
-        counters = self.kv_manager.pool.counters
+        counters = self.kv_manager.counters
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters],
-                           self.spec.stats.copy() if self.spec is not None else None)
+                           self.spec.stats.copy() if self.spec is not None else None,
+                           prefix_cache_replayed=[c.replayed for c in counters],
+                           prefix_cache_expirations=[c.expirations for c in counters],
+                           kv_group_kinds=[g.spec.kind for g in self.kv_manager.groups])
 
     def shutdown(self) -> None:
         """Release the workers and the grammar threads; the core is not used afterwards."""

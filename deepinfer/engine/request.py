@@ -7,13 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.kv_cache.prefix_cache import extend_block_hashes
+from deepinfer.kv_cache.prefix_cache import ROOT_HASH, extend_block_hashes
 from deepinfer.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"   # its structured-output grammar is compiling
+    WAITING_FOR_KV = "waiting_for_kv"             # a KV tier is loading its prefix (connector)
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -45,6 +46,7 @@ class Request:
     priority: int = 0             # lower runs first under the priority policy (vLLM's rule)
     cache_salt: str | None = None
     extra_key: bytes = b""        # model id + cache_salt, part of every block hash
+    hash_root: bytes = ROOT_HASH  # the engine's root of the hash chain (set by the scheduler)
     block_size: int = 16
     arrival_order: int = 0        # tie-break for equal priorities: first come, first served
 
@@ -58,10 +60,13 @@ class Request:
     # result the scheduler has not applied yet (always 0 between steps of the plain loop).
     num_tokens_in_flight: int = 0
     num_samples_in_flight: int = 0
-    num_cached_tokens: int = 0    # prefix-cache hit at first admission (reported as usage)
+    num_cached_tokens: int = 0    # prompt tokens not computed at first admission (usage)
+    # SWA Bounded Replay of the current admission (NewRequestData says what they mean).
+    window_floor: int = 0
+    write_floor: int = 0
     block_ids: list[list[int]] = field(default_factory=list)   # one block table per layer group
     # Hashes of the full blocks of all_token_ids, extended when read (`block_hashes`): an engine
-    # without prefix caching never reads them, and an 8k-token prompt takes ~3 ms to hash.
+    # without prefix caching never reads them, and hashing a long prompt is not free.
     _block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_published_blocks: int = 0
     skip_prefix_cache: bool = False   # prompt_logprobs need every prompt position computed
@@ -105,5 +110,6 @@ class Request:
     @property
     def block_hashes(self) -> list[bytes]:
         """Hash of every full block of all_token_ids (chained: each covers the whole prefix)."""
-        extend_block_hashes(self._block_hashes, self.all_token_ids, self.block_size, self.extra_key)
+        extend_block_hashes(self._block_hashes, self.all_token_ids, self.block_size, self.extra_key,
+                            self.hash_root)
         return self._block_hashes

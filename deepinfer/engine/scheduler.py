@@ -68,6 +68,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_order = next(self._arrivals)
+        request.hash_root = self.kv.hash_root
         self.requests[request.request_id] = request
         if request.grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR
@@ -169,20 +170,22 @@ class Scheduler:
                 # Preempted while a step of it is still in flight: readmit it once that step's
                 # result has been applied (and ignored), so no stale result meets the new chunks.
                 break
-            hit_blocks, num_hit = self.kv.find_prefix_hit(request)
-            num_new = request.num_tokens - num_hit
+            hit = self.kv.find_prefix_hit(request)
+            num_new = request.num_tokens - hit.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.kv.allocate(request, num_new, hit_blocks):
+            if not self.kv.allocate(request, num_new, hit):
                 if not self._preempt_for(request, scheduled):
                     break
                 continue
             self.waiting.pop(0)
             if request.status is RequestStatus.WAITING:  # first admission, not a resume
-                self.kv.record_prefix_query(request.num_tokens, num_hit)
-                request.num_cached_tokens = num_hit
-            request.num_computed_tokens = num_hit
+                self.kv.record_prefix_query(request.num_tokens, hit)
+                # Tokens not computed: replayed tokens are computed, so they do not count.
+                request.num_cached_tokens = hit.num_computed_tokens
+            request.num_computed_tokens = hit.num_computed_tokens
+            request.window_floor, request.write_floor = hit.window_floor, hit.write_floor
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
@@ -190,7 +193,8 @@ class Scheduler:
             new_requests.append(NewRequestData(
                 request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
                 request.sampling_params, request.eos_token_ids,
-                self.runner_tables.new_request(request.request_id, request.block_ids)))
+                self.runner_tables.new_request(request.request_id, request.block_ids),
+                window_floor=request.window_floor, write_floor=request.write_floor))
             chunks.append(self._chunk(request, num_new))
             scheduled.add(request.request_id)
             budget -= num_new
@@ -246,6 +250,7 @@ class Scheduler:
             self.spec.forget(request.request_id)
         request.spec_token_ids = []
         request.num_computed_tokens = 0
+        request.window_floor = request.write_floor = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,18 +1,38 @@
 """The KV manager: block tables per request and layer group, prefix hits, sliding-window frees.
 
 The scheduler talks to it in verbs and gets block ids or a refusal, never tensors:
-  find_prefix_hit(request)          -> (blocks per group, number of hit tokens)
+  find_prefix_hit(request)          -> PrefixHit: per group what is cached, and where to resume
   allocate(request, n, hit)         -> True, or False (nothing changed: preempt and retry)
   cache_computed_blocks(request)    after a step, publishes newly full blocks for reuse
   free(request)
+
+A prefix hit is decided per group by its kind's rule (specs.py) and then combined:
+  exact    the longest prefix every group holds as its kind needs it (a sliding-window group
+           only the blocks of its last window): nothing is recomputed.
+  replay   SWA Bounded Replay. The full-attention groups hold a longer prefix, but the
+           sliding-window groups lost its last window (it expired, swa_retention_s, or was
+           evicted). Then only the last `swa_replay_tokens` tokens of that prefix are recomputed,
+           from `window_floor` on; sliding-window layers attend only inside the recomputed
+           segment, so its cost is a constant whatever the context length. The rebuilt window is
+           an approximation of the exact one, not bit-exact. The full-attention KV of the
+           replayed positions is either kept (swa_replay_full_kv="keep": the cached rows stay, the
+           forward writes none below `write_floor`) or recomputed ("recompute": those groups hit
+           only up to the floor, and write fresh blocks).
+  The better of the two (more tokens not to compute) wins. `swa_replay_tokens=0` turns replay off.
+Replayed tokens are tokens to compute: the scheduler's one rule (num_computed_tokens) is unchanged.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
-from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheGroup
+from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, GroupCounters
+from deepinfer.kv_cache.prefix_cache import ROOT_HASH
+from deepinfer.kv_cache.specs import KVCacheGroup, num_pools, sliding_window_of
 
 if TYPE_CHECKING:
     from deepinfer.engine.request import Request
@@ -22,83 +42,165 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@dataclass
+class PrefixHit:
+    """What a request can take from the cache, per group, and where its computing starts."""
+
+    block_ids: list[list[int]]      # per group: cached blocks to take (null where none is needed)
+    num_computed_tokens: int = 0    # the resume point: tokens [0, it) need no compute
+    window_floor: int = 0           # replay: sliding-window layers see no key below it
+    write_floor: int = 0            # replay, "keep": full-attention layers write no KV below it
+    group_hit_tokens: list[int] = field(default_factory=list)   # per group, for the counters
+
+    @property
+    def num_replayed_tokens(self) -> int:
+        """Tokens of the cached prefix computed again to rebuild sliding windows."""
+        return max(self.group_hit_tokens, default=0) - self.num_computed_tokens if self.window_floor else 0
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """SWA Bounded Replay's knobs (CacheConfig: swa_replay_tokens, swa_replay_full_kv)."""
+
+    num_tokens: int = 0             # 0: exact (no replay)
+    full_kv: str = "keep"           # "keep" | "recompute"
+
+
+def replay_config(cache, groups: list[KVCacheGroup]) -> ReplayConfig:
+    """The replay knobs of a CacheConfig; swa_replay_tokens unset means the model's (largest) window."""
+    windows = [w for g in groups if (w := sliding_window_of(g.spec))]
+    num_tokens = cache.swa_replay_tokens if cache.swa_replay_tokens is not None else max(windows, default=0)
+    return ReplayConfig(num_tokens, cache.swa_replay_full_kv)
+
+
 class KVCacheManager:
     def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, *, replay: ReplayConfig | None = None,
+                 swa_retention_s: float = math.inf, clock: Callable[[], float] = time.monotonic,
+                 hash_root: bytes = ROOT_HASH) -> None:
         self.groups = groups
+        self.hash_root = hash_root
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, len(groups))
+        self.replay = replay or ReplayConfig()
+        self.counters = [GroupCounters() for _ in groups]
+        expiring = frozenset(g.group_id for g in groups if g.spec.expires)
+        self.pools = [BlockPool(num_blocks, len(groups), expiring, swa_retention_s, clock, self.counters)
+                      for _ in range(num_pools(groups))]
+        # Groups that anchor a replay: kinds that keep every token (full attention).
+        self._anchors = [g for g in groups if not g.spec.expires and g.spec.hit_start_block(1, block_size) == 0]
         # No group frees blocks behind a window (_free_out_of_window has nothing to do).
-        self._all_full_attention = all(type(g.spec) is FullAttentionSpec for g in groups)
+        self._all_full_attention = all(g.spec.num_needed_tokens(1 << 30) == 1 << 30 for g in groups)
+
+    @property
+    def pool(self) -> BlockPool:
+        """The first pool (the only one unless layers have several page shapes)."""
+        return self.pools[0]
+
+    def pool_of(self, group: KVCacheGroup) -> BlockPool:
+        return self.pools[group.pool_id]
+
+    def blocks_in_use(self) -> dict[tuple[int, int], int]:
+        """(pool, block id) -> references, for leak checks."""
+        return {(p, b): refs for p, pool in enumerate(self.pools) for b, refs in pool.blocks_in_use().items()}
 
     # ----------------------------------------------------------------------------- prefix hits
-    def find_prefix_hit(self, request: Request) -> tuple[list[list[int]], int]:
-        """The longest cached prefix valid in every group, in whole blocks.
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """The cached prefix of a request, in whole blocks, exact or by replay (module doc).
 
         At least one token is always left to compute: the step that computes it yields the
         logits for the first sampled token.
         """
-        empty: list[list[int]] = [[] for _ in self.groups]
+        miss = PrefixHit([[] for _ in self.groups], group_hit_tokens=[0] * len(self.groups))
         if not self.enable_prefix_caching or request.skip_prefix_cache:
-            return empty, 0
+            return miss
         bs = self.block_size
         hashes = request.block_hashes
         max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
-        cached = [[self.pool.lookup(g.group_id, h) for h in hashes[:max_blocks]] for g in self.groups]
+        cached = [[self.pool_of(g).lookup(g.group_id, h) for h in hashes[:max_blocks]] for g in self.groups]
+        exact = self._exact_hit(cached, max_blocks) or miss
+        replay = self._replay_hit(cached, max_blocks)
+        return replay if replay is not None and replay.num_computed_tokens > exact.num_computed_tokens else exact
+
+    def _exact_hit(self, cached: list[list[int | None]], max_blocks: int) -> PrefixHit | None:
+        bs = self.block_size
         for n in range(max_blocks, 0, -1):
             hit: list[list[int]] = []
             for group, ids in zip(self.groups, cached):
-                first = (n * bs - group.spec.num_needed_tokens(n * bs)) // bs
+                first = group.spec.hit_start_block(n, bs)
                 if any(block_id is None for block_id in ids[first:n]):
                     break
                 hit.append([NULL_BLOCK_ID] * first + ids[first:n])  # type: ignore[list-item]
             else:
-                return hit, n * bs
-        return empty, 0
+                return PrefixHit(hit, n * bs, group_hit_tokens=[n * bs] * len(self.groups))
+        return None
 
-    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        for counters in self.pool.counters:
+    def _replay_hit(self, cached: list[list[int | None]], max_blocks: int) -> PrefixHit | None:
+        """Resume from the anchors' cached prefix minus the replayed tokens (module doc)."""
+        if not self.replay.num_tokens or not self._anchors or len(self._anchors) == len(self.groups):
+            return None
+        bs = self.block_size
+        anchored = 0   # blocks every anchor group holds, from the start
+        while anchored < max_blocks and all(cached[g.group_id][anchored] is not None for g in self._anchors):
+            anchored += 1
+        floor = max(anchored * bs - self.replay.num_tokens, 0) // bs   # in blocks, rounded down
+        if floor == 0:
+            return None
+        keep = self.replay.full_kv == "keep"
+        blocks, hits = [], []
+        for group, ids in zip(self.groups, cached):
+            if group in self._anchors:
+                n = anchored if keep else floor
+                blocks.append(list(ids[:n]))   # type: ignore[arg-type]
+                hits.append(n * bs)
+            else:   # rebuilt from the floor on; nothing before it is read (window_floor)
+                blocks.append([NULL_BLOCK_ID] * floor)
+                hits.append(0)
+        return PrefixHit(blocks, floor * bs, window_floor=floor * bs,
+                         write_floor=anchored * bs if keep else 0, group_hit_tokens=hits)
+
+    def record_prefix_query(self, num_tokens: int, hit: PrefixHit) -> None:
+        replayed = hit.num_replayed_tokens
+        for group, counters, hit_tokens in zip(self.groups, self.counters, hit.group_hit_tokens):
             counters.queries += num_tokens
-            counters.hits += num_hit_tokens
+            counters.hits += hit_tokens
+            if group.spec.expires:
+                counters.replayed += replayed
 
     # ------------------------------------------------------------------------------ allocation
-    def allocate(self, request: Request, num_new_tokens: int,
-                 hit_blocks: list[list[int]] | None = None) -> bool:
-        """Make room for `num_new_tokens` more tokens of KV (after any hit). All or nothing."""
+    def allocate(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens of KV (after any hit, from its resume
+        point). All or nothing."""
         bs = self.block_size
         if not request.block_ids:
             request.block_ids = [[] for _ in self.groups]
-        elif hit_blocks is None and self._all_full_attention:
+        elif hit is None and self._all_full_attention:
             # The common case, a decode within its last block: nothing to free or allocate.
-            # (The general path below costs ~10 us, per running request per step.)
             blocks = _cdiv(request.num_computed_tokens + num_new_tokens, bs)
             if all(len(ids) >= blocks for ids in request.block_ids):
                 return True
-        if hit_blocks is not None:
+        if hit is not None:
             assert all(not ids for ids in request.block_ids), "hits only apply to a fresh request"
         self._free_out_of_window(request)
-        total_tokens = request.num_computed_tokens + num_new_tokens
-        if hit_blocks is not None:
-            total_tokens += len(hit_blocks[0]) * bs
-        hit_free = 0  # hit blocks that sit in the free queue and will leave it when touched
-        needed = 0
-        for g, ids in enumerate(request.block_ids):
-            have = len(ids) + (len(hit_blocks[g]) if hit_blocks else 0)
-            needed += max(0, _cdiv(total_tokens, bs) - have)
-            if hit_blocks:
-                hit_free += sum(1 for b in hit_blocks[g]
-                                if b != NULL_BLOCK_ID and self.pool.blocks[b].ref_count == 0)
-        if needed + hit_free > self.pool.num_free_blocks:
+        start = hit.num_computed_tokens if hit is not None else request.num_computed_tokens
+        total_blocks = _cdiv(start + num_new_tokens, bs)
+        needed = [0] * len(self.pools)
+        hit_free = [0] * len(self.pools)   # hit blocks in a free queue, leaving it when touched
+        for g, (group, ids) in enumerate(zip(self.groups, request.block_ids)):
+            pool = self.pool_of(group)
+            taken = hit.block_ids[g] if hit is not None else []
+            needed[group.pool_id] += max(0, total_blocks - len(ids) - len(taken))
+            hit_free[group.pool_id] += sum(1 for b in taken if b != NULL_BLOCK_ID and pool.blocks[b].ref_count == 0)
+        if any(n + f > pool.num_free_blocks for n, f, pool in zip(needed, hit_free, self.pools)):
             return False
-        if hit_blocks:
-            for g, ids in enumerate(hit_blocks):
-                self.pool.touch(ids)
-                request.block_ids[g].extend(ids)
-        for ids in request.block_ids:
-            missing = _cdiv(total_tokens, bs) - len(ids)
+        for g, (group, ids) in enumerate(zip(self.groups, request.block_ids)):
+            pool = self.pool_of(group)
+            if hit is not None:
+                pool.touch(hit.block_ids[g])
+                ids.extend(hit.block_ids[g])
+            missing = total_blocks - len(ids)
             if missing > 0:
-                new = self.pool.allocate(missing)
+                new = pool.allocate(missing)
                 assert new is not None  # checked above
                 ids.extend(new)
         return True
@@ -109,9 +211,10 @@ class KVCacheManager:
         computed = request.num_computed_tokens
         for group, ids in zip(self.groups, request.block_ids):
             first_needed = (computed - group.spec.num_needed_tokens(computed)) // bs
+            pool = self.pool_of(group)
             for i in range(min(first_needed, len(ids))):
                 if ids[i] != NULL_BLOCK_ID:
-                    self.pool.free([ids[i]])
+                    pool.free([ids[i]])
                     ids[i] = NULL_BLOCK_ID
 
     def cache_computed_blocks(self, request: Request) -> None:
@@ -122,30 +225,34 @@ class KVCacheManager:
         # is already scheduled, and it may yet be dropped (its request finished).
         hashes = request.block_hashes
         num_full = min(request.num_kv_ready_tokens // self.block_size, len(hashes))
-        for g, ids in enumerate(request.block_ids):
+        for group, ids in zip(self.groups, request.block_ids):
+            pool = self.pool_of(group)
             for i in range(request.num_published_blocks, num_full):
                 if ids[i] != NULL_BLOCK_ID:
-                    self.pool.cache(g, ids[i], hashes[i])
+                    pool.cache(group.group_id, ids[i], hashes[i])
         request.num_published_blocks = max(request.num_published_blocks, num_full)
 
     def free_tail(self, request: Request) -> None:
         """Give back blocks past the request's known tokens: they held KV of rejected drafts.
 
         The next step computes the last known token, so cdiv(num_tokens, block_size) blocks stay.
-        Tail blocks were never published (only computed, accepted tokens are), so they go to the
-        front of the free queue as empty blocks.
+        Tail blocks were never published (only computed, accepted tokens are), so they go back
+        as empty blocks.
         """
         keep = _cdiv(request.num_tokens, self.block_size)
-        for ids in request.block_ids:
+        for group, ids in zip(self.groups, request.block_ids):
             if len(ids) > keep:
-                self.pool.free(ids[keep:][::-1])
+                self.pool_of(group).free(ids[keep:][::-1])
                 del ids[keep:]
 
     def free(self, request: Request) -> None:
-        for ids in request.block_ids:
-            self.pool.free(ids[::-1])
+        for group, ids in zip(self.groups, request.block_ids):
+            self.pool_of(group).free(ids[::-1])
         request.block_ids = [[] for _ in self.groups]
         request.num_published_blocks = 0
 
     def usage(self) -> float:
-        return self.pool.usage()
+        return max(pool.usage() for pool in self.pools)
+
+    def reset_prefix_cache(self) -> bool:
+        return all([pool.reset_prefix_cache() for pool in self.pools])

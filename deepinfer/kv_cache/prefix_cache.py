@@ -12,7 +12,13 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-ROOT_HASH = b"deepinfer-kv-v1"
+ROOT_HASH = b"deepinfer-kv-v2"
+
+
+def hash_root(model: str, revision: str | None, block_size: int, kv_cache_dtype: str, tp_rank: int = 0) -> bytes:
+    """The parent of every request's first block in one engine."""
+    identity = f"{model}\x00{revision or ''}\x00bs={block_size}\x00kv={kv_cache_dtype}\x00tp={tp_rank}"
+    return hashlib.blake2b(ROOT_HASH + identity.encode(), digest_size=16).digest()
 
 
 def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
@@ -27,9 +33,9 @@ def extra_key(model_id: str, cache_salt: str | None) -> bytes:
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,
-                        extra: bytes) -> None:
+                        extra: bytes, root: bytes = ROOT_HASH) -> None:
     """Append the hashes of newly completed full blocks of `token_ids` to `hashes` in place."""
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else root
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start:start + block_size], extra)
         hashes.append(parent)

@@ -1,59 +1,104 @@
-"""What each attention layer keeps in the KV cache, and how layers are grouped.
+"""What each attention layer keeps in the KV cache (its kind, as a policy object), and how layers
+are grouped and laid out in pools.
 
-Layers are grouped by KV kind. Every group has its own block table per request, but all groups
-draw block ids from one shared pool. The physical cache is a small number of "slots" (one KV
-tensor each, `num_blocks` pages deep); the i-th layer of every group uses slot i. A block id is
-owned by exactly one group at a time, so layers of different groups that share a slot never
-touch the same page. Splitting big kinds into groups of equal size keeps the number of slots
-(and so the memory per block id) at the size of the smallest kind.
+A kind is one `KVCacheSpec` subclass. It owns every rule that differs between kinds, so the
+manager never asks which kind it holds:
+  page_bytes / tokens_per_block   how big one block is, and how many token positions it covers
+  num_needed_tokens               which recent tokens later queries can still attend to (older
+                                  blocks go back to the pool)
+  hit_start_block                 the first block a prefix hit of n blocks must find cached
+  persisted                       whether a tier outside the device may keep its blocks
+  expires                         whether its cached blocks have a retention (swa_retention_s)
+DeepSeek-V4's compressed kind (rows every 4 or 128 tokens plus compressor state) is a third
+subclass, with its own page size and token coverage.
+
+Layers are grouped by spec. Every group has its own block table per request. Groups whose pages
+have the same shape share one pool of block ids and one set of KV tensors ("slots", one per
+layer position in the group): the i-th layer of every group in a pool uses the pool's slot i, and
+a block id is owned by one group at a time, so layers of different groups that share a slot
+never touch the same page. Splitting big kinds into groups of equal size keeps the number of
+slots of a pool at the size of its smallest kind. Groups with another page shape get a pool of
+their own (kv_cache/tensors.py allocates each pool's tensors).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 
 @dataclass(frozen=True)
-class FullAttentionSpec:
-    """Every token's K and V are kept for the whole life of the request."""
+class KVCacheSpec:
+    """The base of every kind: K and V rows of `num_kv_heads` x `head_size` per token."""
 
     num_kv_heads: int
     head_size: int
     dtype: torch.dtype                      # K/V as the model computes them
     cache_dtype: torch.dtype | None = None  # as the cache stores them (kv_cache_dtype); None: dtype
 
-    kind = "full"
+    kind: ClassVar[str] = "base"
+    persisted: ClassVar[bool] = True        # a KV tier (connector) may store its blocks
+    expires: ClassVar[bool] = False         # cached blocks are dropped after swa_retention_s
 
     @property
     def storage_dtype(self) -> torch.dtype:
         return self.cache_dtype or self.dtype
 
+    @property
+    def page_shape(self) -> tuple[int, int, torch.dtype]:
+        """What two specs must share to live in one pool."""
+        return (self.num_kv_heads, self.head_size, self.storage_dtype)
+
+    def tokens_per_block(self, block_size: int) -> int:
+        return block_size
+
     def page_bytes(self, block_size: int) -> int:
+        """Bytes of one block of one layer (K and V)."""
         return 2 * block_size * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
 
     def num_needed_tokens(self, num_tokens: int) -> int:
         """How many of the most recent tokens later queries can still attend to."""
         return num_tokens
 
+    def hit_start_block(self, num_hit_blocks: int, block_size: int) -> int:
+        """The first of a prefix hit's blocks this kind needs cached: the ones before it no
+        query after the hit attends to (they become the null block in its table)."""
+        num_tokens = num_hit_blocks * block_size
+        return (num_tokens - self.num_needed_tokens(num_tokens)) // block_size
+
+    def signature(self, block_size: int) -> str:
+        """Everything that makes this kind's bytes differ, for keys outside the device."""
+        dtype = str(self.storage_dtype).removeprefix("torch.")
+        return f"{self.kind}:{self.num_kv_heads}x{self.head_size}:{dtype}:bs{block_size}"
+
 
 @dataclass(frozen=True)
-class SlidingWindowSpec(FullAttentionSpec):
-    """Only the last `sliding_window` tokens are attended to; older blocks are freed."""
+class FullAttentionSpec(KVCacheSpec):
+    """Every token's K and V are kept for the whole life of the request."""
+
+    kind: ClassVar[str] = "full"
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(KVCacheSpec):
+    """Only the last `sliding_window` tokens are attended to; older blocks are freed. Its KV is
+    never persisted outside the device and its cached blocks expire: a later hit rebuilds the
+    window by SWA Bounded Replay (kv_cache/manager.py)."""
 
     sliding_window: int = 0
 
-    kind = "sliding_window"
+    kind: ClassVar[str] = "sliding_window"
+    persisted: ClassVar[bool] = False
+    expires: ClassVar[bool] = True
 
     def num_needed_tokens(self, num_tokens: int) -> int:
         # A query at position p sees keys (p - window, p]; the next query is at num_tokens.
         return min(num_tokens, self.sliding_window - 1)
 
-
-KVCacheSpec = FullAttentionSpec  # the base type every spec derives from
-# DeepSeek-V4 adds a compressed kind (rows every 4 or 128 tokens plus compressor state); it
-# plugs in as another spec with its own page size and its own num_needed_tokens rule.
+    def signature(self, block_size: int) -> str:
+        return f"{super().signature(block_size)}:w{self.sliding_window}"
 
 
 @dataclass(frozen=True)
@@ -61,25 +106,38 @@ class KVCacheGroup:
     group_id: int
     spec: KVCacheSpec
     layer_ids: tuple[int, ...]  # the model's layer indices in this group; layer_ids[i] uses slot i
+    pool_id: int = 0            # the pool (page shape) its block ids and tensors come from
 
 
 def group_layers(specs: list[KVCacheSpec]) -> list[KVCacheGroup]:
-    """Group layers with identical specs, splitting big kinds into groups of the smallest size."""
+    """Group layers with identical specs, one pool per page shape; within a pool, big kinds are
+    split into groups of the pool's smallest kind."""
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for layer_id, spec in enumerate(specs):
         by_spec.setdefault(spec, []).append(layer_id)
-    page_sizes = {(s.num_kv_heads, s.head_size, s.storage_dtype) for s in by_spec}
-    if len(page_sizes) != 1:
-        raise NotImplementedError(
-            "layers with different KV page shapes need separate pools; not supported yet: "
-            f"{sorted(map(str, page_sizes))}")
-    group_size = min(len(layers) for layers in by_spec.values())
+    pools: dict[tuple, list[KVCacheSpec]] = {}
+    for spec in by_spec:
+        pools.setdefault(spec.page_shape, []).append(spec)
     groups: list[KVCacheGroup] = []
-    for spec, layers in by_spec.items():
-        for start in range(0, len(layers), group_size):
-            groups.append(KVCacheGroup(len(groups), spec, tuple(layers[start:start + group_size])))
+    for pool_id, pool_specs in enumerate(pools.values()):
+        group_size = min(len(by_spec[s]) for s in pool_specs)
+        for spec in pool_specs:
+            layers = by_spec[spec]
+            for start in range(0, len(layers), group_size):
+                groups.append(KVCacheGroup(len(groups), spec, tuple(layers[start:start + group_size]), pool_id))
     return groups
 
 
-def num_slots(groups: list[KVCacheGroup]) -> int:
-    return max(len(g.layer_ids) for g in groups)
+def num_pools(groups: list[KVCacheGroup]) -> int:
+    return max(g.pool_id for g in groups) + 1
+
+
+def num_slots(groups: list[KVCacheGroup], pool_id: int | None = None) -> int:
+    """Slots of one pool (None: of every pool together)."""
+    if pool_id is None:
+        return sum(num_slots(groups, p) for p in range(num_pools(groups)))
+    return max(len(g.layer_ids) for g in groups if g.pool_id == pool_id)
+
+
+def sliding_window_of(spec: KVCacheSpec) -> int | None:
+    return getattr(spec, "sliding_window", None) or None

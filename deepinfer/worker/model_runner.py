@@ -23,7 +23,6 @@ model's own multi-token-prediction head.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -43,7 +42,8 @@ from deepinfer.engine.plan import (
     SchedulerPlan,
 )
 from deepinfer.kv_cache.dtypes import resolve_cache_dtype
-from deepinfer.kv_cache.specs import KVCacheGroup, group_layers, num_slots
+from deepinfer.kv_cache.specs import KVCacheGroup
+from deepinfer.kv_cache.tensors import KVLayout
 from deepinfer.layers.attention import forward_context
 from deepinfer.layers.attention.backends import select_backend
 from deepinfer.layers.attention.backends.triton import FRESH_SDPA_MIN_TOKENS
@@ -120,17 +120,14 @@ class ModelRunner:
             self.model.pack_weights()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-        # 3. KV layout: layer groups by KV kind, slots shared across groups (see kv_cache/specs.py),
+        # 3. KV layout: layer groups by KV kind, pools by page shape, slots shared across the groups
+        # of a pool (kv_cache/specs.py, tensors.py),
         # stored in the model's dtype or in fp8 (kv_cache_dtype, see kv_cache/dtypes.py).
         self.kv_cache_dtype = resolve_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
-        specs = [dataclasses.replace(s, cache_dtype=self.kv_cache_dtype) for s in self.model.kv_cache_specs(self.dtype)]
-        self.groups: list[KVCacheGroup] = group_layers(specs)
-        n_layers = sum(len(g.layer_ids) for g in self.groups)
-        self.layer_to_group = [0] * n_layers
-        self.layer_to_slot = [0] * n_layers
-        for g in self.groups:
-            for slot, layer in enumerate(g.layer_ids):
-                self.layer_to_group[layer], self.layer_to_slot[layer] = g.group_id, slot
+        self.kv_layout = KVLayout.from_specs(self.model.kv_cache_specs(self.dtype), self.block_size,
+                                             self.kv_cache_dtype)
+        self.groups: list[KVCacheGroup] = self.kv_layout.groups
+        self.layer_to_group, self.layer_to_slot = self.kv_layout.layer_to_group, self.kv_layout.layer_to_slot
         # The attention backend, chosen once (layers/attention/backends/selection.py): it builds each
         # step's metadata, and every layer of a forward asks it which fast ops to run.
         self.attention_backend = select_backend(config, platform, self.kv_cache_dtype)
@@ -139,13 +136,10 @@ class ModelRunner:
             self._profile_peak_memory()   # the KV budget is what is left after the peak
         self.num_blocks = self._num_blocks()
         spec = self.groups[0].spec
-        rows = self.num_blocks * self.block_size
-        self.kv_caches = [
-            (torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.kv_cache_dtype, device=self.device),
-             torch.zeros(rows, spec.num_kv_heads, spec.head_size, dtype=self.kv_cache_dtype, device=self.device))
-            for _ in range(num_slots(self.groups))]
-        logger.info("KV cache: %d blocks of %d tokens, %d layer groups, %s, %.1f MiB",
-                    self.num_blocks, self.block_size, len(self.groups), str(self.kv_cache_dtype).removeprefix("torch."),
+        self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
+        logger.info("KV cache: %d blocks of %d tokens, %d layer groups in %d pools, %s, %.1f MiB",
+                    self.num_blocks, self.block_size, len(self.groups), self.kv_layout.num_pools,
+                    str(self.kv_cache_dtype).removeprefix("torch."),
                     self.num_blocks * self.bytes_per_block / 2**20)
 
         self.sampler = Sampler()
@@ -199,9 +193,7 @@ class ModelRunner:
     def _scratch_caches(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A throwaway KV cache of `blocks` blocks per slot, for steps run before the real pool
         exists or beside it (K and V share one tensor: nothing reads them back)."""
-        spec = self.groups[0].spec
-        return [(torch.zeros(blocks * self.block_size, spec.num_kv_heads, spec.head_size,
-                             dtype=self.kv_cache_dtype, device=self.device),) * 2 for _ in range(num_slots(self.groups))]
+        return self.kv_layout.allocate(blocks, self.device, share_kv=True)
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
@@ -231,7 +223,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        return num_slots(self.groups) * self.groups[0].spec.page_bytes(self.block_size)
+        return self.kv_layout.bytes_per_block
 
     def _num_blocks(self) -> int:
         cache = self.config.cache

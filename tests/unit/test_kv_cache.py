@@ -23,8 +23,8 @@ def make_request(rid: str, tokens: list[int], salt: str | None = None) -> Reques
 
 def compute_all(manager: KVCacheManager, request: Request) -> None:
     """Admit `request` with any prefix hit and mark all its tokens computed, as a step would."""
-    hit, n_hit = manager.find_prefix_hit(request)
-    assert manager.allocate(request, request.num_tokens - n_hit, hit)
+    hit = manager.find_prefix_hit(request)
+    assert manager.allocate(request, request.num_tokens - hit.num_computed_tokens, hit)
     request.num_computed_tokens = request.num_tokens
     manager.cache_computed_blocks(request)
 
@@ -52,23 +52,23 @@ def test_prefix_hit_miss_and_shared_blocks():
     first = make_request("a", list(range(10)))
     compute_all(manager, first)
     second = make_request("b", list(range(10)) + [99])
-    hit, n_hit = manager.find_prefix_hit(second)
-    assert n_hit == 8 and hit[0] == first.block_ids[0][:2]   # two full blocks reused
+    hit = manager.find_prefix_hit(second)
+    assert hit.num_computed_tokens == 8 and hit.block_ids[0] == first.block_ids[0][:2]   # two full blocks reused
     miss = make_request("c", [7] + list(range(1, 10)))
-    assert manager.find_prefix_hit(miss)[1] == 0           # first block differs: chain breaks
+    assert manager.find_prefix_hit(miss).num_computed_tokens == 0           # first block differs: chain breaks
     # A hit never covers the whole prompt: one token is left to compute the first logits.
     same = make_request("d", list(range(8)))
-    assert manager.find_prefix_hit(same)[1] == 4
-    assert manager.allocate(second, second.num_tokens - n_hit, hit)
-    assert manager.pool.blocks[hit[0][0]].ref_count == 2   # shared by both requests
+    assert manager.find_prefix_hit(same).num_computed_tokens == 4
+    assert manager.allocate(second, second.num_tokens - hit.num_computed_tokens, hit)
+    assert manager.pool.blocks[hit.block_ids[0][0]].ref_count == 2   # shared by both requests
 
 
 def test_salt_isolates_tenants():
     manager = KVCacheManager(group_layers([FULL]), num_blocks=32, block_size=BS)
     compute_all(manager, make_request("a", list(range(12)), salt="tenant-1"))
-    assert manager.find_prefix_hit(make_request("b", list(range(12)), salt="tenant-2"))[1] == 0
-    assert manager.find_prefix_hit(make_request("c", list(range(12))))[1] == 0
-    assert manager.find_prefix_hit(make_request("d", list(range(12)), salt="tenant-1"))[1] == 8
+    assert manager.find_prefix_hit(make_request("b", list(range(12)), salt="tenant-2")).num_computed_tokens == 0
+    assert manager.find_prefix_hit(make_request("c", list(range(12)))).num_computed_tokens == 0
+    assert manager.find_prefix_hit(make_request("d", list(range(12)), salt="tenant-1")).num_computed_tokens == 8
 
 
 def test_freed_cached_blocks_are_hit_until_evicted():
@@ -76,10 +76,10 @@ def test_freed_cached_blocks_are_hit_until_evicted():
     first = make_request("a", list(range(9)))
     compute_all(manager, first)
     manager.free(first)
-    assert manager.find_prefix_hit(make_request("b", list(range(9))))[1] == 8
+    assert manager.find_prefix_hit(make_request("b", list(range(9)))).num_computed_tokens == 8
     filler = make_request("c", [50 + i for i in range(16)])
     compute_all(manager, filler)   # needs all 4 blocks: evicts the cached ones
-    assert manager.find_prefix_hit(make_request("d", list(range(9))))[1] == 0
+    assert manager.find_prefix_hit(make_request("d", list(range(9)))).num_computed_tokens == 0
     assert manager.pool.counters[0].evictions == 2
 
 
@@ -106,8 +106,8 @@ def test_sliding_window_group_frees_out_of_window_blocks():
     # The freed blocks are still cached, so a new request with the same prefix hits in both
     # groups as long as its last window is cached.
     again = make_request("b", request.all_token_ids[:24] + [1])
-    hit, n_hit = manager.find_prefix_hit(again)
-    assert n_hit == 24 and hit[0][:4] == [NULL_BLOCK_ID] * 4
+    hit = manager.find_prefix_hit(again)
+    assert hit.num_computed_tokens == 24 and hit.block_ids[0][:4] == [NULL_BLOCK_ID] * 4
 
 
 def test_allocate_is_all_or_nothing():

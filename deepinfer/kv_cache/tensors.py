@@ -1,0 +1,70 @@
+"""The KV tensors: the layout of layers onto pools and slots, and their allocation.
+
+Every pool (specs.py: one per page shape) holds `num_blocks` pages per slot. The tensors of all
+pools are one flat list of (K, V) pairs, pool after pool, each [num_blocks * block_size,
+kv_heads, head_dim]; `layer_to_slot[layer]` indexes that list, so attention backends address a
+layer's cache the same way whatever the pools are. Block ids are per pool (a group's table holds
+ids of its own pool); every pool reserves block 0 as its null block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.kv_cache.specs import KVCacheGroup, KVCacheSpec, group_layers, num_pools, num_slots
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    groups: list[KVCacheGroup]
+    block_size: int
+    layer_to_group: list[int]
+    layer_to_slot: list[int]      # index into the flat list of (K, V) tensors
+    pool_slot_offsets: list[int]  # where each pool's slots start in that list
+
+    @classmethod
+    def from_specs(cls, specs: list[KVCacheSpec], block_size: int, cache_dtype: torch.dtype) -> KVLayout:
+        specs = [dataclasses.replace(s, cache_dtype=cache_dtype) for s in specs]
+        groups = group_layers(specs)
+        offsets = [0]
+        for pool in range(num_pools(groups)):
+            offsets.append(offsets[-1] + num_slots(groups, pool))
+        layer_to_group, layer_to_slot = [0] * len(specs), [0] * len(specs)
+        for g in groups:
+            for slot, layer in enumerate(g.layer_ids):
+                layer_to_group[layer], layer_to_slot[layer] = g.group_id, offsets[g.pool_id] + slot
+        return cls(groups, block_size, layer_to_group, layer_to_slot, offsets[:-1])
+
+    @property
+    def num_pools(self) -> int:
+        return len(self.pool_slot_offsets)
+
+    def pool_spec(self, pool_id: int) -> KVCacheSpec:
+        """A spec of the pool (all of its groups share the page shape)."""
+        return next(g.spec for g in self.groups if g.pool_id == pool_id)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Device bytes one block id costs: a page in every slot of every pool."""
+        return sum(num_slots(self.groups, p) * self.pool_spec(p).page_bytes(self.block_size)
+                   for p in range(self.num_pools))
+
+    def group_slots(self, group: KVCacheGroup) -> list[int]:
+        """The flat (K, V) indices of a group's layers, in layer order (what a tier copies)."""
+        return [self.layer_to_slot[layer] for layer in group.layer_ids]
+
+    def allocate(self, num_blocks: int, device: torch.device, *,
+                 share_kv: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed (K, V) tensors for every slot of every pool. `share_kv`: K and V are one tensor,
+        for throwaway caches nothing reads back (profiling and warm-up steps)."""
+        caches = []
+        for pool in range(self.num_pools):
+            spec = self.pool_spec(pool)
+            for _ in range(num_slots(self.groups, pool)):
+                shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_size)
+                k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+                caches.append((k, k) if share_kv else (k, torch.zeros_like(k)))
+        return caches
