@@ -198,6 +198,8 @@ class EngineCore:
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters],
                            self.spec.stats.copy() if self.spec is not None else None,
+                           prefix_cache_request_queries=self.kv_manager.request_counters.queries,
+                           prefix_cache_request_hits=self.kv_manager.request_counters.hits,
                            prefix_cache_replayed=[c.replayed for c in counters],
                            prefix_cache_expirations=[c.expirations for c in counters],
                            kv_group_kinds=[g.spec.kind for g in self.kv_manager.groups])

@@ -238,6 +238,8 @@ class EngineStats:
     prefix_cache_hits: list[int]
     prefix_cache_evictions: list[int]  # per layer group, in blocks
     spec_decode: SpecDecodeStats | None = None   # cumulative; None without speculative decoding
+    prefix_cache_request_queries: int = 0    # prompt tokens of admitted requests
+    prefix_cache_request_hits: int = 0       # of those, tokens not computed (num_cached_tokens)
     prefix_cache_replayed: list[int] = field(default_factory=list)     # per group, tokens (SWA replay)
     prefix_cache_expirations: list[int] = field(default_factory=list)  # per group, blocks (retention)
     kv_group_kinds: list[str] = field(default_factory=list)            # per group: full | sliding_window

@@ -84,6 +84,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.replay = replay or ReplayConfig()
         self.counters = [GroupCounters() for _ in groups]
+        self.request_counters = GroupCounters()   # per request: queried tokens, tokens not computed
         expiring = frozenset(g.group_id for g in groups if g.spec.expires)
         self.pools = [BlockPool(num_blocks, len(groups), expiring, swa_retention_s, clock, self.counters)
                       for _ in range(num_pools(groups))]
@@ -160,6 +161,8 @@ class KVCacheManager:
                          write_floor=anchored * bs if keep else 0, group_hit_tokens=hits)
 
     def record_prefix_query(self, num_tokens: int, hit: PrefixHit) -> None:
+        self.request_counters.queries += num_tokens
+        self.request_counters.hits += hit.num_computed_tokens
         replayed = hit.num_replayed_tokens
         for group, counters, hit_tokens in zip(self.groups, self.counters, hit.group_hit_tokens):
             counters.queries += num_tokens

@@ -30,7 +30,8 @@ from deepinfer.engine.plan import EngineStats
 ENGINE_INDEX = "0"
 LABELS = ["model_name", "engine"]
 
-# The core's cumulative counters: name -> help. The per-position ones carry a `position` label.
+# The core's cumulative counters: name -> help. The per-position ones carry a `position` label,
+# the per-group ones `group` and `kind` (and evictions a `cause`).
 COUNTERS = {
     "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
     "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
@@ -40,30 +41,44 @@ COUNTERS = {
     "spec_decode_num_accepted_tokens": "Draft tokens accepted.",
     "spec_decode_num_accepted_tokens_per_pos": "Draft tokens accepted, by position in the draft.",
     "spec_decode_num_verified_tokens_per_pos": "Draft tokens verified, by position in the draft.",
+    "kv_cache_group_queries": "Prefix cache queries of one KV layer group, in tokens.",
+    "kv_cache_group_hits": "Tokens whose KV one layer group took from its cache.",
+    "kv_cache_group_replayed_tokens": "Tokens recomputed to rebuild a sliding-window group's KV "
+                                      "(SWA Bounded Replay).",
+    "kv_cache_group_evictions": "Cached blocks of one layer group dropped: cause=lru (the pool was "
+                                "full) or retention (swa_retention_s ran out).",
 }
 # Exported from the start (at 0), so that rate() has a series before the first request.
 ALWAYS_EXPORTED = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
-# A counter's key: (name, position label or None).
-CounterKey = tuple[str, str | None]
+# A counter's key: (name, its own labels as (label, value) pairs beyond model_name and engine).
+CounterKey = tuple[str, tuple[tuple[str, str], ...]]
 
 
 def engine_counters(stats: EngineStats) -> dict[CounterKey, float]:
     """The cumulative counters carried by one EngineStats."""
-    # A hit must be valid in every layer group, so the first group's counts are the request's.
+    # The request-level figures: tokens queried, and tokens not computed (a replayed token is
+    # computed, so it is no hit).
     counters: dict[CounterKey, float] = {
-        ("prefix_cache_queries", None): stats.prefix_cache_queries[0] if stats.prefix_cache_queries else 0,
-        ("prefix_cache_hits", None): stats.prefix_cache_hits[0] if stats.prefix_cache_hits else 0,
-        ("num_preemptions", None): stats.num_preemptions,
+        ("prefix_cache_queries", ()): stats.prefix_cache_request_queries,
+        ("prefix_cache_hits", ()): stats.prefix_cache_request_hits,
+        ("num_preemptions", ()): stats.num_preemptions,
     }
+    for g, kind in enumerate(stats.kv_group_kinds):
+        group = (("group", str(g)), ("kind", kind))
+        counters[("kv_cache_group_queries", group)] = stats.prefix_cache_queries[g]
+        counters[("kv_cache_group_hits", group)] = stats.prefix_cache_hits[g]
+        counters[("kv_cache_group_replayed_tokens", group)] = stats.prefix_cache_replayed[g]
+        counters[("kv_cache_group_evictions", group + (("cause", "lru"),))] = stats.prefix_cache_evictions[g]
+        counters[("kv_cache_group_evictions", group + (("cause", "retention"),))] = stats.prefix_cache_expirations[g]
     spec = stats.spec_decode
     if spec is not None:
-        counters[("spec_decode_num_drafts", None)] = spec.num_drafts
-        counters[("spec_decode_num_draft_tokens", None)] = spec.num_draft_tokens
-        counters[("spec_decode_num_accepted_tokens", None)] = spec.num_accepted_tokens
+        counters[("spec_decode_num_drafts", ())] = spec.num_drafts
+        counters[("spec_decode_num_draft_tokens", ())] = spec.num_draft_tokens
+        counters[("spec_decode_num_accepted_tokens", ())] = spec.num_accepted_tokens
         for j, (accepted, verified) in enumerate(zip(spec.accepted_per_pos, spec.verified_per_pos)):
-            counters[("spec_decode_num_accepted_tokens_per_pos", str(j))] = accepted
-            counters[("spec_decode_num_verified_tokens_per_pos", str(j))] = verified
+            counters[("spec_decode_num_accepted_tokens_per_pos", (("position", str(j)),))] = accepted
+            counters[("spec_decode_num_verified_tokens_per_pos", (("position", str(j)),))] = verified
     return counters
 
 
@@ -104,19 +119,19 @@ class EngineStatsCollector(Collector):
         yield from self._counters()
 
     def _counters(self) -> Iterator[Metric]:
-        totals = dict.fromkeys(((name, None) for name in ALWAYS_EXPORTED), 0.0)
+        totals = dict.fromkeys(((name, ()) for name in ALWAYS_EXPORTED), 0.0)
         for key, value in self._retired.items():
             totals[key] = totals.get(key, 0) + value
         if self._latest is not None:
             for key, value in engine_counters(self._latest).items():
                 totals[key] = totals.get(key, 0) + value
         families: dict[str, CounterMetricFamily] = {}
-        for (name, position), value in totals.items():
+        for (name, labels), value in totals.items():
             family = families.get(name)
             if family is None:
-                labels = LABELS + (["position"] if position is not None else [])
-                family = families[name] = CounterMetricFamily(self._prefix + name, COUNTERS[name], labels=labels)
-            family.add_metric(self._label_values + ([position] if position is not None else []), value)
+                family = families[name] = CounterMetricFamily(
+                    self._prefix + name, COUNTERS[name], labels=LABELS + [label for label, _ in labels])
+            family.add_metric(self._label_values + [v for _, v in labels], value)
         yield from families.values()
 
     def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:

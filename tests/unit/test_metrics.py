@@ -55,7 +55,9 @@ def served(metrics: ServerMetrics, n: int = 1) -> RequestTimings:
 
 
 def stats(queries: int = 0, hits: int = 0, preemptions: int = 0, spec: SpecDecodeStats | None = None) -> EngineStats:
-    return EngineStats(2, 1, 0.25, preemptions, [queries], [hits], [0], spec)
+    return EngineStats(2, 1, 0.25, preemptions, [queries], [hits], [0], spec,
+                       prefix_cache_request_queries=queries, prefix_cache_request_hits=hits,
+                       prefix_cache_replayed=[0], prefix_cache_expirations=[0], kv_group_kinds=["full"])
 
 
 @pytest.fixture
@@ -165,6 +167,20 @@ def test_engine_counters_are_the_cores_totals(metrics):
     assert value(metrics, "deepinfer:prefix_cache_hits_total") == 20
     assert value(metrics, "deepinfer:num_preemptions_total") == 2
     assert value(metrics, "deepinfer:kv_cache_usage_perc") == value(metrics, "deepinfer:gpu_cache_usage_perc") == 0.25
+
+
+def test_kv_group_counters_carry_group_kind_and_eviction_cause(metrics):
+    per_group = EngineStats(2, 1, 0.25, 0, [64, 64], [40, 0], [3, 1], None, prefix_cache_request_queries=64,
+                            prefix_cache_request_hits=32, prefix_cache_replayed=[0, 8],
+                            prefix_cache_expirations=[0, 5], kv_group_kinds=["full", "sliding_window"])
+    metrics.record_engine_stats(per_group)
+    # Request level: tokens not computed (32), not any one group's hits.
+    assert value(metrics, "deepinfer:prefix_cache_hits_total") == 32
+    sliding = {"group": "1", "kind": "sliding_window"}
+    assert value(metrics, "deepinfer:kv_cache_group_hits_total", group="0", kind="full") == 40
+    assert value(metrics, "deepinfer:kv_cache_group_replayed_tokens_total", **sliding) == 8
+    assert value(metrics, "deepinfer:kv_cache_group_evictions_total", cause="retention", **sliding) == 5
+    assert value(metrics, "deepinfer:kv_cache_group_evictions_total", cause="lru", **sliding) == 1
 
 
 def test_a_dead_engine_drops_its_gauges_and_keeps_its_counters():
