@@ -61,7 +61,8 @@ class Request:
     num_cached_tokens: int = 0    # prefix-cache hit at first admission (reported as usage)
     block_ids: list[list[int]] = field(default_factory=list)   # one block table per layer group
     # Hashes of the full blocks of all_token_ids, extended when read (`block_hashes`): an engine
-    # without prefix caching never reads them, and an 8k-token prompt takes ~3 ms to hash.
+    # without prefix caching never reads them, and hashing a long prompt costs host time before its
+    # first kernel (docs/benchmarks/design-measurements.md#block-hashes-on-read).
     _block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_published_blocks: int = 0
     skip_prefix_cache: bool = False   # prompt_logprobs need every prompt position computed
