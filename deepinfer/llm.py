@@ -73,8 +73,9 @@ class LLM:
         self.vocab_size = source.hf_config["vocab_size"]
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
-        # What chat() needs to pick and build its encoder, on first use (~1 s for SmolLM2's):
-        # the source without its weights, which need not stay alive for that.
+        # What chat() needs to pick and build its encoder, on first use (building one is slow,
+        # docs/benchmarks/design-measurements.md#chat-encoder-on-first-use): the source
+        # without its weights, which need not stay alive for that.
         self._chat_source = dataclasses.replace(source, _weights=None)
         self._chat_encoders: dict[str | None, Encoder] = {}   # by chat_template (None: the model's)
 
@@ -104,8 +105,9 @@ class LLM:
         params = _broadcast(sampling_params, len(prompts), "sampling_params")
         priorities = _broadcast(list(priority) if priority is not None else 0, len(prompts), "priority")
         # generate() returns finished outputs only, so none is built before a request finishes
-        # (vLLM's LLM does the same): building one per request per step cost the host ~7 ms per
-        # step at 512 running requests, while the device waited on it (docs/benchmarks.md).
+        # (vLLM's LLM does the same): building one per request per step cost the host time on
+        # every step at full batch, while the device waited on it
+        # (docs/benchmarks/design-measurements.md#generate-final-only).
         params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params]
         # Validate every prompt before adding any, so one bad prompt leaves no stray requests.
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]

@@ -66,7 +66,8 @@ class Request:
     write_floor: int = 0
     block_ids: list[list[int]] = field(default_factory=list)   # one block table per layer group
     # Hashes of the full blocks of all_token_ids, extended when read (`block_hashes`): an engine
-    # without prefix caching never reads them, and hashing a long prompt is not free.
+    # without prefix caching never reads them, and hashing a long prompt costs host time before its
+    # first kernel (docs/benchmarks/design-measurements.md#block-hashes-on-read).
     _block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_published_blocks: int = 0
     skip_prefix_cache: bool = False   # prompt_logprobs need every prompt position computed

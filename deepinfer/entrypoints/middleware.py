@@ -1,8 +1,9 @@
 """ASGI middleware of the server: API-key check and the request-body size limit.
 
 Both are plain ASGI callables, not `@app.middleware("http")` (Starlette's BaseHTTPMiddleware):
-that one wraps every request in a task group and memory streams, which cost about a third of the
-front end's time per streamed token, and it hides the client's `http.disconnect` from the route,
+that one wraps every request in a task group and memory streams, which cost a large share of the
+front end's time per streamed token (docs/benchmarks/design-measurements.md#plain-asgi-middleware),
+and it hides the client's `http.disconnect` from the route,
 so a non-streaming request whose client went away would run to its end.
 """
 

@@ -1,7 +1,8 @@
 """One request's outputs on their way from the engine to its HTTP handler, coalesced.
 
-The engine produces one delta per request per step (a token, at 512 requests every ~40 ms on an
-H200); a handler that writes each one to its client costs the front end a task switch, a JSON
+The engine produces one delta per request per step (a token; at full batch on a GPU, hundreds of
+deltas many times a second: docs/benchmarks/design-measurements.md#output-stream-coalescing); a handler
+that writes each one to its client costs the front end a task switch, a JSON
 encoding and a socket write per token. When the handler is slower than the engine, the deltas
 that arrive before it runs again are merged here into one, so the front end's work per step
 shrinks exactly when it falls behind, and the client still gets every token (in fewer events).

@@ -179,6 +179,8 @@ class KVCacheManager:
             request.block_ids = [[] for _ in self.groups]
         elif hit is None and self._all_full_attention:
             # The common case, a decode within its last block: nothing to free or allocate.
+            # (The general path below costs host time per running request per step:
+            # docs/benchmarks/design-measurements.md#kv-allocate-fast-path)
             blocks = _cdiv(request.num_computed_tokens + num_new_tokens, bs)
             if all(len(ids) >= blocks for ids in request.block_ids):
                 return True

@@ -29,12 +29,13 @@ from deepinfer.layers.attention.metadata import current_backend
 INT4_GROUP = 32
 # Above this many rows the dense bf16 matmul (oneDNN-packed, pack_dense) beats the int4 kernel.
 # Measured inside the model, where every step streams the weights from memory (a warm loop over
-# one layer favours bf16): a SmolLM2 decode forward on the 2-core box at 2 / 4 / 8 / 12 / 16 rows
-# takes 11.9 / 15.6 / 25.5 / 31.6 / 36.8 ms with this at 8, and 23.1 / 22.1 / 27.5 / 33.2 / 40.9
-# with the int4 kernel used only up to 1 / 1 / 4 / 16 / 16 rows.
+# one layer favours bf16): a SmolLM2 decode forward at 2 to 16 rows was faster with this at 8
+# than with the int4 kernel stopping at fewer rows or going on to more. Figures:
+# docs/benchmarks/design-measurements.md#int4-max-rows
 INT4_MAX_ROWS = 8
-# The Q8_0 head as two int4 halves (Int8Blocks.as_int4_pair) reads 35 MB to the packed bf16
-# copy's 56, but does twice the products: 1.60 / 1.77 ms at 1 row, 1.99 / 1.74 at 2, 5.6 / 2.1 at 8.
+# The Q8_0 head as two int4 halves (Int8Blocks.as_int4_pair) reads fewer bytes than the packed bf16
+# copy, but does twice the products: it wins at one row only. Figures:
+# docs/benchmarks/design-measurements.md#int4-head-rows
 HEAD_INT4_MAX_ROWS = 1
 
 
@@ -128,8 +129,8 @@ def pack_dense(weight: torch.Tensor) -> torch.Tensor:
 
     F.linear hands the plain row-major weight to oneDNN, which reorders it into its own blocked
     layout on every call; packed once at load, the same products (bit for bit: tests check)
-    take less time. On the 2-core box, one SmolLM2 layer's four projections: 263 -> 149 us at
-    4 rows, 783 -> 632 at 32, 2776 -> 2383 at 128; the 49152-row head 8.0 -> 5.3 ms at 32 rows.
+    take less time, at every row count timed (figures:
+    docs/benchmarks/design-measurements.md#onednn-packing).
     The rows hint picks the layout; every hint from 1 to 128 measured the same.
     """
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
@@ -160,9 +161,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] == 1 and current_backend().fused_gemv:
-            # One row on the CUDA fast path: the Triton GEMV, 3-38 % faster than cuBLAS per matrix
-            # on the H200. A first multi-row version lost to cuBLAS at two rows on four of
-            # Llama-3-8B's five matrices, so more rows stay on cuBLAS.
+            # One row on the CUDA fast path: the Triton GEMV, faster than cuBLAS on every matrix
+            # timed. A first multi-row version lost to cuBLAS at two rows on most of Llama-3-8B's
+            # matrices, so more rows stay on cuBLAS. Figures:
+            # docs/benchmarks/design-measurements.md#gemv-one-row
             from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
             return gemv(x, self.weight, self.bias)
         if x.dtype == torch.bfloat16 and x.dim() == 2:

@@ -6,8 +6,9 @@ quantized. This module turns them into what the rest of deepinfer expects from a
 a config.json-shaped dict and float32 tensors named and laid out as in the HF checkpoint.
 
 The header is parsed here with `struct` and numpy rather than with `gguf.GGUFReader`: the reader
-builds a numpy view per string, which costs ~3 s for SmolLM2's 49k-token vocabulary and several
-times that for Gemma 3's 262k (measured). The `gguf` package is still the source of truth for
+builds a numpy view per string, which takes seconds for SmolLM2's 49k-token vocabulary and
+several times that for Gemma 3's 262k (docs/benchmarks/design-measurements.md#gguf-header-parser). The
+`gguf` package is still the source of truth for
 the type tables and for dequantization (`gguf.quants.dequantize`).
 
 llama.cpp's converter changes some tensors on the way in; we undo exactly those changes:

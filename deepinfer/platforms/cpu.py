@@ -10,10 +10,10 @@ from deepinfer.platforms.base import Platform
 class CpuPlatform(Platform):
     name = "cpu"
     device = torch.device("cpu")
-    # NOTE: bf16 is the CPU default. On the 2-core AVX512-BF16 machines we target, bf16 linear
-    # layers run faster than fp32 for decode-shaped products (half the weight bytes to stream);
-    # see docs/benchmarks.md ("CPU default dtype") for the measurement. On a CPU without native
-    # bf16 support, pass dtype="float32".
+    # NOTE: bf16 is the CPU default. On the AVX512-BF16 machines we target, bf16 linear layers
+    # run faster than fp32 for decode-shaped products (half the weight bytes to stream); where
+    # the measurement is: docs/benchmarks/design-measurements.md#cpu-default-dtype. On a CPU
+    # without native bf16 support, pass dtype="float32".
     default_dtype = torch.bfloat16
 
     def default_attention_backend(self):

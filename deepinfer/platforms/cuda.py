@@ -52,8 +52,9 @@ class CudaPlatform(Platform):
     def batch_limits(self, offline: bool) -> tuple[int, int]:
         # vLLM's rule: on a card of 70 GiB or more, 16384 batched tokens offline and 8192 for the
         # server; 8192 / 2048 below. Sequences: 512 on the large cards, where our decode CUDA
-        # graphs stop (vLLM takes 1024; at 1024, (c) of benchmarks/gpu_fast_path.py took 50.3 s
-        # against 42.6 s at 512 on the H200, 2026-11-30), 256 below.
+        # graphs stop (vLLM takes 1024, but at 1024 the rows past 512 run eagerly and (c) of
+        # benchmarks/gpu_fast_path.py ran markedly slower, see
+        # docs/benchmarks/design-measurements.md#cuda-max-num-seqs), 256 below.
         if torch.cuda.get_device_properties(self.device).total_memory >= LARGE_CARD_BYTES:
             return 512, 16384 if offline else 8192
         return 256, 8192 if offline else 2048
@@ -64,15 +65,16 @@ class CudaPlatform(Platform):
     def settle_host_threads(self) -> None:
         # With a GPU the host only prepares small inputs and launches kernels; torch's intra-op
         # thread pool (one thread per core) then only busy-waits against the threads that fill
-        # grammar bitmasks. Measured on the H200 host (16 cores), batch 64 with a JSON schema:
-        # the bitmask fill took 3.1 ms per step with 16 torch threads, 0.8 ms with one.
+        # grammar bitmasks, so the bitmask fill runs several times faster with one torch thread
+        # than with one per core (docs/benchmarks/design-measurements.md#cuda-host-threads).
         # OMP_NUM_THREADS, when set, is the user's choice.
         if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
             logger.info("torch host threads %d -> 1 (set OMP_NUM_THREADS to choose)", torch.get_num_threads())
             torch.set_num_threads(1)
         # A worker thread that finished its GIL-free part (xgrammar's fill) needs the GIL back to
         # hand over its result, and the engine loop, running Python, gives it up only every
-        # switch interval (5 ms by default: longer than a decode step). Same measurement: the
-        # wait for the fill went from 1.15 to 0.52-0.64 ms per step at 0.2 ms.
+        # switch interval (5 ms by default: longer than a decode step). A shorter interval about
+        # halved the step's wait for the fill
+        # (docs/benchmarks/design-measurements.md#gil-switch-interval).
         if sys.getswitchinterval() > HOST_SWITCH_INTERVAL_S:
             sys.setswitchinterval(HOST_SWITCH_INTERVAL_S)

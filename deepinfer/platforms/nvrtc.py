@@ -8,7 +8,8 @@ this module only binds the dozen C functions it uses through ctypes.
 
 A compiled kernel is machine code for the device's own architecture (a cubin). It is kept on
 disk under DEEPINFER_CACHE_DIR/cuda_kernels, keyed by source, options, architecture and NVRTC
-version, so a compile (~1 s) happens once per machine, not once per process.
+version, so a compile (slow: docs/benchmarks/design-measurements.md#nvrtc-disk-cache) happens once per
+machine, not once per process.
 
 Launches go on PyTorch's current stream, so they order with torch's kernels and are captured
 into CUDA graphs like them.

@@ -37,9 +37,9 @@ ARGMAX_CHUNK = 256
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(dim=-1), on a GPU in two passes when there are few rows.
 
-    torch reduces one long row with one block of threads: 28 us for a 128k vocabulary on the H200,
-    ~0.6 % of a Llama-3-8B batch-1 decode step. Splitting the row into chunks spreads the first
-    pass over the whole GPU (see two_pass_argmax)."""
+    torch reduces one long row with one block of threads, a measurable share of a Llama-3-8B
+    batch-1 decode step at a 128k vocabulary (docs/benchmarks/design-measurements.md#greedy-argmax).
+    Splitting the row into chunks spreads the first pass over the whole GPU (see two_pass_argmax)."""
     rows, vocab = logits.shape
     if logits.is_cuda and rows <= 8 and vocab % ARGMAX_CHUNK == 0 and vocab >= 16 * ARGMAX_CHUNK:
         return two_pass_argmax(logits)

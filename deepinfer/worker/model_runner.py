@@ -199,8 +199,9 @@ class ModelRunner:
     def _warm_up_kernels(self) -> None:
         """One eager step of every attention kind on a throwaway cache: a decode split along its
         sequence, a chunk on top of cached tokens (the paged prefill kernel) and a fresh chunk
-        (SDPA), so that their compiles (~1 s for the prefill kernel on the H200) happen at start,
-        as vLLM's warm-up does, not in the first steps that serve requests."""
+        (SDPA), so that their compiles (each far longer than a step, see
+        docs/benchmarks/design-measurements.md#kernel-warm-up) happen at start, as vLLM's
+        warm-up does, not in the first steps that serve requests."""
         limit = min(self._max_model_len(), 128)
         # (cached, new) per chunk; the fresh chunk long enough for SDPA where the model allows it.
         tokens = [(limit - 1, 1), (limit // 2, limit - limit // 2),

@@ -51,7 +51,9 @@ _DEEPSEEK_V4_PRETOKENIZER_REGEXES = (
 _DEEPSEEK_V4_CUT = re.compile(r"(?<=\n)(?=[A-Za-z])|(?<=[A-Za-z])(?= [A-Za-z])")
 
 MIN_PARALLEL_CHARS = 16384  # below this, one call is faster than splitting
-CHUNK_CHARS = 4096  # target piece size; measured best on 2 cores for the V4 tokenizer
+# Target piece size: the best of the sizes tried for the V4 tokenizer (where and how:
+# docs/benchmarks/design-measurements.md#tokenize-chunk-chars).
+CHUNK_CHARS = 4096
 
 
 def _pretokenizer_regexes(pre_tokenizer: dict | None) -> tuple[str, ...] | None:

@@ -2,7 +2,8 @@
 
 The reference (Attention._decode) gathers K and V token-major, [B, L, kv_heads, D], then asks
 matmul for [B, kv_heads, D, L]: a permuted view that matmul copies before multiplying, and a
-float32 copy on top. At 32 rows that was ~70 % of the layer's attention time on the 2-core box.
+float32 copy on top. At 32 rows those copies were most of the layer's attention time on the CPU
+(docs/benchmarks/design-measurements.md#cpu-decode-gather).
 Here the CPU backend (backends/cpu.py) precomputes, once per step, a head-major row index
 (GatherGroupMetadata.decode_head_rows), so one index_select per cache yields K and V as
 [B * kv_heads, L, D], contiguous: the layout torch.bmm takes as it is, with the G query heads
@@ -22,14 +23,13 @@ from __future__ import annotations
 import torch
 
 # A single decode row attends on one thread: its ops are so small that waking the other
-# OpenMP thread for each of them costs more than it brings (one SmolLM2 layer's decode attention
-# on the 2-core box: 105 us on two threads, 57 us on one; a forward 13.1 -> 12.0 ms). From 4 rows
-# on, two threads win again (a forward at 4 rows: 15.2 ms on two, 17.8 with this on one).
+# OpenMP thread for each of them costs more than it brings. From 4 rows on, two threads win
+# again. Figures: docs/benchmarks/design-measurements.md#cpu-decode-threads
 SINGLE_THREAD_MAX_ROWS = 1
 
-# Up to this many decode rows the products run in float32 (see the module docstring). A
-# SmolLM2 decode forward on the 2-core box, float32 / bf16 products: 10.6 / 12.1 ms at 1 row,
-# 15.8 / 16.5 at 4, 36.8 / 35.0 at 8, 51.4 / 46.3 at 16.
+# Up to this many decode rows the products run in float32 (see the module docstring): a SmolLM2
+# decode forward was faster with float32 products up to 4 rows and with bf16 ones from 8 on.
+# Figures: docs/benchmarks/design-measurements.md#cpu-decode-fp32-rows
 FP32_MAX_ROWS = 4
 
 

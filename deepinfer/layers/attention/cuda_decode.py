@@ -1,10 +1,10 @@
 """Paged decode attention over an fp8 KV cache in CUDA C++ (cuda_decode_fp8.cu), for a 16-bit q.
 
-Why not Triton: over an fp8 cache the Triton decode kernel (triton_decode.py) stays at ~1.6x its
-bandwidth bound (460 us for one Llama-3-8B layer at 512 rows x 1,152 keys on the H200, against
-285 us). Nsight Compute puts it at 160 registers and 3 programs per multiprocessor, issuing 38% of
-the time: bound by latency. Triton stages the converted tiles through shared memory and pads its
-4 query heads to 16-row tensor-core tiles on both products.
+Why not Triton: over an fp8 cache the Triton decode kernel (triton_decode.py) stays well above
+its bandwidth bound. Nsight Compute shows it bound by latency: many registers per thread, few
+programs per multiprocessor, issue slots mostly idle (figures:
+docs/benchmarks/design-measurements.md#cuda-fp8-decode-kernel). Triton stages the converted tiles through
+shared memory and pads its 4 query heads to 16-row tensor-core tiles on both products.
 
 This kernel gives each (sequence, KV head, split) one warp, and lets the memory system run ahead:
   - the fp8 bytes go from global to shared memory with cp.async, STAGES units of 32 keys in

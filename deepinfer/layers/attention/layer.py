@@ -23,17 +23,18 @@ if TYPE_CHECKING:
 
 # SDPA backends for fresh prefill chunks on the fast path, in order of preference (_causal_flash).
 _TILED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]
-# cuDNN builds an execution plan for every new query length, ~36 ms each on the H200 (2026-11-30),
-# so a chunk's length is rounded up to a multiple of this before SDPA sees it (_fresh_chunk):
-# at most max_num_batched_tokens / 256 plans, built once each.
+# cuDNN builds an execution plan for every new query length, and each build stalls the step that
+# meets the length, so a chunk's length is rounded up to a multiple of this before SDPA sees it
+# (_fresh_chunk): at most max_num_batched_tokens / 256 plans, built once each. Figures:
+# docs/benchmarks/design-measurements.md#sdpa-length-bucket
 SDPA_LENGTH_BUCKET = 256
 
 
 def equal_length_runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Fresh chunks as (start, end, count) runs for SDPA: adjacent chunks of one length that is a
     multiple of SDPA_LENGTH_BUCKET form one run, which one batched call takes as the rows lie
-    (no padding, no copy; on the H200 fifteen 1024-token chunks take 272 us in one cuDNN call,
-    567 us in fifteen). Every other chunk is a run of one."""
+    (no padding, no copy; one batched cuDNN call is much faster than a call per chunk, figures in
+    docs/benchmarks/design-measurements.md#sdpa-equal-length-runs). Every other chunk is a run of one."""
     runs: list[tuple[int, int, int]] = []
     for start, end in ranges:
         length = end - start
@@ -91,8 +92,9 @@ class Attention(nn.Module):
         """Causal attention of `batch` chunks of one length L, each over its own keys, laid one
         after the other: q: [batch * L, H, D], k/v: [batch * L, Hkv, D] -> [batch * L, H, D].
 
-        Only exact tiled backends are allowed, cuDNN first, then flash: on the H200 cuDNN's kernel
-        runs an 8k causal prefill at ~560 TFLOP/s, flash (FA2) at ~320. The math backend is
+        Only exact tiled backends are allowed, cuDNN first, then flash: cuDNN's kernel runs a long
+        causal prefill well ahead of flash (FA2), see
+        docs/benchmarks/design-measurements.md#sdpa-tiled-backends. The math backend is
         excluded: it would materialise [H, L, L] scores (4 GiB at 8k tokens), so if neither
         tiled backend takes the call this raises instead. The views are [batch, H, L, D] over
         the token-major tensors ([batch, L, H, D] with the last dim contiguous), which both take

@@ -18,15 +18,16 @@ for a 16-bit q: e4m3 values are exact in float16, and the hardware converts e4m3
 instruction where bfloat16 needs three. float16 also carries more mantissa than bfloat16 for q and
 the probabilities; q is clamped to float16's range first. Where it applies (head_dim 128, at most
 8 query heads per KV head) the CUDA C++ kernel of cuda_decode.py takes an fp8 cache instead:
-this one stays at ~1.6x the bandwidth bound there, that one reaches ~0.9 of copy bandwidth.
+this one stays well above the bandwidth bound there, that one comes close to copy bandwidth
+(docs/benchmarks/design-measurements.md#cuda-fp8-decode-kernel).
 
 The split count is a host-side choice that does not depend on the lengths, so a CUDA graph
 captured for a batch size stays valid whatever the sequences' lengths are at replay. It is a
 runtime argument, not a compile-time constant, and so are the arguments that change from step to
 step (the block table's width, the offsets of the metadata tensors): Triton compiles a kernel per
-distinct set of compile-time values, and a compile takes ~0.5-0.9 s on the H200, so each new
-value met while serving would stall a step for that long (measured on the first run of
-gpu_fast_path.py's (c), 2026-11-30: 4.4 s of compiles of identical kernels, 3.3 s of the run).
+distinct set of compile-time values, and a compile takes many times a step, so each new value
+met while serving would stall a step for that long (the first run of gpu_fast_path.py's (c) lost
+seconds to compiles of identical kernels: docs/benchmarks/design-measurements.md#triton-compile-stalls).
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def _decode_split_kernel(
             # The product by the row mask changes no value (masked rows loaded as 0). It is there
             # for the compiler: with an op between the conversion and the dot, V is converted
             # before it is staged in shared memory, and the dot reads 16-bit V with transposing
-            # matrix loads, not fp8 bytes one at a time. 524 -> 442 us at 512 rows x 1152 keys of
-            # a Llama-3-8B layer on the H200 (2026-11-30).
+            # matrix loads, not fp8 bytes one at a time, and the kernel runs markedly faster
+            # (docs/benchmarks/design-measurements.md#fp8-decode-v-conversion).
             v = v * pos_ok.to(v.dtype)[:, None]
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -209,9 +210,10 @@ def _launch_split_kernel(q, k_cache, v_cache, block_table, seq_lens, scale, wind
     group = num_heads // num_kv_heads
     dim_pad = triton.next_power_of_2(head_dim)
     fp8 = is_fp8(k_cache.dtype)
-    # An fp8 cache moves half the bytes per key: twice the keys per tile. At 512 rows x 1152 keys
-    # of a Llama-3-8B layer on the H200 (2026-11-30) 128 keys and 2 stages beat 64 keys (and 3 or
-    # 4 stages, or a register cap for more blocks per SM); bf16 keeps 64 keys and 2 stages.
+    # An fp8 cache moves half the bytes per key: twice the keys per tile. For fp8, 128 keys and 2
+    # stages were timed faster than 64 keys, 3 or 4 stages, or a register cap for more blocks per
+    # SM; bf16 keeps 64 keys and 2 stages. The shape and card:
+    # docs/benchmarks/design-measurements.md#fp8-decode-tile
     block_n = (128 if fp8 else 64) if dim_pad <= 128 else 32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, out,

@@ -91,8 +91,9 @@ def _attend_tile(
 
 
 # The block table's width and the metadata tensors' offsets change from step to step: no
-# compile-time specialization on them, or each new combination would compile the kernel again
-# (~0.8 s on the H200; five identical compiles in the first run of (c), see triton_decode.py).
+# compile-time specialization on them, or each new combination would compile the kernel again,
+# stalling the step that meets it (see triton_decode.py and
+# docs/benchmarks/design-measurements.md#triton-compile-stalls).
 @triton.jit(do_not_specialize=["stride_bt"],
             do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_ptr", "seq_ids_ptr"])
 def _prefill_kernel(
@@ -170,9 +171,10 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 
     bf16/fp16: 128-query tiles on two warpgroups (the Q tile stays in registers for the whole
     key loop; the wider it is, the more tensor-core work per key tile loaded) and 64-key tiles
-    behind a 3-stage copy pipeline: at head_dim 128 that is 96 KiB of shared memory and 184
-    registers a thread, no spills (read off ptxas for sm_90; 4 warps would spill). At head_dim
-    256 the tiles halve and the pipeline is 2 deep (96 KiB, 166 registers). float32 models are
+    behind a 3-stage copy pipeline, which fits in shared memory and registers without spills
+    (read off ptxas for sm_90; 4 warps would spill). At head_dim 256 the tiles halve and the
+    pipeline is 2 deep. The ptxas figures: docs/benchmarks/design-measurements.md#triton-prefill-config.
+    float32 models are
     for parity tests only (IEEE products run on the FMA units): 16-query tiles, which compile
     without spilling at every head size.
     """

@@ -1,17 +1,17 @@
 """Matrix-vector products for one-row decode steps: y = x @ W.T (+ bias), in Triton.
 
 Why: at batch 1 a decode step is a stream of weight reads, and the step takes as long as those
-reads. In a Llama-3-8B step on the H200, cuBLAS reads the projections at 3.77 TB/s on average
-(3.1-3.3 TB/s on the small o and qkv matrices, whose kernels are too short to reach full speed;
-o and down also launch a split-K reduction). This kernel is shaped for the job: each program
+reads. In a Llama-3-8B step cuBLAS reads the projections below copy bandwidth, and furthest below
+it on the small o and qkv matrices, whose kernels are too short to reach full speed (o and down
+also launch a split-K reduction). This kernel is shaped for the job: each program
 owns BLOCK_N output columns (rows of W, contiguous along K) and walks K in long BLOCK_K strips,
 so every thread has several 16-byte loads in flight and enough programs sit on each
 multiprocessor to keep the memory system busy. With PDL (fused/__init__.py) a program loads
 its first strip before waiting for the previous kernel to finish, so the next matrix is already
 streaming while the last kernel drains. Measured one call after another with PDL, as in a step
-(benchmarks/decode_gemv.py, H200): qkv 13.7 us (cuBLAS 15.2), o 9.7 (13.4), gate_up 53.5 (55.0),
-down 28.5 (31.7), head 232 (238); a whole step's 129 products 3.55 ms (cuBLAS 3.98), i.e. 1.02x
-the copy bandwidth measured in the same run.
+(benchmarks/decode_gemv.py), it is faster than cuBLAS on each of the five matrices, and a whole
+step's products reach the copy bandwidth measured in the same run. Figures:
+docs/benchmarks/design-measurements.md#gemv-one-row
 
 x is re-read from L2 by every program, which is cheap beside W. Products accumulate in float32
 elementwise and are reduced once at the end; the result is rounded once to x's dtype. Nothing
@@ -72,12 +72,14 @@ def _gemv_kernel(
     tl.store(out_ptr + cols_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-# (N, K) -> (BLOCK_N, BLOCK_K, num_warps), measured on the H200 with PDL launches, each call
-# following another as in a decode step (scratch runs of benchmarks/decode_gemv.py's --tune).
+# (N, K) -> (BLOCK_N, BLOCK_K, num_warps): the fastest configs of a search with PDL launches,
+# each call following another as in a decode step (scratch runs of benchmarks/decode_gemv.py's
+# --tune); the card they were searched on, and when the table should be searched again:
+# docs/benchmarks/design-measurements.md#gemv-tuning-table
 TUNED: dict[tuple[int, int], tuple[int, int, int]] = {
     (28672, 4096): (4, 1024, 4), (128256, 4096): (4, 1024, 4),   # Llama-3-8B gate_up, head
 }
-DEFAULT_CONFIG = (4, 2048, 4)   # Llama-3-8B qkv, o and down measured best with this
+DEFAULT_CONFIG = (4, 2048, 4)   # Llama-3-8B qkv, o and down searched best with this (same search)
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:

@@ -26,9 +26,9 @@ def round_to_fp8(x, fp8_type: tl.constexpr):
     FP8_MAX in kv_cache/dtypes.py), returned in float32, where it is exact.
 
     Callers store `.to(fp8_type)` of the result into the cache and `.to(their dtype)` in place.
-    Neither store may take the fp8 tensor itself: with Triton 3.6 on the H200, an fp8 tile stored
-    into the cache and converted for an in-place store came back with a few % of its values
-    garbled or NaN (2026-11-30)."""
+    Neither store may take the fp8 tensor itself: with Triton 3.6, an fp8 tile stored into the
+    cache and converted for an in-place store came back with some of its values garbled or NaN
+    (what was seen, where: docs/benchmarks/design-measurements.md#fp8-store-garbling)."""
     return tl.clamp(x.to(tl.float32), -448.0, 448.0).to(fp8_type).to(tl.float32)
 
 

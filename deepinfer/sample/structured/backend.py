@@ -13,9 +13,8 @@ The vocabulary handed to xgrammar is the tokenizer's ids (`grammar_vocab_size`),
 model's logits width. Logit columns past it (padding rows of the embedding) are never allowed:
 the bitmask's missing words count as 0 bits when it is applied (bitmask.py). Handing xgrammar
 those ids as empty strings works too, but it treats each as a special token and scans them on
-every fill and accept: with a 49,152-token tokenizer in a 128,256-wide model, 213 instead of
-25 us per row filled and 21 instead of 1.1 us per token accepted (measured on this project's
-CPU machine).
+every fill and accept: with a 49,152-token tokenizer in a 128,256-wide model, each fill and each
+accept took many times as long (docs/benchmarks/design-measurements.md#xgrammar-vocabulary).
 """
 
 from __future__ import annotations

@@ -101,10 +101,10 @@ def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [rows, words] -> float32 [rows, vocab_size]: 0.0 where a token is allowed, -inf where
     not; columns past the bitmask's last word are -inf. Same bit order as unpack_bitmask.
 
-    Why a bias: on the CPU, adding it to the logits costs 0.3 ms for 64 x 49,152, where a
-    masked_fill from a bool mask costs 5.4 ms (measured on the 2-core machine), and building it
-    is one gather of 16 values per 16-bit half-word through a 4 MiB table (0.9 ms, in the worker)
-    instead of the byte-table unpack (3.7 ms).
+    Why a bias: on the CPU, adding it to the logits on the engine loop is far cheaper than a
+    masked_fill from a bool mask, and building it is one gather of 16 values per 16-bit half-word
+    through a 4 MiB table, in the worker, cheaper than the byte-table unpack. Figures:
+    docs/benchmarks/design-measurements.md#grammar-bitmask-bias
     """
     global _BIAS_TABLE
     if _BIAS_TABLE is None:   # built once; a concurrent first use just builds it twice

@@ -86,8 +86,9 @@ class RequestGrammar:
     @staticmethod
     def accept_batch(grammars: list[RequestGrammar], token_ids: list[int]) -> None:
         """`accept` for many grammars, one token each, in one call: xgrammar's batch matcher
-        advances them in its own threads with the GIL released (a step's worth of single accepts
-        costs ~5 us each on the engine loop)."""
+        advances them in its own threads with the GIL released, where single accepts, a step's
+        worth of them, would each hold the engine loop
+        (docs/benchmarks/design-measurements.md#grammar-batch-accept)."""
         live = [i for i, g in enumerate(grammars) if not g.matcher.is_terminated()]
         if live:
             _ACCEPT_MATCHER.batch_accept_token([grammars[i].matcher for i in live], [token_ids[i] for i in live])

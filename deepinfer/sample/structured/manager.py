@@ -84,8 +84,9 @@ class StructuredOutputManager:
         return compiled
 
     def _get_backend(self) -> backend.XGrammarBackend:
-        # Built on first use, in a worker: reading the vocabulary takes ~0.1 s, which engines
-        # that never see a constrained request should not pay at start-up.
+        # Built on first use, in a worker: reading the vocabulary takes a noticeable time, which
+        # engines that never see a constrained request should not pay at start-up
+        # (docs/benchmarks/design-measurements.md#grammar-backend-on-first-use).
         with self._backend_lock:
             if self._backend is None:
                 info = backend.make_tokenizer_info(self.tokenizer, self.vocab_size)

@@ -4,8 +4,8 @@ DeepSeek, SmolLM2, ...).
 Such a decoder maps each character of a token back to one byte (GPT-2 spells the 256 bytes with
 printable characters) and decodes the concatenated bytes as UTF-8. No token's bytes depend on
 its neighbours, so a stream of tokens can be decoded by looking each one up in a table and
-feeding an incremental UTF-8 decoder: exact, and measured 2-3x faster per token than tokenizers'
-DecodeStream (benchmarks/detokenize.py).
+feeding an incremental UTF-8 decoder: exact, and measured faster per token than tokenizers'
+DecodeStream (benchmarks/detokenize.py; docs/benchmarks/design-measurements.md#byte-table-detokenizer).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class ByteTable:
     special_ids: frozenset[int]     # added tokens marked special: what skip_special_tokens drops
 
 
-# Built once per tokenizer object (~50 ms for a 49k vocabulary); dropped with the tokenizer.
+# Built once per tokenizer object, as a build is too slow to repeat per request
+# (docs/benchmarks/design-measurements.md#byte-table-cache); dropped with the tokenizer.
 _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
