@@ -61,7 +61,8 @@ class RequestOutput:
     outputs: one CompletionOutput per sample (n of them), ordered by index.
     finished: True once every sample has finished.
     metrics: timing and usage figures attached by the front end (None when not collected).
-    num_cached_tokens: prompt tokens served from the prefix cache.
+    num_cached_tokens: prompt tokens not computed: their KV came from the prefix cache (or a KV
+        tier). Tokens recomputed by SWA Bounded Replay are computed, so they do not count.
     error: why the engine failed the request (its outputs then finish with "abort"), e.g. a
         structured-output grammar that did not compile in time; None otherwise.
     """

@@ -260,4 +260,7 @@ class KVCacheManager:
         return max(pool.usage() for pool in self.pools)
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, in every pool; only possible when no block is in use."""
+        if self.blocks_in_use():
+            return False
         return all([pool.reset_prefix_cache() for pool in self.pools])
