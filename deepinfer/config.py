@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +103,10 @@ class CacheConfig:
     """Exact number of KV blocks, overriding the memory budget (tests, benchmarks)."""
     kv_cache_dtype: str = "auto"
     """auto (the model's dtype) | fp8 = fp8_e4m3 (float8 e4m3 with a scale of 1.0)."""
+    kv_offloading_size: float | None = None
+    """GiB of host memory for a second KV tier (vLLM's name): full blocks are copied there as
+    they are computed, and a prefix the device no longer holds is loaded back from it instead
+    of recomputed. Unset or 0: no host tier. Sliding-window KV is never offloaded."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -115,6 +120,10 @@ class CacheConfig:
             raise ValueError(f"cpu_kv_cache_bytes must be >= 1, got {self.cpu_kv_cache_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float))
+                                 or not 0 <= size < math.inf):
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0 (or unset), got {size!r}")
 
 
 @dataclass(frozen=True)
