@@ -167,7 +167,8 @@ class KVConnectorScheduler(abc.ABC):
     def request_finished(self, request_id: str) -> bool:
         """A request finished (or is being dropped). True: keep its device blocks until it is
         reported in FinishedTransfers.released (its saves, or loads already copying, have not
-        completed: the delayed free). False: free them now. Loads not built yet are cancelled."""
+        completed: the delayed free). False: free them now. Loads not built yet are cancelled.
+        Queue its last saves (save_blocks) first: afterwards it takes none."""
 
     @abc.abstractmethod
     def abort_loads(self, request_id: str) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,8 @@ from deepinfer.kv_cache.connector import (
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.platforms.host_memory import HostBuffer
 from deepinfer.platforms.transfer import to_device
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------ layout
@@ -368,6 +371,9 @@ class HostTierWorker(KVConnectorWorker):
                 group = by_id[group_id]
                 self._group_pages[group_id] = [(_pages(k, block_size, word), _pages(v, block_size, word))
                                                for k, v in group_kv_tensors(kv_caches, group)]
+        logger.info("host KV tier: %s, %.2f GiB", ", ".join(
+            f"{pool.num_slots} blocks of groups {list(pool.group_ids)}" for pool in pools),
+            sum(b.nbytes for b in self._buffers) / 2**30)
 
     def start_transfers(self, meta: KVConnectorMetadata) -> None:
         self._run(meta.loads, load=True)
