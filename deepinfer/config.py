@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +113,10 @@ class CacheConfig:
     swa_replay_full_kv: str = "keep"
     """keep | recompute: whether replayed positions keep their cached full-attention KV (exact
     rows) or recompute it too."""
+    kv_offloading_size: float | None = None
+    """GiB of host memory for a second KV tier (vLLM's name): full blocks are copied there as
+    they are computed, and a prefix the device no longer holds is loaded back from it instead
+    of recomputed. Unset or 0: no host tier. Sliding-window KV is never offloaded."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -133,6 +138,10 @@ class CacheConfig:
             raise ValueError(f"swa_replay_tokens must be an integer >= 0, got {self.swa_replay_tokens!r}")
         if self.swa_replay_full_kv not in ("keep", "recompute"):
             raise ValueError(f"swa_replay_full_kv must be 'keep' or 'recompute', got {self.swa_replay_full_kv!r}")
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float))
+                                 or not 0 <= size < math.inf):
+            raise ValueError(f"kv_offloading_size must be a number of GiB >= 0 (or unset), got {size!r}")
 
 
 @dataclass(frozen=True)

@@ -131,7 +131,11 @@ class EngineCore:
         # A sampling deferred by the last step goes first on the device: its masks had the
         # caller's output processing and this schedule to fill in.
         self._launch_deferred_sample()
-        if plan.is_empty and not plan.finished_request_ids:
+        # A plan without chunks still goes to the executor when the runner has something to do:
+        # drop finished requests, or start KV connector transfers (loads of requests parked in
+        # WAITING_FOR_KV, saves); its result then reports the transfers finished so far.
+        connector_work = plan.kv_connector_metadata is not None and not plan.kv_connector_metadata.is_empty
+        if plan.is_empty and not plan.finished_request_ids and not connector_work:
             if self._in_flight is not None:
                 return failed + self._apply_in_flight()
             if self.scheduler.num_waiting and not self.scheduler.num_running:

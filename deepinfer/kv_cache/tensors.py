@@ -17,6 +17,20 @@ import torch
 from deepinfer.kv_cache.specs import KVCacheGroup, KVCacheSpec, group_layers, num_pools, num_slots
 
 
+def pool_slot_offsets(groups: list[KVCacheGroup]) -> list[int]:
+    """Where each pool's slots start in the flat list of (K, V) tensors."""
+    offsets = [0]
+    for pool in range(num_pools(groups) - 1):
+        offsets.append(offsets[-1] + num_slots(groups, pool))
+    return offsets
+
+
+def group_slots(groups: list[KVCacheGroup], group: KVCacheGroup) -> list[int]:
+    """The flat (K, V) indices of a group's layers, in layer order (what a tier copies)."""
+    start = pool_slot_offsets(groups)[group.pool_id]
+    return list(range(start, start + len(group.layer_ids)))
+
+
 @dataclass(frozen=True)
 class KVLayout:
     groups: list[KVCacheGroup]
@@ -29,14 +43,11 @@ class KVLayout:
     def from_specs(cls, specs: list[KVCacheSpec], block_size: int, cache_dtype: torch.dtype) -> KVLayout:
         specs = [dataclasses.replace(s, cache_dtype=cache_dtype) for s in specs]
         groups = group_layers(specs)
-        offsets = [0]
-        for pool in range(num_pools(groups)):
-            offsets.append(offsets[-1] + num_slots(groups, pool))
         layer_to_group, layer_to_slot = [0] * len(specs), [0] * len(specs)
         for g in groups:
-            for slot, layer in enumerate(g.layer_ids):
-                layer_to_group[layer], layer_to_slot[layer] = g.group_id, offsets[g.pool_id] + slot
-        return cls(groups, block_size, layer_to_group, layer_to_slot, offsets[:-1])
+            for slot, layer in zip(group_slots(groups, g), g.layer_ids):
+                layer_to_group[layer], layer_to_slot[layer] = g.group_id, slot
+        return cls(groups, block_size, layer_to_group, layer_to_slot, pool_slot_offsets(groups))
 
     @property
     def num_pools(self) -> int:
@@ -51,10 +62,6 @@ class KVLayout:
         """Device bytes one block id costs: a page in every slot of every pool."""
         return sum(num_slots(self.groups, p) * self.pool_spec(p).page_bytes(self.block_size)
                    for p in range(self.num_pools))
-
-    def group_slots(self, group: KVCacheGroup) -> list[int]:
-        """The flat (K, V) indices of a group's layers, in layer order (what a tier copies)."""
-        return [self.layer_to_slot[layer] for layer in group.layer_ids]
 
     def allocate(self, num_blocks: int, device: torch.device, *,
                  share_kv: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:

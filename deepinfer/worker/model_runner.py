@@ -41,6 +41,7 @@ from deepinfer.engine.plan import (
     RunnerResult,
     SchedulerPlan,
 )
+from deepinfer.kv_cache.connector import KVConnectorWorker, make_kv_connector_worker
 from deepinfer.kv_cache.dtypes import resolve_cache_dtype
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.tensors import KVLayout
@@ -141,6 +142,12 @@ class ModelRunner:
                     self.num_blocks, self.block_size, len(self.groups), self.kv_layout.num_pools,
                     str(self.kv_cache_dtype).removeprefix("torch."),
                     self.num_blocks * self.bytes_per_block / 2**20)
+        # A KV tier outside the device (kv_offloading_size): its worker side copies blocks
+        # between these tensors and the tier (kv_cache/connector.py).
+        self.kv_connector: KVConnectorWorker | None = make_kv_connector_worker(
+            config, self.groups, self.block_size, self.device)
+        if self.kv_connector is not None:
+            self.kv_connector.register_kv_caches(self.kv_caches, self.groups, self.block_size)
 
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
@@ -246,7 +253,10 @@ class ModelRunner:
         its sampled rows."""
         update_states(self.requests, plan, self.device)
         handle = ForwardStep(next(self._step_ids))
-        if plan.is_empty:
+        connector = self._start_kv_transfers(plan)
+        if plan.is_empty:   # no forward; a plan with only connector work still starts it
+            if connector is not None:
+                connector.after_forward()
             self._forwards[handle.step_id] = _QueuedForward(None, None, [], None)
             return handle
 
@@ -276,8 +286,24 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index)
             if sample_rows:
                 logits = self.model.compute_logits(hidden[index] if every_row else hidden)
+        if connector is not None:   # the saves read blocks this forward (or an earlier one) wrote
+            connector.after_forward()
         self._forwards[handle.step_id] = _QueuedForward(inputs, hidden, sample_rows, logits)
         return handle
+
+    def _start_kv_transfers(self, plan: SchedulerPlan) -> KVConnectorWorker | None:
+        """Start the plan's KV connector loads (its saves wait for the forward); returns the
+        connector when the plan has work for it."""
+        meta = plan.kv_connector_metadata
+        if meta is None or meta.is_empty:
+            return None
+        if self.kv_connector is None:
+            raise RuntimeError("the plan carries KV connector transfers but this worker has no KV tier "
+                               "(kv_offloading_size differs between the scheduler and the worker)")
+        # Before the forward is queued: the loads fill blocks this step's forward never reads
+        # (the scheduler parks their requests until the loads are reported finished).
+        self.kv_connector.start_transfers(meta)
+        return self.kv_connector
 
     @torch.inference_mode()
     def sample(self, forward: ForwardStep, grammar: GrammarOutput | None = None) -> LaunchedStep:
@@ -328,8 +354,16 @@ class ModelRunner:
         tokens get their values."""
         launched = self._samples.pop(handle.step_id)
         result = launched.result
-        if launched.sample is None:
-            return result
+        if launched.sample is not None:
+            self._apply_sampled(launched)
+        if self.kv_connector is not None:   # a poll: what finished by now, whichever step started it
+            result.finished_kv_transfers = self.kv_connector.finished_transfers()
+        return result
+
+    def _apply_sampled(self, launched: _QueuedSample) -> None:
+        """Wait for a launched step's sampled tokens; they go into its result and replace the
+        requests' placeholders."""
+        result = launched.result
         if launched.done is not None:
             launched.done.synchronize()   # this step only; a step launched after it keeps running
         sampled = launched.sample.tolist()
@@ -344,7 +378,6 @@ class ModelRunner:
                 state.token_ids[len(state.token_ids) - state.num_placeholders] = token
                 state.output_token_ids[len(state.output_token_ids) - state.num_placeholders] = token
                 state.num_placeholders -= 1
-        return result
 
     def _fill_placeholders(self, inputs) -> None:
         """Input tokens sampled by the previous step but not collected yet: copy them from its

@@ -1,0 +1,260 @@
+"""The KV connector seam: moves whole KV blocks between the device pool and a tier outside it.
+
+vLLM's two-role shape. The scheduler side lives beside the scheduler and never sees a tensor; the
+worker side lives in the model runner and never sees a Request. What crosses between them is the
+plan's KVConnectorMetadata (loads and saves, as KVTransfer values) and, back, the ids of the
+transfers that completed (RunnerResult.finished_kv_transfers). engine/plan.py holds those types.
+
+A step with connector work, as the scheduler side sees it:
+
+    tier_tokens = sched.get_num_new_matched_tokens(hashes, group_ids, device_hit_tokens)
+    ... allocate device blocks for those tokens, park the request in WAITING_FOR_KV ...
+    sched.allocate_loads(request_id, hashes_of_those_blocks, {group_id: device_block_ids})
+    sched.save_blocks(request_id, group_id, hashes, device_block_ids)   # newly full, computed blocks
+    plan.kv_connector_metadata = sched.build_connector_meta()
+    ...
+    done = sched.on_transfers_finished(result.finished_kv_transfers)
+    done.loaded: requests whose KV is now on the device; done.released: delayed frees to apply
+
+and the worker side, inside a runner step:
+
+    worker.start_transfers(meta)    # before the forward is queued: loads start on a side stream
+    <the step's forward>
+    worker.after_forward()          # saves start behind the forward, which wrote their blocks
+    ...
+    result.finished_kv_transfers = worker.finished_transfers()   # when the step is collected
+
+What a tier may hold: only KV kinds that are persisted outside the device. Full attention is;
+sliding-window KV never is (a hit rebuilds it by SWA Bounded Replay, kv_cache/manager.py).
+Tiers live under kv_cache/store/ (host.py: host memory, `kv_offloading_size`).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
+from deepinfer.kv_cache.tensors import group_slots
+
+if TYPE_CHECKING:
+    import torch
+
+    from deepinfer.config import CacheConfig, EngineConfig
+    from deepinfer.kv_cache.specs import KVCacheGroup, KVCacheSpec
+
+GIB = 1 << 30
+
+# A tier entry's key: (group key, block hash). The block hash chain (kv_cache/prefix_cache.py)
+# already carries the model id and the tenant's cache_salt; the group key adds what makes the
+# bytes differ for the same tokens that the chain does not carry (see group_key).
+TierKey = tuple[bytes, bytes]
+
+
+def is_persisted(spec: KVCacheSpec) -> bool:
+    """Whether a tier may hold this kind's KV (the kind says: full attention yes, sliding window never)."""
+    return spec.persisted
+
+
+def group_key(group: KVCacheGroup, block_size: int, extra: bytes = b"") -> bytes:
+    """What makes one group's block bytes differ from another's for the same block hash: the
+    kind, its shape, the storage dtype (an fp8 cache never serves a bf16 one), the block size,
+    the window, and which layers the group holds (groups of one spec hold different layers).
+    `extra` is for what a later tier adds (a tensor-parallel rank, a model revision)."""
+    spec = group.spec
+    signature = (spec.kind, spec.num_kv_heads, spec.head_size, str(spec.storage_dtype), block_size,
+                 getattr(spec, "sliding_window", 0), group.layer_ids)
+    h = hashlib.blake2b(repr(signature).encode(), digest_size=16)
+    h.update(extra)
+    return h.digest()
+
+
+def group_kv_tensors(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], groups: Sequence[KVCacheGroup],
+                     group: KVCacheGroup) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
+    """The (K, V) tensors of a group's layers, each [num_blocks * block_size, kv_heads, head_dim]:
+    the slots of its pool (kv_cache/tensors.py). The one place tiers address device KV."""
+    return [kv_caches[i] for i in group_slots(list(groups), group)]
+
+
+@dataclass
+class KVConnectorStats:
+    """Cumulative counters of a tier (and one gauge), for /metrics."""
+
+    queries: int = 0          # tokens looked up in the tier, beyond the device's prefix hit
+    hits: int = 0             # of those, tokens the tier held
+    loaded_blocks: int = 0    # blocks (of one group each) copied tier -> device
+    saved_blocks: int = 0     # blocks copied device -> tier, counted once their save completed
+    stored_blocks: int = 0    # gauge: entries held now, pending saves included
+    evictions: int = 0        # entries dropped (LRU) to make room for a save
+    refused_saves: int = 0    # blocks offered of a kind never persisted (sliding window)
+    dropped_saves: int = 0    # blocks not saved: every slot was pinned by a load or pending
+
+    def copy(self) -> KVConnectorStats:
+        return KVConnectorStats(**vars(self))
+
+
+@dataclass
+class FinishedTransfers:
+    """What completed transfers mean to the scheduler (KVConnectorScheduler.on_transfers_finished)."""
+
+    loaded: list[str]     # requests whose loads all completed: their KV is on the device now
+    # Requests whose device blocks may be freed now: finished ones whose saves completed (the
+    # delayed free), and ones whose loads were aborted while already copying.
+    released: list[str]
+
+
+class KVConnectorScheduler(abc.ABC):
+    """The scheduler side: an index of what the tier holds, and the transfers to queue.
+
+    Block hashes are the request's chain (Request.block_hashes); group ids are KVCacheGroup ids.
+    Everything here runs on the scheduler's thread, between steps."""
+
+    block_size: int
+
+    @abc.abstractmethod
+    def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
+                                   num_device_tokens: int) -> int:
+        """How many tokens past `num_device_tokens` (the device's prefix hit, whole blocks) the
+        tier holds, in whole blocks, for every persisted group among `group_ids`; 0 if none (or
+        none of the groups is persisted). Only saves that completed count.
+
+        Pass only the hashes of blocks the request may hit (the caller leaves at least one token
+        to compute). No side effects: the scheduler may ask again for a request it could not
+        admit. Count the query once, on admission, with `record_query`."""
+
+    @abc.abstractmethod
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's look-up: `num_tokens` asked for past the device hit, of which
+        the tier held `num_hit_tokens`."""
+
+    @abc.abstractmethod
+    def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
+                       device_block_ids: Mapping[int, Sequence[int]]) -> list[KVTransfer]:
+        """Queue loads of the blocks `block_hashes` (those get_num_new_matched_tokens just
+        counted) into `device_block_ids[group_id]`, one device block per hash for each persisted
+        group; returns the transfers queued (also in the next build_connector_meta). The entries
+        are pinned until their load completes or is aborted.
+
+        Call it right after the look-up, with no save_blocks in between (saves may evict)."""
+
+    @abc.abstractmethod
+    def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
+                    device_block_ids: Sequence[int]) -> list[KVTransfer]:
+        """Queue saves of blocks that became full and computed (by steps whose result has been
+        applied), one device block per hash; blocks the tier holds or is saving already are
+        skipped. A group whose kind is not persisted is refused: a no-op, counted in the stats.
+        Returns the transfers queued (possibly none). The entries become loadable once their
+        save completed (on_transfers_finished)."""
+
+    @abc.abstractmethod
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        """The loads and saves queued since the last call (then cleared): the plan's
+        kv_connector_metadata. Once built, a transfer reaches the worker and will complete."""
+
+    @abc.abstractmethod
+    def on_transfers_finished(self, transfer_ids: Sequence[int]) -> FinishedTransfers:
+        """Apply RunnerResult.finished_kv_transfers: saved entries become loadable, loaded ones
+        are unpinned. Returns the requests whose loads all completed and the delayed frees that
+        may be applied now. Unknown ids (transfers cancelled before they were built) are ignored."""
+
+    @abc.abstractmethod
+    def request_finished(self, request_id: str) -> bool:
+        """A request finished (or is being dropped). True: keep its device blocks until it is
+        reported in FinishedTransfers.released (its saves, or loads already copying, have not
+        completed: the delayed free). False: free them now. Loads not built yet are cancelled.
+        Queue its last saves (save_blocks) first: afterwards it takes none."""
+
+    @abc.abstractmethod
+    def abort_loads(self, request_id: str) -> bool:
+        """Cancel a request's loads (aborted or preempted while WAITING_FOR_KV); the tier's pins
+        of loads not built yet are released at once. True: some loads already reached the
+        worker; keep the request's device blocks until it is reported in
+        FinishedTransfers.released (the copies still write them). False: nothing in flight."""
+
+    @property
+    @abc.abstractmethod
+    def num_pending_transfers(self) -> int:
+        """Transfers queued or in flight, not reported finished yet: while nonzero, the engine
+        keeps stepping (an empty plan still polls the worker)."""
+
+    @abc.abstractmethod
+    def stats(self) -> KVConnectorStats:
+        """A copy of the counters."""
+
+
+class KVConnectorWorker(abc.ABC):
+    """The worker side: copies blocks between the device KV tensors and the tier.
+
+    Never blocks the step: transfers run on a side stream (CUDA) and are polled; on the CPU they
+    are synchronous and reported at the next poll."""
+
+    @abc.abstractmethod
+    def register_kv_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                           groups: Sequence[KVCacheGroup], block_size: int) -> None:
+        """The device KV tensors (ModelRunner.kv_caches) and their layer groups, once allocated."""
+
+    @abc.abstractmethod
+    def start_transfers(self, meta: KVConnectorMetadata) -> None:
+        """At the start of a step, before its forward is queued. Loads start at once (behind
+        the device work queued so far: an earlier step may still write blocks now reused);
+        the scheduler guarantees this step's forward reads none of the blocks they fill.
+        Saves wait for `after_forward`."""
+
+    @abc.abstractmethod
+    def after_forward(self) -> None:
+        """The step's forward is queued (or the step has none): start its saves behind it, so
+        they read blocks the forward has written."""
+
+    @abc.abstractmethod
+    def finished_transfers(self) -> list[int]:
+        """Ids of transfers completed since the last call, without waiting for the device."""
+
+    @abc.abstractmethod
+    def wait_all(self) -> None:
+        """Start what is deferred and wait for every transfer (shutdown, tests). Their ids are
+        still reported by the next finished_transfers."""
+
+
+# ---------------------------------------------------------------------------------- factory
+def offloading_bytes(config: EngineConfig | CacheConfig) -> int | None:
+    """kv_offloading_size in bytes; None when no tier is configured (unset or 0)."""
+    cache = getattr(config, "cache", config)
+    return int(cache.kv_offloading_size * GIB) if cache.kv_offloading_size else None
+
+
+def make_kv_connector_scheduler(config: EngineConfig | CacheConfig, groups: Sequence[KVCacheGroup],
+                                block_size: int) -> KVConnectorScheduler | None:
+    """The scheduler side the config asks for (None: no tier, or no kind a tier may hold)."""
+    size = offloading_bytes(config)
+    if size is None or not any(is_persisted(g.spec) for g in groups):
+        return None
+    from deepinfer.kv_cache.store.host import HostTierScheduler
+
+    return HostTierScheduler(groups, block_size, size)
+
+
+def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequence[KVCacheGroup],
+                             block_size: int, device: torch.device) -> KVConnectorWorker | None:
+    """The worker side the config asks for, not registered yet (None: as for the scheduler side)."""
+    size = offloading_bytes(config)
+    if size is None or not any(is_persisted(g.spec) for g in groups):
+        return None
+    from deepinfer.kv_cache.store.host import HostTierWorker
+
+    return HostTierWorker(size, device)
+
+
+def make_kv_connector(config: EngineConfig | CacheConfig, groups: Sequence[KVCacheGroup], block_size: int,
+                      device: torch.device) -> tuple[KVConnectorScheduler, KVConnectorWorker] | None:
+    """Both sides (one process), or None when `kv_offloading_size` is 0 / unset or no group's kind
+    may be persisted. The worker side is not registered yet: register_kv_caches once the KV
+    tensors exist. In the engine each side is built where it runs (the two functions above)."""
+    scheduler = make_kv_connector_scheduler(config, groups, block_size)
+    if scheduler is None:
+        return None
+    worker = make_kv_connector_worker(config, groups, block_size, device)
+    assert worker is not None
+    return scheduler, worker
