@@ -43,10 +43,12 @@ import logging
 import time
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
+from deepinfer.engine.kv_tier import KVTierLink
 from deepinfer.engine.plan import EngineCoreOutput, EngineStats, ForwardStep, LaunchedStep, SchedulerPlan
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.executor import Executor
+from deepinfer.kv_cache.connector import make_kv_connector_scheduler
 from deepinfer.kv_cache.manager import KVCacheManager, replay_config
 from deepinfer.kv_cache.prefix_cache import hash_root
 from deepinfer.models.loader import ModelSource
@@ -60,6 +62,8 @@ logger = logging.getLogger(__name__)
 
 # How long an idle engine sleeps on a compiling grammar before looking at its inputs again.
 GRAMMAR_IDLE_WAIT_S = 0.005
+# How long an engine with nothing to compute but KV transfers in flight sleeps between polls.
+KV_POLL_IDLE_WAIT_S = 0.0005
 
 
 class EngineCore:
@@ -92,7 +96,9 @@ class EngineCore:
         if config.speculative is not None:
             # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
             self.spec = build_speculative_decoder(config, self.executor, source, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec)
+        connector = make_kv_connector_scheduler(config, kv.groups, kv.block_size)
+        self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier)
         # Grammars are compiled against the tokenizer's vocabulary: without one (skip_tokenizer_init)
         # there is no structured output, and add_request refuses constrained requests.
         self.structured = None if source.tokenizer is None else StructuredOutputManager(
@@ -135,7 +141,10 @@ class EngineCore:
         # drop finished requests, or start KV connector transfers (loads of requests parked in
         # WAITING_FOR_KV, saves); its result then reports the transfers finished so far.
         connector_work = plan.kv_connector_metadata is not None and not plan.kv_connector_metadata.is_empty
-        if plan.is_empty and not plan.finished_request_ids and not connector_work:
+        polling = self.kv_tier is not None and self.kv_tier.busy   # transfers in flight: ask the worker
+        if plan.is_empty and polling and not connector_work and self._in_flight is None:
+            time.sleep(KV_POLL_IDLE_WAIT_S)   # nothing to compute: do not spin on the copies
+        if plan.is_empty and not plan.finished_request_ids and not connector_work and not polling:
             if self._in_flight is not None:
                 return failed + self._apply_in_flight()
             if self.scheduler.num_waiting and not self.scheduler.num_running:
@@ -206,7 +215,8 @@ class EngineCore:
                            prefix_cache_request_hits=self.kv_manager.request_counters.hits,
                            prefix_cache_replayed=[c.replayed for c in counters],
                            prefix_cache_expirations=[c.expirations for c in counters],
-                           kv_group_kinds=[g.spec.kind for g in self.kv_manager.groups])
+                           kv_group_kinds=[g.spec.kind for g in self.kv_manager.groups],
+                           kv_tier=vars(self.kv_tier.connector.stats()) if self.kv_tier is not None else None)
 
     def shutdown(self) -> None:
         """Release the workers and the grammar threads; the core is not used afterwards."""

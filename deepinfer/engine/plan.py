@@ -243,3 +243,5 @@ class EngineStats:
     prefix_cache_replayed: list[int] = field(default_factory=list)     # per group, tokens (SWA replay)
     prefix_cache_expirations: list[int] = field(default_factory=list)  # per group, blocks (retention)
     kv_group_kinds: list[str] = field(default_factory=list)            # per group: full | sliding_window
+    # The KV tier's counters (kv_cache/connector.py KVConnectorStats, by field name); None: no tier.
+    kv_tier: dict[str, int] | None = None

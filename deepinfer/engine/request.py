@@ -64,6 +64,7 @@ class Request:
     # SWA Bounded Replay of the current admission (NewRequestData says what they mean).
     window_floor: int = 0
     write_floor: int = 0
+    kv_loaded: bool = False       # a KV tier loaded its prefix while it waited (WAITING_FOR_KV)
     block_ids: list[list[int]] = field(default_factory=list)   # one block table per layer group
     # Hashes of the full blocks of all_token_ids, extended when read (`block_hashes`): an engine
     # without prefix caching never reads them, and hashing a long prompt costs host time before its

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.block_tables import RunnerBlockTables
+from deepinfer.engine.kv_tier import KVTierLink
 from deepinfer.engine.plan import (
     CachedRequestData,
     EngineCoreOutput,
@@ -46,17 +47,19 @@ from deepinfer.spec_decode import SpeculativeDecoder
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 spec: SpeculativeDecoder | None = None) -> None:
+                 spec: SpeculativeDecoder | None = None, kv_tier: KVTierLink | None = None) -> None:
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs max_num_seqs and max_num_batched_tokens set "
                              "(EngineCore fills unset ones from the platform)")
         self.config = config
         self.spec = spec
         self.kv = kv_manager
+        self.kv_tier = kv_tier               # a KV tier behind the connector, or None
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []     # kept sorted by the policy's key
         self.running: list[Request] = []     # in admission order
         self.waiting_for_grammar: list[Request] = []   # compiling; not schedulable yet
+        self.waiting_for_kv: list[Request] = []        # a tier loads their prefix; blocks held
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []   # told to the runner in the next plan
@@ -86,12 +89,16 @@ class Scheduler:
                 self.waiting.remove(request)
             if request in self.waiting_for_grammar:
                 self.waiting_for_grammar.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            loading = request in self.waiting_for_kv
+            if loading:
+                self.waiting_for_kv.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED, loading=loading)
             outputs.append(EngineCoreOutput(request_id, [], finish_reason="abort"))
         return outputs
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_grammar)
+        return bool(self.waiting or self.running or self.waiting_for_grammar or self.waiting_for_kv
+                    or (self.kv_tier is not None and self.kv_tier.busy))
 
     def poll_grammars(self) -> list[EngineCoreOutput]:
         """Queue the requests whose grammar compiled; fail those whose compile failed or timed out."""
@@ -170,22 +177,40 @@ class Scheduler:
                 # Preempted while a step of it is still in flight: readmit it once that step's
                 # result has been applied (and ignored), so no stale result meets the new chunks.
                 break
-            hit = self.kv.find_prefix_hit(request)
-            num_new = request.num_tokens - hit.num_computed_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if not self.kv.allocate(request, num_new, hit):
-                if not self._preempt_for(request, scheduled):
+            if request.kv_loaded:   # a tier loaded its prefix: its blocks are in place
+                hit = None
+                num_new = request.num_tokens - request.num_computed_tokens
+                if num_new > budget and not self.config.enable_chunked_prefill:
                     break
-                continue
+                num_new = min(num_new, budget)
+                if not self.kv.allocate(request, num_new):
+                    break
+            else:
+                hit = self.kv.find_prefix_hit(request, self.kv_tier.lookup if self.kv_tier else None)
+                num_new = request.num_tokens - hit.num_computed_tokens
+                if num_new > budget and not self.config.enable_chunked_prefill:
+                    break
+                num_new = min(num_new, budget)
+                if not self.kv.allocate(request, num_new, hit):
+                    if not self._preempt_for(request, scheduled):
+                        break
+                    continue
+                if request.status is RequestStatus.WAITING:  # first admission, not a resume
+                    self.kv.record_prefix_query(request.num_tokens, hit)
+                    if self.kv_tier is not None:
+                        self.kv_tier.record_query(request, hit)
+                    # Tokens not computed: replayed tokens are computed, so they do not count.
+                    request.num_cached_tokens = hit.num_computed_tokens
+                request.num_computed_tokens = hit.num_computed_tokens
+                request.window_floor, request.write_floor = hit.window_floor, hit.write_floor
             self.waiting.pop(0)
-            if request.status is RequestStatus.WAITING:  # first admission, not a resume
-                self.kv.record_prefix_query(request.num_tokens, hit)
-                # Tokens not computed: replayed tokens are computed, so they do not count.
-                request.num_cached_tokens = hit.num_computed_tokens
-            request.num_computed_tokens = hit.num_computed_tokens
-            request.window_floor, request.write_floor = hit.window_floor, hit.write_floor
+            if hit is not None and hit.num_load_blocks:
+                # Parked while the tier loads its blocks; others are admitted meanwhile.
+                self.kv_tier.start_loads(request, hit)
+                request.status = RequestStatus.WAITING_FOR_KV
+                self.waiting_for_kv.append(request)
+                continue
+            request.kv_loaded = False
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
@@ -201,7 +226,8 @@ class Scheduler:
 
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerPlan(new_requests, cached_requests, chunks, finished,
-                             self.config.max_num_batched_tokens - budget)
+                             self.config.max_num_batched_tokens - budget,
+                             self.kv_tier.build_meta() if self.kv_tier is not None else None)
 
     @staticmethod
     def _target(request: Request) -> int:
@@ -245,7 +271,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: free all blocks; the request starts over when resumed."""
         self.running.remove(request)
-        self.kv.free(request)
+        self._release_kv(request)
         if self.spec is not None:
             self.spec.forget(request.request_id)
         request.spec_token_ids = []
@@ -265,6 +291,8 @@ class Scheduler:
     def update(self, plan: SchedulerPlan, result: RunnerResult) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
+        if self.kv_tier is not None:
+            self._apply_kv_transfers(result)
         # Grammars advance by their request's one sampled token in one batch call after the loop
         # (nothing in the loop reads a matcher); a request verifying drafts advances in order.
         grammars, grammar_tokens = [], []
@@ -278,7 +306,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted after this step was scheduled: it recomputes instead
             if not num_spec:
-                self.kv.cache_computed_blocks(request)
+                self._publish(request)
             prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
             if not chunk.sample:
                 if prompt_logprobs:
@@ -308,7 +336,7 @@ class Scheduler:
                 request.spec_token_ids = []
                 if finish is None:
                     request.num_computed_tokens += num_accepted
-                    self.kv.cache_computed_blocks(request)
+                    self._publish(request)
                     self.kv.free_tail(request)
                     self.runner_tables.cut(request.request_id, request.block_ids)
             if request.times.first_token is None and new_tokens:
@@ -347,7 +375,30 @@ class Scheduler:
         return (num_output >= request.sampling_params.min_tokens
                 and (num_output >= request.max_tokens or request.num_tokens + extra_tokens >= self.max_model_len))
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _publish(self, request: Request) -> None:
+        """Blocks the last step completed become hits, and a tier saves them."""
+        published = self.kv.cache_computed_blocks(request)
+        if self.kv_tier is not None:
+            self.kv_tier.save(request, published)
+
+    def _apply_kv_transfers(self, result: RunnerResult) -> None:
+        """Requests whose tier loads completed go to the front of the queue, blocks in place."""
+        for request_id in self.kv_tier.poll(result):
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
+                continue
+            self.waiting_for_kv.remove(request)
+            request.status = RequestStatus.WAITING
+            request.kv_loaded = True
+            self._enqueue(request, front=True)
+
+    def _release_kv(self, request: Request, loading: bool = False) -> None:
+        if self.kv_tier is not None:
+            self.kv_tier.release(request, loading=loading)   # parked while a transfer uses them
+        else:
+            self.kv.free(request)
+
+    def _finish(self, request: Request, status: RequestStatus, loading: bool = False) -> None:
         if self.spec is not None:
             self.spec.forget(request.request_id)   # e.g. aborted while its drafts were in flight
         request.spec_token_ids = []
@@ -355,7 +406,7 @@ class Scheduler:
         request.times.finished = time.monotonic()
         if request in self.running:
             self.running.remove(request)
-        self.kv.free(request)
+        self._release_kv(request, loading)
         self._drop_from_runner(request.request_id)
         del self.requests[request.request_id]
 

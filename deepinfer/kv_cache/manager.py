@@ -38,6 +38,10 @@ if TYPE_CHECKING:
     from deepinfer.engine.request import Request
 
 
+# A KV tier's look-up: (the request's block hashes, blocks the device holds) -> more blocks it holds.
+TierLookup = Callable[[list[bytes], int], int]
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -51,6 +55,10 @@ class PrefixHit:
     window_floor: int = 0           # replay: sliding-window layers see no key below it
     write_floor: int = 0            # replay, "keep": full-attention layers write no KV below it
     group_hit_tokens: list[int] = field(default_factory=list)   # per group, for the counters
+    # Blocks [load_start, load_start + num_load_blocks) of the persisted (full-attention) groups
+    # come from a KV tier: allocate() gives them fresh device blocks, which a load then fills.
+    load_start: int = 0
+    num_load_blocks: int = 0
 
     @property
     def num_replayed_tokens(self) -> int:
@@ -106,9 +114,12 @@ class KVCacheManager:
         return {(p, b): refs for p, pool in enumerate(self.pools) for b, refs in pool.blocks_in_use().items()}
 
     # ----------------------------------------------------------------------------- prefix hits
-    def find_prefix_hit(self, request: Request) -> PrefixHit:
+    def find_prefix_hit(self, request: Request, tier_blocks: TierLookup | None = None) -> PrefixHit:
         """The cached prefix of a request, in whole blocks, exact or by replay (module doc).
 
+        `tier_blocks(hashes, n)`: how many blocks past the first n a KV tier holds for the
+        persisted groups (None: no tier). They extend the full-attention prefix; the
+        sliding-window groups, never in a tier, are then rebuilt by replay.
         At least one token is always left to compute: the step that computes it yields the
         logits for the first sampled token.
         """
@@ -120,7 +131,14 @@ class KVCacheManager:
         max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
         cached = [[self.pool_of(g).lookup(g.group_id, h) for h in hashes[:max_blocks]] for g in self.groups]
         exact = self._exact_hit(cached, max_blocks) or miss
-        replay = self._replay_hit(cached, max_blocks)
+        on_device = self._anchored_blocks(cached, max_blocks)
+        from_tier = tier_blocks(hashes[:max_blocks], on_device) if tier_blocks and on_device < max_blocks else 0
+        if from_tier and len(self._anchors) == len(self.groups):   # every kind is in the tier
+            covered = on_device + from_tier
+            return PrefixHit([list(ids[:on_device]) for ids in cached], covered * bs,   # type: ignore[misc]
+                             group_hit_tokens=[covered * bs] * len(self.groups), load_start=on_device,
+                             num_load_blocks=from_tier)
+        replay = self._replay_hit(cached, on_device + from_tier, on_device)
         return replay if replay is not None and replay.num_computed_tokens > exact.num_computed_tokens else exact
 
     def _exact_hit(self, cached: list[list[int | None]], max_blocks: int) -> PrefixHit | None:
@@ -136,29 +154,34 @@ class KVCacheManager:
                 return PrefixHit(hit, n * bs, group_hit_tokens=[n * bs] * len(self.groups))
         return None
 
-    def _replay_hit(self, cached: list[list[int | None]], max_blocks: int) -> PrefixHit | None:
-        """Resume from the anchors' cached prefix minus the replayed tokens (module doc)."""
+    def _anchored_blocks(self, cached: list[list[int | None]], max_blocks: int) -> int:
+        """Blocks every anchor (full-attention) group holds on the device, from the start."""
+        n = 0
+        while n < max_blocks and self._anchors and all(cached[g.group_id][n] is not None for g in self._anchors):
+            n += 1
+        return n
+
+    def _replay_hit(self, cached: list[list[int | None]], covered: int, on_device: int) -> PrefixHit | None:
+        """Resume `swa_replay_tokens` before the end of the anchors' prefix of `covered` blocks,
+        the first `on_device` of them on the device and the rest in a tier (module doc)."""
         if not self.replay.num_tokens or not self._anchors or len(self._anchors) == len(self.groups):
             return None
         bs = self.block_size
-        anchored = 0   # blocks every anchor group holds, from the start
-        while anchored < max_blocks and all(cached[g.group_id][anchored] is not None for g in self._anchors):
-            anchored += 1
-        floor = max(anchored * bs - self.replay.num_tokens, 0) // bs   # in blocks, rounded down
+        floor = max(covered * bs - self.replay.num_tokens, 0) // bs   # in blocks, rounded down
         if floor == 0:
             return None
         keep = self.replay.full_kv == "keep"
+        needed = covered if keep else floor   # blocks the anchors take (device, then tier)
         blocks, hits = [], []
         for group, ids in zip(self.groups, cached):
             if group in self._anchors:
-                n = anchored if keep else floor
-                blocks.append(list(ids[:n]))   # type: ignore[arg-type]
-                hits.append(n * bs)
+                blocks.append(list(ids[:min(needed, on_device)]))   # type: ignore[arg-type]
+                hits.append(needed * bs)
             else:   # rebuilt from the floor on; nothing before it is read (window_floor)
                 blocks.append([NULL_BLOCK_ID] * floor)
                 hits.append(0)
-        return PrefixHit(blocks, floor * bs, window_floor=floor * bs,
-                         write_floor=anchored * bs if keep else 0, group_hit_tokens=hits)
+        return PrefixHit(blocks, floor * bs, window_floor=floor * bs, write_floor=covered * bs if keep else 0,
+                         group_hit_tokens=hits, load_start=on_device, num_load_blocks=max(needed - on_device, 0))
 
     def record_prefix_query(self, num_tokens: int, hit: PrefixHit) -> None:
         self.request_counters.queries += num_tokens
@@ -222,10 +245,11 @@ class KVCacheManager:
                     pool.free([ids[i]])
                     ids[i] = NULL_BLOCK_ID
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """Publish the hashes of blocks that became full and computed in the last step."""
+    def cache_computed_blocks(self, request: Request) -> range:
+        """Publish the hashes of blocks that became full and computed in the last step; returns
+        the block indices published now (what a KV tier may save)."""
         if not self.enable_prefix_caching or request.skip_prefix_cache:
-            return
+            return range(0)
         # Only blocks whose KV a finished step wrote: with overlapped scheduling the next step
         # is already scheduled, and it may yet be dropped (its request finished).
         hashes = request.block_hashes
@@ -235,7 +259,9 @@ class KVCacheManager:
             for i in range(request.num_published_blocks, num_full):
                 if ids[i] != NULL_BLOCK_ID:
                     pool.cache(group.group_id, ids[i], hashes[i])
+        published = range(request.num_published_blocks, num_full)
         request.num_published_blocks = max(request.num_published_blocks, num_full)
+        return published
 
     def free_tail(self, request: Request) -> None:
         """Give back blocks past the request's known tokens: they held KV of rejected drafts.

@@ -47,7 +47,15 @@ COUNTERS = {
                                       "(SWA Bounded Replay).",
     "kv_cache_group_evictions": "Cached blocks of one layer group dropped: cause=lru (the pool was "
                                 "full) or retention (swa_retention_s ran out).",
+    "kv_tier_queries": "Tokens looked up in the KV tier past the device's prefix hit.",
+    "kv_tier_hits": "Of those, tokens the KV tier held (loaded instead of computed).",
+    "kv_tier_loaded_blocks": "Blocks (of one layer group each) copied from the KV tier to the device.",
+    "kv_tier_saved_blocks": "Blocks copied from the device to the KV tier.",
+    "kv_tier_evictions": "KV tier entries dropped (LRU) to make room.",
+    "kv_tier_refused_saves": "Blocks offered to the KV tier of a kind it never holds (sliding window).",
+    "kv_tier_dropped_saves": "Blocks not saved because every tier slot was pinned.",
 }
+TIER = (("tier", "host"),)
 # Exported from the start (at 0), so that rate() has a series before the first request.
 ALWAYS_EXPORTED = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
@@ -71,6 +79,9 @@ def engine_counters(stats: EngineStats) -> dict[CounterKey, float]:
         counters[("kv_cache_group_replayed_tokens", group)] = stats.prefix_cache_replayed[g]
         counters[("kv_cache_group_evictions", group + (("cause", "lru"),))] = stats.prefix_cache_evictions[g]
         counters[("kv_cache_group_evictions", group + (("cause", "retention"),))] = stats.prefix_cache_expirations[g]
+    for name, value in (stats.kv_tier or {}).items():
+        if f"kv_tier_{name}" in COUNTERS:
+            counters[(f"kv_tier_{name}", TIER)] = value
     spec = stats.spec_decode
     if spec is not None:
         counters[("spec_decode_num_drafts", ())] = spec.num_drafts
@@ -116,6 +127,9 @@ class EngineStatsCollector(Collector):
             # vLLM's name before 0.9, still what its Grafana dashboard reads.
             yield self._gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
                               "DEPRECATED: use kv_cache_usage_perc instead.", stats.kv_cache_usage)
+            if stats.kv_tier is not None:
+                yield self._gauge("kv_tier_stored_blocks", "Blocks the KV tier holds (saves in flight included).",
+                                  stats.kv_tier.get("stored_blocks", 0), TIER)
         yield from self._counters()
 
     def _counters(self) -> Iterator[Metric]:
@@ -134,7 +148,8 @@ class EngineStatsCollector(Collector):
             family.add_metric(self._label_values + [v for _, v in labels], value)
         yield from families.values()
 
-    def _gauge(self, name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(self._prefix + name, documentation, labels=LABELS)
-        family.add_metric(self._label_values, value)
+    def _gauge(self, name: str, documentation: str, value: float,
+               labels: tuple[tuple[str, str], ...] = ()) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(self._prefix + name, documentation, labels=LABELS + [k for k, _ in labels])
+        family.add_metric(self._label_values + [v for _, v in labels], value)
         return family

@@ -1,0 +1,95 @@
+"""The scheduler's use of a KV connector (kv_cache/connector.py): what it asks a tier at
+admission, the loads of requests parked in WAITING_FOR_KV, the saves of newly computed blocks,
+and the delayed free of blocks a transfer still reads or writes.
+
+The scheduler calls it at five points:
+  lookup(request)             inside the prefix look-up: blocks the tier holds past the device's
+  start_loads(request, hit)   after allocation: queue the loads; the request waits outside the queue
+  save(request, published)    after a step published blocks: queue their saves
+  release(request)            a request finishes, is preempted or aborted: free its blocks now,
+                              or park them until the tier's transfers on them complete
+  poll(result)                each result: loads that completed (their requests become
+                              schedulable) and parked blocks that may be freed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer.engine.plan import KVConnectorMetadata, RunnerResult
+from deepinfer.engine.request import Request
+from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
+from deepinfer.kv_cache.connector import KVConnectorScheduler
+from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
+
+
+class KVTierLink:
+    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager) -> None:
+        self.connector = connector
+        self.kv = kv
+        self._persisted = [g for g in kv.groups if g.spec.persisted]
+        self._persisted_ids = [g.group_id for g in self._persisted]
+        # Block tables kept past their request's end (or preemption) while transfers use them.
+        self._parked: dict[str, list[list[list[int]]]] = {}
+
+    # ---------------------------------------------------------------------------- admission
+    def lookup(self, hashes: list[bytes], num_device_blocks: int) -> int:
+        bs = self.kv.block_size
+        return self.connector.get_num_new_matched_tokens(hashes, self._persisted_ids, num_device_blocks * bs) // bs
+
+    def record_query(self, request: Request, hit: PrefixHit) -> None:
+        """Once, at a request's first admission: the tokens asked of the tier and those it held."""
+        bs = self.kv.block_size
+        asked = max((request.num_tokens - 1) // bs - hit.load_start, 0) * bs if hit.num_load_blocks else 0
+        self.connector.record_query(asked, hit.num_load_blocks * bs)
+
+    def start_loads(self, request: Request, hit: PrefixHit) -> None:
+        """Queue the loads of a hit's tier blocks into the device blocks just allocated for them."""
+        start, end = hit.load_start, hit.load_start + hit.num_load_blocks
+        self.connector.allocate_loads(request.request_id, request.block_hashes[start:end],
+                                      {g.group_id: request.block_ids[g.group_id][start:end] for g in self._persisted})
+
+    # -------------------------------------------------------------------------------- saves
+    def save(self, request: Request, published: range) -> None:
+        if not published:
+            return
+        hashes = request.block_hashes
+        for group in self._persisted:
+            ids = request.block_ids[group.group_id]
+            blocks = [i for i in published if ids[i] != NULL_BLOCK_ID]
+            if blocks:
+                self.connector.save_blocks(request.request_id, group.group_id, [hashes[i] for i in blocks],
+                                           [ids[i] for i in blocks])
+
+    def build_meta(self) -> KVConnectorMetadata:
+        return self.connector.build_connector_meta()
+
+    # ----------------------------------------------------------------------- freeing blocks
+    def release(self, request: Request, *, loading: bool = False) -> None:
+        """Free the request's blocks, or park them while a transfer still uses them. `loading`:
+        the request is parked in WAITING_FOR_KV (its loads are cancelled)."""
+        in_flight = (self.connector.abort_loads(request.request_id) if loading
+                     else self.connector.request_finished(request.request_id))
+        if in_flight:
+            self._parked.setdefault(request.request_id, []).append(request.block_ids)
+            request.block_ids = [[] for _ in self.kv.groups]
+            request.num_published_blocks = 0
+        else:
+            self.kv.free(request)
+
+    def poll(self, result: RunnerResult) -> list[str]:
+        """Apply the transfers a result reports finished; returns the requests whose loads completed."""
+        done = self.connector.on_transfers_finished(result.finished_kv_transfers)
+        for request_id in done.released:
+            for tables in self._parked.pop(request_id, []):
+                for group, ids in zip(self.kv.groups, tables):
+                    self.kv.pool_of(group).free(ids[::-1])
+        return done.loaded
+
+    @property
+    def busy(self) -> bool:
+        """Transfers queued or in flight: the engine keeps stepping to poll them."""
+        return self.connector.num_pending_transfers > 0 or bool(self._parked)
+
+    def blocks_parked(self) -> Sequence[str]:
+        return list(self._parked)
