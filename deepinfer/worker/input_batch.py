@@ -9,6 +9,12 @@ more at batch 64 on the CPU). This file lays the step out (ids, positions, each 
 row) the same way for every backend; the step's attention backend then builds its own metadata
 from that layout (layers/attention/backends/: gathered rows for the reference and CPU backends,
 block tables for the Triton kernels). Index arithmetic is done in numpy on the host.
+
+SWA Bounded Replay (StepChunk.window_floor / write_floor): a one-token chunk whose sliding
+window still reaches below its request's window floor is laid out as a prefill row, so only the
+prefill paths apply the floor and the decode kernels and CUDA graphs never see one. Full-attention
+groups write the K/V of positions below the write floor into the null block: their cached rows
+stay as they are (other requests may share them), and the chunk's queries read those.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.layers.attention.backends import AttentionBackend, AttentionMetadata, StepLayout, backend_named
-from deepinfer.layers.attention.backends.base import flat_rows
+from deepinfer.layers.attention.backends.base import flat_rows, sliding_window_of
 from deepinfer.platforms.transfer import to_device
 from deepinfer.worker.request_states import StepChunk
 
@@ -35,21 +41,47 @@ class StepInputs:
     last_token_index: list[int]
 
 
-def _slots(chunks: list[StepChunk], tables: list[list[int]], block_size: int) -> np.ndarray:
+def max_sliding_window(groups: list[KVCacheGroup]) -> int:
+    """The largest sliding window of the model's groups, 0 without any: the widest window a
+    query has decides whether its request's window floor still cuts it (is_decode_row)."""
+    return max((sliding_window_of(g) or 0 for g in groups), default=0)
+
+
+def is_decode_row(chunk: StepChunk, window: int) -> bool:
+    """Whether a chunk takes the decode path: one token, no prompt logprobs, and no window floor
+    above its query's window (`window`: max_sliding_window), which only the prefill paths apply.
+    A replayed request's decodes become plain decodes once the window has moved past the floor."""
+    return (chunk.num_tokens == 1 and not chunk.prompt_logprobs
+            and not (chunk.window_floor and window and chunk.start - window + 1 < chunk.window_floor))
+
+
+def _slots(chunks: list[StepChunk], tables: list[list[int]], block_size: int, full: bool) -> np.ndarray:
     """The cache row of every token of the chunks, in order (tables: each chunk's block ids). A
     one-token chunk (a decode) is looked up directly: numpy per chunk costs more than the lookup,
-    at 512 decodes a step."""
+    at 512 decodes a step. In a full-attention group (`full`), positions below the chunk's write
+    floor write into the null block (row position % block_size of block 0), keeping the cached row."""
     parts: list[np.ndarray] = []
     singles: list[int] = []
     for c, ids in zip(chunks, tables):
         if c.num_tokens == 1:
-            singles.append(ids[c.start // block_size] * block_size + c.start % block_size)
+            if c.start < c.write_floor and full:
+                singles.append(c.start % block_size)
+            else:
+                singles.append(ids[c.start // block_size] * block_size + c.start % block_size)
             continue
         if singles:
             parts.append(np.array(singles, dtype=np.int64))
             singles = []
-        parts.append(flat_rows(np.asarray(ids, dtype=np.int64), np.arange(c.start, c.start + c.num_tokens),
-                               block_size))
+        positions = np.arange(c.start, c.start + c.num_tokens)
+        if c.write_floor > c.start and full:
+            kept = min(c.write_floor - c.start, c.num_tokens)
+            rows = np.empty(c.num_tokens, dtype=np.int64)
+            rows[:kept] = positions[:kept] % block_size
+            if kept < c.num_tokens:
+                rows[kept:] = flat_rows(np.asarray(ids, dtype=np.int64), positions[kept:], block_size)
+            parts.append(rows)
+            continue
+        parts.append(flat_rows(np.asarray(ids, dtype=np.int64), positions, block_size))
     if singles:
         parts.append(np.array(singles, dtype=np.int64))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -65,8 +97,10 @@ def build_step_inputs(chunks: list[StepChunk], token_ids: dict[str, list[int]],
     `fresh_sdpa_min_tokens`: see StepLayout."""
     if isinstance(backend, str):
         backend = backend_named(backend)
-    decodes = [c for c in chunks if c.num_tokens == 1 and not c.prompt_logprobs]
-    prefills = [c for c in chunks if not (c.num_tokens == 1 and not c.prompt_logprobs)]
+    window = max_sliding_window(groups)
+    decodes, prefills = [], []
+    for c in chunks:
+        (decodes if is_decode_row(c, window) else prefills).append(c)
     ordered = decodes + prefills
 
     ids: list[int] = []
@@ -94,7 +128,8 @@ def build_step_inputs(chunks: list[StepChunk], token_ids: dict[str, list[int]],
     step = StepLayout(
         decodes=decodes, prefills=prefills, prefill_query_ranges=prefill_ranges, groups=groups,
         block_tables=block_tables,
-        slot_mappings=[to_dev(_slots(ordered, tables, block_size)) for tables in block_tables],
+        slot_mappings=[to_dev(_slots(ordered, tables, block_size, not sliding_window_of(group)))
+                       for group, tables in zip(groups, block_tables)],
         block_size=block_size, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot, kv_caches=kv_caches,
         device=device, decode_splits=decode_splits, fresh_sdpa_min_tokens=fresh_sdpa_min_tokens)
     attention: AttentionMetadata = backend.build_metadata(step)

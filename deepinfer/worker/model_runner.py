@@ -56,7 +56,7 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs, top_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
 from deepinfer.spec_decode.verifier import VerifyRequest, verify
-from deepinfer.worker.input_batch import StepInputs, build_step_inputs
+from deepinfer.worker.input_batch import StepInputs, build_step_inputs, is_decode_row, max_sliding_window
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
 
 if TYPE_CHECKING:
@@ -261,13 +261,17 @@ class ModelRunner:
             return handle
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
+        chunks = step_chunks(self.requests, plan.chunks)
         graphs = self.decode_graphs
+        # Graphs replay decode rows only: a one-token chunk under a live window floor is a
+        # prefill row (input_batch.is_decode_row), so its step runs eagerly.
+        window = max_sliding_window(self.groups)
         use_graph = (graphs is not None
-                     and all(c.num_tokens == 1 and not c.prompt_logprobs and not c.spec_token_ids for c in plan.chunks)
-                     and graphs.bucket_for(len(plan.chunks)) is not None)
+                     and all(is_decode_row(c, window) and not c.spec_token_ids for c in chunks)
+                     and graphs.bucket_for(len(chunks)) is not None)
         # A graph replays with its bucket's split count; eager steps pick theirs the same way.
-        decode_splits = self.decode_splits(graphs.bucket_for(len(plan.chunks)) if use_graph else len(plan.chunks))
-        inputs = build_step_inputs(step_chunks(self.requests, plan.chunks), token_ids, self.groups, self.block_size,
+        decode_splits = self.decode_splits(graphs.bucket_for(len(chunks)) if use_graph else len(chunks))
+        inputs = build_step_inputs(chunks, token_ids, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device,
                                    backend=self.attention_backend, decode_splits=decode_splits)
         self._fill_placeholders(inputs)

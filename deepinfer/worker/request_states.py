@@ -27,6 +27,10 @@ class RunnerRequestState:
     generator: torch.Generator | None
     block_ids: list[list[int]]    # one block table per layer group, this runner's own copy
     num_placeholders: int = 0     # trailing sampled tokens not collected yet (overlapped scheduling)
+    # SWA Bounded Replay (NewRequestData): sliding-window layers see no key below window_floor,
+    # full-attention layers write no K/V below write_floor. Both 0: a plain request.
+    window_floor: int = 0
+    write_floor: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> RunnerRequestState:
@@ -35,7 +39,8 @@ class RunnerRequestState:
         # scheduler's plan object is the very one received here).
         return cls(new.prompt_token_ids + new.output_token_ids, list(new.prompt_token_ids),
                    list(new.output_token_ids), new.sampling_params, new.eos_token_ids, generator,
-                   [list(ids) for ids in new.block_ids])
+                   [list(ids) for ids in new.block_ids], window_floor=new.window_floor,
+                   write_floor=new.write_floor)
 
     def apply(self, cached: CachedRequestData) -> None:
         if cached.block_table_diffs is not None:
@@ -63,6 +68,10 @@ class StepChunk:
     sample: bool
     prompt_logprobs: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
+    # The request's floors (RunnerRequestState): the lowest key position a sliding-window layer
+    # may see, and the first position whose K/V full-attention layers write.
+    window_floor: int = 0
+    write_floor: int = 0
 
 
 def update_states(states: dict[str, RunnerRequestState], plan: SchedulerPlan, device: torch.device) -> None:
@@ -76,5 +85,9 @@ def update_states(states: dict[str, RunnerRequestState], plan: SchedulerPlan, de
 
 
 def step_chunks(states: dict[str, RunnerRequestState], chunks: list[ScheduledChunk]) -> list[StepChunk]:
-    return [StepChunk(c.request_id, c.start, c.num_tokens, states[c.request_id].block_ids, c.sample,
-                      c.prompt_logprobs, c.spec_token_ids) for c in chunks]
+    out = []
+    for c in chunks:
+        state = states[c.request_id]
+        out.append(StepChunk(c.request_id, c.start, c.num_tokens, state.block_ids, c.sample, c.prompt_logprobs,
+                             c.spec_token_ids, state.window_floor, state.write_floor))
+    return out

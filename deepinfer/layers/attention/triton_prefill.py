@@ -18,6 +18,12 @@ of a tile is cut to what its causal mask and window can see, and split in three:
 
 so the mask arithmetic and the "row saw nothing yet" guard run only on the few edge tiles. For
 a chunk of 1k queries on 7k cached keys nearly every tile is in the middle part.
+
+A sliding-window layer may also get a key floor per sequence (`key_floor`, SWA Bounded Replay:
+the request recomputed its window from that position, and the rows below were never rebuilt):
+its queries see keys in [max(q - WINDOW + 1, floor), q]. The floor raises the window edge's
+bounds and is one more term of the edge tiles' mask. It is compiled in only under HAS_FLOOR, so
+the kernel without floors is the one it always was.
 """
 
 from __future__ import annotations
@@ -31,15 +37,16 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims, dim_ok,
-    qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+    acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
+    dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
-    MASKED: tl.constexpr, IEEE: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr,
 ):
     """Fold keys [n, n + BLOCK_N) into the running (acc, l_i, m_i) of one query tile.
 
     MASKED=False is only called on tiles that every query of the tile sees whole, so it loads
-    without bounds checks and skips the causal/window mask.
+    without bounds checks and skips the causal/window mask. `floor` (the sequence's key floor)
+    is read only under HAS_FLOOR.
     """
     k_pos = n + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -66,6 +73,8 @@ def _attend_tile(
         visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
+        if HAS_FLOOR:
+            visible = visible & (k_pos[None, :] >= floor)
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         # A row that has seen no key yet keeps m = -inf (its l and acc stay 0); exponentiate
@@ -95,14 +104,15 @@ def _attend_tile(
 # stalling the step that meets it (see triton_decode.py and
 # docs/benchmarks/design-measurements.md#triton-compile-stalls).
 @triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_ptr", "seq_ids_ptr"])
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_ptr", "seq_ids_ptr",
+                                            "key_floor_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, seq_ids_ptr,
-    qk_scale,
+    key_floor_ptr, qk_scale,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr,
 ):
     # The grid's first axis runs over query tiles in reverse: under a causal mask the last tiles
     # of a chunk see the most keys, and starting them first shortens the tail of the launch.
@@ -130,14 +140,23 @@ def _prefill_kernel(
     # the last sees keys < hi. Window: the first sees keys > first_q - WINDOW, the last only keys
     # > hi - 1 - WINDOW. The unmasked middle is cut on BLOCK_N boundaries inside both limits, and
     # lo <= mid_lo <= mid_hi <= hi holds, so the three loops cover [lo, hi) exactly once.
+    # A key floor raises both window limits (no query sees a key below it); it is at most the
+    # chunk's first position, so every query still sees its own key.
     first_q = context + tile * BLOCK_M
     hi = tl.minimum(first_q + BLOCK_M, seq_len)
     mid_hi = ((first_q + 1) // BLOCK_N) * BLOCK_N
     lo = 0
     mid_lo = 0
+    floor = 0
     if WINDOW > 0:   # a constexpr: one compiled kernel per window size
-        lo = (tl.maximum(first_q - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N
-        mid_lo = tl.cdiv(tl.maximum(hi - WINDOW, 0), BLOCK_N) * BLOCK_N
+        first_key = tl.maximum(first_q - WINDOW + 1, 0)
+        all_from = tl.maximum(hi - WINDOW, 0)
+        if HAS_FLOOR:
+            floor = tl.load(key_floor_ptr + seq)
+            first_key = tl.maximum(first_key, floor)
+            all_from = tl.maximum(all_from, floor)
+        lo = (first_key // BLOCK_N) * BLOCK_N
+        mid_lo = tl.cdiv(all_from, BLOCK_N) * BLOCK_N
         mid_lo = tl.minimum(tl.maximum(mid_lo, lo), mid_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -146,19 +165,19 @@ def _prefill_kernel(
     if WINDOW > 0:
         for n in range(lo, mid_lo, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
-                dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-                BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE)
+                acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
+                dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+                BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR)
     for n in range(mid_lo, mid_hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
-            dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, False, IEEE)
+            acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
+            dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, False, IEEE, HAS_FLOOR)
     for n in range(mid_hi, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n, hi, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
-            dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE)
+            acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
+            dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR)
 
     # Every real query sees at least its own key, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -189,11 +208,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_table: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             max_query_len: int, scale: float, window: int | None, block_size: int,
                             out: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
-                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                            config: tuple[int, int, int, int] | None = None,
+                            key_floor: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] (the chunks back to back) -> [T, H, D].
 
     `seq_ids` (int32) picks the sequences to attend (rows of block_table / seq_lens, chunks of
     query_start); the others' rows of `out` are left untouched. None: all of them.
+    `key_floor` (int32, one per sequence like seq_lens; needs a window): the lowest key position
+    each sequence's queries may see. None: no floor.
     `max_query_len` is the longest chunk among those picked. `config` overrides
     (BLOCK_M, BLOCK_N, num_warps, num_stages), for benchmarks and tests.
     """
@@ -206,14 +228,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         seq_ids = torch.arange(seq_lens.shape[0], dtype=torch.int32, device=q.device)
     if num_tokens == 0 or seq_ids.shape[0] == 0 or max_query_len == 0:
         return out
+    if key_floor is not None and not window:
+        raise ValueError("a key floor cuts sliding windows only; full attention sees every key")
     block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), seq_ids.shape[0], num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_table, seq_lens, query_start, seq_ids, scale * LOG2E,
+        # Without a floor the kernel never reads key_floor_ptr: any int32 tensor stands in.
+        q, k_cache, v_cache, out, block_table, seq_lens, query_start, seq_ids,
+        seq_lens if key_floor is None else key_floor, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, WINDOW=window or 0, EVEN_DIM=head_dim == dim_pad,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, HAS_FLOOR=key_floor is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out

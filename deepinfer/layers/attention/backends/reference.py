@@ -3,8 +3,9 @@
 Each row's keys are gathered from the cache by flat row index, computed on the host: decode rows
 (one query each) batched into one gather and two matmuls per layer (Attention._decode), each
 prefill chunk (or chunk verifying draft tokens) attended alone with a boolean mask
-(Attention._sdpa). Turns on no faster op: norms, rotary, activation and projections all run the
-reference code.
+(Attention._sdpa). A request's window floor (SWA Bounded Replay) cuts only prefill rows' sliding
+windows: input_batch.py sends every row whose window it still cuts down that path. Turns on no
+faster op: norms, rotary, activation and projections all run the reference code.
 """
 
 from __future__ import annotations
@@ -73,7 +74,9 @@ class ReferenceBackend(AttentionBackend):
 
         for c, table in zip(step.prefills, tables[len(decodes):]):
             q = np.arange(c.start, c.start + c.num_tokens, dtype=np.int64)
-            lo = max(c.start - window + 1, 0) if window else 0
+            # A sliding window stops at the request's window floor: the rows below it were
+            # never rebuilt (SWA Bounded Replay). Full-attention groups read every cached row.
+            lo = max(c.start - window + 1, c.window_floor, 0) if window else 0
             kv = np.arange(lo, c.start + c.num_tokens, dtype=np.int64)
             mask = kv[None, :] <= q[:, None]
             if window:

@@ -51,6 +51,10 @@ class TritonGroupMetadata(GroupMetadata):
     sdpa_prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
     kernel_prefill_rows: torch.Tensor | None = None
     kernel_max_prefill_len: int = 0
+    # A sliding-window group's key floor per prefill row [num_prefills] int32 (SWA Bounded
+    # Replay: the requests' window floors); None when no prefill row of the step has one, and
+    # always for full-attention groups, which see every key.
+    kernel_key_floor: torch.Tensor | None = None
 
 
 @dataclass(kw_only=True)
@@ -133,17 +137,24 @@ class TritonBackend(AttentionBackend):
     def build_metadata(self, step: StepLayout) -> TritonMetadata:
         prefills, ordered = step.prefills, step.ordered
         min_fresh = FRESH_SDPA_MIN_TOKENS if step.fresh_sdpa_min_tokens is None else step.fresh_sdpa_min_tokens
+        # The prefill rows' window floors, for the sliding-window groups; None where no row has one
+        # (the prefill kernel then compiles without a floor). Decode rows never carry a live floor
+        # (input_batch.is_decode_row), so the decode kernels and CUDA graphs need none.
+        key_floor = (step.to_device(np.array([c.window_floor for c in prefills], dtype=np.int32))
+                     if any(c.window_floor for c in prefills) else None)
         groups = []
         for group, tables, slot_mapping in zip(step.groups, step.block_tables, step.slot_mappings):
             window = sliding_window_of(group)
             # Plain causal SDPA is exact for a fresh chunk only if no window cuts it: the last
             # query (position n - 1) sees keys > n - 1 - window, i.e. all of them when window >= n.
-            # A window that cuts the chunk would need a mask, and flash takes none.
+            # A window that cuts the chunk would need a mask, and flash takes none. It attends over
+            # the step's own K/V, so not in a full group whose write floor keeps cached rows in
+            # place of the chunk's (a window floor is at most the chunk's start, so 0 here).
             flash = _flash_takes(group, step.device)
             sdpa_ranges, kernel_rows = [], []
             for i, (c, token_range) in enumerate(zip(prefills, step.prefill_query_ranges)):
                 if (flash and c.start == 0 and c.num_tokens >= min_fresh
-                        and (not window or window >= c.num_tokens)):
+                        and (window >= c.num_tokens if window else c.write_floor == 0)):
                     sdpa_ranges.append(token_range)
                 else:
                     kernel_rows.append(i)
@@ -152,7 +163,8 @@ class TritonBackend(AttentionBackend):
                 block_table=step.to_device(padded_block_table(tables)),
                 sdpa_prefill_ranges=sdpa_ranges,
                 kernel_prefill_rows=step.to_device(np.array(kernel_rows, dtype=np.int32)) if kernel_rows else None,
-                kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0)))
+                kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0),
+                kernel_key_floor=key_floor if window else None))
         lengths = [c.num_tokens for c in prefills]
         return TritonMetadata(
             groups=groups, **step.metadata_fields(self),
@@ -193,7 +205,7 @@ class TritonBackend(AttentionBackend):
             paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
                                     meta.prefill_query_start, group.kernel_max_prefill_len, layer.scale,
                                     layer.sliding_window, meta.block_size, out=out[n_dec:],
-                                    seq_ids=group.kernel_prefill_rows)
+                                    seq_ids=group.kernel_prefill_rows, key_floor=group.kernel_key_floor)
         for start, end, count in equal_length_runs(fresh):
             out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
                               else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
