@@ -20,7 +20,7 @@ ATOL = 1e-4
 NEW_TOKENS = 32
 
 # Two shapes: rates 4/16 with YaRN on the compressed layers, and rates 2/8 with three streams.
-# index_topk is below the number of compressed rows of every prompt; the indexer has 8 heads
+# index_topk is below the number of compressed rows of every prompt; the indexer has 32 heads
 # so its scores are not exactly tied (see indexer.py on ties).
 SHAPES = {
     "r4_16": dict(layer_types=[SLIDING, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
@@ -38,7 +38,7 @@ def make_config(shape: str) -> DeepseekV4Config:
     return DeepseekV4Config(
         vocab_size=96, hidden_size=32, moe_intermediate_size=24, num_hidden_layers=len(extra["layer_types"]),
         num_attention_heads=4, head_dim=16, q_lora_rank=16, partial_rotary_factor=0.5, n_routed_experts=6,
-        num_experts_per_tok=2, hc_sinkhorn_iters=6, o_groups=2, o_lora_rank=8, index_n_heads=8,
+        num_experts_per_tok=2, hc_sinkhorn_iters=6, o_groups=2, o_lora_rank=8, index_n_heads=32,
         index_head_dim=8, swiglu_limit=1.5, num_nextn_predict_layers=1, **extra)
 
 
@@ -256,7 +256,7 @@ def test_config_reads_the_checkpoint_spelling():
     qk_rope_head_dim, rope_scaling) gives the same V4Config as transformers' parsed one."""
     raw = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=16,
                qk_rope_head_dim=8, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=8,
-               compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=2, index_n_heads=8, index_head_dim=8,
+               compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=2, index_n_heads=32, index_head_dim=8,
                index_topk=5, hc_mult=2, hc_sinkhorn_iters=6, hc_eps=1e-6, n_routed_experts=6,
                num_experts_per_tok=2, moe_intermediate_size=24, routed_scaling_factor=1.5,
                scoring_func="sqrtsoftplus", swiglu_limit=10.0, rms_norm_eps=1e-6, rope_theta=10000.0,
