@@ -1,0 +1,104 @@
+"""V4's feed-forward: a routed MoE plus one always-on shared expert, SwiGLU with a clamp.
+
+Scores s = sqrtsoftplus(router(x)) per expert (sqrt(softplus(.)); "sigmoid" / "softmax" also
+read). A learned router ("moe") picks the top-k of s + e_score_correction_bias (the bias only
+chooses, it never weights); a hash router ("hash_moe", the first layers) takes the k experts
+from a fixed table tid2eid[token id]. Either way the weights are the chosen s renormalised to
+sum 1, times routed_scaling_factor. Each expert and the shared one compute
+  down(silu(min(gate, limit)) * clamp(up, -limit, limit))          limit = swiglu_limit
+Routed experts are stored stacked as in the HF layout: gate_up_proj [E, 2I, hidden] (gate rows
+first), down_proj [E, hidden, I]. The reference below loops over experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.models.deepseek_v4.config import V4Config
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    if limit:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+class SharedExpert(nn.Module):
+    """The dense SwiGLU MLP (the shared expert; names gate_proj / up_proj / down_proj)."""
+
+    def __init__(self, hidden: int, inner: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+        super().__init__()
+        self.hashed, self.top_k, self.func = hashed, cfg.experts_per_token, cfg.scoring_func
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.func == "sqrtsoftplus":
+            return F.softplus(logits).sqrt()
+        if self.func == "sigmoid":
+            return logits.sigmoid()
+        if self.func == "softmax":
+            return logits.softmax(dim=-1)
+        raise ValueError(f"scoring_func {self.func!r} is not supported")
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (expert ids [T, k], weights [T, k])."""
+        s = self.scores(F.linear(x, self.weight))
+        if self.hashed:
+            if token_ids is None:
+                raise ValueError("a hash-routed layer needs the token ids")
+            ids = self.tid2eid[token_ids.reshape(-1)].long()
+        else:
+            ids = torch.topk(s + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        w = s.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, w * self.scaling
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, cfg: V4Config) -> None:
+        super().__init__()
+        e, hidden, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.limit = cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(e, hidden, inner))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            token, slot = torch.nonzero(ids == expert, as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+class V4MoE(nn.Module):
+    def __init__(self, cfg: V4Config, mlp_type: str) -> None:
+        super().__init__()
+        self.gate = Router(cfg, hashed=mlp_type == "hash_moe")
+        self.experts = RoutedExperts(cfg)
+        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights = self.gate(flat, token_ids)
+        return self.experts(flat, ids, weights).view_as(x) + self.shared_experts(x)
