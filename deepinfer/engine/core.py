@@ -123,6 +123,7 @@ class EngineCore:
                              "skip_tokenizer_init=True")
         if constraint is not None and request.grammar is None:
             request.grammar = self.structured.grammar_for(constraint)   # compiles from now on
+        request.hash_root = self.kv_manager.hash_root   # this engine's model, dtype, block size, rank
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: list[str]) -> list[EngineCoreOutput]:

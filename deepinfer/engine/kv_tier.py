@@ -40,8 +40,7 @@ class KVTierLink:
     def record_query(self, request: Request, hit: PrefixHit) -> None:
         """Once, at a request's first admission: the tokens asked of the tier and those it held."""
         bs = self.kv.block_size
-        asked = max((request.num_tokens - 1) // bs - hit.load_start, 0) * bs if hit.num_load_blocks else 0
-        self.connector.record_query(asked, hit.num_load_blocks * bs)
+        self.connector.record_query(hit.num_tier_queried_blocks * bs, hit.num_load_blocks * bs)
 
     def start_loads(self, request: Request, hit: PrefixHit) -> None:
         """Queue the loads of a hit's tier blocks into the device blocks just allocated for them."""

@@ -71,7 +71,6 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_order = next(self._arrivals)
-        request.hash_root = self.kv.hash_root
         self.requests[request.request_id] = request
         if request.grammar is not None:
             request.status = RequestStatus.WAITING_FOR_GRAMMAR

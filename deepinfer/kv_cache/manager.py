@@ -59,6 +59,7 @@ class PrefixHit:
     # come from a KV tier: allocate() gives them fresh device blocks, which a load then fills.
     load_start: int = 0
     num_load_blocks: int = 0
+    num_tier_queried_blocks: int = 0   # blocks asked of the tier (past the device's), for its counters
 
     @property
     def num_replayed_tokens(self) -> int:
@@ -132,14 +133,18 @@ class KVCacheManager:
         cached = [[self.pool_of(g).lookup(g.group_id, h) for h in hashes[:max_blocks]] for g in self.groups]
         exact = self._exact_hit(cached, max_blocks) or miss
         on_device = self._anchored_blocks(cached, max_blocks)
-        from_tier = tier_blocks(hashes[:max_blocks], on_device) if tier_blocks and on_device < max_blocks else 0
+        asked = max_blocks - on_device if tier_blocks is not None else 0
+        from_tier = tier_blocks(hashes[:max_blocks], on_device) if asked else 0
         if from_tier and len(self._anchors) == len(self.groups):   # every kind is in the tier
             covered = on_device + from_tier
-            return PrefixHit([list(ids[:on_device]) for ids in cached], covered * bs,   # type: ignore[misc]
-                             group_hit_tokens=[covered * bs] * len(self.groups), load_start=on_device,
-                             num_load_blocks=from_tier)
-        replay = self._replay_hit(cached, on_device + from_tier, on_device)
-        return replay if replay is not None and replay.num_computed_tokens > exact.num_computed_tokens else exact
+            hit = PrefixHit([list(ids[:on_device]) for ids in cached], covered * bs,   # type: ignore[misc]
+                            group_hit_tokens=[covered * bs] * len(self.groups), load_start=on_device,
+                            num_load_blocks=from_tier)
+        else:
+            replay = self._replay_hit(cached, on_device + from_tier, on_device)
+            hit = replay if replay is not None and replay.num_computed_tokens > exact.num_computed_tokens else exact
+        hit.num_tier_queried_blocks = asked
+        return hit
 
     def _exact_hit(self, cached: list[list[int | None]], max_blocks: int) -> PrefixHit | None:
         bs = self.block_size

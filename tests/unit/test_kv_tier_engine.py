@@ -43,6 +43,7 @@ def test_evicted_prefix_is_loaded_from_the_host_tier_with_identical_results(tiny
             assert ours[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-5)
     tier = llm.engine.stats().kv_tier
     assert tier["hits"] == 96 and tier["loaded_blocks"] == 6 and tier["saved_blocks"] > 0
+    assert tier["queries"] >= 96 * 2   # asked for the prompt and each filler; only the follow-up hit
     assert llm.engine.kv_manager.blocks_in_use() == {}
 
 
