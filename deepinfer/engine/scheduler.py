@@ -9,6 +9,11 @@ from zero and recomputes (its blocks are usually still cached, so that is mostly
 A request with a structured-output grammar waits outside the queue (WAITING_FOR_GRAMMAR) while
 its grammar compiles in a worker; `poll_grammars` moves it into the queue once compiled, so a
 slow compile delays that request alone.
+A prefix hit may resume before the end of the cached prefix: SWA Bounded Replay recomputes the
+last tokens of it for the sliding-window layers (kv_cache/manager.py); those are tokens to
+compute like any others. When a KV tier holds more of the prefix than the device, the request
+waits outside the queue too (WAITING_FOR_KV) while its blocks load, and joins the front of the
+queue once they have (engine/kv_tier.py); others are admitted meanwhile.
 Speculative decoding (spec_decode/) is the same rule with a longer target: a generating request
 may also compute draft tokens, which the runner verifies; after the step its num_computed_tokens
 counts only the accepted ones, and KV blocks past its known tokens go back to the pool.
