@@ -212,6 +212,18 @@ def tiny_checkpoint(arch: str, window: int, max_positions: int, seed: int = 0, l
             else:
                 norm.mul_(logit_scale)
         model.save_pretrained(directory, safe_serialization=True)
+    if arch == "mistral":
+        # Mistral v0.1 slides every layer: nothing outside the window is kept, so there is no
+        # full-attention KV to anchor a replay on (a lost window is a full recompute). The
+        # mixed schedule of Ministral (sliding layers with a global one) is what replay is for:
+        # every fourth layer global, as deepinfer reads `layer_types` from config.json.
+        path = os.path.join(directory, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        layers = config["num_hidden_layers"]
+        config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(layers)]
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
     return directory
 
 
