@@ -99,8 +99,10 @@ class KVCacheManager:
                       for _ in range(num_pools(groups))]
         # Groups that anchor a replay: kinds that keep every token (full attention).
         self._anchors = [g for g in groups if not g.spec.expires and g.spec.hit_start_block(1, block_size) == 0]
+        # Groups whose kind keeps every token (no window): all of a hit's blocks must be cached.
+        self._keeps_all = [g for g in groups if g.spec.num_needed_tokens(1 << 30) == 1 << 30]
         # No group frees blocks behind a window (_free_out_of_window has nothing to do).
-        self._all_full_attention = all(g.spec.num_needed_tokens(1 << 30) == 1 << 30 for g in groups)
+        self._all_full_attention = len(self._keeps_all) == len(groups)
 
     @property
     def pool(self) -> BlockPool:
@@ -148,15 +150,19 @@ class KVCacheManager:
 
     def _exact_hit(self, cached: list[list[int | None]], max_blocks: int) -> PrefixHit | None:
         bs = self.block_size
-        for n in range(max_blocks, 0, -1):
-            hit: list[list[int]] = []
-            for group, ids in zip(self.groups, cached):
-                first = group.spec.hit_start_block(n, bs)
-                if any(block_id is None for block_id in ids[first:n]):
-                    break
-                hit.append([NULL_BLOCK_ID] * first + ids[first:n])  # type: ignore[list-item]
-            else:
-                return PrefixHit(hit, n * bs, group_hit_tokens=[n * bs] * len(self.groups))
+        # Kinds that need every block bound the hit by their first missing block; only the
+        # windowed kinds' short ranges are then checked per candidate length (linear, not
+        # quadratic, in the prompt's blocks).
+        limit = max_blocks
+        for group, ids in zip(self.groups, cached):
+            if group in self._keeps_all:
+                limit = min(limit, next((i for i, b in enumerate(ids) if b is None), max_blocks))
+        windowed = [(g, ids) for g, ids in zip(self.groups, cached) if g not in self._keeps_all]
+        for n in range(limit, 0, -1):
+            if all(None not in ids[g.spec.hit_start_block(n, bs):n] for g, ids in windowed):
+                hit = [[NULL_BLOCK_ID] * (first := group.spec.hit_start_block(n, bs)) + ids[first:n]
+                       for group, ids in zip(self.groups, cached)]
+                return PrefixHit(hit, n * bs, group_hit_tokens=[n * bs] * len(self.groups))  # type: ignore[arg-type]
         return None
 
     def _anchored_blocks(self, cached: list[list[int | None]], max_blocks: int) -> int:
