@@ -314,7 +314,7 @@ def test_dir_capacity_evicts_least_recently_used_first(tmp_path):
     limit = 10 * layout.entry_bytes
     store = DirStore(str(tmp_path), RETENTION, size_bytes=limit, clock=clock)
     keys = [(b"g" * 16, i.to_bytes(16, "big")) for i in range(12)]
-    for i, key in enumerate(keys[:10]):
+    for key in keys[:10]:
         store.put([(key, entry_format.encode(*key, layout, bytes(1024), "chat", clock()), "chat")])
         clock.t += 400
     store.touch([keys[0]], "chat")    # the oldest, used again: now the most recent

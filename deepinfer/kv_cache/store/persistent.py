@@ -12,7 +12,8 @@ Scheduler side (StoreTierScheduler): look-ups ask the backend (dir: a stat per b
 pipelined STRLEN), stopping at the first miss; there are no pins (another instance may drop an
 entry at any time: the load then fails, and the request recomputes). Blocks this side saw in the
 store within KNOWN_TTL_S are not offered for saving again (a block loaded from the store is
-published like any computed block). A store that is down or refuses answers "no hit" and takes
+published like any computed block); that memory is cleared when a store call fails (a Redis may
+come back empty). A store that is down or refuses answers "no hit" and takes
 no saves (StoreHealth: warn once, count, retry after a back-off).
 
 Worker side (StoreTierWorker):
@@ -74,6 +75,25 @@ DEFAULT_CLASS = "chat"
 KNOWN_TTL_S = 60.0
 KNOWN_MAX = 1 << 16
 GC_INTERVAL_S = 60.0
+THREAD_POLL_S = 1.0
+_STOP = object()
+
+
+def _serve(ref: weakref.ref, work: queue.Queue, handler: str) -> None:
+    """A worker thread: hand each queued item to the worker's `handler` (None on an idle
+    tick), until _STOP or the worker is gone."""
+    while True:
+        try:
+            item = work.get(timeout=THREAD_POLL_S)
+        except queue.Empty:
+            item = None
+        if item is _STOP:
+            return
+        worker = ref()
+        if worker is None:
+            return
+        getattr(worker, handler)(item)
+        del worker
 
 
 def group_layouts(groups: Sequence[KVCacheGroup], block_size: int, key_extra: bytes = b""
@@ -123,6 +143,7 @@ class StoreTierScheduler(KVConnectorScheduler):
         if not self._layouts:
             raise ValueError("no layer group's KV kind may be persisted (sliding-window KV never is)")
         self._known: collections.OrderedDict[TierKey, float] = collections.OrderedDict()
+        self._errors_seen = 0
         self._saving: set[TierKey] = set()      # queued or in flight saves of this instance
         self._transfers: dict[int, _Transfer] = {}
         self._requests: dict[str, _RequestTransfers] = {}
@@ -133,6 +154,10 @@ class StoreTierScheduler(KVConnectorScheduler):
 
     # ----------------------------------------------------------------------------- look-ups
     def _is_known(self, key: TierKey, now: float) -> bool:
+        if self.health.errors != self._errors_seen:
+            # The store failed since: it may have lost what it held (a Redis restarted empty).
+            self._errors_seen = self.health.errors
+            self._known.clear()
         seen = self._known.get(key)
         return seen is not None and now - seen < KNOWN_TTL_S
 
@@ -396,8 +421,8 @@ class StoreTierWorker(KVConnectorWorker):
         # Staged, not written yet: (host blocks, row, the copy's event on CUDA)
         self._pending: dict[TierKey, tuple[torch.Tensor, int, torch.cuda.Event | None]] = {}
         self._pending_bytes = 0
-        self._writes: queue.Queue[_Staged | None] = queue.Queue()
-        self._reads: queue.Queue[_Load | None] = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
+        self._reads: queue.Queue = queue.Queue()
         self._loads: collections.deque[_Load] = collections.deque()
         self._copies: collections.deque[tuple[int, torch.cuda.Event]] = collections.deque()
         self._done: list[int] = []
@@ -407,11 +432,15 @@ class StoreTierWorker(KVConnectorWorker):
         self._closed = False
         self._closing_deadline: float | None = None
         self._last_gc = time.monotonic()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-store-writer", daemon=True)
-        self._reader = threading.Thread(target=self._read_loop, name="kv-store-reader", daemon=True)
+        # The threads hold the worker weakly: an engine dropped without shutdown still lets its
+        # KV tensors go (the threads notice within THREAD_POLL_S and end).
+        ref = weakref.ref(self)
+        self._writer = threading.Thread(target=_serve, args=(ref, self._writes, "_on_write"),
+                                        name="kv-store-writer", daemon=True)
+        self._reader = threading.Thread(target=_serve, args=(ref, self._reads, "_on_read"),
+                                        name="kv-store-reader", daemon=True)
         self._writer.start()
         self._reader.start()
-        ref = weakref.ref(self)
         atexit.register(lambda: (w := ref()) is not None and w.close())
 
     # --------------------------------------------------------------------------- registration
@@ -556,17 +585,15 @@ class StoreTierWorker(KVConnectorWorker):
                 self._done.append(transfer.transfer_id)
 
     # ------------------------------------------------------------------------------ threads
-    def _read_loop(self) -> None:
-        while True:
-            load = self._reads.get()
-            if load is None:
-                return
-            try:
-                load.host = self._read(load)
-            except Exception as exc:   # never let the thread die: the load fails, the request recomputes
-                load.error = f"{type(exc).__name__}: {exc}"
-            finally:
-                load.done.set()
+    def _on_read(self, load: _Load | None) -> None:
+        if load is None:   # idle tick
+            return
+        try:
+            load.host = self._read(load)
+        except Exception as exc:   # never let the thread die: the load fails, the request recomputes
+            load.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            load.done.set()
 
     def _read(self, load: _Load) -> torch.Tensor | None:
         transfer = load.transfer
@@ -623,26 +650,19 @@ class StoreTierWorker(KVConnectorWorker):
             return None
         return torch.stack(rows)
 
-    def _write_loop(self) -> None:
-        while True:
+    def _on_write(self, staged: _Staged | None) -> None:
+        if staged is not None:   # None: an idle tick
             try:
-                staged = self._writes.get(timeout=GC_INTERVAL_S)
-            except queue.Empty:
-                staged = ...
-            if staged is None:
-                return
-            if staged is not ...:
-                try:
-                    self._write(staged)
-                except Exception:   # never let the thread die
-                    logger.exception("KV store write failed")
-                finally:
-                    self._written(staged)
-            if time.monotonic() - self._last_gc >= GC_INTERVAL_S:
-                self._last_gc = time.monotonic()
-                expired = self.health.call("gc", self.backend.gc, 0)
-                with self._lock:
-                    self._stats.expired_entries += expired
+                self._write(staged)
+            except Exception:   # never let the thread die
+                logger.exception("KV store write failed")
+            finally:
+                self._written(staged)
+        if time.monotonic() - self._last_gc >= GC_INTERVAL_S:
+            self._last_gc = time.monotonic()
+            expired = self.health.call("gc", self.backend.gc, 0)
+            with self._lock:
+                self._stats.expired_entries += expired
 
     def _write(self, staged: _Staged) -> None:
         if staged.event is not None:
@@ -731,8 +751,8 @@ class StoreTierWorker(KVConnectorWorker):
         if not self.flush(timeout):
             logger.warning("KV store %s: writes still pending after %.1f s at shutdown; dropped",
                            self.backend.url, timeout)
-        self._writes.put(None)
-        self._reads.put(None)
+        self._writes.put(_STOP)
+        self._reads.put(_STOP)
         self._writer.join(1.0)
         self._reader.join(1.0)
         self.backend.close()
