@@ -33,9 +33,9 @@ class Clock:
         return self.t
 
 
-def connector(store, groups, **worker_kwargs):
+def connector(store, groups, device="cpu", **worker_kwargs):
     sched = StoreTierScheduler(groups, BS, store, backoff_s=0.2)
-    worker = StoreTierWorker(store, "cpu", backoff_s=0.2, **worker_kwargs)
+    worker = StoreTierWorker(store, device, backoff_s=0.2, **worker_kwargs)
     return sched, worker
 
 
@@ -87,17 +87,17 @@ def test_entry_round_trip_and_every_fault_is_detected():
 
 
 # ------------------------------------------------------------------------------ round trips
-def _round_trip(make_store, dtype):
+def _round_trip(make_store, dtype, device="cpu"):
     groups = [full(0, (0, 1), cache_dtype=dtype)]
     hashes = chain(5)
-    src = random_caches(2, dtype)
-    writer = connector(make_store(), groups)
+    src = random_caches(2, dtype, device)
+    writer = connector(make_store(), groups, device)
     save_all(*writer, src, groups, hashes, [3, 7, 1, 12, 5])
     assert writer[1].stats().written_blocks == 5
     writer[1].close()
     # A fresh instance (both sides new) on the same store: cross-instance reuse.
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    sched, worker = connector(make_store(), groups)
+    sched, worker = connector(make_store(), groups, device)
     worker.register_kv_caches(dst, groups, BS)
     n, done = load_all(sched, worker, groups, hashes, [0, 2, 4, 6, 8])
     assert n == 5 and done.loaded == ["reader"] and not done.failed
@@ -111,6 +111,12 @@ def _round_trip(make_store, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_round_trip_is_bit_identical_through_a_directory(tmp_path, dtype):
     _round_trip(lambda: DirStore(str(tmp_path), RETENTION), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_round_trip_is_bit_identical_through_a_directory_on_cuda(tmp_path, dtype):
+    _round_trip(lambda: DirStore(str(tmp_path), RETENTION), dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -359,3 +365,80 @@ def test_a_store_that_is_unwritable_drops_saves_and_keeps_serving(tmp_path, monk
     assert done.loaded == [] and sched.num_pending_transfers == 0
     assert worker.stats().write_errors == 1 and worker.stats().dropped_saves == 2
     worker.close()
+
+
+def test_a_load_when_redis_died_after_the_look_up_fails_and_recomputes(redis_server):  # noqa: F811
+    from deepinfer.kv_cache.store.redis import RedisStore
+
+    groups = [full(0, (0,))]
+    hashes = chain(2)
+    src = random_caches(1, torch.bfloat16)
+    save_all(*connector(RedisStore(redis_server.url, RETENTION), groups), src, groups, hashes, [1, 2])
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    sched, worker = connector(RedisStore(redis_server.url, RETENTION, connect_timeout_s=0.2), groups)
+    worker.register_kv_caches(dst, groups, BS)
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 2 * BS
+    sched.allocate_loads("reader", hashes, {0: [3, 4]})
+    redis_server.stop()
+    done = settle(sched, worker)
+    assert done.failed == ["reader"] and worker.stats().read_errors == 1 and not dst[0][0].any()
+    worker.close()
+
+
+def test_the_traffic_class_is_the_entrys_retention_class(tmp_path):
+    groups = [full(0, (0,))]
+    store = DirStore(str(tmp_path), RETENTION)
+    sched, worker = connector(store, groups)
+    worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
+    hashes = chain(2)
+    sched.save_blocks("a", 0, hashes[:1], [1], traffic_class="agent")
+    sched.save_blocks("c", 0, hashes[1:], [2])                         # unset: "chat"
+    settle(sched, worker)
+    classes = [entry_format.decode_header(open(_file(store, groups, hashes, i), "rb").read()).traffic_class
+               for i in range(2)]
+    assert classes == ["agent", "chat"]
+    assert sorted(name.split(".")[1] for name in os.listdir(store.index)) == ["agent", "chat"]
+    with pytest.raises(ValueError, match="kv_retention"):
+        sched.save_blocks("b", 0, chain(1, first=99), [3], traffic_class="batch")
+    worker.close()
+
+
+def test_two_instances_writing_the_same_blocks_at_once_is_safe(tmp_path):
+    import threading
+
+    layout = EntryLayout(2, 4096, "bfloat16")
+    keys = [(b"g" * 16, i.to_bytes(16, "big")) for i in range(20)]
+    items = [(k, entry_format.encode(*k, layout, bytes([i]) * layout.payload_bytes, "chat", 0.0), "chat")
+             for i, k in enumerate(keys)]
+    stores = [DirStore(str(tmp_path), RETENTION) for _ in range(4)]
+    threads = [threading.Thread(target=s.put, args=(items,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (key, data, _), raw in zip(items, stores[0].get(keys)):
+        assert raw == data
+        entry_format.decode(raw, *key, layout)
+    assert not [f for _, _, fs in os.walk(stores[0].blocks) for f in fs if ".tmp." in f]
+
+
+def test_shutdown_flushes_within_a_bounded_time(tmp_path):
+    groups = [full(0, (0,))]
+
+    class Slow(DirStore):
+        def put(self, items):
+            time.sleep(0.3)
+            super().put(items)
+
+    store = Slow(str(tmp_path), RETENTION)
+    sched, worker = connector(store, groups)
+    worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
+    for i in range(10):
+        sched.save_blocks(f"r{i}", 0, chain(1, first=10 * i), [i])
+    worker.start_transfers(sched.build_connector_meta())
+    worker.after_forward()
+    start = time.monotonic()
+    worker.close(timeout_s=0.5)
+    assert time.monotonic() - start < 2.5
+    stats = worker.stats()
+    assert 1 <= stats.written_blocks < 10 and stats.written_blocks + stats.dropped_saves <= 10
