@@ -25,9 +25,16 @@ open(sys.argv[1], "w").write("".join(r + "\n" for r in reqs if re.split(r"[<>=!~
 endef
 export REQUIREMENTS_WITHOUT_XGRAMMAR
 
-.PHONY: install run test bench-cpu clean
+.PHONY: install run test bench-cpu clean redis-server
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed redis-server
+
+# The KV store tier's Redis backend is tested against a real server the tests start themselves
+# (tests/redis_server.py): Debian's package, installed when missing (CI runs as root on Debian).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || test -x /usr/bin/redis-server || \
+		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; } || \
+		echo "warning: redis-server could not be installed; the Redis KV store tests will be skipped"
 
 $(VENV)/.installed: pyproject.toml recipe/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

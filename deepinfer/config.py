@@ -117,6 +117,21 @@ class CacheConfig:
     """GiB of host memory for a second KV tier (vLLM's name): full blocks are copied there as
     they are computed, and a prefix the device no longer holds is loaded back from it instead
     of recomputed. Unset or 0: no host tier. Sliding-window KV is never offloaded."""
+    kv_store: str | None = None
+    """A persistent KV store shared between instances: dir://PATH (a directory: local SSD, or a
+    shared mount) or redis://HOST:PORT/DB. Full blocks are written there off the step and a
+    prefix found there is loaded instead of recomputed; a store that is down or full only costs
+    recomputation. Not with kv_offloading_size (one tier at a time). Sliding-window KV is never
+    stored."""
+    kv_store_size: float | None = None
+    """GiB a dir:// store may hold; past it, least recently used entries are dropped. Unset: no
+    limit (retention alone). Redis: use its maxmemory policy instead."""
+    kv_retention: str = "chat=7d,agent=3d"
+    """How long a stored KV entry lives after its last use, per traffic class: CLASS=DURATION
+    pairs, comma-separated, durations in s, m, h or d. Blocks take the class "chat" unless told
+    otherwise, so it must be named."""
+    kv_store_load_timeout_s: float = 5.0
+    """A load from kv_store not read within this many seconds fails; the request recomputes."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -142,6 +157,54 @@ class CacheConfig:
         if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float))
                                  or not 0 <= size < math.inf):
             raise ValueError(f"kv_offloading_size must be a number of GiB >= 0 (or unset), got {size!r}")
+        if self.kv_store is not None:
+            if not isinstance(self.kv_store, str) or not self.kv_store.startswith(("dir://", "redis://",
+                                                                                    "rediss://", "unix://")):
+                raise ValueError(f"kv_store must be dir://PATH or redis://HOST:PORT/DB, got {self.kv_store!r}")
+            if self.kv_store == "dir://":
+                raise ValueError("kv_store dir:// needs a path, e.g. dir:///mnt/kv")
+            if self.kv_offloading_size:
+                raise ValueError("kv_store and kv_offloading_size are both set: one KV tier at a time "
+                                 "(a host tier in front of a store is not supported yet); unset one")
+        store_size = self.kv_store_size
+        if store_size is not None and (isinstance(store_size, bool) or not isinstance(store_size, (int, float))
+                                       or not 0 < store_size < math.inf):
+            raise ValueError(f"kv_store_size must be a number of GiB > 0 (or unset), got {store_size!r}")
+        parse_retention(self.kv_retention)
+        if not (isinstance(self.kv_store_load_timeout_s, (int, float)) and self.kv_store_load_timeout_s > 0):
+            raise ValueError(f"kv_store_load_timeout_s must be > 0, got {self.kv_store_load_timeout_s!r}")
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_retention(text: str) -> dict[str, float]:
+    """kv_retention ("chat=7d,agent=3d") as {class: seconds}; errors name the field."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"kv_retention must be CLASS=DURATION pairs like 'chat=7d,agent=3d', got {text!r}")
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, duration = (p.strip() for p in part.partition("="))
+        if not sep or not name or not duration:
+            raise ValueError(f"kv_retention: {part.strip()!r} is not CLASS=DURATION (e.g. chat=7d)")
+        if not name.replace("_", "").replace("-", "").isalnum() or len(name) > 16:
+            raise ValueError(f"kv_retention: class name {name!r} must be letters, digits, - or _ "
+                             "(16 at most)")
+        if name in out:
+            raise ValueError(f"kv_retention: class {name!r} is given twice")
+        unit = duration[-1].lower()
+        number = duration[:-1] if unit in _DURATION_UNITS else duration
+        try:
+            seconds = float(number) * _DURATION_UNITS.get(unit, 1.0)
+        except ValueError:
+            raise ValueError(f"kv_retention: {name}={duration!r} is not a duration (a number with s, m, h "
+                             "or d, e.g. 7d)") from None
+        if not 0 < seconds < math.inf:
+            raise ValueError(f"kv_retention: {name}={duration!r} must be a positive duration")
+        out[name] = seconds
+    if "chat" not in out:
+        raise ValueError(f"kv_retention must name the class 'chat' (the default of every block), got {text!r}")
+    return out
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,11 @@ class KVTransfer:
     request_id: str               # whose KV (a load), or the request that computed it (a save)
     group_id: int
     device_block_ids: list[int]
-    tier_slots: list[int]
+    tier_slots: list[int]         # host tier: its slots; persistent stores: unused (empty)
+    # Persistent stores: the blocks' hashes (entries are addressed by them), and the retention
+    # class they are written or touched under (None: "chat").
+    block_hashes: list[bytes] = field(default_factory=list)
+    traffic_class: str | None = None
 
 
 @dataclass
@@ -205,6 +209,9 @@ class RunnerResult:
     prompt_logprobs: dict[str, list[PositionLogprobs | None]] = field(default_factory=dict)
     # KV connector transfers (KVTransfer.transfer_id) that completed since the last result.
     finished_kv_transfers: list[int] = field(default_factory=list)
+    # Loads that ended without filling their blocks (KVConnectorWorker.failed_transfers): never
+    # also in finished_kv_transfers; the scheduler recomputes their requests.
+    failed_kv_transfers: list[int] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------- core -> front end

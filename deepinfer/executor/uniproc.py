@@ -46,4 +46,7 @@ class UniProcExecutor(Executor):
         return self.runner.propose_mtp(requests)
 
     def shutdown(self) -> None:
+        connector = getattr(self.runner, "kv_connector", None)
+        if connector is not None:   # a persistent store flushes its queued writes (bounded)
+            connector.close()
         self.runner = None   # the model and KV tensors go with the last reference

@@ -26,7 +26,17 @@ and the worker side, inside a runner step:
 
 What a tier may hold: only KV kinds that are persisted outside the device. Full attention is;
 sliding-window KV never is (a hit rebuilds it by SWA Bounded Replay, kv_cache/manager.py).
-Tiers live under kv_cache/store/ (host.py: host memory, `kv_offloading_size`).
+Tiers live under kv_cache/store/ (host.py: host memory, `kv_offloading_size`; persistent.py: a
+directory or Redis, `kv_store`, shared between instances).
+
+A load may fail (a persistent store's entry gone or corrupt, the store down, a read past
+kv_store_load_timeout_s). The worker then reports its id by `failed_transfers()` instead of
+`finished_transfers()` (RunnerResult.failed_kv_transfers), the scheduler side gets both lists in
+`on_transfers_finished`, and the request comes back in FinishedTransfers.failed: none of its
+tier blocks are on the device, and it recomputes them.
+
+Traffic class: save_blocks and allocate_loads take an optional `traffic_class` (the retention
+class of kv_retention; None: "chat"). The host tier ignores it.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from __future__ import annotations
 import abc
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
@@ -45,6 +55,7 @@ if TYPE_CHECKING:
 
     from deepinfer.config import CacheConfig, EngineConfig
     from deepinfer.kv_cache.specs import KVCacheGroup, KVCacheSpec
+    from deepinfer.kv_cache.store.backend import StoreBackend
 
 GIB = 1 << 30
 
@@ -90,7 +101,11 @@ class KVConnectorStats:
     stored_blocks: int = 0    # gauge: entries held now, pending saves included
     evictions: int = 0        # entries dropped (LRU) to make room for a save
     refused_saves: int = 0    # blocks offered of a kind never persisted (sliding window)
-    dropped_saves: int = 0    # blocks not saved: every slot was pinned by a load or pending
+    dropped_saves: int = 0    # blocks not saved: every slot was pinned by a load or pending (host),
+                              # or the store is down (persistent)
+    failed_loads: int = 0     # blocks whose load failed (the request recomputed them)
+    corrupt_entries: int = 0  # entries found bad by a look-up (wrong size) and dropped
+    store_errors: int = 0     # calls to a persistent store that failed (down, full)
 
     def copy(self) -> KVConnectorStats:
         return KVConnectorStats(**vars(self))
@@ -104,6 +119,10 @@ class FinishedTransfers:
     # Requests whose device blocks may be freed now: finished ones whose saves completed (the
     # delayed free), and ones whose loads were aborted while already copying.
     released: list[str]
+    # Requests whose loads all ended and at least one failed: their loaded blocks hold nothing
+    # usable (never published, never read by a forward). Their device blocks are no longer
+    # written by any transfer; the scheduler frees or reuses them and recomputes the request.
+    failed: list[str] = field(default_factory=list)
 
 
 class KVConnectorScheduler(abc.ABC):
@@ -116,7 +135,7 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
-                                   num_device_tokens: int) -> int:
+                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
         """How many tokens past `num_device_tokens` (the device's prefix hit, whole blocks) the
         tier holds, in whole blocks, for every persisted group among `group_ids`; 0 if none (or
         none of the groups is persisted). Only saves that completed count.
@@ -132,22 +151,26 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
-                       device_block_ids: Mapping[int, Sequence[int]]) -> list[KVTransfer]:
+                       device_block_ids: Mapping[int, Sequence[int]],
+                       traffic_class: str | None = None) -> list[KVTransfer]:
         """Queue loads of the blocks `block_hashes` (those get_num_new_matched_tokens just
         counted) into `device_block_ids[group_id]`, one device block per hash for each persisted
         group; returns the transfers queued (also in the next build_connector_meta). The entries
         are pinned until their load completes or is aborted.
 
-        Call it right after the look-up, with no save_blocks in between (saves may evict)."""
+        Call it right after the look-up, with no save_blocks in between (saves may evict).
+        `traffic_class`: the request's retention class; a hit restarts the entries' retention
+        under it (persistent stores)."""
 
     @abc.abstractmethod
     def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
-                    device_block_ids: Sequence[int]) -> list[KVTransfer]:
+                    device_block_ids: Sequence[int], traffic_class: str | None = None) -> list[KVTransfer]:
         """Queue saves of blocks that became full and computed (by steps whose result has been
         applied), one device block per hash; blocks the tier holds or is saving already are
         skipped. A group whose kind is not persisted is refused: a no-op, counted in the stats.
         Returns the transfers queued (possibly none). The entries become loadable once their
-        save completed (on_transfers_finished)."""
+        save completed (on_transfers_finished). `traffic_class`: the retention class the entries
+        are written under (persistent stores; None: "chat")."""
 
     @abc.abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -155,10 +178,13 @@ class KVConnectorScheduler(abc.ABC):
         kv_connector_metadata. Once built, a transfer reaches the worker and will complete."""
 
     @abc.abstractmethod
-    def on_transfers_finished(self, transfer_ids: Sequence[int]) -> FinishedTransfers:
-        """Apply RunnerResult.finished_kv_transfers: saved entries become loadable, loaded ones
-        are unpinned. Returns the requests whose loads all completed and the delayed frees that
-        may be applied now. Unknown ids (transfers cancelled before they were built) are ignored."""
+    def on_transfers_finished(self, transfer_ids: Sequence[int],
+                              failed_ids: Sequence[int] = ()) -> FinishedTransfers:
+        """Apply RunnerResult.finished_kv_transfers (and failed_kv_transfers: loads that ended
+        without filling their blocks): saved entries become loadable, loaded ones are unpinned.
+        Returns the requests whose loads all completed, those whose loads failed, and the delayed
+        frees that may be applied now. Unknown ids (transfers cancelled before they were built)
+        are ignored."""
 
     @abc.abstractmethod
     def request_finished(self, request_id: str) -> bool:
@@ -212,24 +238,58 @@ class KVConnectorWorker(abc.ABC):
     def finished_transfers(self) -> list[int]:
         """Ids of transfers completed since the last call, without waiting for the device."""
 
+    def failed_transfers(self) -> list[int]:
+        """Ids of loads that ended without filling their device blocks, since the last call
+        (RunnerResult.failed_kv_transfers). Never also in finished_transfers. A tier whose
+        loads cannot fail (host memory) reports none."""
+        return []
+
     @abc.abstractmethod
     def wait_all(self) -> None:
         """Start what is deferred and wait for every transfer (shutdown, tests). Their ids are
         still reported by the next finished_transfers."""
 
+    def close(self, timeout_s: float | None = None) -> None:
+        """Shutdown: finish (persistent stores: flush queued writes, within `timeout_s`) and
+        stop any threads. Idempotent."""
+
 
 # ---------------------------------------------------------------------------------- factory
 def offloading_bytes(config: EngineConfig | CacheConfig) -> int | None:
-    """kv_offloading_size in bytes; None when no tier is configured (unset or 0)."""
+    """kv_offloading_size in bytes; None when no host tier is configured (unset or 0)."""
     cache = getattr(config, "cache", config)
     return int(cache.kv_offloading_size * GIB) if cache.kv_offloading_size else None
 
 
+def open_kv_store(config: EngineConfig | CacheConfig, clock=None) -> StoreBackend | None:
+    """The persistent store `kv_store` names (None: unset), with its retention and capacity."""
+    cache = getattr(config, "cache", config)
+    if not cache.kv_store:
+        return None
+    import time
+
+    from deepinfer.config import parse_retention
+    from deepinfer.kv_cache.store.backend import open_store
+
+    size = int(cache.kv_store_size * GIB) if cache.kv_store_size else None
+    return open_store(cache.kv_store, parse_retention(cache.kv_retention), size_bytes=size,
+                      clock=clock or time.time)
+
+
 def make_kv_connector_scheduler(config: EngineConfig | CacheConfig, groups: Sequence[KVCacheGroup],
                                 block_size: int) -> KVConnectorScheduler | None:
-    """The scheduler side the config asks for (None: no tier, or no kind a tier may hold)."""
+    """The scheduler side the config asks for (None: no tier, or no kind a tier may hold).
+    `kv_store` (a directory or Redis) and `kv_offloading_size` (host memory) are exclusive
+    (CacheConfig refuses both)."""
+    if not any(is_persisted(g.spec) for g in groups):
+        return None
+    store = open_kv_store(config)
+    if store is not None:
+        from deepinfer.kv_cache.store.persistent import StoreTierScheduler
+
+        return StoreTierScheduler(groups, block_size, store)
     size = offloading_bytes(config)
-    if size is None or not any(is_persisted(g.spec) for g in groups):
+    if size is None:
         return None
     from deepinfer.kv_cache.store.host import HostTierScheduler
 
@@ -239,8 +299,16 @@ def make_kv_connector_scheduler(config: EngineConfig | CacheConfig, groups: Sequ
 def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequence[KVCacheGroup],
                              block_size: int, device: torch.device) -> KVConnectorWorker | None:
     """The worker side the config asks for, not registered yet (None: as for the scheduler side)."""
+    if not any(is_persisted(g.spec) for g in groups):
+        return None
+    store = open_kv_store(config)
+    if store is not None:
+        from deepinfer.kv_cache.store.persistent import StoreTierWorker
+
+        cache = getattr(config, "cache", config)
+        return StoreTierWorker(store, device, load_timeout_s=cache.kv_store_load_timeout_s)
     size = offloading_bytes(config)
-    if size is None or not any(is_persisted(g.spec) for g in groups):
+    if size is None:
         return None
     from deepinfer.kv_cache.store.host import HostTierWorker
 
@@ -249,9 +317,10 @@ def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequenc
 
 def make_kv_connector(config: EngineConfig | CacheConfig, groups: Sequence[KVCacheGroup], block_size: int,
                       device: torch.device) -> tuple[KVConnectorScheduler, KVConnectorWorker] | None:
-    """Both sides (one process), or None when `kv_offloading_size` is 0 / unset or no group's kind
-    may be persisted. The worker side is not registered yet: register_kv_caches once the KV
-    tensors exist. In the engine each side is built where it runs (the two functions above)."""
+    """Both sides (one process), or None when no tier is configured (`kv_store` and
+    `kv_offloading_size` unset) or no group's kind may be persisted. The worker side is not
+    registered yet: register_kv_caches once the KV tensors exist. In the engine each side is
+    built where it runs (the two functions above)."""
     scheduler = make_kv_connector_scheduler(config, groups, block_size)
     if scheduler is None:
         return None

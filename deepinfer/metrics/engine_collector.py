@@ -53,7 +53,10 @@ COUNTERS = {
     "kv_tier_saved_blocks": "Blocks copied from the device to the KV tier.",
     "kv_tier_evictions": "KV tier entries dropped (LRU) to make room.",
     "kv_tier_refused_saves": "Blocks offered to the KV tier of a kind it never holds (sliding window).",
-    "kv_tier_dropped_saves": "Blocks not saved because every tier slot was pinned.",
+    "kv_tier_dropped_saves": "Blocks not saved: every tier slot was pinned, or the KV store was down.",
+    "kv_tier_failed_loads": "Blocks whose load from the KV store failed (bad entry, store down, timeout); recomputed.",
+    "kv_tier_corrupt_entries": "KV store entries a look-up found damaged (wrong size) and dropped.",
+    "kv_tier_store_errors": "Calls to the KV store that failed (down, full, unreachable).",
 }
 TIER = (("tier", "host"),)
 # Exported from the start (at 0), so that rate() has a series before the first request.

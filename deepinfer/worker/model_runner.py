@@ -303,7 +303,7 @@ class ModelRunner:
             return None
         if self.kv_connector is None:
             raise RuntimeError("the plan carries KV connector transfers but this worker has no KV tier "
-                               "(kv_offloading_size differs between the scheduler and the worker)")
+                               "(kv_offloading_size or kv_store differs between the scheduler and the worker)")
         # Before the forward is queued: the loads fill blocks this step's forward never reads
         # (the scheduler parks their requests until the loads are reported finished).
         self.kv_connector.start_transfers(meta)
@@ -362,6 +362,7 @@ class ModelRunner:
             self._apply_sampled(launched)
         if self.kv_connector is not None:   # a poll: what finished by now, whichever step started it
             result.finished_kv_transfers = self.kv_connector.finished_transfers()
+            result.failed_kv_transfers = self.kv_connector.failed_transfers()
         return result
 
     def _apply_sampled(self, launched: _QueuedSample) -> None:

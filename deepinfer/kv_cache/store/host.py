@@ -129,7 +129,7 @@ class HostTierScheduler(KVConnectorScheduler):
 
     # ----------------------------------------------------------------------------- look-ups
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
-                                   num_device_tokens: int) -> int:
+                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
         if num_device_tokens % self.block_size:
             raise ValueError(f"num_device_tokens={num_device_tokens} is not whole blocks of {self.block_size}")
         keys = [self._group_keys[g] for g in group_ids if g in self._group_keys]
@@ -152,7 +152,8 @@ class HostTierScheduler(KVConnectorScheduler):
 
     # -------------------------------------------------------------------------------- loads
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
-                       device_block_ids: Mapping[int, Sequence[int]]) -> list[KVTransfer]:
+                       device_block_ids: Mapping[int, Sequence[int]],
+                       traffic_class: str | None = None) -> list[KVTransfer]:
         state = self._requests.get(request_id)
         if state is not None and state.release_pending:
             raise ValueError(f"request {request_id!r} still has aborted loads in flight; wait for its release")
@@ -221,7 +222,7 @@ class HostTierScheduler(KVConnectorScheduler):
 
     # -------------------------------------------------------------------------------- saves
     def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
-                    device_block_ids: Sequence[int]) -> list[KVTransfer]:
+                    device_block_ids: Sequence[int], traffic_class: str | None = None) -> list[KVTransfer]:
         if len(block_hashes) != len(device_block_ids):
             raise ValueError(f"{len(device_block_ids)} device blocks for {len(block_hashes)} hashes")
         if group_id not in self._group_keys:
@@ -271,7 +272,9 @@ class HostTierScheduler(KVConnectorScheduler):
         self._queued_loads, self._queued_saves = [], []
         return meta
 
-    def on_transfers_finished(self, transfer_ids: Sequence[int]) -> FinishedTransfers:
+    def on_transfers_finished(self, transfer_ids: Sequence[int],
+                              failed_ids: Sequence[int] = ()) -> FinishedTransfers:
+        # Host loads never fail (failed_transfers reports none): `failed_ids` stays empty.
         loads_done: dict[str, None] = {}   # insertion-ordered set of requests touched
         touched: dict[str, None] = {}
         for transfer_id in transfer_ids:

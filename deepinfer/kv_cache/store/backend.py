@@ -1,0 +1,139 @@
+"""What a persistent KV store backend does (dir.py, redis.py), and how a store that is down is
+handled: every backend call may raise StoreUnavailable; StoreHealth turns that into "warn once,
+count, treat as a miss, retry after a short back-off" so that a store that is down or full never
+stops serving.
+
+Retention: each entry belongs to a traffic class (kv_retention, e.g. "chat=7d,agent=3d"); it
+expires that long after its last use (a hit touches it). Times come from an injectable clock
+(unix seconds), so tests can move through days.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from deepinfer.kv_cache.connector import TierKey
+
+logger = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+# exists() states
+ABSENT, PRESENT, WRONG_SIZE = 0, 1, -1
+
+
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached or refused the operation (down, full, permissions)."""
+
+
+class StoreBackend(abc.ABC):
+    """Entries are bytes (kv_cache/store/entry.py) under a TierKey. Thread-safe: the worker's
+    reader and writer threads share one instance; the scheduler side has its own."""
+
+    url: str
+
+    def __init__(self, retention: Mapping[str, float], clock: Clock = time.time) -> None:
+        self.retention = dict(retention)
+        self.clock = clock
+
+    def retention_of(self, traffic_class: str) -> float:
+        """Seconds an entry of this class lives after its last use (an unknown class, e.g. one
+        removed from kv_retention since it was written, gets the longest configured)."""
+        return self.retention.get(traffic_class, max(self.retention.values()))
+
+    @abc.abstractmethod
+    def exists(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
+        """Per key: PRESENT, ABSENT, or WRONG_SIZE (an entry whose byte size is not `sizes[i]`:
+        truncated or foreign; the caller drops it). Stops early is allowed: keys after the first
+        non-PRESENT one may be reported ABSENT."""
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
+        """The entries' bytes (None: absent)."""
+
+    @abc.abstractmethod
+    def put(self, items: Sequence[tuple[TierKey, bytes, str]]) -> None:
+        """Write (key, entry bytes, traffic class) atomically each; last use = now."""
+
+    @abc.abstractmethod
+    def touch(self, keys: Sequence[TierKey], traffic_class: str) -> None:
+        """Last use = now (a hit): retention counts from here, under `traffic_class`."""
+
+    @abc.abstractmethod
+    def delete(self, keys: Sequence[TierKey]) -> None:
+        """Drop entries (corrupt ones); absent keys are ignored."""
+
+    def gc(self) -> int:
+        """Drop what expired; returns how many entries. Backends whose store expires entries
+        itself (Redis) do nothing."""
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class StoreHealth:
+    """Whether to use the store now: after a failure it is skipped for `backoff_s`, then tried
+    again; one warning per outage, and a log line when it is back."""
+
+    def __init__(self, url: str, backoff_s: float = 1.0, clock: Clock = time.monotonic) -> None:
+        self.url = url
+        self.backoff_s = backoff_s
+        self.clock = clock
+        self.errors = 0
+        self._down_until = 0.0
+        self._down = False
+        self._lock = threading.Lock()
+
+    def usable(self) -> bool:
+        return self.clock() >= self._down_until
+
+    @property
+    def down(self) -> bool:
+        return self._down
+
+    def failed(self, exc: BaseException, what: str) -> None:
+        with self._lock:
+            self.errors += 1
+            self._down_until = self.clock() + self.backoff_s
+            if not self._down:
+                self._down = True
+                logger.warning("KV store %s unavailable (%s: %s); requests recompute until it is back",
+                               self.url, what, exc)
+
+    def succeeded(self) -> None:
+        if self._down:
+            with self._lock:
+                if self._down:
+                    self._down = False
+                    logger.warning("KV store %s is back", self.url)
+
+    def call(self, what: str, fn: Callable[[], object], default: object) -> object:
+        """fn(), or `default` when the store is skipped or fails (counted, warned once)."""
+        if not self.usable():
+            return default
+        try:
+            result = fn()
+        except StoreUnavailable as exc:
+            self.failed(exc, what)
+            return default
+        self.succeeded()
+        return result
+
+
+def open_store(url: str, retention: Mapping[str, float], *, size_bytes: int | None = None,
+               clock: Clock = time.time) -> StoreBackend:
+    """The backend a kv_store URL names: dir://PATH or redis://HOST:PORT/DB."""
+    if url.startswith("dir://"):
+        from deepinfer.kv_cache.store.dir import DirStore
+
+        return DirStore(url.removeprefix("dir://"), retention, size_bytes=size_bytes, clock=clock)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        from deepinfer.kv_cache.store.redis import RedisStore
+
+        return RedisStore(url, retention, clock=clock)
+    raise ValueError(f"kv_store must be dir://PATH or redis://HOST:PORT/DB, got {url!r}")

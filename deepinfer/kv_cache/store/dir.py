@@ -1,0 +1,305 @@
+"""`kv_store="dir://PATH"`: KV entries as files in a directory (local SSD, or a shared mount such
+as NFS or 3FS for reuse across instances).
+
+Layout under PATH:
+    blocks/<h0h1>/<h2h3>/<block hash hex>.<group key hex>.kv    one entry (entry.py), sharded
+                                                                by the block hash's prefix
+    blocks/.../<name>.tmp.<pid>.<thread>.<random>               a write in progress
+    index/<bucket>.<class>                                      lines "<relative path>\\n": entries
+                                                                last used in that time bucket
+
+No lock anywhere. A write goes to a temp file of its own, then os.replace puts it under the
+entry's name: readers see the old entry or the new one, never part of one, and two instances
+writing the same block (the same bytes) both succeed. A temp file left by a crash is never read
+(sweep() removes old ones).
+
+Last use is the file's mtime (set from the injectable clock at write and on each hit). The
+index is bucketed by last use (BUCKET_S): a write or a hit that moves an entry into a new bucket
+appends its path to that bucket's file (O_APPEND, one short line). Expiry (gc) opens only buckets
+whose end plus their class's retention has passed, so its cost follows what expires; an entry
+touched since sits in a later bucket too, and its mtime tells the expired check to leave it.
+Bucket files are claimed by renaming (one instance wins), so two instances never process one.
+
+Capacity (kv_store_size): this instance's estimate of the bytes under PATH (a scan at start,
+rescanned every RESCAN_S to see other instances' writes, plus its own writes and deletes). Past
+the limit, the oldest buckets are drained, least recent mtime first, down to LOW_WATER of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from deepinfer.kv_cache.connector import TierKey
+from deepinfer.kv_cache.store.backend import (
+    ABSENT,
+    PRESENT,
+    WRONG_SIZE,
+    Clock,
+    StoreBackend,
+    StoreUnavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+BUCKET_S = 300.0
+RESCAN_S = 300.0
+LOW_WATER = 0.9
+TEMP_MAX_AGE_S = 3600.0
+
+
+class DirStore(StoreBackend):
+    def __init__(self, path: str, retention: Mapping[str, float], *, size_bytes: int | None = None,
+                 clock: Clock = time.time, bucket_s: float = BUCKET_S) -> None:
+        super().__init__(retention, clock)
+        if not path:
+            raise ValueError("kv_store dir:// needs a path, e.g. dir:///mnt/kv")
+        self.root = os.path.abspath(path)
+        self.url = f"dir://{self.root}"
+        self.blocks = os.path.join(self.root, "blocks")
+        self.index = os.path.join(self.root, "index")
+        self.size_bytes = size_bytes
+        self.bucket_s = bucket_s
+        self.expired = 0        # entries dropped by retention
+        self.evicted = 0        # entries dropped for capacity
+        self._lock = threading.Lock()
+        self._usage: int | None = None
+        self._scanned_at = 0.0
+        try:
+            os.makedirs(self.blocks, exist_ok=True)
+            os.makedirs(self.index, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"kv_store {self.url}: cannot create the store directory: {exc}") from exc
+
+    # --------------------------------------------------------------------------------- names
+    def relpath(self, key: TierKey) -> str:
+        group, block_hash = key
+        h = block_hash.hex()
+        return os.path.join(h[:2], h[2:4], f"{h}.{group.hex()}.kv")
+
+    def path(self, key: TierKey) -> str:
+        return os.path.join(self.blocks, self.relpath(key))
+
+    def _bucket(self, t: float) -> int:
+        return int(t // self.bucket_s)
+
+    # ------------------------------------------------------------------------------ entries
+    def exists(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
+        out = [ABSENT] * len(keys)
+        try:
+            for i, (key, size) in enumerate(zip(keys, sizes)):
+                try:
+                    st = os.stat(self.path(key))
+                except FileNotFoundError:
+                    break
+                if st.st_size != size:
+                    out[i] = WRONG_SIZE
+                    break
+                out[i] = PRESENT
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        return out
+
+    def get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        try:
+            for key in keys:
+                try:
+                    with open(self.path(key), "rb") as f:
+                        out.append(f.read())
+                except FileNotFoundError:
+                    out.append(None)
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        return out
+
+    def put(self, items: Sequence[tuple[TierKey, bytes, str]]) -> None:
+        now = self.clock()
+        written = 0
+        try:
+            for key, data, traffic_class in items:
+                rel = self.relpath(key)
+                final = os.path.join(self.blocks, rel)
+                temp = f"{final}.tmp.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
+                try:
+                    f = open(temp, "wb")
+                except FileNotFoundError:
+                    os.makedirs(os.path.dirname(final), exist_ok=True)
+                    f = open(temp, "wb")
+                try:
+                    with f:
+                        f.write(data)
+                    os.utime(temp, (now, now))
+                    os.replace(temp, final)
+                except BaseException:
+                    _remove(temp)
+                    raise
+                self._index_append(self._bucket(now), traffic_class, [rel])
+                written += len(data)
+        except OSError as exc:   # ENOSPC (full), EACCES, a mount gone: never fatal
+            raise StoreUnavailable(str(exc)) from exc
+        finally:
+            with self._lock:
+                if self._usage is not None:
+                    self._usage += written
+        if self.size_bytes is not None:
+            self._enforce_capacity()
+
+    def touch(self, keys: Sequence[TierKey], traffic_class: str) -> None:
+        now = self.clock()
+        moved = []
+        try:
+            for key in keys:
+                path = self.path(key)
+                try:
+                    old = os.stat(path).st_mtime
+                    os.utime(path, (now, now))
+                except FileNotFoundError:
+                    continue
+                if self._bucket(old) != self._bucket(now):
+                    moved.append(self.relpath(key))
+            if moved:
+                self._index_append(self._bucket(now), traffic_class, moved)
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+
+    def delete(self, keys: Sequence[TierKey]) -> None:
+        for key in keys:
+            self._remove_entry(self.path(key))
+
+    def _remove_entry(self, path: str) -> bool:
+        try:
+            size = os.stat(path).st_size
+            os.remove(path)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        with self._lock:
+            if self._usage is not None:
+                self._usage -= size
+        return True
+
+    # -------------------------------------------------------------------------------- index
+    def _index_append(self, bucket: int, traffic_class: str, rels: list[str]) -> None:
+        line = "".join(r + "\n" for r in rels).encode()
+        fd = os.open(os.path.join(self.index, f"{bucket}.{traffic_class}"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                     0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+
+    def _buckets(self) -> list[tuple[int, str, str]]:
+        """(bucket, class, file name) of every unclaimed bucket file, oldest first."""
+        out = []
+        for name in os.listdir(self.index):
+            bucket, _, traffic_class = name.partition(".")
+            if bucket.lstrip("-").isdigit() and traffic_class and "." not in traffic_class:
+                out.append((int(bucket), traffic_class, name))
+        return sorted(out)
+
+    def _claim(self, name: str) -> list[str] | None:
+        """Take a bucket file for this instance alone: its lines, or None if another took it."""
+        src = os.path.join(self.index, name)
+        claimed = f"{src}.claimed.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            os.rename(src, claimed)
+        except FileNotFoundError:
+            return None
+        try:
+            with open(claimed) as f:
+                return list(dict.fromkeys(line.strip() for line in f if line.strip()))
+        finally:
+            _remove(claimed)
+
+    def gc(self) -> int:
+        """Drop entries whose class's retention has passed since their last use."""
+        now = self.clock()
+        dropped = 0
+        try:
+            for bucket, traffic_class, name in self._buckets():
+                retention = self.retention_of(traffic_class)
+                if (bucket + 1) * self.bucket_s + retention > now:
+                    continue   # something in it may still be live
+                for rel in self._claim(name) or []:
+                    path = os.path.join(self.blocks, rel)
+                    try:
+                        mtime = os.stat(path).st_mtime
+                    except FileNotFoundError:
+                        continue
+                    if mtime + retention <= now and self._remove_entry(path):
+                        dropped += 1
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        self.expired += dropped
+        return dropped
+
+    # ----------------------------------------------------------------------------- capacity
+    def usage(self) -> int:
+        """This instance's estimate of the bytes held (scanning when stale)."""
+        now = time.monotonic()
+        if self._usage is None or now - self._scanned_at > RESCAN_S:
+            total = self.sweep()
+            with self._lock:
+                self._usage, self._scanned_at = total, now
+        return self._usage
+
+    def sweep(self) -> int:
+        """Walk the store: the bytes of its entries; temp files older than TEMP_MAX_AGE_S (left
+        by a crashed writer) are removed on the way."""
+        total = 0
+        now = time.time()
+        for dirpath, _, files in os.walk(self.blocks):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                except FileNotFoundError:
+                    continue
+                if ".tmp." in name:
+                    if now - st.st_mtime > TEMP_MAX_AGE_S:
+                        _remove(path)
+                    continue
+                total += st.st_size
+        return total
+
+    def _enforce_capacity(self) -> None:
+        if self.usage() <= self.size_bytes:
+            return
+        target = int(self.size_bytes * LOW_WATER)
+        for bucket, traffic_class, name in self._buckets():
+            rels = self._claim(name)
+            if not rels:
+                continue
+            candidates = []
+            for rel in rels:
+                try:
+                    mtime = os.stat(os.path.join(self.blocks, rel)).st_mtime
+                except FileNotFoundError:
+                    continue
+                if self._bucket(mtime) <= bucket:   # not used since: this is its newest bucket
+                    candidates.append((mtime, rel))
+            candidates.sort()
+            kept = []
+            for i, (_, rel) in enumerate(candidates):
+                if self._usage <= target:
+                    kept = [r for _, r in candidates[i:]]
+                    break
+                if self._remove_entry(os.path.join(self.blocks, rel)):
+                    self.evicted += 1
+            if kept:
+                self._index_append(bucket, traffic_class, kept)
+            if self._usage <= target:
+                return
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,758 @@
+"""The persistent, shared KV store tier (`kv_store`): both sides of the connector over a backend
+(backend.py: dir.py or redis.py).
+
+Entries are content-addressed by TierKey (group key, block hash), like the host tier's, so any
+instance with the same model, revision, block size, KV dtype, TP rank and layer group finds the
+blocks another computed (the chain's root and connector.group_key carry those). Only persisted
+kinds are written; sliding-window KV never is. Each entry has a header (entry.py) checked before
+its bytes reach a device block: a bad entry is dropped, counted, and its load fails, so the
+request recomputes.
+
+Scheduler side (StoreTierScheduler): look-ups ask the backend (dir: a stat per block, Redis: one
+pipelined STRLEN), stopping at the first miss; there are no pins (another instance may drop an
+entry at any time: the load then fails, and the request recomputes). Blocks this side saw in the
+store within KNOWN_TTL_S are not offered for saving again (a block loaded from the store is
+published like any computed block); that memory is cleared when a store call fails (a Redis may
+come back empty). A store that is down or refuses answers "no hit" and takes
+no saves (StoreHealth: warn once, count, retry after a back-off).
+
+Worker side (StoreTierWorker):
+  saves   after the forward, the blocks are copied device -> host (a side stream and an event on
+          CUDA), and the save is reported finished once that copy completed (the device blocks
+          may be reused from then on). The host copy goes through a bounded queue (max_pending_bytes)
+          to a writer thread, which skips entries the store has, encodes and writes the rest.
+          A full queue drops the save (counted), never blocks the step. Until written, a staged
+          block is served to loads from host memory.
+  loads   start_transfers hands each load to a reader thread, which reads and checks the entries
+          into host memory and touches them (their retention restarts); the step thread copies
+          them into the device blocks when it polls (finished_transfers). A load that fails (an
+          entry missing or bad, the store down) or is not read within load_timeout_s is reported
+          by failed_transfers() instead of finished_transfers(): its device blocks were never
+          written, and the scheduler must recompute the request (FinishedTransfers.failed).
+  close   flushes what is queued within flush_timeout_s, then stops the threads.
+
+Traffic class: save_blocks and allocate_loads take `traffic_class` (None: DEFAULT_CLASS,
+"chat"); it is the entry's retention class (kv_retention) at write, and the class a hit touches
+it under. The request field and HTTP header that set it come later.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
+from deepinfer.kv_cache.connector import (
+    FinishedTransfers,
+    KVConnectorScheduler,
+    KVConnectorStats,
+    KVConnectorWorker,
+    TierKey,
+    group_key,
+    group_kv_tensors,
+    is_persisted,
+)
+from deepinfer.kv_cache.specs import KVCacheGroup
+from deepinfer.kv_cache.store import entry as entry_format
+from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, StoreHealth, StoreUnavailable
+from deepinfer.kv_cache.store.entry import EntryError, EntryLayout
+from deepinfer.kv_cache.store.host import _pages, _word_dtype
+from deepinfer.platforms.transfer import to_device
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CLASS = "chat"
+KNOWN_TTL_S = 60.0
+KNOWN_MAX = 1 << 16
+GC_INTERVAL_S = 60.0
+THREAD_POLL_S = 1.0
+_STOP = object()
+
+
+def _serve(ref: weakref.ref, work: queue.Queue, handler: str) -> None:
+    """A worker thread: hand each queued item to the worker's `handler` (None on an idle
+    tick), until _STOP or the worker is gone."""
+    while True:
+        try:
+            item = work.get(timeout=THREAD_POLL_S)
+        except queue.Empty:
+            item = None
+        if item is _STOP:
+            return
+        worker = ref()
+        if worker is None:
+            return
+        getattr(worker, handler)(item)
+        del worker
+
+
+def group_layouts(groups: Sequence[KVCacheGroup], block_size: int, key_extra: bytes = b""
+                  ) -> dict[int, tuple[bytes, EntryLayout]]:
+    """Per persisted group id: its group key and the layout of its entries."""
+    out = {}
+    for g in groups:
+        if is_persisted(g.spec):
+            dtype = str(g.spec.storage_dtype).removeprefix("torch.")
+            out[g.group_id] = (group_key(g, block_size, key_extra),
+                               EntryLayout(len(g.layer_ids), g.spec.page_bytes(block_size) // 2, dtype))
+    return out
+
+
+def _check_class(traffic_class: str | None, retention: Mapping[str, float]) -> str:
+    traffic_class = traffic_class or DEFAULT_CLASS
+    if traffic_class not in retention:
+        raise ValueError(f"traffic class {traffic_class!r} has no retention in kv_retention "
+                         f"(classes: {', '.join(retention)})")
+    return traffic_class
+
+
+# ---------------------------------------------------------------------------- scheduler side
+@dataclass
+class _Transfer:
+    is_load: bool
+    request_id: str
+    keys: list[TierKey]
+    built: bool = False
+
+
+@dataclass
+class _RequestTransfers:
+    loads: set[int] = field(default_factory=set)
+    saves: set[int] = field(default_factory=set)
+    failed: bool = False             # a load of it failed: report in `failed`, not `loaded`
+    release_pending: bool = False
+
+
+class StoreTierScheduler(KVConnectorScheduler):
+    def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, backend: StoreBackend,
+                 key_extra: bytes = b"", backoff_s: float = 1.0) -> None:
+        self.block_size = block_size
+        self.backend = backend
+        self.health = StoreHealth(backend.url, backoff_s)
+        self._layouts = group_layouts(groups, block_size, key_extra)
+        if not self._layouts:
+            raise ValueError("no layer group's KV kind may be persisted (sliding-window KV never is)")
+        self._known: collections.OrderedDict[TierKey, float] = collections.OrderedDict()
+        self._errors_seen = 0
+        self._saving: set[TierKey] = set()      # queued or in flight saves of this instance
+        self._transfers: dict[int, _Transfer] = {}
+        self._requests: dict[str, _RequestTransfers] = {}
+        self._queued_loads: list[KVTransfer] = []
+        self._queued_saves: list[KVTransfer] = []
+        self._ids = itertools.count(1)
+        self._stats = KVConnectorStats()
+
+    # ----------------------------------------------------------------------------- look-ups
+    def _is_known(self, key: TierKey, now: float) -> bool:
+        if self.health.errors != self._errors_seen:
+            # The store failed since: it may have lost what it held (a Redis restarted empty).
+            self._errors_seen = self.health.errors
+            self._known.clear()
+        seen = self._known.get(key)
+        return seen is not None and now - seen < KNOWN_TTL_S
+
+    def _remember(self, keys: Sequence[TierKey], now: float) -> None:
+        for key in keys:
+            self._known[key] = now
+            self._known.move_to_end(key)
+        while len(self._known) > KNOWN_MAX:
+            self._known.popitem(last=False)
+
+    def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
+                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
+        if num_device_tokens % self.block_size:
+            raise ValueError(f"num_device_tokens={num_device_tokens} is not whole blocks of {self.block_size}")
+        groups = [self._layouts[g] for g in group_ids if g in self._layouts]
+        hashes = request_hashes[num_device_tokens // self.block_size:]
+        if not groups or not hashes:
+            return 0
+        keys = [(gk, h) for h in hashes for gk, _ in groups]
+        sizes = [layout.entry_bytes for _ in hashes for _, layout in groups]
+        states = self.health.call("look-up", lambda: self.backend.exists(keys, sizes), None)
+        if states is None:
+            return 0
+        bad = [k for k, s in zip(keys, states) if s == WRONG_SIZE]
+        if bad:   # truncated (or foreign) entries: drop them; the request computes those blocks
+            self._stats.corrupt_entries += len(bad)
+            self.health.call("delete", lambda: self.backend.delete(bad), None)
+        n = 0
+        per_block = len(groups)
+        while n < len(hashes) and all(s == PRESENT for s in states[n * per_block:(n + 1) * per_block]):
+            n += 1
+        self._remember(keys[:n * per_block], time.monotonic())
+        return n * self.block_size
+
+    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self._stats.queries += num_tokens
+        self._stats.hits += num_hit_tokens
+
+    # -------------------------------------------------------------------------------- loads
+    def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
+                       device_block_ids: Mapping[int, Sequence[int]],
+                       traffic_class: str | None = None) -> list[KVTransfer]:
+        traffic_class = _check_class(traffic_class, self.backend.retention)
+        state = self._requests.get(request_id)
+        if state is not None and state.release_pending:
+            raise ValueError(f"request {request_id!r} still has aborted loads in flight; wait for its release")
+        for group_id, ids in device_block_ids.items():
+            if group_id not in self._layouts:
+                raise ValueError(f"layer group {group_id} is not persisted: its KV is rebuilt, never loaded")
+            if len(ids) != len(block_hashes):
+                raise ValueError(f"group {group_id}: {len(ids)} device blocks for {len(block_hashes)} hashes")
+        transfers = []
+        for group_id, ids in device_block_ids.items():
+            if not ids:
+                continue
+            gk = self._layouts[group_id][0]
+            transfer = self._new_transfer(True, request_id, group_id, ids, list(block_hashes), gk, traffic_class)
+            self._queued_loads.append(transfer)
+            transfers.append(transfer)
+        return transfers
+
+    def _new_transfer(self, is_load: bool, request_id: str, group_id: int, device_block_ids: Sequence[int],
+                      hashes: list[bytes], gk: bytes, traffic_class: str) -> KVTransfer:
+        transfer_id = next(self._ids)
+        self._transfers[transfer_id] = _Transfer(is_load, request_id, [(gk, h) for h in hashes])
+        state = self._requests.setdefault(request_id, _RequestTransfers())
+        (state.loads if is_load else state.saves).add(transfer_id)
+        return KVTransfer(transfer_id, request_id, group_id, list(device_block_ids), [],
+                          block_hashes=hashes, traffic_class=traffic_class)
+
+    def _cancel_unbuilt_loads(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        cancelled = {t for t in state.loads if not self._transfers[t].built}
+        if not cancelled:
+            return
+        for transfer_id in cancelled:
+            del self._transfers[transfer_id]
+        state.loads -= cancelled
+        self._queued_loads = [t for t in self._queued_loads if t.transfer_id not in cancelled]
+
+    def abort_loads(self, request_id: str) -> bool:
+        self._cancel_unbuilt_loads(request_id)
+        state = self._requests.get(request_id)
+        if state is None or not state.loads:
+            self._forget_if_idle(request_id)
+            return False
+        state.release_pending = True
+        return True
+
+    # -------------------------------------------------------------------------------- saves
+    def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
+                    device_block_ids: Sequence[int], traffic_class: str | None = None) -> list[KVTransfer]:
+        if len(block_hashes) != len(device_block_ids):
+            raise ValueError(f"{len(device_block_ids)} device blocks for {len(block_hashes)} hashes")
+        if group_id not in self._layouts:
+            self._stats.refused_saves += len(block_hashes)   # sliding window: never persisted
+            return []
+        traffic_class = _check_class(traffic_class, self.backend.retention)
+        state = self._requests.get(request_id)
+        if state is not None and state.release_pending:
+            raise ValueError(f"request {request_id!r} has finished: its blocks may be freed, so not saved")
+        if not self.health.usable():
+            self._stats.dropped_saves += len(block_hashes)   # the store is down: recompute later
+            return []
+        gk = self._layouts[group_id][0]
+        now = time.monotonic()
+        hashes, ids = [], []
+        for block_hash, block_id in zip(block_hashes, device_block_ids):
+            key = (gk, block_hash)
+            if key in self._saving or self._is_known(key, now):
+                continue   # being saved, or the store had it a moment ago
+            self._saving.add(key)
+            hashes.append(block_hash)
+            ids.append(block_id)
+        if not hashes:
+            return []
+        transfer = self._new_transfer(False, request_id, group_id, ids, hashes, gk, traffic_class)
+        self._queued_saves.append(transfer)
+        return [transfer]
+
+    # ----------------------------------------------------------------------- step boundary
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata(self._queued_loads, self._queued_saves)
+        for transfer in itertools.chain(meta.loads, meta.saves):
+            self._transfers[transfer.transfer_id].built = True
+        self._queued_loads, self._queued_saves = [], []
+        return meta
+
+    def on_transfers_finished(self, transfer_ids: Sequence[int],
+                              failed_ids: Sequence[int] = ()) -> FinishedTransfers:
+        loads_done: dict[str, None] = {}
+        touched: dict[str, None] = {}
+        failed = set(failed_ids)
+        for transfer_id in itertools.chain(transfer_ids, failed_ids):
+            transfer = self._transfers.pop(transfer_id, None)
+            if transfer is None:
+                continue
+            state = self._requests[transfer.request_id]
+            if transfer.is_load:
+                state.loads.discard(transfer_id)
+                if transfer_id in failed:
+                    state.failed = True
+                    self._stats.failed_loads += len(transfer.keys)
+                    for key in transfer.keys:
+                        self._known.pop(key, None)
+                else:
+                    self._stats.loaded_blocks += len(transfer.keys)
+                loads_done[transfer.request_id] = None
+            else:
+                self._saving.difference_update(transfer.keys)
+                if transfer_id in failed:
+                    self._stats.dropped_saves += len(transfer.keys)
+                else:
+                    self._stats.saved_blocks += len(transfer.keys)
+                state.saves.discard(transfer_id)
+            touched[transfer.request_id] = None
+        done = FinishedTransfers([], [])
+        for request_id in touched:
+            state = self._requests[request_id]
+            if request_id in loads_done and not state.loads and not state.release_pending:
+                (done.failed if state.failed else done.loaded).append(request_id)
+                state.failed = False
+            if state.release_pending and not state.loads and not state.saves:
+                done.released.append(request_id)
+            self._forget_if_idle(request_id)
+        return done
+
+    def request_finished(self, request_id: str) -> bool:
+        self._cancel_unbuilt_loads(request_id)
+        state = self._requests.get(request_id)
+        if state is None or not (state.loads or state.saves):
+            self._forget_if_idle(request_id)
+            return False
+        state.release_pending = True
+        return True
+
+    def _forget_if_idle(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is not None and not state.loads and not state.saves:
+            del self._requests[request_id]
+
+    @property
+    def num_pending_transfers(self) -> int:
+        return len(self._transfers)
+
+    def stats(self) -> KVConnectorStats:
+        stats = self._stats.copy()
+        stats.store_errors = self.health.errors
+        return stats
+
+
+# ------------------------------------------------------------------------------- worker side
+@dataclass
+class StoreWorkerStats:
+    """The worker side's counters (the threads'): what was written, skipped, found bad."""
+
+    written_blocks: int = 0       # entries written to the store
+    skipped_blocks: int = 0       # saves the store already held
+    dropped_saves: int = 0        # saves not written: queue full, store down, flush timed out
+    loaded_blocks: int = 0
+    failed_loads: int = 0         # load transfers reported failed
+    load_timeouts: int = 0        # of those, not read within load_timeout_s
+    missing_entries: int = 0      # entries gone by the time they were read
+    bad_entries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(entry_format.REASONS, 0))
+    write_errors: int = 0
+    read_errors: int = 0
+    expired_entries: int = 0      # dropped by gc (retention)
+
+    @property
+    def corrupt_entries(self) -> int:
+        return sum(self.bad_entries.values())
+
+    def copy(self) -> StoreWorkerStats:
+        out = StoreWorkerStats(**{k: v for k, v in vars(self).items() if k != "bad_entries"})
+        out.bad_entries = dict(self.bad_entries)
+        return out
+
+
+@dataclass
+class _Staged:
+    """Blocks of one save, on the host: [blocks, layers, 2, page words]."""
+
+    transfer: KVTransfer
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+    nbytes: int
+
+
+@dataclass
+class _Load:
+    transfer: KVTransfer
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    host: torch.Tensor | None = None     # [blocks, layers, 2, words] once read and checked
+    error: str | None = None
+    abandoned: bool = False              # timed out: the reader's result is dropped
+
+
+class StoreTierWorker(KVConnectorWorker):
+    def __init__(self, backend: StoreBackend, device: torch.device, *, load_timeout_s: float = 5.0,
+                 max_pending_bytes: int = 1 << 30, flush_timeout_s: float = 10.0, backoff_s: float = 1.0,
+                 key_extra: bytes = b"") -> None:
+        self.backend = backend
+        self.device = torch.device(device)
+        self.load_timeout_s = load_timeout_s
+        self.max_pending_bytes = max_pending_bytes
+        self.flush_timeout_s = flush_timeout_s
+        self.key_extra = key_extra
+        self.health = StoreHealth(backend.url, backoff_s)
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._stats = StoreWorkerStats()
+        self._lock = threading.Lock()
+        self._layouts: dict[int, tuple[bytes, EntryLayout]] = {}
+        self._words: dict[int, torch.dtype] = {}
+        self._group_pages: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._deferred_saves: list[KVTransfer] = []
+        self._staging: collections.deque[_Staged] = collections.deque()   # copies not complete yet
+        # Staged, not written yet: (host blocks, row, the copy's event on CUDA)
+        self._pending: dict[TierKey, tuple[torch.Tensor, int, torch.cuda.Event | None]] = {}
+        self._pending_bytes = 0
+        self._writes: queue.Queue = queue.Queue()
+        self._reads: queue.Queue = queue.Queue()
+        self._loads: collections.deque[_Load] = collections.deque()
+        self._copies: collections.deque[tuple[int, torch.cuda.Event]] = collections.deque()
+        self._done: list[int] = []
+        self._failed: list[int] = []
+        self._idle = threading.Condition(self._lock)
+        self._unwritten = 0                    # staged saves queued or being written
+        self._closed = False
+        self._closing_deadline: float | None = None
+        self._last_gc = time.monotonic()
+        # The threads hold the worker weakly: an engine dropped without shutdown still lets its
+        # KV tensors go (the threads notice within THREAD_POLL_S and end).
+        ref = weakref.ref(self)
+        self._writer = threading.Thread(target=_serve, args=(ref, self._writes, "_on_write"),
+                                        name="kv-store-writer", daemon=True)
+        self._reader = threading.Thread(target=_serve, args=(ref, self._reads, "_on_read"),
+                                        name="kv-store-reader", daemon=True)
+        self._writer.start()
+        self._reader.start()
+        atexit.register(lambda: (w := ref()) is not None and w.close())
+
+    # --------------------------------------------------------------------------- registration
+    def register_kv_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                           groups: Sequence[KVCacheGroup], block_size: int) -> None:
+        self._layouts = group_layouts(groups, block_size, self.key_extra)
+        by_id = {g.group_id: g for g in groups}
+        for group_id, (_, layout) in self._layouts.items():
+            word = _word_dtype(layout.page_bytes)
+            self._words[group_id] = word
+            self._group_pages[group_id] = [(_pages(k, block_size, word), _pages(v, block_size, word))
+                                           for k, v in group_kv_tensors(kv_caches, groups, by_id[group_id])]
+        logger.info("KV store tier: %s, groups %s", self.backend.url, sorted(self._layouts))
+
+    def stats(self) -> StoreWorkerStats:
+        with self._lock:
+            return self._stats.copy()
+
+    # ------------------------------------------------------------------------------ the step
+    def start_transfers(self, meta: KVConnectorMetadata) -> None:
+        now = time.monotonic()
+        for transfer in meta.loads:
+            load = _Load(transfer, now + self.load_timeout_s)
+            self._loads.append(load)
+            self._reads.put(load)
+        self._deferred_saves.extend(meta.saves)
+
+    def after_forward(self) -> None:
+        saves, self._deferred_saves = self._deferred_saves, []
+        if not saves:
+            return
+        if self._cuda:   # behind the forward that wrote the blocks
+            queued = torch.cuda.Event()
+            queued.record()
+            self._stream.wait_event(queued)
+        for transfer in saves:
+            self._stage(transfer)
+
+    def _stage(self, transfer: KVTransfer) -> None:
+        """Copy a save's blocks device -> host (the only part on the step)."""
+        layout = self._layouts[transfer.group_id][1]
+        nbytes = len(transfer.device_block_ids) * layout.payload_bytes
+        with self._lock:
+            full = self._pending_bytes + nbytes > self.max_pending_bytes
+            if full or not self.health.usable():
+                self._stats.dropped_saves += len(transfer.device_block_ids)
+                # Reported finished (its device blocks are free), never written.
+                self._done.append(transfer.transfer_id)
+                return
+            self._pending_bytes += nbytes
+        pages = self._group_pages[transfer.group_id]
+        n = len(transfer.device_block_ids)
+        if self._cuda:
+            host = torch.empty((n, len(pages), 2, pages[0][0].shape[1]), dtype=self._words[transfer.group_id],
+                               pin_memory=True)
+            with torch.cuda.stream(self._stream):
+                blocks = to_device(transfer.device_block_ids, self.device, torch.long)
+                gathered = torch.stack([torch.stack([k.index_select(0, blocks), v.index_select(0, blocks)], 1)
+                                        for k, v in pages], 1)
+                host.copy_(gathered, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        else:
+            blocks = torch.tensor(transfer.device_block_ids, dtype=torch.long)
+            host = torch.stack([torch.stack([k.index_select(0, blocks), v.index_select(0, blocks)], 1)
+                                for k, v in pages], 1)
+            event = None
+        staged = _Staged(transfer, host, event, nbytes)
+        gk = self._layouts[transfer.group_id][0]
+        with self._lock:
+            for i, block_hash in enumerate(transfer.block_hashes):
+                self._pending[(gk, block_hash)] = (host, i, event)
+            self._unwritten += 1
+        self._staging.append(staged)
+        self._writes.put(staged)
+
+    def finished_transfers(self) -> list[int]:
+        done: list[int] = []
+        with self._lock:
+            done, self._done = self._done, []
+        while self._staging and (self._staging[0].event is None or self._staging[0].event.query()):
+            done.append(self._staging.popleft().transfer.transfer_id)
+        self._finish_loads()
+        while self._copies and self._copies[0][1].query():
+            done.append(self._copies.popleft()[0])
+        with self._lock:
+            done.extend(self._done)
+            self._done = []
+        return done
+
+    def failed_transfers(self) -> list[int]:
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def _finish_loads(self, wait: bool = False) -> None:
+        """Loads whose reads completed: copy into the device blocks (or report them failed)."""
+        while self._loads:
+            load = self._loads[0]
+            if wait:
+                load.done.wait(max(0.0, load.deadline - time.monotonic()))
+            if not load.done.is_set():
+                if time.monotonic() < load.deadline:
+                    return   # in order: later loads wait behind this one
+                load.abandoned = True
+                with self._lock:
+                    self._stats.load_timeouts += 1
+                load.error = load.error or f"not read within {self.load_timeout_s} s"
+            self._loads.popleft()
+            transfer = load.transfer
+            if load.error is not None or load.host is None:
+                logger.debug("KV store load %d failed: %s", transfer.transfer_id, load.error)
+                with self._lock:
+                    self._stats.failed_loads += 1
+                    self._failed.append(transfer.transfer_id)
+                continue
+            self._copy_in(transfer, load.host)
+            with self._lock:
+                self._stats.loaded_blocks += len(transfer.device_block_ids)
+
+    def _copy_in(self, transfer: KVTransfer, host: torch.Tensor) -> None:
+        pages = self._group_pages[transfer.group_id]
+        if self._cuda:
+            queued = torch.cuda.Event()
+            queued.record()
+            self._stream.wait_event(queued)
+            with torch.cuda.stream(self._stream):
+                blocks = to_device(transfer.device_block_ids, self.device, torch.long)
+                src = host.pin_memory().to(self.device, non_blocking=True)
+                for layer, (k, v) in enumerate(pages):
+                    k.index_copy_(0, blocks, src[:, layer, 0])
+                    v.index_copy_(0, blocks, src[:, layer, 1])
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self._copies.append((transfer.transfer_id, event))
+        else:
+            blocks = torch.tensor(transfer.device_block_ids, dtype=torch.long)
+            for layer, (k, v) in enumerate(pages):
+                k.index_copy_(0, blocks, host[:, layer, 0])
+                v.index_copy_(0, blocks, host[:, layer, 1])
+            with self._lock:
+                self._done.append(transfer.transfer_id)
+
+    # ------------------------------------------------------------------------------ threads
+    def _on_read(self, load: _Load | None) -> None:
+        if load is None:   # idle tick
+            return
+        try:
+            load.host = self._read(load)
+        except Exception as exc:   # never let the thread die: the load fails, the request recomputes
+            load.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            load.done.set()
+
+    def _read(self, load: _Load) -> torch.Tensor | None:
+        transfer = load.transfer
+        gk, layout = self._layouts[transfer.group_id]
+        keys = [(gk, h) for h in transfer.block_hashes]
+        word = self._words[transfer.group_id]
+        rows: list[torch.Tensor | None] = [None] * len(keys)
+        with self._lock:
+            staged_rows = [(i, self._pending.get(key)) for i, key in enumerate(keys)]
+        for i, staged in staged_rows:   # staged, not written yet: from host memory
+            if staged is not None:
+                host, row, event = staged
+                if event is not None:
+                    event.synchronize()
+                rows[i] = host[row].clone()
+        wanted = [i for i, r in enumerate(rows) if r is None]
+        if wanted:
+            if not self.health.usable():
+                load.error = "the store is down"
+                return None
+            try:
+                data = self.backend.get([keys[i] for i in wanted])
+            except StoreUnavailable as exc:
+                self.health.failed(exc, "read")
+                with self._lock:
+                    self._stats.read_errors += 1
+                load.error = str(exc)
+                return None
+            self.health.succeeded()
+            bad = []
+            for i, raw in zip(wanted, data):
+                if raw is None:
+                    with self._lock:
+                        self._stats.missing_entries += 1
+                    load.error = "entry gone"
+                    continue
+                try:
+                    _, payload = entry_format.decode(raw, keys[i][0], keys[i][1], layout)
+                except EntryError as exc:
+                    with self._lock:
+                        self._stats.bad_entries[exc.reason] += 1
+                    logger.warning("KV store %s: dropping a bad entry (%s)", self.backend.url, exc)
+                    bad.append(keys[i])
+                    load.error = str(exc)
+                    continue
+                rows[i] = torch.frombuffer(bytearray(payload), dtype=word).view(layout.num_layers, 2, -1)
+            if bad:
+                self.health.call("delete", lambda: self.backend.delete(bad), None)
+            if load.error is not None:
+                return None
+            self.health.call("touch", lambda: self.backend.touch([keys[i] for i in wanted],
+                                                                 transfer.traffic_class or DEFAULT_CLASS), None)
+        if load.abandoned:
+            return None
+        return torch.stack(rows)
+
+    def _on_write(self, staged: _Staged | None) -> None:
+        if staged is not None:   # None: an idle tick
+            try:
+                self._write(staged)
+            except Exception:   # never let the thread die
+                logger.exception("KV store write failed")
+            finally:
+                self._written(staged)
+        if time.monotonic() - self._last_gc >= GC_INTERVAL_S:
+            self._last_gc = time.monotonic()
+            expired = self.health.call("gc", self.backend.gc, 0)
+            with self._lock:
+                self._stats.expired_entries += expired
+
+    def _write(self, staged: _Staged) -> None:
+        if staged.event is not None:
+            staged.event.synchronize()
+        transfer = staged.transfer
+        gk, layout = self._layouts[transfer.group_id]
+        keys = [(gk, h) for h in transfer.block_hashes]
+        n = len(keys)
+        if self._closing_deadline is not None and time.monotonic() > self._closing_deadline:
+            with self._lock:
+                self._stats.dropped_saves += n
+            return
+        states = self.health.call("exists", lambda: self.backend.exists(keys, [layout.entry_bytes] * n), None)
+        if states is None:
+            with self._lock:
+                self._stats.dropped_saves += n
+            return
+        traffic_class = transfer.traffic_class or DEFAULT_CLASS
+        now = self.backend.clock()
+        items = []
+        host = staged.host.cpu()
+        for i, (key, state) in enumerate(zip(keys, states)):
+            if state == PRESENT:
+                continue
+            payload = host[i].contiguous().view(torch.uint8).numpy().tobytes()
+            items.append((key, entry_format.encode(key[0], key[1], layout, payload, traffic_class, now),
+                          traffic_class))
+        skipped = n - len(items)
+        try:
+            self.backend.put(items)
+        except StoreUnavailable as exc:
+            self.health.failed(exc, "write")
+            with self._lock:
+                self._stats.write_errors += 1
+                self._stats.dropped_saves += len(items)
+                self._stats.skipped_blocks += skipped
+            return
+        self.health.succeeded()
+        with self._lock:
+            self._stats.written_blocks += len(items)
+            self._stats.skipped_blocks += skipped
+
+    def _written(self, staged: _Staged) -> None:
+        gk = self._layouts[staged.transfer.group_id][0]
+        with self._lock:
+            for block_hash in staged.transfer.block_hashes:
+                entry = self._pending.get((gk, block_hash))
+                if entry is not None and entry[0] is staged.host:
+                    del self._pending[(gk, block_hash)]
+            self._pending_bytes -= staged.nbytes
+            self._unwritten -= 1
+            self._idle.notify_all()
+
+    # ---------------------------------------------------------------------------- shutdown
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every staged save is written (or dropped); False if `timeout_s` passed first."""
+        deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
+        with self._lock:
+            while self._unwritten:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def wait_all(self) -> None:
+        self.after_forward()
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._finish_loads(wait=True)
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.flush()
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Flush queued writes within `timeout_s` (default flush_timeout_s; what is left then is
+        dropped, counted), stop the threads, close the backend. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self.flush_timeout_s if timeout_s is None else timeout_s
+        self.after_forward()
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._closing_deadline = time.monotonic() + timeout
+        if not self.flush(timeout):
+            logger.warning("KV store %s: writes still pending after %.1f s at shutdown; dropped",
+                           self.backend.url, timeout)
+        self._writes.put(_STOP)
+        self._reads.put(_STOP)
+        self._writer.join(1.0)
+        self._reader.join(1.0)
+        self.backend.close()

@@ -1,0 +1,444 @@
+"""The persistent KV store tier (kv_cache/store/: entry.py, dir.py, redis.py, persistent.py),
+both sides of the connector driven by hand: bit-identical round trips through a directory and a
+real Redis, faults detected and dropped, a store that goes down and comes back, retention per
+traffic class with an injectable clock, capacity LRU, sliding-window KV never written."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from deepinfer.config import CacheConfig, parse_retention
+from deepinfer.kv_cache.connector import make_kv_connector
+from deepinfer.kv_cache.store import entry as entry_format
+from deepinfer.kv_cache.store.backend import StoreUnavailable
+from deepinfer.kv_cache.store.dir import DirStore
+from deepinfer.kv_cache.store.entry import HEADER_SIZE, EntryError, EntryLayout
+from deepinfer.kv_cache.store.persistent import StoreTierScheduler, StoreTierWorker
+from tests.redis_server import redis_server  # noqa: F401  (a fixture)
+from tests.unit.test_kv_host_tier import BS, block_bytes, chain, full, random_caches, sliding
+
+RETENTION = parse_retention("chat=7d,agent=3d")
+DAY = 86400.0
+
+
+class Clock:
+    def __init__(self, t: float = 1_700_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def connector(store, groups, device="cpu", **worker_kwargs):
+    sched = StoreTierScheduler(groups, BS, store, backoff_s=0.2)
+    worker = StoreTierWorker(store, device, backoff_s=0.2, **worker_kwargs)
+    return sched, worker
+
+
+def settle(sched, worker):
+    worker.start_transfers(sched.build_connector_meta())
+    worker.after_forward()
+    worker.wait_all()
+    return sched.on_transfers_finished(worker.finished_transfers(), worker.failed_transfers())
+
+
+def save_all(sched, worker, caches, groups, hashes, block_ids):
+    worker.register_kv_caches(caches, groups, BS)
+    for g in groups:
+        sched.save_blocks("writer", g.group_id, hashes, block_ids)
+    settle(sched, worker)
+
+
+def load_all(sched, worker, groups, hashes, block_ids):
+    n = sched.get_num_new_matched_tokens(hashes, [g.group_id for g in groups], 0) // BS
+    if n:
+        sched.allocate_loads("reader", hashes[:n], {g.group_id: block_ids[:n] for g in groups if g.spec.persisted})
+    return n, settle(sched, worker)
+
+
+# ------------------------------------------------------------------------------------- entry
+def test_entry_round_trip_and_every_fault_is_detected():
+    layout = EntryLayout(2, 64, "bfloat16")
+    payload = os.urandom(layout.payload_bytes)
+    data = entry_format.encode(b"g" * 16, b"h" * 16, layout, payload, "agent", 123.0)
+    header, out = entry_format.decode(data, b"g" * 16, b"h" * 16, layout)
+    assert bytes(out) == payload and header.traffic_class == "agent" and header.created == 123.0
+    flipped = bytearray(data)
+    flipped[HEADER_SIZE + 5] ^= 0x10
+    truncated = data[:-7]
+    foreign = bytearray(data)
+    foreign[4:6] = (2).to_bytes(2, "little")
+    header_flip = bytearray(data)
+    header_flip[30] ^= 1
+    for bad, reason in ((bytes(flipped), "corrupt"), (truncated, "truncated"), (data[:10], "truncated"),
+                        (bytes(foreign), "version"), (bytes(header_flip), "corrupt")):
+        with pytest.raises(EntryError) as err:
+            entry_format.decode(bad, b"g" * 16, b"h" * 16, layout)
+        assert err.value.reason == reason
+    with pytest.raises(EntryError) as err:
+        entry_format.decode(data, b"g" * 16, b"x" * 16, layout)
+    assert err.value.reason == "mismatch"
+    with pytest.raises(EntryError):
+        entry_format.decode(data, b"g" * 16, b"h" * 16, EntryLayout(2, 64, "float8_e4m3fn"))
+
+
+# ------------------------------------------------------------------------------ round trips
+def _round_trip(make_store, dtype, device="cpu"):
+    groups = [full(0, (0, 1), cache_dtype=dtype)]
+    hashes = chain(5)
+    src = random_caches(2, dtype, device)
+    writer = connector(make_store(), groups, device)
+    save_all(*writer, src, groups, hashes, [3, 7, 1, 12, 5])
+    assert writer[1].stats().written_blocks == 5
+    writer[1].close()
+    # A fresh instance (both sides new) on the same store: cross-instance reuse.
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    sched, worker = connector(make_store(), groups, device)
+    worker.register_kv_caches(dst, groups, BS)
+    n, done = load_all(sched, worker, groups, hashes, [0, 2, 4, 6, 8])
+    assert n == 5 and done.loaded == ["reader"] and not done.failed
+    for a, b in zip(block_bytes(src, 2, [3, 7, 1, 12, 5]), block_bytes(dst, 2, [0, 2, 4, 6, 8])):
+        assert torch.equal(a, b)
+    # Saving what the store holds writes nothing (the blocks just loaded are known).
+    assert sched.save_blocks("again", 0, hashes, [0, 2, 4, 6, 8]) == []
+    worker.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_round_trip_is_bit_identical_through_a_directory(tmp_path, dtype):
+    _round_trip(lambda: DirStore(str(tmp_path), RETENTION), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_round_trip_is_bit_identical_through_a_directory_on_cuda(tmp_path, dtype):
+    _round_trip(lambda: DirStore(str(tmp_path), RETENTION), dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_round_trip_is_bit_identical_through_redis(redis_server, dtype):  # noqa: F811
+    from deepinfer.kv_cache.store.redis import RedisStore
+
+    _round_trip(lambda: RedisStore(redis_server.url, RETENTION), dtype)
+
+
+def test_factory_picks_the_store_and_refuses_two_tiers(tmp_path):
+    groups = [full(0, (0,))]
+    sched, worker = make_kv_connector(CacheConfig(kv_store=f"dir://{tmp_path}"), groups, BS, torch.device("cpu"))
+    assert isinstance(sched, StoreTierScheduler) and isinstance(worker, StoreTierWorker)
+    worker.close()
+    with pytest.raises(ValueError, match="one KV tier at a time"):
+        CacheConfig(kv_store=f"dir://{tmp_path}", kv_offloading_size=1)
+    with pytest.raises(ValueError, match="kv_store must be"):
+        CacheConfig(kv_store="s3://bucket")
+    for bad, message in (("chat=7x", "not a duration"), ("agent=3d", "name the class 'chat'"),
+                         ("chat", "CLASS=DURATION"), ("chat=0s", "positive"), ("chat=1d,chat=2d", "twice")):
+        with pytest.raises(ValueError, match=f"kv_retention.*{message}|{message}.*kv_retention|kv_retention"):
+            CacheConfig(kv_retention=bad)
+    assert parse_retention("chat=7d, agent=3d,batch=90m,x=30") == {"chat": 7 * DAY, "agent": 3 * DAY,
+                                                                    "batch": 5400.0, "x": 30.0}
+
+
+# ------------------------------------------------------------------------------------ faults
+def _file(store: DirStore, groups, hashes, i):
+    return store.path((StoreTierScheduler(groups, BS, store)._layouts[0][0], hashes[i]))
+
+
+@pytest.mark.parametrize("fault", ["bit_flip", "truncate", "delete", "foreign_version", "delete_after_lookup"])
+def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, fault):
+    groups = [full(0, (0, 1))]
+    hashes = chain(4)
+    src = random_caches(2, torch.bfloat16)
+    store = DirStore(str(tmp_path), RETENTION)
+    save_all(*connector(store, groups), src, groups, hashes, [1, 2, 3, 4])
+    path = _file(store, groups, hashes, 2)
+    if fault == "bit_flip":
+        data = bytearray(open(path, "rb").read())
+        data[-100] ^= 0x04
+        open(path, "wb").write(bytes(data))
+    elif fault == "truncate":
+        os.truncate(path, os.path.getsize(path) - 10)
+    elif fault == "delete":
+        os.remove(path)
+    elif fault == "foreign_version":
+        data = bytearray(open(path, "rb").read())
+        data[4:6] = (9).to_bytes(2, "little")
+        open(path, "wb").write(bytes(data))
+    # A half-written temp file beside it is never read either.
+    open(_file(store, groups, hashes, 3) + ".tmp.1.2.dead", "wb").write(b"DIKV\x01")
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups)
+    worker.register_kv_caches(dst, groups, BS)
+    n = sched.get_num_new_matched_tokens(hashes, [0], 0) // BS
+    if fault in ("truncate", "delete"):   # seen by the look-up itself: stops at block 2
+        assert n == 2
+        assert sched.stats().corrupt_entries == (fault == "truncate")
+        assert not os.path.exists(path)
+        return
+    assert n == 4
+    if fault == "delete_after_lookup":
+        os.remove(path)
+    sched.allocate_loads("reader", hashes, {0: [5, 6, 7, 8]})
+    done = settle(sched, worker)
+    assert done.failed == ["reader"] and done.loaded == []
+    stats = worker.stats()
+    assert stats.failed_loads == 1 and sched.stats().failed_loads == 4 and sched.num_pending_transfers == 0
+    if fault == "bit_flip":
+        assert stats.bad_entries["corrupt"] == 1
+    elif fault == "foreign_version":
+        assert stats.bad_entries["version"] == 1
+    else:
+        assert stats.missing_entries == 1
+    assert not os.path.exists(path)                 # dropped
+    assert all(not t.any() for k, v in dst for t in (k, v))   # nothing reached the device blocks
+    # The next look-up stops before the dropped entry: the request recomputes from there.
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 2 * BS
+    worker.close()
+
+
+def test_a_load_slower_than_the_timeout_fails(tmp_path):
+    groups = [full(0, (0,))]
+    hashes = chain(2)
+    src = random_caches(1, torch.bfloat16)
+    save_all(*connector(DirStore(str(tmp_path), RETENTION), groups), src, groups, hashes, [1, 2])
+
+    class Slow(DirStore):
+        def get(self, keys):
+            time.sleep(0.5)
+            return super().get(keys)
+
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    sched, worker = connector(Slow(str(tmp_path), RETENTION), groups, load_timeout_s=0.1)
+    worker.register_kv_caches(dst, groups, BS)
+    n, done = load_all(sched, worker, groups, hashes, [3, 4])
+    assert n == 2 and done.failed == ["reader"] and worker.stats().load_timeouts == 1
+    time.sleep(0.6)   # the late read is dropped, never copied
+    assert worker.finished_transfers() == [] and not dst[0][0].any()
+    worker.close()
+
+
+def test_redis_down_never_stops_serving_and_is_used_again_when_back(redis_server):  # noqa: F811
+    from deepinfer.kv_cache.store.redis import RedisStore
+
+    groups = [full(0, (0,))]
+    hashes = chain(3)
+    src = random_caches(1, torch.bfloat16)
+    sched, worker = connector(RedisStore(redis_server.url, RETENTION, connect_timeout_s=0.2), groups)
+    worker.register_kv_caches(src, groups, BS)
+    redis_server.stop()
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 0      # a miss, not an error
+    assert sched.stats().store_errors == 1 and sched.health.down
+    assert sched.save_blocks("r", 0, hashes, [1, 2, 3]) == []          # skipped while down
+    assert sched.stats().dropped_saves == 3
+    redis_server.start()
+    time.sleep(0.25)   # the back-off
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 0 and not sched.health.down
+    sched.save_blocks("r", 0, hashes, [1, 2, 3])
+    settle(sched, worker)
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 3 * BS
+    # Down in the middle of writes: the writer counts it and drops, the step goes on.
+    redis_server.stop()
+    sched.save_blocks("r", 0, chain(2, first=1000), [4, 5])
+    settle(sched, worker)
+    assert worker.stats().write_errors + worker.stats().dropped_saves >= 1
+    worker.close()
+
+
+# --------------------------------------------------------------------------------- retention
+def test_dir_retention_per_class_counts_from_last_use(tmp_path):
+    clock = Clock()
+    store = DirStore(str(tmp_path), RETENTION, clock=clock)
+    layout = EntryLayout(1, 16, "bfloat16")
+    keys = {name: (b"g" * 16, bytes([i]) * 16) for i, name in enumerate(["chat", "agent", "touched"])}
+    for name, key in keys.items():
+        cls = "agent" if name == "agent" else "chat"
+        store.put([(key, entry_format.encode(*key, layout, bytes(32), cls, clock()), cls)])
+    size = [layout.entry_bytes]
+
+    def alive(name):
+        return store.exists([keys[name]], size) == [1]
+
+    clock.t += 3 * DAY + 3600
+    assert store.gc() == 1 and not alive("agent") and alive("chat")
+    clock.t += 3 * DAY
+    store.touch([keys["touched"]], "chat")          # a hit at day 6
+    clock.t += 1 * DAY + 3600                        # day 7 + 2 h
+    assert store.gc() == 1 and not alive("chat") and alive("touched")
+    clock.t += 5 * DAY                               # day 12 + 2 h: touched 6 d 1 h ago
+    assert store.gc() == 0 and alive("touched")
+    clock.t += 1 * DAY
+    assert store.gc() == 1 and not alive("touched")
+    assert os.listdir(store.index) == []             # buckets processed are gone
+
+
+def test_dir_gc_opens_only_expired_buckets(tmp_path):
+    clock = Clock()
+    store = DirStore(str(tmp_path), RETENTION, clock=clock)
+    layout = EntryLayout(1, 16, "bfloat16")
+    for i in range(20):
+        key = (b"g" * 16, i.to_bytes(16, "big"))
+        store.put([(key, entry_format.encode(*key, layout, bytes(32), "chat", clock()), "chat")])
+        clock.t += 3600
+    opened = []
+    claim = store._claim
+    store._claim = lambda name: (opened.append(name), claim(name))[1]
+    clock.t = 1_700_000_000.0 + 7 * DAY + 2 * 3600
+    store.gc()
+    assert 0 < len(opened) <= 3 and store.expired == len(opened)
+
+
+def test_redis_retention_is_redis_expiry_and_a_hit_extends_it(redis_server):  # noqa: F811
+    import redis
+
+    from deepinfer.kv_cache.store.redis import RedisStore
+
+    clock = Clock(time.time())
+    store = RedisStore(redis_server.url, RETENTION, clock=clock)
+    client = redis.Redis.from_url(redis_server.url)
+    layout = EntryLayout(1, 16, "bfloat16")
+    chat, agent = (b"g" * 16, b"c" * 16), (b"g" * 16, b"a" * 16)
+    store.put([(chat, entry_format.encode(*chat, layout, bytes(32), "chat", clock()), "chat"),
+               (agent, entry_format.encode(*agent, layout, bytes(32), "agent", clock()), "agent")])
+    assert client.pttl(store.name(chat)) / 1000 == pytest.approx(7 * DAY, abs=5)
+    assert client.pttl(store.name(agent)) / 1000 == pytest.approx(3 * DAY, abs=5)
+    clock.t += 2 * DAY
+    store.touch([agent], "agent")
+    assert client.pttl(store.name(agent)) / 1000 == pytest.approx(5 * DAY, abs=5)   # 2 d + 3 d from now
+    clock.t = time.time() - 3 * DAY + 0.3    # "last used 3 days ago, less 0.3 s": expires in 0.3 s
+    store.touch([agent], "agent")
+    time.sleep(0.5)
+    assert client.exists(store.name(agent)) == 0 and client.exists(store.name(chat)) == 1
+
+
+def test_dir_capacity_evicts_least_recently_used_first(tmp_path):
+    clock = Clock()
+    layout = EntryLayout(1, 512, "bfloat16")
+    limit = 10 * layout.entry_bytes
+    store = DirStore(str(tmp_path), RETENTION, size_bytes=limit, clock=clock)
+    keys = [(b"g" * 16, i.to_bytes(16, "big")) for i in range(12)]
+    for key in keys[:10]:
+        store.put([(key, entry_format.encode(*key, layout, bytes(1024), "chat", clock()), "chat")])
+        clock.t += 400
+    store.touch([keys[0]], "chat")    # the oldest, used again: now the most recent
+    clock.t += 400
+    for key in keys[10:]:
+        store.put([(key, entry_format.encode(*key, layout, bytes(1024), "chat", clock()), "chat")])
+    present = [store.exists([k], [layout.entry_bytes]) == [1] for k in keys]
+    assert store.usage() <= limit and store.evicted >= 2
+    assert present[0] and present[10] and present[11]
+    assert not present[1] and not present[2]          # least recently used went first
+
+
+# ------------------------------------------------------------------------------ sliding window
+def test_sliding_window_kv_is_never_written(tmp_path):
+    groups = [full(0, (0,)), sliding(1, (1,))]
+    hashes = chain(3)
+    store = DirStore(str(tmp_path), RETENTION)
+    sched, worker = connector(store, groups)
+    worker.register_kv_caches(random_caches(2, torch.bfloat16), groups, BS)
+    assert sched.save_blocks("r", 1, hashes, [1, 2, 3]) == []
+    assert sched.stats().refused_saves == 3
+    sched.save_blocks("r", 0, hashes, [1, 2, 3])
+    settle(sched, worker)
+    files = [f for _, _, fs in os.walk(store.blocks) for f in fs]
+    full_key = sched._layouts[0][0].hex()
+    assert len(files) == 3 and all(f.endswith(f".{full_key}.kv") for f in files)
+    assert sched.get_num_new_matched_tokens(hashes, [0, 1], 0) == 3 * BS   # the window is replayed
+    worker.close()
+
+
+def test_a_store_that_is_unwritable_drops_saves_and_keeps_serving(tmp_path, monkeypatch):
+    groups = [full(0, (0,))]
+    store = DirStore(str(tmp_path), RETENTION)
+    sched, worker = connector(store, groups)
+    worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
+
+    def full_disk(items):
+        raise StoreUnavailable("[Errno 28] No space left on device")
+    monkeypatch.setattr(store, "put", full_disk)
+    sched.save_blocks("r", 0, chain(2), [1, 2])
+    done = settle(sched, worker)
+    assert done.loaded == [] and sched.num_pending_transfers == 0
+    assert worker.stats().write_errors == 1 and worker.stats().dropped_saves == 2
+    worker.close()
+
+
+def test_a_load_when_redis_died_after_the_look_up_fails_and_recomputes(redis_server):  # noqa: F811
+    from deepinfer.kv_cache.store.redis import RedisStore
+
+    groups = [full(0, (0,))]
+    hashes = chain(2)
+    src = random_caches(1, torch.bfloat16)
+    save_all(*connector(RedisStore(redis_server.url, RETENTION), groups), src, groups, hashes, [1, 2])
+    dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+    sched, worker = connector(RedisStore(redis_server.url, RETENTION, connect_timeout_s=0.2), groups)
+    worker.register_kv_caches(dst, groups, BS)
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 2 * BS
+    sched.allocate_loads("reader", hashes, {0: [3, 4]})
+    redis_server.stop()
+    done = settle(sched, worker)
+    assert done.failed == ["reader"] and worker.stats().read_errors == 1 and not dst[0][0].any()
+    worker.close()
+
+
+def test_the_traffic_class_is_the_entrys_retention_class(tmp_path):
+    groups = [full(0, (0,))]
+    store = DirStore(str(tmp_path), RETENTION)
+    sched, worker = connector(store, groups)
+    worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
+    hashes = chain(2)
+    sched.save_blocks("a", 0, hashes[:1], [1], traffic_class="agent")
+    sched.save_blocks("c", 0, hashes[1:], [2])                         # unset: "chat"
+    settle(sched, worker)
+    classes = [entry_format.decode_header(open(_file(store, groups, hashes, i), "rb").read()).traffic_class
+               for i in range(2)]
+    assert classes == ["agent", "chat"]
+    assert sorted(name.split(".")[1] for name in os.listdir(store.index)) == ["agent", "chat"]
+    with pytest.raises(ValueError, match="kv_retention"):
+        sched.save_blocks("b", 0, chain(1, first=99), [3], traffic_class="batch")
+    worker.close()
+
+
+def test_two_instances_writing_the_same_blocks_at_once_is_safe(tmp_path):
+    import threading
+
+    layout = EntryLayout(2, 4096, "bfloat16")
+    keys = [(b"g" * 16, i.to_bytes(16, "big")) for i in range(20)]
+    items = [(k, entry_format.encode(*k, layout, bytes([i]) * layout.payload_bytes, "chat", 0.0), "chat")
+             for i, k in enumerate(keys)]
+    stores = [DirStore(str(tmp_path), RETENTION) for _ in range(4)]
+    threads = [threading.Thread(target=s.put, args=(items,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (key, data, _), raw in zip(items, stores[0].get(keys)):
+        assert raw == data
+        entry_format.decode(raw, *key, layout)
+    assert not [f for _, _, fs in os.walk(stores[0].blocks) for f in fs if ".tmp." in f]
+
+
+def test_shutdown_flushes_within_a_bounded_time(tmp_path):
+    groups = [full(0, (0,))]
+
+    class Slow(DirStore):
+        def put(self, items):
+            time.sleep(0.3)
+            super().put(items)
+
+    store = Slow(str(tmp_path), RETENTION)
+    sched, worker = connector(store, groups)
+    worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
+    for i in range(10):
+        sched.save_blocks(f"r{i}", 0, chain(1, first=10 * i), [i])
+    worker.start_transfers(sched.build_connector_meta())
+    worker.after_forward()
+    start = time.monotonic()
+    worker.close(timeout_s=0.5)
+    assert time.monotonic() - start < 2.5
+    stats = worker.stats()
+    assert 1 <= stats.written_blocks < 10 and stats.written_blocks + stats.dropped_saves <= 10
