@@ -9,7 +9,8 @@ The scheduler calls it at five points:
   release(request)            a request finishes, is preempted or aborted: free its blocks now,
                               or park them until the tier's transfers on them complete
   poll(result)                each result: loads that completed (their requests become
-                              schedulable) and parked blocks that may be freed
+                              schedulable), loads that failed (their requests start over without
+                              the tier) and parked blocks that may be freed
 """
 
 from __future__ import annotations
@@ -76,14 +77,16 @@ class KVTierLink:
         else:
             self.kv.free(request)
 
-    def poll(self, result: RunnerResult) -> list[str]:
-        """Apply the transfers a result reports finished; returns the requests whose loads completed."""
-        done = self.connector.on_transfers_finished(result.finished_kv_transfers)
+    def poll(self, result: RunnerResult) -> tuple[list[str], list[str]]:
+        """Apply the transfers a result reports finished or failed; returns the requests whose
+        loads completed, and those whose loads failed (no transfer writes their blocks any more:
+        they are recomputed)."""
+        done = self.connector.on_transfers_finished(result.finished_kv_transfers, result.failed_kv_transfers)
         for request_id in done.released:
             for tables in self._parked.pop(request_id, []):
                 for group, ids in zip(self.kv.groups, tables):
                     self.kv.pool_of(group).free(ids[::-1])
-        return done.loaded
+        return done.loaded, done.failed
 
     @property
     def busy(self) -> bool:

@@ -65,6 +65,7 @@ class Request:
     window_floor: int = 0
     write_floor: int = 0
     kv_loaded: bool = False       # a KV tier loaded its prefix while it waited (WAITING_FOR_KV)
+    skip_kv_tier: bool = False    # a load from the tier failed: recompute instead of asking again
     block_ids: list[list[int]] = field(default_factory=list)   # one block table per layer group
     # Hashes of the full blocks of all_token_ids, extended when read (`block_hashes`): an engine
     # without prefix caching never reads them, and hashing a long prompt costs host time before its

@@ -190,7 +190,8 @@ class Scheduler:
                 if not self.kv.allocate(request, num_new):
                     break
             else:
-                hit = self.kv.find_prefix_hit(request, self.kv_tier.lookup if self.kv_tier else None)
+                tier = self.kv_tier.lookup if self.kv_tier is not None and not request.skip_kv_tier else None
+                hit = self.kv.find_prefix_hit(request, tier)
                 num_new = request.num_tokens - hit.num_computed_tokens
                 if num_new > budget and not self.config.enable_chunked_prefill:
                     break
@@ -386,14 +387,23 @@ class Scheduler:
             self.kv_tier.save(request, published)
 
     def _apply_kv_transfers(self, result: RunnerResult) -> None:
-        """Requests whose tier loads completed go to the front of the queue, blocks in place."""
-        for request_id in self.kv_tier.poll(result):
+        """Requests whose tier loads completed go to the front of the queue, blocks in place;
+        those whose loads failed (a corrupt entry, a store that went away or timed out) go there
+        too, from zero, and skip the tier this time: their prompt is recomputed."""
+        loaded, failed = self.kv_tier.poll(result)
+        for request_id in loaded + failed:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
                 continue
             self.waiting_for_kv.remove(request)
-            request.status = RequestStatus.WAITING
-            request.kv_loaded = True
+            if request_id in failed:
+                self.kv.free(request)   # nothing of it was published: loaded blocks publish after a step
+                request.num_computed_tokens = 0
+                request.window_floor = request.write_floor = 0
+                request.skip_kv_tier = True
+            else:
+                request.kv_loaded = True
+            request.status = RequestStatus.WAITING   # a failed load counts its new look-up afresh
             self._enqueue(request, front=True)
 
     def _release_kv(self, request: Request, loading: bool = False) -> None:

@@ -2,11 +2,8 @@
 or Redis is reused by a fresh LLM on the same store, with identical greedy tokens; a bad entry
 (bit flip, truncation, deleted, foreign version, half-written) is detected and the request
 recomputes, identically to a cold run; Redis stopped mid-run only costs recomputation, and is
-used again once it is back.
-
-Failed loads need the scheduler's handling of FinishedTransfers.failed (engine/kv_tier.py and
-engine/scheduler.py); until that lands, `recompute_failed_loads` below wires it in for the test,
-exactly as proposed for those files."""
+used again once it is back. A failed load sends its request back to the queue, to be recomputed
+without the store (Scheduler._apply_kv_transfers)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,6 @@ import time
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.request import RequestStatus
 from deepinfer.kv_cache.store import entry as entry_format
 from tests.redis_server import redis_server  # noqa: F401  (a fixture)
 
@@ -33,42 +29,6 @@ def make(model: str, store: str, **kwargs) -> LLM:
 
 def worker_of(llm: LLM):
     return llm.engine.executor.runner.kv_connector
-
-
-def recompute_failed_loads(llm: LLM) -> None:
-    """What engine/kv_tier.py and the scheduler should do with FinishedTransfers.failed (see the
-    report): KVTierLink.poll passes RunnerResult.failed_kv_transfers and returns the failed
-    requests too; the scheduler frees their blocks and queues them again at the front, from zero."""
-    link, scheduler = llm.engine.kv_tier, llm.engine.scheduler
-
-    def apply(result):
-        done = link.connector.on_transfers_finished(result.finished_kv_transfers, result.failed_kv_transfers)
-        for request_id in done.released:
-            for tables in link._parked.pop(request_id, []):
-                for group, ids in zip(link.kv.groups, tables):
-                    link.kv.pool_of(group).free(ids[::-1])
-        for request_id in done.loaded:
-            request = scheduler.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
-                continue
-            scheduler.waiting_for_kv.remove(request)
-            request.status = RequestStatus.WAITING
-            request.kv_loaded = True
-            scheduler._enqueue(request, front=True)
-        for request_id in done.failed:
-            request = scheduler.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
-                continue
-            scheduler.waiting_for_kv.remove(request)
-            link.kv.free(request)
-            request.num_computed_tokens = 0
-            request.num_cached_tokens = 0
-            request.window_floor = request.write_floor = 0
-            request.kv_loaded = False
-            request.status = RequestStatus.PREEMPTED   # not a first admission: counters stay as they were
-            scheduler._enqueue(request, front=True)
-
-    scheduler._apply_kv_transfers = apply
 
 
 def cold(model: str) -> list[int]:
@@ -92,7 +52,6 @@ def expected(tiny_llama):
 def _reuse(model: str, store: str, expected: list[int]) -> LLM:
     compute_prefix(model, store)
     b = make(model, store)
-    recompute_failed_loads(b)
     out = b.generate([FOLLOW_UP], GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens >= len(PREFIX) - BS
     assert out.outputs[0].token_ids == expected
@@ -119,7 +78,6 @@ def test_a_bad_entry_is_recomputed_identically(tiny_llama, tmp_path, expected, f
     store = f"dir://{tmp_path}"
     compute_prefix(tiny_llama, store)
     b = make(tiny_llama, store)
-    recompute_failed_loads(b)
     probe = sorted(_entries(str(tmp_path)), key=os.path.getmtime)
     assert len(probe) == 6
     # Files are named by block hash, so which one is the 4th block is not in the order: damage
