@@ -27,7 +27,7 @@ export REQUIREMENTS_WITHOUT_XGRAMMAR
 
 .PHONY: install run test bench-cpu clean redis-server
 
-install: $(VENV)/.installed redis-server
+install: $(VENV)/.installed
 
 # The KV store tier's Redis backend is tested against a real server the tests start themselves
 # (tests/redis_server.py): Debian's package, installed when missing (CI runs as root on Debian).
@@ -54,7 +54,7 @@ $(VENV)/.installed: pyproject.toml recipe/pyproject.toml
 run: install
 	$(VENV)/bin/deepinfer generate --chat "$(PROMPT)"
 
-test: install
+test: install redis-server
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
