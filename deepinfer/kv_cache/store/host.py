@@ -22,7 +22,6 @@ poll.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ import torch
 from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
 from deepinfer.kv_cache.connector import (
     FinishedTransfers,
-    KVConnectorScheduler,
     KVConnectorStats,
     KVConnectorWorker,
     TierKey,
@@ -41,6 +39,7 @@ from deepinfer.kv_cache.connector import (
     is_persisted,
 )
 from deepinfer.kv_cache.specs import KVCacheGroup
+from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
 from deepinfer.platforms.host_memory import HostBuffer
 from deepinfer.platforms.transfer import to_device
 
@@ -88,30 +87,16 @@ class _Entry:
 
 
 @dataclass
-class _Transfer:
-    is_load: bool
-    request_id: str
-    keys: list[TierKey]
-    built: bool = False       # handed to the worker in a KVConnectorMetadata
-
-
-@dataclass
-class _RequestTransfers:
-    loads: set[int] = field(default_factory=set)
-    saves: set[int] = field(default_factory=set)
-    release_pending: bool = False   # finished or load-aborted: report in `released` once idle
-
-
-@dataclass
 class _PoolIndex:
     free: list[int]
     # Ready, unpinned entries, least recently used first: exactly the evictable ones.
     lru: collections.OrderedDict[TierKey, None] = field(default_factory=collections.OrderedDict)
 
 
-class HostTierScheduler(KVConnectorScheduler):
+class HostTierScheduler(TierSchedulerBase):
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, size_bytes: int,
                  key_extra: bytes = b"") -> None:
+        super().__init__()
         self.block_size = block_size
         self.pools = plan_pools(groups, block_size, size_bytes)
         self._group_pool = {gid: p for p, pool in enumerate(self.pools) for gid in pool.group_ids}
@@ -120,12 +105,6 @@ class HostTierScheduler(KVConnectorScheduler):
         # Free slots popped from the end: lowest first, so that a fresh tier fills in order.
         self._index = [_PoolIndex(list(range(pool.num_slots - 1, -1, -1))) for pool in self.pools]
         self._entries: dict[TierKey, _Entry] = {}
-        self._transfers: dict[int, _Transfer] = {}      # queued or in flight
-        self._requests: dict[str, _RequestTransfers] = {}
-        self._queued_loads: list[KVTransfer] = []
-        self._queued_saves: list[KVTransfer] = []
-        self._ids = itertools.count(1)
-        self._stats = KVConnectorStats()
 
     # ----------------------------------------------------------------------------- look-ups
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
@@ -146,17 +125,11 @@ class HostTierScheduler(KVConnectorScheduler):
         entry = self._entries.get(key)
         return entry is not None and entry.ready
 
-    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self._stats.queries += num_tokens
-        self._stats.hits += num_hit_tokens
-
     # -------------------------------------------------------------------------------- loads
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
                        device_block_ids: Mapping[int, Sequence[int]],
                        traffic_class: str | None = None) -> list[KVTransfer]:
-        state = self._requests.get(request_id)
-        if state is not None and state.release_pending:
-            raise ValueError(f"request {request_id!r} still has aborted loads in flight; wait for its release")
+        self._check_loads_allowed(request_id)
         # Check everything before changing anything: a refusal leaves the tier as it was.
         for group_id, ids in device_block_ids.items():
             if group_id not in self._group_keys:
@@ -183,12 +156,8 @@ class HostTierScheduler(KVConnectorScheduler):
 
     def _new_transfer(self, is_load: bool, request_id: str, group_id: int, device_block_ids: Sequence[int],
                       keys: list[TierKey]) -> KVTransfer:
-        transfer_id = next(self._ids)
-        self._transfers[transfer_id] = _Transfer(is_load, request_id, keys)
-        state = self._requests.setdefault(request_id, _RequestTransfers())
-        (state.loads if is_load else state.saves).add(transfer_id)
-        return KVTransfer(transfer_id, request_id, group_id, list(device_block_ids),
-                          [self._entries[k].slot for k in keys])
+        return KVTransfer(self._new_transfer_id(is_load, request_id, keys), request_id, group_id,
+                          list(device_block_ids), [self._entries[k].slot for k in keys])
 
     def _unpin(self, keys: Sequence[TierKey]) -> None:
         # Tail first, so that a prefix's last blocks are the first evicted: a later block is
@@ -199,26 +168,8 @@ class HostTierScheduler(KVConnectorScheduler):
             if entry.pins == 0:
                 self._index[entry.pool].lru[key] = None
 
-    def _cancel_unbuilt_loads(self, request_id: str) -> None:
-        state = self._requests.get(request_id)
-        if state is None:
-            return
-        cancelled = {t for t in state.loads if not self._transfers[t].built}
-        if not cancelled:
-            return
-        for transfer_id in cancelled:
-            self._unpin(self._transfers.pop(transfer_id).keys)
-        state.loads -= cancelled
-        self._queued_loads = [t for t in self._queued_loads if t.transfer_id not in cancelled]
-
-    def abort_loads(self, request_id: str) -> bool:
-        self._cancel_unbuilt_loads(request_id)
-        state = self._requests.get(request_id)
-        if state is None or not state.loads:
-            self._forget_if_idle(request_id)
-            return False
-        state.release_pending = True
-        return True
+    def _load_cancelled(self, transfer: _Transfer) -> None:
+        self._unpin(transfer.keys)
 
     # -------------------------------------------------------------------------------- saves
     def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
@@ -228,9 +179,7 @@ class HostTierScheduler(KVConnectorScheduler):
         if group_id not in self._group_keys:
             self._stats.refused_saves += len(block_hashes)   # sliding window: never persisted
             return []
-        state = self._requests.get(request_id)
-        if state is not None and state.release_pending:
-            raise ValueError(f"request {request_id!r} has finished: its blocks may be freed, so not saved")
+        self._check_saves_allowed(request_id)
         pool = self._group_pool[group_id]
         group = self._group_keys[group_id]
         keys: list[TierKey] = []
@@ -265,66 +214,25 @@ class HostTierScheduler(KVConnectorScheduler):
         return self._entries.pop(key).slot
 
     # ----------------------------------------------------------------------- step boundary
-    def build_connector_meta(self) -> KVConnectorMetadata:
-        meta = KVConnectorMetadata(self._queued_loads, self._queued_saves)
-        for transfer in itertools.chain(meta.loads, meta.saves):
-            self._transfers[transfer.transfer_id].built = True
-        self._queued_loads, self._queued_saves = [], []
-        return meta
-
     def on_transfers_finished(self, transfer_ids: Sequence[int],
                               failed_ids: Sequence[int] = ()) -> FinishedTransfers:
-        # Host loads never fail (failed_transfers reports none): `failed_ids` stays empty.
-        loads_done: dict[str, None] = {}   # insertion-ordered set of requests touched
-        touched: dict[str, None] = {}
-        for transfer_id in transfer_ids:
-            transfer = self._transfers.pop(transfer_id, None)
-            if transfer is None:
-                continue
-            state = self._requests[transfer.request_id]
-            if transfer.is_load:
-                self._unpin(transfer.keys)
-                self._stats.loaded_blocks += len(transfer.keys)
-                state.loads.discard(transfer_id)
-                loads_done[transfer.request_id] = None
-            else:
-                for key in reversed(transfer.keys):   # tail first, as in _unpin
-                    entry = self._entries[key]
-                    entry.ready = True
-                    if not entry.pins:
-                        self._index[entry.pool].lru[key] = None
-                self._stats.saved_blocks += len(transfer.keys)
-                state.saves.discard(transfer_id)
-            touched[transfer.request_id] = None
-        done = FinishedTransfers([], [])
-        for request_id in touched:
-            state = self._requests[request_id]
-            if request_id in loads_done and not state.loads and not state.release_pending:
-                done.loaded.append(request_id)
-            if state.release_pending and not state.loads and not state.saves:
-                done.released.append(request_id)
-            self._forget_if_idle(request_id)
-        return done
+        # Host loads never fail (failed_transfers reports none): `failed_ids` stays empty, so it
+        # is not passed on.
+        return super().on_transfers_finished(transfer_ids)
 
-    def request_finished(self, request_id: str) -> bool:
-        self._cancel_unbuilt_loads(request_id)
-        state = self._requests.get(request_id)
-        if state is None or not (state.loads or state.saves):
-            self._forget_if_idle(request_id)
-            return False
-        state.release_pending = True
-        return True
+    def _load_finished(self, transfer: _Transfer, ok: bool) -> None:
+        self._unpin(transfer.keys)
+        self._stats.loaded_blocks += len(transfer.keys)
 
-    def _forget_if_idle(self, request_id: str) -> None:
-        state = self._requests.get(request_id)
-        if state is not None and not state.loads and not state.saves:
-            del self._requests[request_id]
+    def _save_finished(self, transfer: _Transfer, ok: bool) -> None:
+        for key in reversed(transfer.keys):   # tail first, as in _unpin
+            entry = self._entries[key]
+            entry.ready = True
+            if not entry.pins:
+                self._index[entry.pool].lru[key] = None
+        self._stats.saved_blocks += len(transfer.keys)
 
     # -------------------------------------------------------------------------------- stats
-    @property
-    def num_pending_transfers(self) -> int:
-        return len(self._transfers)
-
     def stats(self) -> KVConnectorStats:
         stats = self._stats.copy()
         stats.stored_blocks = len(self._entries)

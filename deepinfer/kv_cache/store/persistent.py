@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import itertools
 import logging
 import queue
 import threading
@@ -53,8 +52,6 @@ import torch
 
 from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
 from deepinfer.kv_cache.connector import (
-    FinishedTransfers,
-    KVConnectorScheduler,
     KVConnectorStats,
     KVConnectorWorker,
     TierKey,
@@ -67,6 +64,7 @@ from deepinfer.kv_cache.store import entry as entry_format
 from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, StoreHealth, StoreUnavailable
 from deepinfer.kv_cache.store.entry import EntryError, EntryLayout
 from deepinfer.kv_cache.store.host import _pages, _word_dtype
+from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
 from deepinfer.platforms.transfer import to_device
 
 logger = logging.getLogger(__name__)
@@ -117,25 +115,10 @@ def _check_class(traffic_class: str | None, retention: Mapping[str, float]) -> s
 
 
 # ---------------------------------------------------------------------------- scheduler side
-@dataclass
-class _Transfer:
-    is_load: bool
-    request_id: str
-    keys: list[TierKey]
-    built: bool = False
-
-
-@dataclass
-class _RequestTransfers:
-    loads: set[int] = field(default_factory=set)
-    saves: set[int] = field(default_factory=set)
-    failed: bool = False             # a load of it failed: report in `failed`, not `loaded`
-    release_pending: bool = False
-
-
-class StoreTierScheduler(KVConnectorScheduler):
+class StoreTierScheduler(TierSchedulerBase):
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, backend: StoreBackend,
                  key_extra: bytes = b"", backoff_s: float = 1.0) -> None:
+        super().__init__()
         self.block_size = block_size
         self.backend = backend
         self.health = StoreHealth(backend.url, backoff_s)
@@ -145,12 +128,6 @@ class StoreTierScheduler(KVConnectorScheduler):
         self._known: collections.OrderedDict[TierKey, float] = collections.OrderedDict()
         self._errors_seen = 0
         self._saving: set[TierKey] = set()      # queued or in flight saves of this instance
-        self._transfers: dict[int, _Transfer] = {}
-        self._requests: dict[str, _RequestTransfers] = {}
-        self._queued_loads: list[KVTransfer] = []
-        self._queued_saves: list[KVTransfer] = []
-        self._ids = itertools.count(1)
-        self._stats = KVConnectorStats()
 
     # ----------------------------------------------------------------------------- look-ups
     def _is_known(self, key: TierKey, now: float) -> bool:
@@ -192,18 +169,12 @@ class StoreTierScheduler(KVConnectorScheduler):
         self._remember(keys[:n * per_block], time.monotonic())
         return n * self.block_size
 
-    def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self._stats.queries += num_tokens
-        self._stats.hits += num_hit_tokens
-
     # -------------------------------------------------------------------------------- loads
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
                        device_block_ids: Mapping[int, Sequence[int]],
                        traffic_class: str | None = None) -> list[KVTransfer]:
         traffic_class = _check_class(traffic_class, self.backend.retention)
-        state = self._requests.get(request_id)
-        if state is not None and state.release_pending:
-            raise ValueError(f"request {request_id!r} still has aborted loads in flight; wait for its release")
+        self._check_loads_allowed(request_id)
         for group_id, ids in device_block_ids.items():
             if group_id not in self._layouts:
                 raise ValueError(f"layer group {group_id} is not persisted: its KV is rebuilt, never loaded")
@@ -221,33 +192,9 @@ class StoreTierScheduler(KVConnectorScheduler):
 
     def _new_transfer(self, is_load: bool, request_id: str, group_id: int, device_block_ids: Sequence[int],
                       hashes: list[bytes], gk: bytes, traffic_class: str) -> KVTransfer:
-        transfer_id = next(self._ids)
-        self._transfers[transfer_id] = _Transfer(is_load, request_id, [(gk, h) for h in hashes])
-        state = self._requests.setdefault(request_id, _RequestTransfers())
-        (state.loads if is_load else state.saves).add(transfer_id)
+        transfer_id = self._new_transfer_id(is_load, request_id, [(gk, h) for h in hashes])
         return KVTransfer(transfer_id, request_id, group_id, list(device_block_ids), [],
                           block_hashes=hashes, traffic_class=traffic_class)
-
-    def _cancel_unbuilt_loads(self, request_id: str) -> None:
-        state = self._requests.get(request_id)
-        if state is None:
-            return
-        cancelled = {t for t in state.loads if not self._transfers[t].built}
-        if not cancelled:
-            return
-        for transfer_id in cancelled:
-            del self._transfers[transfer_id]
-        state.loads -= cancelled
-        self._queued_loads = [t for t in self._queued_loads if t.transfer_id not in cancelled]
-
-    def abort_loads(self, request_id: str) -> bool:
-        self._cancel_unbuilt_loads(request_id)
-        state = self._requests.get(request_id)
-        if state is None or not state.loads:
-            self._forget_if_idle(request_id)
-            return False
-        state.release_pending = True
-        return True
 
     # -------------------------------------------------------------------------------- saves
     def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
@@ -258,9 +205,7 @@ class StoreTierScheduler(KVConnectorScheduler):
             self._stats.refused_saves += len(block_hashes)   # sliding window: never persisted
             return []
         traffic_class = _check_class(traffic_class, self.backend.retention)
-        state = self._requests.get(request_id)
-        if state is not None and state.release_pending:
-            raise ValueError(f"request {request_id!r} has finished: its blocks may be freed, so not saved")
+        self._check_saves_allowed(request_id)
         if not self.health.usable():
             self._stats.dropped_saves += len(block_hashes)   # the store is down: recompute later
             return []
@@ -281,69 +226,20 @@ class StoreTierScheduler(KVConnectorScheduler):
         return [transfer]
 
     # ----------------------------------------------------------------------- step boundary
-    def build_connector_meta(self) -> KVConnectorMetadata:
-        meta = KVConnectorMetadata(self._queued_loads, self._queued_saves)
-        for transfer in itertools.chain(meta.loads, meta.saves):
-            self._transfers[transfer.transfer_id].built = True
-        self._queued_loads, self._queued_saves = [], []
-        return meta
+    def _load_finished(self, transfer: _Transfer, ok: bool) -> None:
+        if ok:
+            self._stats.loaded_blocks += len(transfer.keys)
+            return
+        self._stats.failed_loads += len(transfer.keys)
+        for key in transfer.keys:
+            self._known.pop(key, None)
 
-    def on_transfers_finished(self, transfer_ids: Sequence[int],
-                              failed_ids: Sequence[int] = ()) -> FinishedTransfers:
-        loads_done: dict[str, None] = {}
-        touched: dict[str, None] = {}
-        failed = set(failed_ids)
-        for transfer_id in itertools.chain(transfer_ids, failed_ids):
-            transfer = self._transfers.pop(transfer_id, None)
-            if transfer is None:
-                continue
-            state = self._requests[transfer.request_id]
-            if transfer.is_load:
-                state.loads.discard(transfer_id)
-                if transfer_id in failed:
-                    state.failed = True
-                    self._stats.failed_loads += len(transfer.keys)
-                    for key in transfer.keys:
-                        self._known.pop(key, None)
-                else:
-                    self._stats.loaded_blocks += len(transfer.keys)
-                loads_done[transfer.request_id] = None
-            else:
-                self._saving.difference_update(transfer.keys)
-                if transfer_id in failed:
-                    self._stats.dropped_saves += len(transfer.keys)
-                else:
-                    self._stats.saved_blocks += len(transfer.keys)
-                state.saves.discard(transfer_id)
-            touched[transfer.request_id] = None
-        done = FinishedTransfers([], [])
-        for request_id in touched:
-            state = self._requests[request_id]
-            if request_id in loads_done and not state.loads and not state.release_pending:
-                (done.failed if state.failed else done.loaded).append(request_id)
-                state.failed = False
-            if state.release_pending and not state.loads and not state.saves:
-                done.released.append(request_id)
-            self._forget_if_idle(request_id)
-        return done
-
-    def request_finished(self, request_id: str) -> bool:
-        self._cancel_unbuilt_loads(request_id)
-        state = self._requests.get(request_id)
-        if state is None or not (state.loads or state.saves):
-            self._forget_if_idle(request_id)
-            return False
-        state.release_pending = True
-        return True
-
-    def _forget_if_idle(self, request_id: str) -> None:
-        state = self._requests.get(request_id)
-        if state is not None and not state.loads and not state.saves:
-            del self._requests[request_id]
-
-    @property
-    def num_pending_transfers(self) -> int:
-        return len(self._transfers)
+    def _save_finished(self, transfer: _Transfer, ok: bool) -> None:
+        self._saving.difference_update(transfer.keys)
+        if ok:
+            self._stats.saved_blocks += len(transfer.keys)
+        else:
+            self._stats.dropped_saves += len(transfer.keys)
 
     def stats(self) -> KVConnectorStats:
         stats = self._stats.copy()
