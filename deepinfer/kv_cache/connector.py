@@ -303,7 +303,7 @@ def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequenc
         return None
     store = open_kv_store(config)
     if store is not None:
-        from deepinfer.kv_cache.store.persistent import StoreTierWorker
+        from deepinfer.kv_cache.store.persistent_worker import StoreTierWorker
 
         cache = getattr(config, "cache", config)
         return StoreTierWorker(store, device, load_timeout_s=cache.kv_store_load_timeout_s)

@@ -17,7 +17,8 @@ from deepinfer.kv_cache.store import entry as entry_format
 from deepinfer.kv_cache.store.backend import StoreUnavailable
 from deepinfer.kv_cache.store.dir import DirStore
 from deepinfer.kv_cache.store.entry import HEADER_SIZE, EntryError, EntryLayout
-from deepinfer.kv_cache.store.persistent import StoreTierScheduler, StoreTierWorker
+from deepinfer.kv_cache.store.persistent import StoreTierScheduler
+from deepinfer.kv_cache.store.persistent_worker import StoreTierWorker
 from tests.redis_server import redis_server  # noqa: F401  (a fixture)
 from tests.unit.test_kv_host_tier import BS, block_bytes, chain, full, random_caches, sliding
 
