@@ -359,3 +359,22 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def add_run_args(parser, eager_help: str = "no CUDA graphs") -> None:
+    """The flags every KV benchmark shares: batch limit, eager mode, seed, and where results go."""
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true", help=eager_help)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None, help="a PNG of the results (needs matplotlib)")
+    parser.add_argument("--plot-from", default=None, help="only draw --plot from a saved result JSON")
+
+
+def replot(args, plot) -> bool:
+    """--plot-from: draw the plot of a saved result with `plot(result, path)` and say so (True)."""
+    if not args.plot_from:
+        return False
+    with open(args.plot_from) as f:
+        plot(json.load(f), args.plot or os.path.splitext(args.plot_from)[0] + ".png")
+    return True

@@ -34,7 +34,6 @@ tokens; the mean of the per-request ratios beside it) and TTFT mean, P50 and P99
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -42,6 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (
+    add_run_args,
     feature_kwargs,
     free_memory,
     machine_info,
@@ -51,6 +51,7 @@ from bench_common import (
     print_table,
     pyplot,
     random_ids,
+    replot,
     shutdown,
     stdlib_documents,
     text_stream,
@@ -160,16 +161,9 @@ def main() -> None:
     parser.add_argument("--dry-exact", action="store_true",
                         help="run without the tier only and pass no new engine option (today's engine)")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--plot", default=None, help="a PNG of the results (needs matplotlib)")
-    parser.add_argument("--plot-from", default=None, help="only draw --plot from a saved result JSON")
+    add_run_args(parser, eager_help="no CUDA graphs")
     args = parser.parse_args()
-    if args.plot_from:
-        with open(args.plot_from) as f:
-            plot(json.load(f), args.plot or os.path.splitext(args.plot_from)[0] + ".png")
+    if replot(args, plot):
         return
 
     import torch

@@ -32,13 +32,13 @@ so both columns are a cached follow-up); it checks the script, not the feature.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (
+    add_run_args,
     feature_kwargs,
     free_memory,
     gemma3_1b_shape,
@@ -50,6 +50,7 @@ from bench_common import (
     print_table,
     pyplot,
     random_ids,
+    replot,
     shutdown,
     sliding_window_of,
     write_json,
@@ -87,16 +88,9 @@ def main() -> None:
                         help="pass none of the new engine options (today's engine; checks the script)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for two longest requests")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--plot", default=None, help="a PNG of the results (needs matplotlib)")
-    parser.add_argument("--plot-from", default=None, help="only draw --plot from a saved result JSON")
+    add_run_args(parser, eager_help="no CUDA graphs")
     args = parser.parse_args()
-    if args.plot_from:
-        with open(args.plot_from) as f:
-            plot(json.load(f), args.plot or os.path.splitext(args.plot_from)[0] + ".png")
+    if replot(args, plot):
         return
 
     import torch

@@ -51,7 +51,6 @@ so the script can be checked before the feature lands (agreement ~1, KL ~0).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -62,12 +61,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (
     GEMMA3_TURNS_TEMPLATE,
     accelerator,
+    add_run_args,
     feature_kwargs,
     free_memory,
     machine_info,
     model_config,
     print_table,
     pyplot,
+    replot,
     reset_prefix_cache,
     shutdown,
     sliding_window_of,
@@ -422,16 +423,9 @@ def main() -> None:
                         help="of the tiny models: their random next-token distributions are nearly flat, "
                              "so bf16 rounding alone would flip greedy choices")
     parser.add_argument("--num-kv-blocks", type=int, default=16384)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (engines build faster)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--plot", default=None, help="a PNG of the results (needs matplotlib)")
-    parser.add_argument("--plot-from", default=None, help="only draw --plot from a saved result JSON")
+    add_run_args(parser, eager_help="no CUDA graphs (engines build faster)")
     args = parser.parse_args()
-    if args.plot_from:
-        with open(args.plot_from) as f:
-            plot(json.load(f), args.plot or os.path.splitext(args.plot_from)[0] + ".png")
+    if replot(args, plot):
         return
     args.fractions = [int(f) for f in args.fractions.split(",")]
     models = args.models.split(",")
