@@ -239,16 +239,18 @@ def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:
 
 
 def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig) -> int:
-    """KV blocks one request of max_model_len tokens holds at its peak, over all layer groups.
+    """KV blocks one request of max_model_len tokens holds at its peak in the fullest pool.
 
-    A sliding-window group holds its window plus the chunk being computed, not the whole length.
+    A group holds the tokens its kind still needs plus the chunk being computed (a sliding
+    window: its window, not the whole length); groups of one pool add up.
     """
     bs = config.cache.block_size
-    total = 0
+    per_pool: dict[int, int] = {}
     for group in groups:
-        window = getattr(group.spec, "sliding_window", 0)
-        tokens = max_model_len
-        if window:
-            tokens = min(tokens, window + config.scheduler.max_num_batched_tokens)
-        total += -(-tokens // bs) + 1   # + 1: a window can straddle one more block boundary
-    return total
+        kept = group.spec.num_needed_tokens(max_model_len)
+        # A window keeps what its next query sees (kept + 1 tokens) plus the chunk computed now.
+        tokens = max_model_len if kept >= max_model_len else min(
+            max_model_len, kept + 1 + config.scheduler.max_num_batched_tokens)
+        # + 1: a window can straddle one more block boundary
+        per_pool[group.pool_id] = per_pool.get(group.pool_id, 0) + -(-tokens // bs) + 1
+    return max(per_pool.values())

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     import torch
 
     from deepinfer.config import CacheConfig, EngineConfig
-    from deepinfer.kv_cache.specs import KVCacheGroup, KVCacheSpec
+    from deepinfer.kv_cache.specs import KVCacheGroup
     from deepinfer.kv_cache.store.backend import StoreBackend
 
 GIB = 1 << 30
@@ -65,19 +65,12 @@ GIB = 1 << 30
 TierKey = tuple[bytes, bytes]
 
 
-def is_persisted(spec: KVCacheSpec) -> bool:
-    """Whether a tier may hold this kind's KV (the kind says: full attention yes, sliding window never)."""
-    return spec.persisted
-
-
 def group_key(group: KVCacheGroup, block_size: int, extra: bytes = b"") -> bytes:
     """What makes one group's block bytes differ from another's for the same block hash: the
     kind, its shape, the storage dtype (an fp8 cache never serves a bf16 one), the block size,
     the window, and which layers the group holds (groups of one spec hold different layers).
     `extra` is for what a later tier adds (a tensor-parallel rank, a model revision)."""
-    spec = group.spec
-    signature = (spec.kind, spec.num_kv_heads, spec.head_size, str(spec.storage_dtype), block_size,
-                 getattr(spec, "sliding_window", 0), group.layer_ids)
+    signature = (group.spec.signature(block_size), group.layer_ids)
     h = hashlib.blake2b(repr(signature).encode(), digest_size=16)
     h.update(extra)
     return h.digest()
@@ -281,7 +274,7 @@ def make_kv_connector_scheduler(config: EngineConfig | CacheConfig, groups: Sequ
     """The scheduler side the config asks for (None: no tier, or no kind a tier may hold).
     `kv_store` (a directory or Redis) and `kv_offloading_size` (host memory) are exclusive
     (CacheConfig refuses both)."""
-    if not any(is_persisted(g.spec) for g in groups):
+    if not any(g.spec.persisted for g in groups):
         return None
     store = open_kv_store(config)
     if store is not None:
@@ -299,7 +292,7 @@ def make_kv_connector_scheduler(config: EngineConfig | CacheConfig, groups: Sequ
 def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequence[KVCacheGroup],
                              block_size: int, device: torch.device) -> KVConnectorWorker | None:
     """The worker side the config asks for, not registered yet (None: as for the scheduler side)."""
-    if not any(is_persisted(g.spec) for g in groups):
+    if not any(g.spec.persisted for g in groups):
         return None
     store = open_kv_store(config)
     if store is not None:

@@ -13,7 +13,6 @@ from deepinfer.engine.plan import KVConnectorMetadata, NewRequestData, Scheduled
 from deepinfer.kv_cache.connector import (
     GIB,
     group_key,
-    is_persisted,
     make_kv_connector,
     make_kv_connector_scheduler,
 )
@@ -36,7 +35,7 @@ def sliding(gid: int, layers: tuple[int, ...]) -> KVCacheGroup:
 
 
 def slot_bytes(groups: list[KVCacheGroup]) -> int:
-    return sum(len(g.layer_ids) * g.spec.page_bytes(BS) for g in groups if is_persisted(g.spec))
+    return sum(len(g.layer_ids) * g.spec.page_bytes(BS) for g in groups if g.spec.persisted)
 
 
 def tier(groups: list[KVCacheGroup], blocks: int) -> HostTierScheduler:
@@ -221,7 +220,7 @@ def test_another_salt_group_or_dtype_misses():
 
 def test_sliding_window_groups_are_never_saved_or_loaded():
     groups = [full(0, (0,)), sliding(1, (0,))]
-    assert [is_persisted(g.spec) for g in groups] == [True, False]
+    assert [g.spec.persisted for g in groups] == [True, False]
     sched = tier(groups, 4)
     hashes = chain(2)
     assert sched.save_blocks("a", 1, hashes, [1, 2]) == []

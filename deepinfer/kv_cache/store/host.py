@@ -36,7 +36,6 @@ from deepinfer.kv_cache.connector import (
     TierKey,
     group_key,
     group_kv_tensors,
-    is_persisted,
 )
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
@@ -65,7 +64,7 @@ def plan_pools(groups: Sequence[KVCacheGroup], block_size: int, size_bytes: int)
     """How `size_bytes` of host memory is split into pools of slots (both sides compute it)."""
     layouts: dict[tuple[int, int], list[int]] = {}
     for g in groups:
-        if is_persisted(g.spec):
+        if g.spec.persisted:
             layouts.setdefault((len(g.layer_ids), g.spec.page_bytes(block_size) // 2), []).append(g.group_id)
     bytes_per_block = sum(len(ids) * layers * 2 * page for (layers, page), ids in layouts.items())
     if not bytes_per_block:
@@ -101,7 +100,7 @@ class HostTierScheduler(TierSchedulerBase):
         self.pools = plan_pools(groups, block_size, size_bytes)
         self._group_pool = {gid: p for p, pool in enumerate(self.pools) for gid in pool.group_ids}
         self._group_keys = {g.group_id: group_key(g, block_size, key_extra)
-                            for g in groups if is_persisted(g.spec)}
+                            for g in groups if g.spec.persisted}
         # Free slots popped from the end: lowest first, so that a fresh tier fills in order.
         self._index = [_PoolIndex(list(range(pool.num_slots - 1, -1, -1))) for pool in self.pools]
         self._entries: dict[TierKey, _Entry] = {}

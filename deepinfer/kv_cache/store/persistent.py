@@ -50,7 +50,6 @@ from deepinfer.kv_cache.connector import (
     KVConnectorStats,
     TierKey,
     group_key,
-    is_persisted,
 )
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, StoreHealth
@@ -89,7 +88,7 @@ def group_layouts(groups: Sequence[KVCacheGroup], block_size: int, key_extra: by
     """Per persisted group id: its group key and the layout of its entries."""
     out = {}
     for g in groups:
-        if is_persisted(g.spec):
+        if g.spec.persisted:
             dtype = str(g.spec.storage_dtype).removeprefix("torch.")
             out[g.group_id] = (group_key(g, block_size, key_extra),
                                EntryLayout(len(g.layer_ids), g.spec.page_bytes(block_size) // 2, dtype))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from deepinfer.kv_cache import specs
 from deepinfer.platforms.transfer import to_device
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ def flat_rows(block_table: np.ndarray, positions: np.ndarray, block_size: int) -
 
 
 def sliding_window_of(group: KVCacheGroup) -> int | None:
-    return getattr(group.spec, "sliding_window", None)
+    return specs.sliding_window_of(group.spec)
 
 
 @dataclass(kw_only=True)
