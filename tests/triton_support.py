@@ -10,7 +10,9 @@ installed (then the kernels run on the CPU under Triton's interpreter).
 
 from __future__ import annotations
 
+import itertools
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -35,3 +37,51 @@ if INTERPRETED:
         _interp._deepinfer_patched = True
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not INTERPRETED else "cpu")
+
+
+def random_paged_batch(contexts: list[int], q_lens: list[int], head_dim: int, dtype: torch.dtype,
+                       block_size: int, heads: int = 4, kv_heads: int = 2, num_blocks: int = 48) -> SimpleNamespace:
+    """Prefill chunks on top of cached contexts, in a paged cache of random K/V with blocks
+    scattered at random (block 0, the null block, never used): what the prefill kernel tests
+    feed the kernel and the dense reference. Draws from torch's global generator, in a fixed
+    order (the block permutation, K, V, q), so a seed gives the same batch everywhere."""
+    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
+    perm = torch.randperm(num_blocks - 1) + 1
+    tables, used = [], 0
+    for n in seq_lens:
+        tables.append(perm[used:used + -(-n // block_size)].to(torch.int32))
+        used += len(tables[-1])
+    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=DEVICE)
+    return SimpleNamespace(
+        seq_lens=seq_lens, q_lens=q_lens, tables=[t.to(DEVICE) for t in tables], table=table.to(DEVICE),
+        k_cache=k_cache, v_cache=v_cache, q=q, lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start=torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=DEVICE))
+
+
+def dense_prefill_reference(batch: SimpleNamespace, scale: float, window: int | None, block_size: int,
+                            floors: list[int] | None = None) -> torch.Tensor:
+    """Each chunk's causal (windowed) attention over its gathered rows, densely in float32; with
+    `floors`, a chunk sees no key below its floor (SWA Bounded Replay)."""
+    q, k_cache, v_cache = batch.q, batch.k_cache, batch.v_cache
+    outs, start = [], 0
+    group = q.shape[1] // k_cache.shape[1]
+    floors = floors or [0] * len(batch.seq_lens)
+    for table, seq_len, q_len, floor in zip(batch.tables, batch.seq_lens, batch.q_lens, floors):
+        pos = torch.arange(seq_len, device=q.device)
+        rows = table[pos // block_size].long() * block_size + pos % block_size
+        keys = k_cache[rows].float().repeat_interleave(group, 1)
+        values = v_cache[rows].float().repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].float(), keys) * scale
+        q_pos = pos[seq_len - q_len:]
+        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= floor)
+        if window:
+            visible &= pos[None, :] > q_pos[:, None] - window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
+        start += q_len
+    return torch.cat(outs)

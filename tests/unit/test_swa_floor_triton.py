@@ -10,12 +10,15 @@ write floor keeps cached rows. Runs on a GPU, or on the CPU under Triton's inter
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
-from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
+from tests.triton_support import (  # skips this module without a way to run Triton
+    DEVICE,
+    INTERPRETED,
+    dense_prefill_reference,
+    random_paged_batch,
+)
 from tests.unit.test_swa_floor import FULL, SCENARIOS, SWA, run_steps, scenario_steps
 
 BS = 16
@@ -70,25 +73,6 @@ def test_fresh_chunk_under_a_write_floor_stays_in_the_kernel():
                                        rtol=tolerance(dtype))
 
 
-def dense_reference(q, k_cache, v_cache, tables, seq_lens, q_lens, scale, window, floors):
-    """Each chunk's causal windowed attention with its key floor, densely in float32."""
-    outs, start = [], 0
-    group = q.shape[1] // k_cache.shape[1]
-    for table, seq_len, q_len, floor in zip(tables, seq_lens, q_lens, floors):
-        pos = torch.arange(seq_len, device=q.device)
-        rows = table[pos // BS].long() * BS + pos % BS
-        keys = k_cache[rows].float().repeat_interleave(group, 1)
-        values = v_cache[rows].float().repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].float(), keys) * scale
-        q_pos = pos[seq_len - q_len:]
-        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        visible &= pos[None, :] >= floor
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
-        start += q_len
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 2), (16, 32, 4, 2)], ids=lambda c: f"m{c[0]}n{c[1]}")
 @pytest.mark.parametrize("window", [5, 16, 40])
 @pytest.mark.parametrize("head_dim,dtype", [(32, torch.float32), (48, torch.float16)])
@@ -100,36 +84,22 @@ def test_prefill_kernel_key_floor(config, window, head_dim, dtype):
     from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
 
     torch.manual_seed(0)
-    heads, kv_heads, num_blocks = 4, 2, 48
     # (context, chunk, floor); a floor is at most the chunk's start (the replay starts there).
     seqs = [(32, 29, 32), (37, 40, 20), (70, 1, 64), (5, 50, 5), (0, 10, 0), (80, 1, 50), (68, 5, 67), (16, 33, 16)]
     contexts, q_lens, floors = (list(x) for x in zip(*seqs))
-    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
-    perm = torch.randperm(num_blocks - 1) + 1
-    tables, used = [], 0
-    for n in seq_lens:
-        tables.append(perm[used:used + -(-n // BS)].to(torch.int32))
-        used += len(tables[-1])
-    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = t
-    k_cache = torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    v_cache = torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=DEVICE)
-    query_start = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    batch = random_paged_batch(contexts, q_lens, head_dim, dtype, BS)
+    q, query_start = batch.q, batch.query_start
     scale = head_dim ** -0.5
-    table = table.to(DEVICE)
     picked = torch.tensor([3, 0, 1, 7, 6, 4, 5], dtype=torch.int32, device=DEVICE)   # not sequence 2
 
     def attend(key_floor):
         out = torch.full_like(q, float("nan"))
-        return paged_prefill_attention(q, k_cache, v_cache, table, lens, query_start, max(q_lens), scale, window,
-                                       BS, out=out, seq_ids=picked, config=config, key_floor=key_floor)
+        return paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.table, batch.lens, query_start,
+                                       max(q_lens), scale, window, BS, out=out, seq_ids=picked, config=config,
+                                       key_floor=key_floor)
 
     out = attend(torch.tensor(floors, dtype=torch.int32, device=DEVICE))
-    ref = dense_reference(q, k_cache, v_cache, [t.to(DEVICE) for t in tables], seq_lens, q_lens, scale, window,
-                          floors)
+    ref = dense_prefill_reference(batch, scale, window, BS, floors)
     skipped = slice(int(query_start[2]), int(query_start[3]))
     assert out[skipped].isnan().all()
     keep = torch.ones(q.shape[0], dtype=torch.bool, device=DEVICE)

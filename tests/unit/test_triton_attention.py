@@ -10,7 +10,6 @@ skipped otherwise.
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -20,7 +19,12 @@ from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group
 from deepinfer.layers.attention import Attention, forward_context
 from deepinfer.worker.input_batch import build_step_inputs
 from deepinfer.worker.request_states import StepChunk
-from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
+from tests.triton_support import (  # skips this module without a way to run Triton
+    DEVICE,
+    INTERPRETED,
+    dense_prefill_reference,
+    random_paged_batch,
+)
 
 BS = 16
 
@@ -225,27 +229,6 @@ def test_one_fresh_chunk_step():
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
-def dense_prefill_reference(q, k_cache, v_cache, tables, seq_lens, q_lens, scale, window):
-    """Each chunk's causal (windowed) attention, computed densely in float32 from gathered rows."""
-    outs, start = [], 0
-    for table, seq_len, q_len in zip(tables, seq_lens, q_lens):
-        pos = torch.arange(seq_len, device=q.device)
-        rows = table[pos // BS].long() * BS + pos % BS
-        keys, values = k_cache[rows].float(), v_cache[rows].float()
-        group = q.shape[1] // k_cache.shape[1]
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        qs = q[start:start + q_len].float()
-        scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
-        q_pos = pos[seq_len - q_len:]
-        visible = pos[None, :] <= q_pos[:, None]
-        if window:
-            visible &= pos[None, :] > q_pos[:, None] - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
-        start += q_len
-    return torch.cat(outs)
-
-
 @pytest.mark.parametrize("config", [(16, 16, 4, 1), (32, 16, 4, 2), (16, 32, 4, 2)],
                          ids=lambda c: f"m{c[0]}n{c[1]}")
 @pytest.mark.parametrize("window", [None, 5, 16, 40])
@@ -257,32 +240,18 @@ def test_prefill_kernel_tile_split(config, window, head_dim, dtype):
     from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
 
     torch.manual_seed(0)
-    heads, kv_heads, num_blocks = 4, 2, 48
     # (Picked so that on each config some tile's window edge or diagonal falls exactly on a key
     # tile boundary, where an off-by-one in the split would go unmasked.)
     contexts, q_lens = [0, 37, 70, 5, 0, 80, 68], [45, 29, 1, 50, 10, 1, 5]
-    seq_lens = [c + n for c, n in zip(contexts, q_lens)]
-    perm = torch.randperm(num_blocks - 1) + 1
-    tables, used = [], 0
-    for n in seq_lens:
-        tables.append(perm[used:used + -(-n // BS)].to(torch.int32))
-        used += len(tables[-1])
-    table = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = t
-    k_cache = torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    v_cache = torch.randn(num_blocks * BS, kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    q = torch.randn(sum(q_lens), heads, head_dim, dtype=dtype, device=DEVICE)
-    query_start = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32, device=DEVICE)
+    batch = random_paged_batch(contexts, q_lens, head_dim, dtype, BS)
+    q, query_start = batch.q, batch.query_start
     scale = head_dim ** -0.5
     out = torch.full_like(q, float("nan"))
     # Attend sequences 0, 1 and 3 only: sequence 2's rows must stay untouched.
     picked = torch.tensor([3, 0, 1, 6, 4, 5], dtype=torch.int32, device=DEVICE)
-    paged_prefill_attention(q, k_cache, v_cache, table.to(DEVICE), torch.tensor(seq_lens, dtype=torch.int32,
-                            device=DEVICE), query_start, max(q_lens), scale, window, BS, out=out,
-                            seq_ids=picked, config=config)
-    ref = dense_prefill_reference(q, k_cache, v_cache, [t.to(DEVICE) for t in tables], seq_lens, q_lens,
-                                  scale, window)
+    paged_prefill_attention(q, batch.k_cache, batch.v_cache, batch.table, batch.lens, query_start, max(q_lens),
+                            scale, window, BS, out=out, seq_ids=picked, config=config)
+    ref = dense_prefill_reference(batch, scale, window, BS)
     skipped = slice(int(query_start[2]), int(query_start[3]))
     assert out[skipped].isnan().all()
     keep = torch.ones(q.shape[0], dtype=torch.bool, device=DEVICE)
