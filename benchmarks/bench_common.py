@@ -47,7 +47,7 @@ def machine_info() -> dict:
     info: dict[str, Any] = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+        "torch": torch.__version__, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(), "argv": sys.argv, **git_commit(),
     }
     try:
@@ -61,7 +61,8 @@ def machine_info() -> dict:
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the machine record of a result."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

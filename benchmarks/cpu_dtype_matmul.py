@@ -22,12 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from bench_common import cpu_model  # benchmarks/ is on sys.path when a script in it runs
 
 HIDDEN = 576
 INTERMEDIATE = 1536
@@ -45,17 +45,6 @@ SHAPES = {
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def time_linear(x: torch.Tensor, w: torch.Tensor, repeats: int, min_time: float) -> float:
