@@ -45,6 +45,18 @@ def run(manager: KVCacheManager, request: Request):
     return hit
 
 
+def first_turn(manager: KVCacheManager, clock: Clock | None = None, tokens: int = 40) -> list[list[int]]:
+    """A finished request of `tokens` tokens whose blocks stay cached; with `clock`, time moves
+    on one second (past a retention of 0). Returns its block tables as they were."""
+    first = make_request("a", list(range(tokens)))
+    run(manager, first)
+    tables = [list(ids) for ids in first.block_ids]
+    manager.free(first)
+    if clock is not None:
+        clock.now += 1
+    return tables
+
+
 def hybrid(replay: int = 0, full_kv: str = "keep", retention: float = 1e9, clock=None, blocks: int = 64):
     # Layers: sliding, full, sliding, full -> one sliding group, one full group, one pool.
     return KVCacheManager(group_layers([SLIDING, FULL, SLIDING, FULL]), blocks, BS,
@@ -122,11 +134,7 @@ def test_expired_sliding_blocks_are_reused_before_lru_blocks():
 def test_replay_resumes_at_the_last_n_tokens(full_kv):
     clock = Clock()
     manager = hybrid(replay=8, full_kv=full_kv, retention=0, clock=clock)
-    first = make_request("a", list(range(40)))
-    run(manager, first)
-    tables = [list(ids) for ids in first.block_ids]
-    manager.free(first)               # retention 0: the sliding blocks expire at once
-    clock.now = 1
+    tables = first_turn(manager, clock)   # retention 0: the sliding blocks expire at once
     follow = make_request("b", list(range(40)) + [7, 7, 7])
     hit = manager.find_prefix_hit(follow)
     # The full group holds the 10 blocks (40 tokens); replay 8 tokens: resume at 32.
@@ -146,16 +154,11 @@ def test_replay_resumes_at_the_last_n_tokens(full_kv):
 def test_replay_off_means_exact_recompute_and_an_exact_hit_wins():
     clock = Clock()
     exact = hybrid(replay=0, retention=0, clock=clock)
-    done = make_request("a", list(range(40)))
-    run(exact, done)
-    exact.free(done)
-    clock.now = 1
+    first_turn(exact, clock)
     assert exact.find_prefix_hit(make_request("b", list(range(40)) + [1])).num_computed_tokens == 0
     # With the sliding blocks still cached (long retention), the exact hit is taken: no replay.
     manager = hybrid(replay=8, retention=1e9, clock=clock)
-    first = make_request("a", list(range(40)))
-    run(manager, first)
-    manager.free(first)
+    first_turn(manager)
     hit = manager.find_prefix_hit(make_request("b", list(range(40)) + [1]))
     assert hit.num_computed_tokens == 40 and hit.window_floor == 0 and hit.write_floor == 0
 
@@ -166,20 +169,14 @@ def test_replay_needs_a_full_attention_anchor():
     clock = Clock()
     manager = KVCacheManager(group_layers([SLIDING, SLIDING]), 64, BS, replay=ReplayConfig(8),
                              swa_retention_s=0, clock=clock)
-    first = make_request("a", list(range(40)))
-    run(manager, first)
-    manager.free(first)
-    clock.now = 1
+    first_turn(manager, clock)
     assert manager.find_prefix_hit(make_request("b", list(range(40)) + [1])).num_computed_tokens == 0
 
 
 def test_replay_counters_count_replayed_tokens_not_as_hits():
     clock = Clock()
     manager = hybrid(replay=8, retention=0, clock=clock)
-    first = make_request("a", list(range(40)))
-    run(manager, first)
-    manager.free(first)
-    clock.now = 1
+    first_turn(manager, clock)
     follow = make_request("b", list(range(40)) + [5])
     hit = manager.find_prefix_hit(follow)
     manager.record_prefix_query(follow.num_tokens, hit)
