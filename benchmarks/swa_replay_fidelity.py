@@ -216,14 +216,21 @@ def finish_conversations(convs: list[Conversation], outputs, renderer: ChatRende
 
 
 # -------------------------------------------------------------------------------------- modes
-def modes_for(window: int, fractions: list[int], full_kv: bool) -> list[dict]:
+def mode_label(f: float) -> str:
+    """N = W / f: "N=W/8" for f = 8, "N=W" for 1, "N=2W" for 0.5 (replay longer than the window)."""
+    if f == 1:
+        return "N=W"
+    return f"N=W/{f:g}" if f > 1 else f"N={1 / f:g}W"
+
+
+def modes_for(window: int, fractions: list[float], full_kv: bool) -> list[dict]:
     modes = [{"mode": "exact", "N": 0, "full_kv": None}]
     for f in sorted(fractions, reverse=True):
-        n = max(1, window // f)
-        if n == window and full_kv:
+        n = max(1, int(window / f))
+        if f == 1 and full_kv:
             modes += [{"mode": f"N=W {k}", "N": n, "full_kv": k} for k in ("keep", "recompute")]
         else:
-            modes.append({"mode": f"N=W/{f}" if f > 1 else "N=W", "N": n, "full_kv": None})
+            modes.append({"mode": mode_label(f), "N": n, "full_kv": None})
     return modes
 
 
@@ -409,7 +416,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=8192, help="follow-up prompt tokens, at most (about)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="turn 1's greedy answer, at most")
     parser.add_argument("--gen-tokens", type=int, default=32, help="greedy tokens of the follow-up compared")
-    parser.add_argument("--fractions", default="8,4,2,1", help="N = W / f for each f")
+    parser.add_argument("--fractions", default="8,4,2,1", help="N = W / f for each f; f < 1 replays more than the window (0.5: N = 2W)")
     parser.add_argument("--tiny-window", type=int, default=128, help="sliding window of the tiny models")
     parser.add_argument("--tiny-logit-scale", type=float, default=32.0,
                         help="multiply the tiny models' logits (their final norm): 1 = as the parity tests "
@@ -427,7 +434,7 @@ def main() -> None:
     args = parser.parse_args()
     if replot(args, plot):
         return
-    args.fractions = [int(f) for f in args.fractions.split(",")]
+    args.fractions = [float(f) for f in args.fractions.split(",")]
     models = args.models.split(",")
     if set(models) - set(MODELS):
         parser.error(f"--models: unknown {sorted(set(models) - set(MODELS))}")
