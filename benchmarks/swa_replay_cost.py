@@ -5,7 +5,7 @@ recompute (swa_replay_tokens=0), over growing contexts.
     python benchmarks/swa_replay_cost.py [--model gemma3-270m|gemma3-1b-shape|PATH]
         [--contexts 4096,8192,16384,32768] [--repeats 3] [--tail 64] [--replay-tokens N]
         [--dtype auto] [--num-kv-blocks B] [--max-num-batched-tokens T] [--enforce-eager] [--seed 0]
-        [--dry-exact] [--out cost.json] [--plot cost.png] [--plot-from cost.json]
+        [--dry-exact] [--profile] [--out cost.json] [--plot cost.png] [--plot-from cost.json]
 
 Models: on the CPU the real Gemma 3 270M (GGUF, window 512); on CUDA by default a random-weight
 model of Gemma 3 1B's shape (bench_common.gemma3_1b_shape: hidden 1152, 26 layers, 4 heads, 1 KV
@@ -25,6 +25,13 @@ Before the timed contexts each engine runs one untimed turn 1 + follow-up (kerne
 Reported: TTFT per context for both, their ratio, and TTFT(largest)/TTFT(smallest) per engine,
 labelled 32k/4k with the default contexts.
 
+Beside each measured ratio stands its floor in arithmetic: the forward's FLOPs (matmuls of the
+computed tokens, plus their attention over the keys each layer lets them see) at the largest
+context over those at the smallest. The full-attention layers of a replayed segment attend to the
+whole context, so even bounded replay's FLOPs grow with it (for a model whose global layers are
+exact attention; V4's are compressed). --profile (CUDA) then profiles one bounded follow-up at the
+smallest and the largest context: device busy time, the longest gaps, the kernels by time.
+
 --dry-exact passes none of the new engine options (today's engine keeps the window's blocks,
 so both columns are a cached follow-up); it checks the script, not the feature.
 """
@@ -43,6 +50,7 @@ from bench_common import (
     free_memory,
     gemma3_1b_shape,
     kv_blocks_for,
+    layer_kinds,
     machine_info,
     median,
     model_config,
@@ -88,6 +96,7 @@ def main() -> None:
                         help="pass none of the new engine options (today's engine; checks the script)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="default: enough for two longest requests")
+    parser.add_argument("--profile", action="store_true", help="CUDA: profile a bounded follow-up (module doc)")
     add_run_args(parser, eager_help="no CUDA graphs")
     args = parser.parse_args()
     if replot(args, plot):
@@ -174,11 +183,19 @@ def main() -> None:
             row[f"{name}_cached"] = cached[name]
             row[f"{name}_computed_tokens"] = len(follows[0]) - median(cached[name])
         row["full_over_bounded"] = row["full_ttft_s"] / row["bounded_ttft_s"]
+        for name in llms:
+            computed = int(row[f"{name}_computed_tokens"])
+            start = row["prompt_tokens"] - computed
+            floor = start if name == "bounded" and computed < row["prompt_tokens"] else 0
+            row[f"{name}_gflop"] = forward_flops(config, start, row["prompt_tokens"], floor) / 1e9
         result["contexts"].append(row)
         print(f"  {label(context)}: bounded {row['bounded_ttft_s'] * 1e3:.1f} ms (cached {cached['bounded']}), "
               f"full {row['full_ttft_s'] * 1e3:.1f} ms (cached {cached['full']}); "
               f"{time.perf_counter() - started:.0f} s so far", flush=True)
         write_json(args.out, result)
+    if args.profile and platform.name == "cuda":
+        result["profiles"] = [profile_follow_up(llms["bounded"], conversation(c, args.seed + 7777 + c), one)
+                              for c in (contexts[0], contexts[-1])]
     for llm in llms.values():
         shutdown(llm)
     llms.clear()
@@ -190,19 +207,64 @@ def main() -> None:
     result["ttft_ratio_label"] = key
     for name in engines:
         result[f"{name}_ttft_ratio"] = hi[f"{name}_ttft_s"] / lo[f"{name}_ttft_s"]
+        result[f"{name}_flop_ratio"] = hi[f"{name}_gflop"] / lo[f"{name}_gflop"]
     print()
     print_table([{**r, "label": label(r["context"]), "bounded_ms": r["bounded_ttft_s"] * 1e3,
                   "full_ms": r["full_ttft_s"] * 1e3} for r in rows],
                 [("label", "context", ""), ("prompt_tokens", "prompt", "d"), ("bounded_ms", "TTFT bounded ms", ".1f"),
                  ("bounded_computed_tokens", "computed", ".0f"), ("full_ms", "TTFT full ms", ".1f"),
-                 ("full_computed_tokens", "computed", ".0f"), ("full_over_bounded", "full/bounded", ".2f")])
-    print(f"TTFT({key}): bounded {result['bounded_ttft_ratio']:.2f}x, full recompute {result['full_ttft_ratio']:.2f}x"
+                 ("full_computed_tokens", "computed", ".0f"), ("full_over_bounded", "full/bounded", ".2f"),
+                 ("bounded_gflop", "GFLOP bounded", ".0f"), ("full_gflop", "GFLOP full", ".0f")])
+    print(f"TTFT({key}): bounded {result['bounded_ttft_ratio']:.2f}x (FLOPs {result['bounded_flop_ratio']:.2f}x), "
+          f"full recompute {result['full_ttft_ratio']:.2f}x (FLOPs {result['full_flop_ratio']:.2f}x)"
           f"  ({model}, {result['machine'].get('cuda_device') or result['machine']['cpu']})")
     if args.dry_exact:
         print("(dry-exact: no new engine option was passed; both engines are today's)")
     write_json(args.out, result)
     if args.plot:
         plot(result, args.plot)
+
+
+def forward_flops(config: dict, start: int, end: int, window_floor: int) -> float:
+    """FLOPs of a forward computing positions [start, end) over a cache of [0, start): the matmuls
+    (2 x non-embedding parameters per token, the LM head for the last token only) plus attention
+    (4 x head_dim x heads per query-key pair), each layer's keys as it sees them: a global layer
+    [0, p], a sliding one its window, no lower than window_floor (replay)."""
+    import numpy as np
+
+    h, vocab = config["hidden_size"], config["vocab_size"]
+    heads = config["num_attention_heads"]
+    d = config.get("head_dim") or h // heads
+    window = config.get("sliding_window") or 0
+    per_layer = (parameter_count(config) - vocab * h * (1 if config.get("tie_word_embeddings") else 2)) \
+        / config["num_hidden_layers"]
+    p = np.arange(start, end, dtype=np.float64)
+    keys = {"full_attention": float((p + 1).sum()),
+            "sliding_attention": float((p - np.maximum(np.maximum(p - window + 1, window_floor), 0) + 1).sum())}
+    attention = sum(keys[kind] for kind in layer_kinds(config)) * 4 * d * heads
+    return 2 * per_layer * config["num_hidden_layers"] * (end - start) + 2 * vocab * h + attention
+
+
+def profile_follow_up(llm, conv: tuple[list[int], list[list[int]]], params) -> dict:
+    """One profiled bounded follow-up (turn 1 run first, untimed): where its TTFT goes on the device."""
+    from decode_step_profile import kernel_events, largest_gaps, summarise
+
+    turn1, follows = conv
+    llm.generate([turn1], params, use_tqdm=False)
+    wall, events = kernel_events(lambda: llm.generate([follows[0]], params, use_tqdm=False))
+    s = summarise(events)
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3
+    kernels = sorted(s["by_name"].items(), key=lambda kv: -kv[1][1])[:12]
+    gaps = largest_gaps(events, 5)
+    print(f"\nprofiled bounded follow-up, {len(follows[0])} tokens: wall {wall * 1e3:.2f} ms, first kernel to last "
+          f"{span:.2f} ms, device busy {s['busy_us'] / 1e3:.2f} ms, {s['count']} kernels")
+    for us, before, after in gaps:
+        print(f"  gap {us / 1e3:7.2f} ms after {before[:50]}  before {after[:50]}")
+    for name, (count, us) in kernels:
+        print(f"  {us / 1e3:8.2f} ms {count:5d} x  {name[:100]}")
+    return {"prompt_tokens": len(follows[0]), "wall_ms": wall * 1e3, "span_ms": span, "busy_ms": s["busy_us"] / 1e3,
+            "kernels": s["count"], "gaps_ms": [(us / 1e3, a, b) for us, a, b in gaps],
+            "by_kernel_ms": [(name, count, us / 1e3) for name, (count, us) in kernels]}
 
 
 def plot(result: dict, path: str) -> None:

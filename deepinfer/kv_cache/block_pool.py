@@ -155,6 +155,23 @@ class BlockPool:
             return None
         return block_id
 
+    def lookup_run(self, group_id: int, hashes: list[bytes], start: int, stop: int) -> list[int]:
+        """The cached blocks of hashes[start:stop] up to the first that is not (lookup's rule).
+        A kind that never expires needs no clock: the plain dictionary walk of a long prompt."""
+        run: list[int] = []
+        if group_id in self.expiring_groups:
+            for block_hash in hashes[start:stop]:
+                if (block_id := self.lookup(group_id, block_hash)) is None:
+                    break
+                run.append(block_id)
+            return run
+        cached = self._cached
+        for block_hash in hashes[start:stop]:
+            if (block_id := cached.get((group_id, block_hash))) is None:
+                break
+            run.append(block_id)
+        return run
+
     def touch(self, block_ids: Iterable[int]) -> None:
         """Take a reference to cached blocks found by lookup (prefix hit)."""
         now = self.clock()

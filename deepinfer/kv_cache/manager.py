@@ -82,6 +82,42 @@ def replay_config(cache, groups: list[KVCacheGroup]) -> ReplayConfig:
     return ReplayConfig(num_tokens, cache.swa_replay_full_kv)
 
 
+class _GroupLookups:
+    """One group's cached blocks for a request's block hashes, each looked up on first need: a
+    long prompt's sliding-window groups are asked only about their last window."""
+
+    def __init__(self, pool: BlockPool, group_id: int, hashes: list[bytes]) -> None:
+        self._pool, self._group_id, self._hashes = pool, group_id, hashes
+        self._found: dict[int, int | None] = {}
+        self._run: list[int] = []     # blocks known cached from the start
+        self._run_ended = False       # the block after the run is known not to be
+
+    def __getitem__(self, i: int) -> int | None:
+        if i < len(self._run):
+            return self._run[i]
+        if i not in self._found:
+            self._found[i] = self._pool.lookup(self._group_id, self._hashes[i])
+        return self._found[i]
+
+    def prefix(self, stop: int) -> int:
+        """How many of blocks [0, stop) are cached without a gap from the start."""
+        if not self._run_ended and len(self._run) < stop:
+            more = self._pool.lookup_run(self._group_id, self._hashes, len(self._run), stop)
+            self._run += more
+            self._run_ended = len(self._run) < stop
+        return min(len(self._run), stop)
+
+    def last_miss(self, start: int, stop: int) -> int | None:
+        """The last block of [start, stop) that is not cached, or None."""
+        return next((i for i in range(stop - 1, start - 1, -1) if self[i] is None), None)
+
+    def blocks(self, start: int, stop: int) -> list[int]:
+        """Cached block ids [start, stop) (the caller knows they are all cached)."""
+        if stop <= len(self._run):
+            return self._run[start:stop]
+        return [self[i] for i in range(start, stop)]   # type: ignore[misc]
+
+
 class KVCacheManager:
     def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True, *, replay: ReplayConfig | None = None,
@@ -132,47 +168,47 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
-        cached = [[self.pool_of(g).lookup(g.group_id, h) for h in hashes[:max_blocks]] for g in self.groups]
-        exact = self._exact_hit(cached, max_blocks) or miss
-        on_device = self._anchored_blocks(cached, max_blocks)
+        cached = [_GroupLookups(self.pool_of(g), g.group_id, hashes) for g in self.groups]
+        on_device = min((cached[g.group_id].prefix(max_blocks) for g in self._anchors), default=0)
         asked = max_blocks - on_device if tier_blocks is not None else 0
         from_tier = tier_blocks(hashes[:max_blocks], on_device) if asked else 0
         if from_tier and len(self._anchors) == len(self.groups):   # every kind is in the tier
             covered = on_device + from_tier
-            hit = PrefixHit([list(ids[:on_device]) for ids in cached], covered * bs,   # type: ignore[misc]
+            hit = PrefixHit([ids.blocks(0, on_device) for ids in cached], covered * bs,   # type: ignore[misc]
                             group_hit_tokens=[covered * bs] * len(self.groups), load_start=on_device,
                             num_load_blocks=from_tier)
         else:
+            # An exact hit wins unless the replay resumes later, so it is searched no shorter
+            # than the replay's resume point: with replay on, the windowed kinds are asked about
+            # a few blocks whatever the prompt's length.
             replay = self._replay_hit(cached, on_device + from_tier, on_device)
-            hit = replay if replay is not None and replay.num_computed_tokens > exact.num_computed_tokens else exact
+            shortest = replay.num_computed_tokens // bs if replay is not None else 1
+            exact = self._exact_hit(cached, max_blocks, shortest)
+            hit = exact or replay or miss
         hit.num_tier_queried_blocks = asked
         return hit
 
-    def _exact_hit(self, cached: list[list[int | None]], max_blocks: int) -> PrefixHit | None:
+    def _exact_hit(self, cached: list[_GroupLookups], max_blocks: int, shortest: int) -> PrefixHit | None:
+        """The longest prefix of at least `shortest` blocks every group holds as its kind needs."""
         bs = self.block_size
-        # Kinds that need every block bound the hit by their first missing block; only the
-        # windowed kinds' short ranges are then checked per candidate length (linear, not
-        # quadratic, in the prompt's blocks).
-        limit = max_blocks
-        for group, ids in zip(self.groups, cached):
-            if group in self._keeps_all:
-                limit = min(limit, next((i for i, b in enumerate(ids) if b is None), max_blocks))
+        # Kinds that need every block bound the hit by their first missing block. Then, from that
+        # length down, each windowed kind is asked only about its last window: a miss at block j
+        # rules out every length from j + 1 to the one asked (hit_start_block grows with the
+        # length), so the next candidate is the smallest such j. Lookups stay linear in the
+        # prompt's blocks, and a long prompt's old windows are never looked at.
+        n = min((ids.prefix(max_blocks) for g, ids in zip(self.groups, cached) if g in self._keeps_all),
+                default=max_blocks)
         windowed = [(g, ids) for g, ids in zip(self.groups, cached) if g not in self._keeps_all]
-        for n in range(limit, 0, -1):
-            if all(None not in ids[g.spec.hit_start_block(n, bs):n] for g, ids in windowed):
-                hit = [[NULL_BLOCK_ID] * (first := group.spec.hit_start_block(n, bs)) + ids[first:n]
+        while n >= max(shortest, 1):
+            misses = [j for g, ids in windowed if (j := ids.last_miss(g.spec.hit_start_block(n, bs), n)) is not None]
+            if not misses:
+                hit = [[NULL_BLOCK_ID] * (first := group.spec.hit_start_block(n, bs)) + ids.blocks(first, n)
                        for group, ids in zip(self.groups, cached)]
                 return PrefixHit(hit, n * bs, group_hit_tokens=[n * bs] * len(self.groups))  # type: ignore[arg-type]
+            n = min(misses)
         return None
 
-    def _anchored_blocks(self, cached: list[list[int | None]], max_blocks: int) -> int:
-        """Blocks every anchor (full-attention) group holds on the device, from the start."""
-        n = 0
-        while n < max_blocks and self._anchors and all(cached[g.group_id][n] is not None for g in self._anchors):
-            n += 1
-        return n
-
-    def _replay_hit(self, cached: list[list[int | None]], covered: int, on_device: int) -> PrefixHit | None:
+    def _replay_hit(self, cached: list[_GroupLookups], covered: int, on_device: int) -> PrefixHit | None:
         """Resume `swa_replay_tokens` before the end of the anchors' prefix of `covered` blocks,
         the first `on_device` of them on the device and the rest in a tier (module doc)."""
         if not self.replay.num_tokens or not self._anchors or len(self._anchors) == len(self.groups):
@@ -186,7 +222,7 @@ class KVCacheManager:
         blocks, hits = [], []
         for group, ids in zip(self.groups, cached):
             if group in self._anchors:
-                blocks.append(list(ids[:min(needed, on_device)]))   # type: ignore[arg-type]
+                blocks.append(ids.blocks(0, min(needed, on_device)))
                 hits.append(needed * bs)
             else:   # rebuilt from the floor on; nothing before it is read (window_floor)
                 blocks.append([NULL_BLOCK_ID] * floor)

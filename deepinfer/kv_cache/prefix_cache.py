@@ -36,6 +36,16 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
                         extra: bytes, root: bytes = ROOT_HASH) -> None:
     """Append the hashes of newly completed full blocks of `token_ids` to `hashes` in place."""
     parent = hashes[-1] if hashes else root
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start:start + block_size], extra)
+    first = len(hashes) * block_size
+    num_blocks = (len(token_ids) - first) // block_size
+    if num_blocks <= 0:
+        return
+    # One conversion of the new tokens to bytes, then a slice per block (hash_block's bytes).
+    ids = array("q", token_ids[first:first + num_blocks * block_size])
+    data, step = memoryview(ids.tobytes()), block_size * ids.itemsize
+    for k in range(num_blocks):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(data[k * step:(k + 1) * step])
+        h.update(extra)
+        parent = h.digest()
         hashes.append(parent)
