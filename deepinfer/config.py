@@ -375,3 +375,22 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
     if wanted > model_len:
         raise ValueError(f"max_model_len={wanted} is longer than the model's context ({model_len})")
     return wanted
+
+
+def fit_block_size(config: EngineConfig, multiple: int) -> EngineConfig:
+    """The config with a KV block size that is a multiple of `multiple` (a model's requirement,
+    CausalLM.block_size_multiple): the default block size is raised to the smallest power of two
+    that is one; a block size the user chose that is not one is refused."""
+    block_size = config.cache.block_size
+    if block_size % multiple == 0:
+        return config
+    if block_size != CacheConfig.block_size:
+        raise ValueError(f"block_size={block_size}: this model needs a multiple of {multiple} "
+                         "(its KV compress rates); leave block_size unset or pick such a power of two")
+    fitted = 1 << max(block_size - 1, multiple - 1).bit_length()
+    if fitted % multiple:
+        raise ValueError(f"this model needs a KV block size that is a multiple of {multiple}, "
+                         "and no power of two is")
+    logger.info("block_size %d -> %d: the model's KV compress rates need a multiple of %d",
+                block_size, fitted, multiple)
+    return dataclasses.replace(config, cache=dataclasses.replace(config.cache, block_size=fitted))

@@ -42,7 +42,7 @@ import dataclasses
 import logging
 import time
 
-from deepinfer.config import EngineConfig, resolve_max_model_len
+from deepinfer.config import EngineConfig, fit_block_size, resolve_max_model_len
 from deepinfer.engine.kv_tier import KVTierLink
 from deepinfer.engine.plan import EngineCoreOutput, EngineStats, ForwardStep, LaunchedStep, SchedulerPlan
 from deepinfer.engine.request import Request
@@ -52,6 +52,7 @@ from deepinfer.kv_cache.connector import make_kv_connector_scheduler
 from deepinfer.kv_cache.manager import KVCacheManager, replay_config
 from deepinfer.kv_cache.prefix_cache import hash_root
 from deepinfer.models.loader import ModelSource
+from deepinfer.models.registry import model_class
 from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.sample.structured.bitmask import BitmaskFill
@@ -75,8 +76,9 @@ class EngineCore:
         # Everything below reads the filled-in limits.
         config = dataclasses.replace(config, scheduler=config.scheduler.with_batch_limits(
             self.platform.batch_limits(offline)))
-        self.config = config
         hf_config = source.hf_config
+        config = fit_block_size(config, model_class(hf_config).block_size_multiple(hf_config))
+        self.config = config
         self.max_model_len = resolve_max_model_len(config, hf_config)
         self.executor = Executor.from_config(config, source, load_weights=load_weights)
         kv = self.executor.kv_cache_config

@@ -9,8 +9,11 @@ manager never asks which kind it holds:
   hit_start_block                 the first block a prefix hit of n blocks must find cached
   persisted                       whether a tier outside the device may keep its blocks
   expires                         whether its cached blocks have a retention (swa_retention_s)
-DeepSeek-V4's compressed kind (rows every 4 or 128 tokens plus compressor state) is a third
-subclass, with its own page size and token coverage.
+  rows_per_block                  how many cache rows one block's page holds
+DeepSeek-V4's compressed kind (CompressedSpec: one row every `rate` tokens, plus the compressor
+state a prefix hit at the block's end resumes from) is the third. A kind whose key and value
+are one tensor (`shared_kv`: V4's single K=V head, its compressed rows, its indexer keys) stores
+one tensor per layer instead of two.
 
 Layers are grouped by spec. Every group has its own block table per request. Groups whose pages
 have the same shape share one pool of block ids and one set of KV tensors ("slots", one per
@@ -37,6 +40,7 @@ class KVCacheSpec:
     head_size: int
     dtype: torch.dtype                      # K/V as the model computes them
     cache_dtype: torch.dtype | None = None  # as the cache stores them (kv_cache_dtype); None: dtype
+    shared_kv: bool = False                 # K and V are one tensor (one row per token, not two)
 
     kind: ClassVar[str] = "base"
     persisted: ClassVar[bool] = True        # a KV tier (connector) may store its blocks
@@ -47,16 +51,21 @@ class KVCacheSpec:
         return self.cache_dtype or self.dtype
 
     @property
-    def page_shape(self) -> tuple[int, int, torch.dtype]:
-        """What two specs must share to live in one pool."""
-        return (self.num_kv_heads, self.head_size, self.storage_dtype)
+    def page_shape(self) -> tuple:
+        """What two specs must share to live in one pool (their tensors are alike)."""
+        return (self.num_kv_heads, self.head_size, self.storage_dtype, self.shared_kv)
 
     def tokens_per_block(self, block_size: int) -> int:
         return block_size
 
+    def rows_per_block(self, block_size: int) -> int:
+        """Cache rows (of num_kv_heads x head_size) in one block's page: one per token here."""
+        return block_size
+
     def page_bytes(self, block_size: int) -> int:
-        """Bytes of one block of one layer (K and V)."""
-        return 2 * block_size * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
+        """Bytes of one block of one layer (K and V, or the one shared tensor)."""
+        tensors = 1 if self.shared_kv else 2
+        return tensors * self.rows_per_block(block_size) * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
 
     def num_needed_tokens(self, num_tokens: int) -> int:
         """How many of the most recent tokens later queries can still attend to."""
@@ -71,7 +80,8 @@ class KVCacheSpec:
     def signature(self, block_size: int) -> str:
         """Everything that makes this kind's bytes differ, for keys outside the device."""
         dtype = str(self.storage_dtype).removeprefix("torch.")
-        return f"{self.kind}:{self.num_kv_heads}x{self.head_size}:{dtype}:bs{block_size}"
+        shared = ":kv1" if self.shared_kv else ""
+        return f"{self.kind}:{self.num_kv_heads}x{self.head_size}:{dtype}:bs{block_size}{shared}"
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,31 @@ class SlidingWindowSpec(KVCacheSpec):
 
     def signature(self, block_size: int) -> str:
         return f"{super().signature(block_size)}:w{self.sliding_window}"
+
+
+@dataclass(frozen=True)
+class CompressedSpec(KVCacheSpec):
+    """DeepSeek-V4's compressed KV: one row (num_kv_heads x head_size) per `rate` tokens, kept
+    for the whole request like full attention. A block of block_size tokens holds block_size /
+    rate rows, then `tail_rows` rows of state: what the compressor carries across the block's
+    end (models/deepseek_v4/paged.py), so that a prefix hit ending there resumes exactly."""
+
+    rate: int = 1
+    tail_rows: int = 0
+
+    kind: ClassVar[str] = "compressed"
+
+    @property
+    def page_shape(self) -> tuple:
+        return (*super().page_shape, self.rate, self.tail_rows)
+
+    def rows_per_block(self, block_size: int) -> int:
+        if block_size % self.rate:
+            raise ValueError(f"block_size {block_size} is not a multiple of the compress rate {self.rate}")
+        return block_size // self.rate + self.tail_rows
+
+    def signature(self, block_size: int) -> str:
+        return f"{super().signature(block_size)}:r{self.rate}t{self.tail_rows}"
 
 
 @dataclass(frozen=True)

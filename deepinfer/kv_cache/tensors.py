@@ -1,8 +1,9 @@
 """The KV tensors: the layout of layers onto pools and slots, and their allocation.
 
 Every pool (specs.py: one per page shape) holds `num_blocks` pages per slot. The tensors of all
-pools are one flat list of (K, V) pairs, pool after pool, each [num_blocks * block_size,
-kv_heads, head_dim]; `layer_to_slot[layer]` indexes that list, so attention backends address a
+pools are one flat list of (K, V) pairs, pool after pool, each [num_blocks * rows per block
+(block_size, or a compressed kind's rows and state), kv_heads, head_dim], K and V one tensor
+for a kind with shared_kv; `layer_to_slot[layer]` indexes that list, so attention backends address a
 layer's cache the same way whatever the pools are. Block ids are per pool (a group's table holds
 ids of its own pool); every pool reserves block 0 as its null block.
 """
@@ -71,7 +72,7 @@ class KVLayout:
         for pool in range(self.num_pools):
             spec = self.pool_spec(pool)
             for _ in range(num_slots(self.groups, pool)):
-                shape = (num_blocks * self.block_size, spec.num_kv_heads, spec.head_size)
+                shape = (num_blocks * spec.rows_per_block(self.block_size), spec.num_kv_heads, spec.head_size)
                 k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
-                caches.append((k, k) if share_kv else (k, torch.zeros_like(k)))
+                caches.append((k, k) if share_kv or spec.shared_kv else (k, torch.zeros_like(k)))
         return caches

@@ -3,7 +3,7 @@
 A model is built from an HF config dict and exposes:
   forward(input_ids, positions) -> hidden states [tokens, hidden]
   compute_logits(hidden)        -> logits [rows, vocab] in float32
-  kv_cache_specs(dtype)         -> one KV spec per attention layer
+  kv_cache_specs(dtype)         -> one KV spec per attention layer (or per KV tensor of a layer)
   load_weights(iterable of (HF name, tensor))
 Projections that read the same input are fused at load time (q/k/v into qkv_proj, gate/up into
 gate_up_proj): one matmul instead of three or two, the cheapest speed-up there is on CPU.
@@ -63,6 +63,16 @@ class CausalLM(nn.Module):
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
         raise NotImplementedError
 
+    @classmethod
+    def block_size_multiple(cls, hf_config: dict[str, Any]) -> int:
+        """What the KV block size must be a multiple of (DeepSeek-V4: its compress rates)."""
+        return 1
+
+    def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype):
+        """A model that addresses its KV cache itself returns the backend that builds its steps'
+        metadata (DeepSeek-V4); None: the engine's `attention_backend` choice."""
+        return None
+
     # The head's weight in 4-bit form, (packed, scales_and_zeros) of Int8Blocks.as_int4_pair,
     # when the checkpoint stores it as Q8_0 and the CPU int4 kernel exists; else None.
     head_int4: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -93,6 +103,11 @@ class CausalLM(nn.Module):
                 module.pack_weight()
         if onednn_packing_available(self.head_weight()):
             self.head_packed = pack_dense(self.head_weight())
+
+    def load_from(self, source, keep_int4: bool = False) -> None:
+        """Fill the weights from a ModelSource (the runner's call); a model whose checkpoints
+        need more than a stream of named tensors (DeepSeek-V4) reads its files itself."""
+        self.load_weights(source.iter_weights(keep_int4=keep_int4))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

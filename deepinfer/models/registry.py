@@ -14,6 +14,7 @@ _MODELS = {
     "Qwen2ForCausalLM": ("deepinfer.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("deepinfer.models.llama", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("deepinfer.models.gemma3", "Gemma3ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("deepinfer.models.deepseek_v4.engine", "DeepseekV4ForCausalLM"),
 }
 
 

@@ -116,7 +116,7 @@ class ModelRunner:
         cpu_formats = (config.model.quantization == "auto" and platform.name == "cpu"
                        and self.dtype == torch.bfloat16)
         if source is not None:
-            self.model.load_weights(source.iter_weights(keep_int4=cpu_formats))
+            self.model.load_from(source, keep_int4=cpu_formats)
         if cpu_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
             self.model.pack_weights()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -131,7 +131,8 @@ class ModelRunner:
         self.layer_to_group, self.layer_to_slot = self.kv_layout.layer_to_group, self.kv_layout.layer_to_slot
         # The attention backend, chosen once (layers/attention/backends/selection.py): it builds each
         # step's metadata, and every layer of a forward asks it which fast ops to run.
-        self.attention_backend = select_backend(config, platform, self.kv_cache_dtype)
+        self.attention_backend = (self.model.own_attention_backend(self.device, self.kv_cache_dtype)
+                                  or select_backend(config, platform, self.kv_cache_dtype))
         self.max_blocks_per_seq = -(-self._max_model_len() // self.block_size)
         if platform.name == "cuda":
             self._profile_peak_memory()   # the KV budget is what is left after the peak

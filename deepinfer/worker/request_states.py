@@ -31,6 +31,10 @@ class RunnerRequestState:
     # full-attention layers write no K/V below write_floor. Both 0: a plain request.
     window_floor: int = 0
     write_floor: int = 0
+    # What the model keeps per request between steps beside its KV pages (DeepSeek-V4: the
+    # compressors' projections of the tokens of an unfinished block). Dropped with the state,
+    # so a preempted request starts afresh from its KV.
+    model_state: dict = field(default_factory=dict)
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> RunnerRequestState:
@@ -72,6 +76,7 @@ class StepChunk:
     # may see, and the first position whose K/V full-attention layers write.
     window_floor: int = 0
     write_floor: int = 0
+    model_state: dict = field(default_factory=dict)   # the request's (RunnerRequestState.model_state)
 
 
 def update_states(states: dict[str, RunnerRequestState], plan: SchedulerPlan, device: torch.device) -> None:
@@ -89,5 +94,5 @@ def step_chunks(states: dict[str, RunnerRequestState], chunks: list[ScheduledChu
     for c in chunks:
         state = states[c.request_id]
         out.append(StepChunk(c.request_id, c.start, c.num_tokens, state.block_ids, c.sample, c.prompt_logprobs,
-                             c.spec_token_ids, state.window_floor, state.write_floor))
+                             c.spec_token_ids, state.window_floor, state.write_floor, state.model_state))
     return out

@@ -90,6 +90,7 @@ class V4Attention(nn.Module):
         q = self.rotary.rotate(unit_rms(q, self.eps), positions)
         kv = self.kv_norm(self.kv_proj(x)).unsqueeze(2)
         kv = self.rotary.rotate(kv, positions).squeeze(2)                  # [B, L, D]
+        state.call_rows = kv
 
         # Raw rows: the kept tail of the window, then this call's tokens.
         keys = kv if state.window is None else torch.cat([state.window, kv], dim=1)

@@ -40,6 +40,7 @@ class Compressor(nn.Module):
         """Feed the tokens x [B, L, hidden] (continuing `state`); returns every row so far,
         [B, rows, dim], and leaves `state` ready for the next call."""
         kv, gate = self.kv_proj(x), self.gate_proj(x)
+        state.call_kv, state.call_gate = kv, gate
         if state.pending_kv is not None:
             kv, gate = torch.cat([state.pending_kv, kv], dim=1), torch.cat([state.pending_gate, gate], dim=1)
         blocks = kv.shape[1] // self.rate

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -32,8 +34,14 @@ class V4DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, state: LayerState,
                 token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """streams [B, L, hc_mult, hidden] -> the same shape."""
+        return self.run(streams, lambda x: self.self_attn(x, positions, state), token_ids)
+
+    def run(self, streams: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
+            token_ids: torch.Tensor | None) -> torch.Tensor:
+        """The layer with attention given as `attend(normed block input) -> output`: the
+        reference's own state above, the engine's paged cache (paged.py)."""
         block_in, post, comb = self.attn_hc(streams)
-        out = self.self_attn(self.input_layernorm(block_in), positions, state)
+        out = attend(self.input_layernorm(block_in))
         streams = HyperConnection.merge(streams, out, post, comb)
         block_in, post, comb = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(block_in), token_ids)

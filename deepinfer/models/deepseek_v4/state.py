@@ -34,6 +34,10 @@ class CompressorState:
     prev_gate: torch.Tensor | None = None
     # Compressed rows so far, normed and rotated at position row_index * rate: [B, rows, dim].
     rows: torch.Tensor | None = None
+    # The last call's own tokens' projections (kv, gate without position_bias), [B, L, width]:
+    # not state, but what a paged cache keeps of them (models/deepseek_v4/paged.py).
+    call_kv: torch.Tensor | None = None
+    call_gate: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -49,6 +53,9 @@ class LayerState:
     window: torch.Tensor | None = None            # [B, <= sliding_window - 1, head_dim]
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
+    # The last call's own tokens' K=V rows [B, L, head_dim]: not state (the window keeps what
+    # later queries need), but what a paged cache writes (models/deepseek_v4/paged.py).
+    call_rows: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         out = [] if self.window is None else [self.window]

@@ -64,6 +64,9 @@ class AttentionMetadata:
     layer_to_slot: list[int]
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]   # per slot: (K, V) as [rows, kv_heads, head_dim]
     block_size: int = 16
+    # The layout it was built from, for a model that addresses its cache itself (DeepSeek-V4's
+    # paged reference path reads each chunk's block tables and per-request state from it).
+    step: StepLayout | None = None
 
 
 @dataclass
@@ -106,7 +109,8 @@ class StepLayout:
         """The AttentionMetadata fields every backend fills the same way."""
         return dict(backend=backend, num_tokens=self.num_tokens, num_decode_tokens=len(self.decodes),
                     prefill_query_ranges=self.prefill_query_ranges, layer_to_group=self.layer_to_group,
-                    layer_to_slot=self.layer_to_slot, kv_caches=self.kv_caches, block_size=self.block_size)
+                    layer_to_slot=self.layer_to_slot, kv_caches=self.kv_caches, block_size=self.block_size,
+                    step=self)
 
 
 class DecodeGraphBuffers(ABC):

@@ -1,0 +1,100 @@
+"""DeepseekV4ForCausalLM as the engine runs it: the reference layers (model.py's V4Model) over
+the engine's flat batch of tokens, attention per request chunk on the paged KV (paged.py).
+
+The per-token parts (embedding, mHC, norms, MoE, head) run on every token of the step at once,
+as [1, tokens, ...]; only attention splits the step by request. Its KV kinds per main layer
+are a sliding window (every layer), compressed rows (CSA and HCA layers) and indexer keys (CSA
+layers), listed by `kv_cache_specs` in that order; `LayerKV` says where each layer's are.
+
+Checkpoints load through weights.py (transformers' layout or DeepSeek's, FP8 / FP4 dequantized).
+Not yet here: running the MTP layers (they are built and loaded), fp8 KV, CUDA kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.kv_cache.specs import CompressedSpec, KVCacheSpec, SlidingWindowSpec
+from deepinfer.layers.attention.metadata import get_forward_context
+from deepinfer.models.base import CausalLM
+from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
+from deepinfer.models.deepseek_v4.model import V4Model
+from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
+from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged
+
+
+def _layer_kv(cfg: V4Config) -> list[LayerKV]:
+    n = cfg.num_layers
+    compressed = [i for i, t in enumerate(cfg.layer_types) if t != SLIDING]
+    sparse = [i for i, t in enumerate(cfg.layer_types) if t == CSA]
+    return [LayerKV(window=i,
+                    compressed=n + compressed.index(i) if i in compressed else None,
+                    index=n + len(compressed) + sparse.index(i) if i in sparse else None) for i in range(n)]
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    def __init__(self, hf_config: dict[str, Any]) -> None:
+        super().__init__(hf_config)
+        self.cfg = V4Config.from_hf(hf_config)
+        self.tie_word_embeddings = self.cfg.tie_word_embeddings
+        self.model = V4Model(self.cfg)
+        self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # Built for their weights; not run yet (the MTP drafter is still to come).
+        self.mtp = nn.ModuleList([V4MTPLayer(self.cfg, t, self.model.rotaries) for t in self.cfg.mtp_layer_types])
+        self.layer_kv = _layer_kv(self.cfg)
+
+    @classmethod
+    def block_size_multiple(cls, hf_config: dict[str, Any]) -> int:
+        cfg = V4Config.from_hf(hf_config)
+        return math.lcm(*[cfg.rate(t) for t in set(cfg.layer_types) if t != SLIDING] or [1])
+
+    def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
+        cfg = self.cfg
+        specs: list[KVCacheSpec] = [SlidingWindowSpec(1, cfg.head_dim, dtype, shared_kv=True,
+                                                      sliding_window=cfg.sliding_window)] * cfg.num_layers
+        # In _layer_kv's order: every layer's window, then the compressed layers', then the index keys.
+        for t in cfg.layer_types:
+            if t != SLIDING:
+                rate = cfg.rate(t)
+                specs.append(CompressedSpec(1, cfg.head_dim, dtype, shared_kv=True, rate=rate,
+                                            tail_rows=2 * rate if t == CSA else 0))
+        for t in cfg.layer_types:
+            if t == CSA:
+                rate = cfg.rate(CSA)
+                specs.append(CompressedSpec(1, cfg.index_head_dim, dtype, shared_kv=True, rate=rate,
+                                            tail_rows=2 * rate))
+        return specs
+
+    def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype) -> V4StepBackend:
+        if kv_cache_dtype != self.lm_head.weight.dtype:
+            raise ValueError(f"kv_cache_dtype {str(kv_cache_dtype).removeprefix('torch.')}: DeepSeek-V4 keeps its "
+                             "KV in the model's dtype for now (kv_cache_dtype='auto')")
+        return V4StepBackend(device, kv_cache_dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        meta = get_forward_context()
+        ids = input_ids[None]
+        x = self.model.embed_tokens(ids)
+        streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        for i, (layer, kv) in enumerate(zip(self.model.layers, self.layer_kv)):
+            attend = lambda h, layer=layer, kv=kv, i=i: attend_paged(layer.self_attn, h[0], positions, meta, kv, i)[None]
+            streams = layer.run(streams, attend, ids)
+        if logits_rows is not None:
+            streams = streams[:, logits_rows]
+        return self.model.norm(self.model.hc_head(streams))[0]
+
+    def load_from(self, source, keep_int4: bool = False) -> None:
+        """The checkpoint directory in either layout, FP8 / FP4 dequantized (weights.py). The MTP
+        layers are dropped when it has none (transformers saves none)."""
+        from deepinfer.models.deepseek_v4.weights import V4Checkpoint, load_v4_weights
+
+        if not any(entry.name.startswith("mtp.") for entry in V4Checkpoint(source.path).entries):
+            self.mtp = nn.ModuleList()
+        load_v4_weights(self, source.path)
