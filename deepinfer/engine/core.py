@@ -82,15 +82,16 @@ class EngineCore:
         self.max_model_len = resolve_max_model_len(config, hf_config)
         self.executor = Executor.from_config(config, source, load_weights=load_weights)
         kv = self.executor.kv_cache_config
-        needed = blocks_for_longest_request(kv.groups, self.max_model_len, config)
-        if kv.num_blocks - 1 < needed:
-            raise ValueError(
-                f"the KV cache has {kv.num_blocks - 1} blocks, but one request of max_model_len="
-                f"{self.max_model_len} tokens needs {needed} across {len(kv.groups)} layer groups; "
-                "raise the KV budget (cpu_kv_cache_bytes / gpu_memory_utilization / num_kv_blocks) "
-                "or lower max_model_len")
+        pool_blocks = kv.pool_blocks or [kv.num_blocks] * (max(g.pool_id for g in kv.groups) + 1)
+        for pool, needed in blocks_for_longest_request(kv.groups, self.max_model_len, config).items():
+            if pool_blocks[pool] - 1 < needed:
+                raise ValueError(
+                    f"the KV cache has {pool_blocks[pool] - 1} blocks in pool {pool}, but one request of "
+                    f"max_model_len={self.max_model_len} tokens needs {needed} there, across its "
+                    f"{sum(g.pool_id == pool for g in kv.groups)} layer groups; raise the KV budget "
+                    "(cpu_kv_cache_bytes / gpu_memory_utilization / num_kv_blocks) or lower max_model_len")
         self.kv_manager = KVCacheManager(
-            kv.groups, kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching,
+            kv.groups, pool_blocks, kv.block_size, config.cache.enable_prefix_caching,
             replay=replay_config(config.cache, kv.groups), swa_retention_s=config.cache.swa_retention_s,
             hash_root=hash_root(source.name, getattr(source, "revision", None), kv.block_size,
                                 config.cache.kv_cache_dtype, tp_rank=0))
@@ -240,8 +241,8 @@ def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:
     return wanted
 
 
-def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig) -> int:
-    """KV blocks one request of max_model_len tokens holds at its peak in the fullest pool.
+def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig) -> dict[int, int]:
+    """KV blocks one request of max_model_len tokens holds at its peak, per pool.
 
     A group holds the tokens its kind still needs plus the chunk being computed (a sliding
     window: its window, not the whole length); groups of one pool add up.
@@ -255,4 +256,4 @@ def blocks_for_longest_request(groups, max_model_len: int, config: EngineConfig)
             max_model_len, kept + 1 + config.scheduler.max_num_batched_tokens)
         # + 1: a window can straddle one more block boundary
         per_pool[group.pool_id] = per_pool.get(group.pool_id, 0) + -(-tokens // bs) + 1
-    return max(per_pool.values())
+    return per_pool

@@ -45,6 +45,8 @@ class KVCacheConfig:
     groups: list[KVCacheGroup]
     num_blocks: int            # including the null block 0, which no request owns
     block_size: int
+    # Per pool (kv_cache/tensors.py): num_blocks, but fewer in a pool of bounded kinds. None: all num_blocks.
+    pool_blocks: list[int] | None = None
 
 
 # ------------------------------------------------------------------- scheduler -> runner

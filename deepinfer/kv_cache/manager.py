@@ -119,7 +119,7 @@ class _GroupLookups:
 
 
 class KVCacheManager:
-    def __init__(self, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
+    def __init__(self, groups: list[KVCacheGroup], num_blocks: int | list[int], block_size: int,
                  enable_prefix_caching: bool = True, *, replay: ReplayConfig | None = None,
                  swa_retention_s: float = math.inf, clock: Callable[[], float] = time.monotonic,
                  hash_root: bytes = ROOT_HASH) -> None:
@@ -131,8 +131,8 @@ class KVCacheManager:
         self.counters = [GroupCounters() for _ in groups]
         self.request_counters = GroupCounters()   # per request: queried tokens, tokens not computed
         expiring = frozenset(g.group_id for g in groups if g.spec.expires)
-        self.pools = [BlockPool(num_blocks, len(groups), expiring, swa_retention_s, clock, self.counters)
-                      for _ in range(num_pools(groups))]
+        counts = num_blocks if isinstance(num_blocks, list) else [num_blocks] * num_pools(groups)
+        self.pools = [BlockPool(n, len(groups), expiring, swa_retention_s, clock, self.counters) for n in counts]
         # Groups that anchor a replay: kinds that keep every token (full attention).
         self._anchors = [g for g in groups if not g.spec.expires and g.spec.hit_start_block(1, block_size) == 0]
         # Groups whose kind keeps every token (no window): all of a hit's blocks must be cached.

@@ -136,13 +136,13 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-self._max_model_len() // self.block_size)
         if platform.name == "cuda":
             self._profile_peak_memory()   # the KV budget is what is left after the peak
-        self.num_blocks = self._num_blocks()
+        self.num_blocks, self.pool_blocks = self._num_blocks()
         spec = self.groups[0].spec
-        self.kv_caches = self.kv_layout.allocate(self.num_blocks, self.device)
-        logger.info("KV cache: %d blocks of %d tokens, %d layer groups in %d pools, %s, %.1f MiB",
-                    self.num_blocks, self.block_size, len(self.groups), self.kv_layout.num_pools,
+        self.kv_caches = self.kv_layout.allocate(self.pool_blocks, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (per pool %s), %d layer groups in %d pools, %s, %.1f MiB",
+                    self.num_blocks, self.block_size, self.pool_blocks, len(self.groups), self.kv_layout.num_pools,
                     str(self.kv_cache_dtype).removeprefix("torch."),
-                    self.num_blocks * self.bytes_per_block / 2**20)
+                    self.kv_layout.total_bytes(self.pool_blocks) / 2**20)
         # A KV tier outside the device (kv_offloading_size): its worker side copies blocks
         # between these tensors and the tier (kv_cache/connector.py).
         self.kv_connector: KVConnectorWorker | None = make_kv_connector_worker(
@@ -234,18 +234,37 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return self.kv_layout.bytes_per_block
 
-    def _num_blocks(self) -> int:
-        cache = self.config.cache
+    def _num_blocks(self) -> tuple[int, list[int]]:
+        """(block ids of the main pools, block ids per pool): num_kv_blocks, or what the memory
+        budget holds once the pools of bounded kinds have what they need."""
+        cache, layout = self.config.cache, self.kv_layout
+        bounded = layout.bounded_pools(self._max_model_len())
+        bounded_blocks = self._bounded_pool_blocks()
         if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        budget = self.platform.kv_cache_budget_bytes(
-            gpu_memory_utilization=cache.gpu_memory_utilization,
-            cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes, weight_bytes=self.weight_bytes)
-        return max(budget // self.bytes_per_block, 2)
+            num_blocks = cache.num_kv_blocks
+        else:
+            budget = self.platform.kv_cache_budget_bytes(
+                gpu_memory_utilization=cache.gpu_memory_utilization,
+                cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes, weight_bytes=self.weight_bytes)
+            fixed = sum(bounded_blocks * layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if b)
+            per_block = sum(layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if not b)
+            num_blocks = max((budget - fixed) // per_block, 2)
+        return num_blocks, layout.pool_blocks(num_blocks, bounded_blocks, self._max_model_len())
+
+    def _bounded_pool_blocks(self) -> int:
+        """Block ids a pool of windowed kinds gets: for each of max_num_seqs requests its window
+        (+ 2: the next token, and one more block boundary it may straddle) in each of the pool's
+        groups, plus one step's chunk; twice that, so that blocks of finished requests stay
+        cached for a while (swa_retention_s) without taking running requests' room."""
+        scheduler, bs = self.config.scheduler, self.block_size
+        window = max_sliding_window(self.groups)
+        groups_per_pool = max(sum(1 for g in self.groups if g.pool_id == p) for p in range(self.kv_layout.num_pools))
+        per_request = groups_per_pool * (-(-window // bs) + 2)
+        return 2 * (scheduler.max_num_seqs * per_request + -(-scheduler.max_num_batched_tokens // bs)) + 1
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
-        return KVCacheConfig(self.groups, self.num_blocks, self.block_size)
+        return KVCacheConfig(self.groups, self.num_blocks, self.block_size, self.pool_blocks)
 
     # ------------------------------------------------------------------------------- execute
     @torch.inference_mode()

@@ -36,6 +36,23 @@ def _layer_kv(cfg: V4Config) -> list[LayerKV]:
                     index=n + len(compressed) + sparse.index(i) if i in sparse else None) for i in range(n)]
 
 
+def kv_cache_specs_for(cfg: V4Config, dtype: torch.dtype) -> list[KVCacheSpec]:
+    """In _layer_kv's order: every layer's window, then the compressed layers' rows, then the
+    CSA layers' index keys (a function of the config alone: benchmarks size the KV of shapes
+    too large to build)."""
+    specs: list[KVCacheSpec] = [SlidingWindowSpec(1, cfg.head_dim, dtype, shared_kv=True,
+                                                  sliding_window=cfg.sliding_window)] * cfg.num_layers
+    for t in cfg.layer_types:
+        if t != SLIDING:
+            rate = cfg.rate(t)
+            specs.append(CompressedSpec(1, cfg.head_dim, dtype, shared_kv=True, rate=rate,
+                                        tail_rows=2 * rate if t == CSA else 0))
+    rate = cfg.rate(CSA)
+    specs += [CompressedSpec(1, cfg.index_head_dim, dtype, shared_kv=True, rate=rate, tail_rows=2 * rate)
+              for t in cfg.layer_types if t == CSA]
+    return specs
+
+
 class DeepseekV4ForCausalLM(CausalLM):
     def __init__(self, hf_config: dict[str, Any]) -> None:
         super().__init__(hf_config)
@@ -55,21 +72,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         return math.lcm(*[cfg.rate(t) for t in set(cfg.layer_types) if t != SLIDING] or [1])
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        cfg = self.cfg
-        specs: list[KVCacheSpec] = [SlidingWindowSpec(1, cfg.head_dim, dtype, shared_kv=True,
-                                                      sliding_window=cfg.sliding_window)] * cfg.num_layers
-        # In _layer_kv's order: every layer's window, then the compressed layers', then the index keys.
-        for t in cfg.layer_types:
-            if t != SLIDING:
-                rate = cfg.rate(t)
-                specs.append(CompressedSpec(1, cfg.head_dim, dtype, shared_kv=True, rate=rate,
-                                            tail_rows=2 * rate if t == CSA else 0))
-        for t in cfg.layer_types:
-            if t == CSA:
-                rate = cfg.rate(CSA)
-                specs.append(CompressedSpec(1, cfg.index_head_dim, dtype, shared_kv=True, rate=rate,
-                                            tail_rows=2 * rate))
-        return specs
+        return kv_cache_specs_for(self.cfg, dtype)
 
     def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype) -> V4StepBackend:
         if kv_cache_dtype != self.lm_head.weight.dtype:
