@@ -281,13 +281,20 @@ class KVCacheManager:
         return True
 
     def _free_out_of_window(self, request: Request) -> None:
-        """Sliding-window groups: give back blocks no future query can attend to."""
+        """Sliding-window groups: give back blocks no future query can attend to.
+
+        With prefix caching, only blocks already published: with overlapped scheduling the
+        step that computed a block may still be in flight when the next one is scheduled, and
+        a block freed before cache_computed_blocks saw it would leave the cache unhashed (later
+        requests would lose its window, and replay). It goes back at the next allocation."""
         bs = self.block_size
         computed = request.num_computed_tokens
+        caching = self.enable_prefix_caching and not request.skip_prefix_cache
+        limit = request.num_published_blocks if caching else computed // bs
         for group, ids in zip(self.groups, request.block_ids):
             first_needed = (computed - group.spec.num_needed_tokens(computed)) // bs
             pool = self.pool_of(group)
-            for i in range(min(first_needed, len(ids))):
+            for i in range(min(first_needed, len(ids), limit)):
                 if ids[i] != NULL_BLOCK_ID:
                     pool.free([ids[i]])
                     ids[i] = NULL_BLOCK_ID

@@ -39,17 +39,16 @@ def checkpoint(request, tmp_path_factory):
     return str(directory), hf, cfg, seed
 
 
-_HF_RESULTS: dict = {}
-
-
 @torch.no_grad()
 def hf_greedy(hf, ids: list[int], new_tokens: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy continuation, and the log-probabilities at each generated position
-    from one forward over prompt + continuation (computed once per model and prompt)."""
-    key = (id(hf), tuple(ids), new_tokens)
-    if key not in _HF_RESULTS:
-        _HF_RESULTS[key] = _hf_greedy(hf, ids, new_tokens)
-    return _HF_RESULTS[key]
+    from one forward over prompt + continuation (computed once per model and prompt: kept on
+    the model object, which lives as long as its fixture)."""
+    memo = hf.__dict__.setdefault("_greedy_memo", {})
+    key = (tuple(ids), new_tokens)
+    if key not in memo:
+        memo[key] = _hf_greedy(hf, ids, new_tokens)
+    return memo[key]
 
 
 def _hf_greedy(hf, ids: list[int], new_tokens: int) -> tuple[list[int], torch.Tensor]:

@@ -97,6 +97,24 @@ def test_pools_of_different_page_shapes():
 
 
 # ---------------------------------------------------------------------------------- retention
+def test_window_blocks_wait_for_publishing_under_overlapped_scheduling():
+    """The next step is scheduled while the prefill's is in flight: the window blocks it leaves
+    behind stay until published, so a later request still finds its window (no replay)."""
+    manager = hybrid(replay=8)
+    first = make_request("a", list(range(40)))
+    assert manager.allocate(first, 40, manager.find_prefix_hit(first))
+    first.num_computed_tokens, first.num_tokens_in_flight = 40, 40   # the prefill, in flight
+    first.append_output_token(7)
+    assert manager.allocate(first, 1)               # the next step, scheduled before it lands
+    sliding = next(g.group_id for g in manager.groups if g.spec.expires)
+    assert NULL_BLOCK_ID not in first.block_ids[sliding][:10]
+    first.num_tokens_in_flight = 0                  # the prefill's result applied
+    manager.cache_computed_blocks(first)
+    manager.free(first)
+    hit = manager.find_prefix_hit(make_request("b", list(range(40)) + [1, 2, 3]))
+    assert hit.num_computed_tokens == 40 and not hit.window_floor
+
+
 def test_sliding_blocks_expire_after_retention_full_blocks_stay():
     clock = Clock()
     manager = hybrid(retention=180, clock=clock)
