@@ -36,7 +36,8 @@ kv_store_load_timeout_s). The worker then reports its id by `failed_transfers()`
 tier blocks are on the device, and it recomputes them.
 
 Traffic class: save_blocks and allocate_loads take an optional `traffic_class` (the retention
-class of kv_retention; None: "chat"). The host tier ignores it.
+class of kv_retention; None: "chat"), and `touch` restarts the retention of blocks a request used
+from the device (a prefix hit there is a use too). The host tier ignores both.
 """
 
 from __future__ import annotations
@@ -141,6 +142,11 @@ class KVConnectorScheduler(abc.ABC):
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's look-up: `num_tokens` asked for past the device hit, of which
         the tier held `num_hit_tokens`."""
+
+    def touch(self, request_hashes: Sequence[bytes], group_ids: Sequence[int], traffic_class: str) -> None:
+        """A request used these blocks from the device prefix cache: a persistent store
+        restarts their retention under `traffic_class` (entries it does not hold are ignored).
+        Tiers without retention do nothing."""
 
     @abc.abstractmethod
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],

@@ -17,7 +17,9 @@ Last use is the file's mtime (set from the injectable clock at write and on each
 index is bucketed by last use (BUCKET_S): a write or a hit that moves an entry into a new bucket
 appends its path to that bucket's file (O_APPEND, one short line). Expiry (gc) opens only buckets
 whose end plus their class's retention has passed, so its cost follows what expires; an entry
-touched since sits in a later bucket too, and its mtime tells the expired check to leave it.
+touched since sits in a later bucket too, and its mtime tells the expired check to leave it to
+that bucket, whose class (the class of that use) decides. (Two uses under different classes
+within one bucket leave the first class listed, until a use in a later bucket.)
 Bucket files are claimed by renaming (one instance wins), so two instances never process one.
 
 Capacity (kv_store_size): this instance's estimate of the bytes under PATH (a scan at start,
@@ -232,7 +234,9 @@ class DirStore(StoreBackend):
                         mtime = os.stat(path).st_mtime
                     except FileNotFoundError:
                         continue
-                    if mtime + retention <= now and self._remove_entry(path):
+                    # Used since (a later bucket lists it, maybe under another class): that
+                    # bucket decides, under the class of that use.
+                    if self._bucket(mtime) <= bucket and mtime + retention <= now and self._remove_entry(path):
                         dropped += 1
         except OSError as exc:
             raise StoreUnavailable(str(exc)) from exc

@@ -31,9 +31,14 @@ Worker side (StoreTierWorker, persistent_worker.py):
           written, and the scheduler must recompute the request (FinishedTransfers.failed).
   close   flushes what is queued within flush_timeout_s, then stops the threads.
 
-Traffic class: save_blocks and allocate_loads take `traffic_class` (None: DEFAULT_CLASS,
-"chat"); it is the entry's retention class (kv_retention) at write, and the class a hit touches
-it under. The request field and HTTP header that set it come later.
+Traffic class (engine/traffic_class.py: the request field, the X-Traffic-Class header):
+save_blocks and allocate_loads take `traffic_class` (None: DEFAULT_CLASS, "chat"); it is the
+entry's retention class (kv_retention) at write, and the class a use touches it under, so an
+entry's retention counts from its last use under the class of the request that last used it.
+Uses are: a load (the reader touches what it read), a save of a block the store already has (the
+writer touches it), and a hit on the device prefix cache (`touch`, at most once per key every
+TOUCH_EVERY_S, so a hot prefix costs the store nothing per request; a day-scale retention does
+not notice minutes).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 
 from deepinfer.engine.plan import KVTransfer
+from deepinfer.engine.traffic_class import DEFAULT_CLASS
 from deepinfer.kv_cache.connector import (
     KVConnectorStats,
     TierKey,
@@ -58,9 +64,9 @@ from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CLASS = "chat"
 KNOWN_TTL_S = 60.0
 KNOWN_MAX = 1 << 16
+TOUCH_EVERY_S = 300.0
 GC_INTERVAL_S = 60.0
 THREAD_POLL_S = 1.0
 _STOP = object()
@@ -117,6 +123,7 @@ class StoreTierScheduler(TierSchedulerBase):
         self._known: collections.OrderedDict[TierKey, float] = collections.OrderedDict()
         self._errors_seen = 0
         self._saving: set[TierKey] = set()      # queued or in flight saves of this instance
+        self._touched: collections.OrderedDict[tuple[TierKey, str], float] = collections.OrderedDict()
 
     # ----------------------------------------------------------------------------- look-ups
     def _is_known(self, key: TierKey, now: float) -> bool:
@@ -157,6 +164,23 @@ class StoreTierScheduler(TierSchedulerBase):
             n += 1
         self._remember(keys[:n * per_block], time.monotonic())
         return n * self.block_size
+
+    def touch(self, request_hashes: Sequence[bytes], group_ids: Sequence[int], traffic_class: str) -> None:
+        traffic_class = _check_class(traffic_class, self.backend.retention)
+        now = time.monotonic()
+        keys = []
+        for gk, _ in (self._layouts[g] for g in group_ids if g in self._layouts):
+            for block_hash in request_hashes:
+                mark = ((gk, block_hash), traffic_class)
+                last = self._touched.get(mark)
+                if last is None or now - last >= TOUCH_EVERY_S:
+                    self._touched[mark] = now
+                    self._touched.move_to_end(mark)
+                    keys.append(mark[0])
+        while len(self._touched) > KNOWN_MAX:
+            self._touched.popitem(last=False)
+        if keys:
+            self.health.call("touch", lambda: self.backend.touch(keys, traffic_class), None)
 
     # -------------------------------------------------------------------------------- loads
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],

@@ -372,6 +372,9 @@ class StoreTierWorker(KVConnectorWorker):
             items.append((key, entry_format.encode(key[0], key[1], layout, payload, traffic_class, now),
                           traffic_class))
         skipped = n - len(items)
+        if skipped:   # the store has them: this save is a use, under this request's class
+            present = [key for key, state in zip(keys, states) if state == PRESENT]
+            self.health.call("touch", lambda: self.backend.touch(present, traffic_class), None)
         try:
             self.backend.put(items)
         except StoreUnavailable as exc:
