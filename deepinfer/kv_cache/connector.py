@@ -93,6 +93,7 @@ class KVConnectorStats:
     loaded_blocks: int = 0    # blocks (of one group each) copied tier -> device
     saved_blocks: int = 0     # blocks copied device -> tier, counted once their save completed
     stored_blocks: int = 0    # gauge: entries held now, pending saves included
+    stored_bytes: int = 0     # gauge: their bytes (host tier)
     evictions: int = 0        # entries dropped (LRU) to make room for a save
     refused_saves: int = 0    # blocks offered of a kind never persisted (sliding window)
     dropped_saves: int = 0    # blocks not saved: every slot was pinned by a load or pending (host),
@@ -126,6 +127,7 @@ class KVConnectorScheduler(abc.ABC):
     Everything here runs on the scheduler's thread, between steps."""
 
     block_size: int
+    tier_name: str = "host"   # the `tier` label of its metrics: host | store
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],

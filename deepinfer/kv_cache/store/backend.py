@@ -60,10 +60,18 @@ class StoreBackend(abc.ABC):
     reader and writer threads share one instance; the scheduler side has its own."""
 
     url: str
+    medium: str = "STORE"   # the `medium` of its KV events (kv_cache/events.py)
 
     def __init__(self, retention: Mapping[str, float], clock: Clock = time.time) -> None:
         self.retention = dict(retention)
         self.clock = clock
+        # Told of the entries this instance removes (expired, evicted, corrupt): KV events.
+        self.on_removed: Callable[[list[TierKey]], None] | None = None
+
+    def _notify_removed(self, keys: list[TierKey | None]) -> None:
+        keys = [k for k in keys if k is not None]
+        if keys and self.on_removed is not None:
+            self.on_removed(keys)
 
     def retention_of(self, traffic_class: str) -> float:
         """Seconds an entry of this class lives after its last use (an unknown class, e.g. one

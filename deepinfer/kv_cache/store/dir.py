@@ -64,6 +64,8 @@ TEMP_MAX_AGE_S = 3600.0
 
 
 class DirStore(StoreBackend):
+    medium = "DISK"
+
     def __init__(self, path: str, retention: Mapping[str, float], *, size_bytes: int | None = None,
                  clock: Clock = time.time, bucket_s: float = BUCKET_S) -> None:
         super().__init__(retention, clock)
@@ -182,8 +184,16 @@ class DirStore(StoreBackend):
             raise StoreUnavailable(str(exc)) from exc
 
     def delete(self, keys: Sequence[TierKey]) -> None:
-        for key in keys:
-            self._remove_entry(self.path(key))
+        self._notify_removed([key for key in keys if self._remove_entry(self.path(key))])
+
+    @staticmethod
+    def key_of(rel: str) -> TierKey | None:
+        """The key an entry's path names (relpath's inverse); None for a name not of that form."""
+        try:
+            block_hash, group, _ = os.path.basename(rel).split(".")
+            return bytes.fromhex(group), bytes.fromhex(block_hash)
+        except ValueError:
+            return None
 
     def _remove_entry(self, path: str) -> bool:
         try:
@@ -235,7 +245,7 @@ class DirStore(StoreBackend):
     def gc(self) -> int:
         """Drop entries whose class's retention has passed since their last use."""
         now = self.clock()
-        dropped = 0
+        dropped: list[TierKey] = []
         try:
             for bucket, traffic_class, name in self._buckets():
                 retention = self.retention_of(traffic_class)
@@ -250,11 +260,13 @@ class DirStore(StoreBackend):
                     # Used since (a later bucket lists it, maybe under another class): that
                     # bucket decides, under the class of that use.
                     if self._bucket(mtime) <= bucket and mtime + retention <= now and self._remove_entry(path):
-                        dropped += 1
+                        dropped.append(self.key_of(rel))
         except OSError as exc:
             raise StoreUnavailable(str(exc)) from exc
-        self.expired += dropped
-        return dropped
+        finally:
+            self.expired += len(dropped)
+            self._notify_removed(dropped)
+        return len(dropped)
 
     # ----------------------------------------------------------------------------- capacity
     def usage(self) -> int:
@@ -355,6 +367,14 @@ class DirStore(StoreBackend):
         if self.usage() <= self.size_bytes:
             return
         target = int(self.size_bytes * LOW_WATER)
+        evicted: list[TierKey] = []
+        try:
+            self._drain(target, evicted)
+        finally:
+            self._notify_removed(evicted)
+
+    def _drain(self, target: int, evicted: list[TierKey]) -> None:
+        """Drop least recently used entries until the estimate is at `target` bytes."""
         for bucket, traffic_class, name in self._buckets():
             rels = self._claim(name)
             if not rels:
@@ -375,6 +395,7 @@ class DirStore(StoreBackend):
                     break
                 if self._remove_entry(os.path.join(self.blocks, rel)):
                     self.evicted += 1
+                    evicted.append(self.key_of(rel))
             if kept:
                 self._index_append(bucket, traffic_class, kept)
             if self._usage <= target:

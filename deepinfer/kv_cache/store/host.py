@@ -235,6 +235,7 @@ class HostTierScheduler(TierSchedulerBase):
     def stats(self) -> KVConnectorStats:
         stats = self._stats.copy()
         stats.stored_blocks = len(self._entries)
+        stats.stored_bytes = sum(self.pools[e.pool].slot_bytes for e in self._entries.values())
         return stats
 
 

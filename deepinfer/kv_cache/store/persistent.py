@@ -49,6 +49,7 @@ import queue
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from deepinfer.engine.plan import KVTransfer
 from deepinfer.engine.traffic_class import DEFAULT_CLASS
@@ -61,6 +62,9 @@ from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, StoreHealth
 from deepinfer.kv_cache.store.entry import EntryLayout
 from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
+
+if TYPE_CHECKING:
+    from deepinfer.kv_cache.events import KVEventSink
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +105,20 @@ def group_layouts(groups: Sequence[KVCacheGroup], block_size: int, key_extra: by
     return out
 
 
+def report_removals(layouts: Mapping[int, tuple[bytes, EntryLayout]], sink: KVEventSink, medium: str):
+    """A backend's on_removed that publishes BlockRemoved per layer group (entries of groups not
+    this engine's, another model's in a shared store, are not its events)."""
+    def removed(keys: Sequence[TierKey]) -> None:
+        group_of = {gk: group_id for group_id, (gk, _) in layouts.items()}
+        by_group: dict[int, list[bytes]] = {}
+        for gk, block_hash in keys:
+            if gk in group_of:
+                by_group.setdefault(group_of[gk], []).append(block_hash)
+        for group_id, hashes in by_group.items():
+            sink.removed(hashes, medium, group_id)
+    return removed
+
+
 def _check_class(traffic_class: str | None, retention: Mapping[str, float]) -> str:
     traffic_class = traffic_class or DEFAULT_CLASS
     if traffic_class not in retention:
@@ -111,6 +129,8 @@ def _check_class(traffic_class: str | None, retention: Mapping[str, float]) -> s
 
 # ---------------------------------------------------------------------------- scheduler side
 class StoreTierScheduler(TierSchedulerBase):
+    tier_name = "store"
+
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, backend: StoreBackend,
                  key_extra: bytes = b"", backoff_s: float = 1.0) -> None:
         super().__init__()
@@ -258,6 +278,10 @@ class StoreTierScheduler(TierSchedulerBase):
         stats = self._stats.copy()
         stats.store_errors = self.health.errors
         return stats
+
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        """Report the entries this side removes (found damaged by a look-up) as KV events."""
+        self.backend.on_removed = report_removals(self._layouts, sink, self.backend.medium)
 
 
 # ------------------------------------------------------------------------------- worker side

@@ -45,6 +45,7 @@ _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redi
 
 class RedisStore(StoreBackend):
     collects_garbage = False
+    medium = "REDIS"
     def __init__(self, url: str, retention: Mapping[str, float], *, clock: Clock = time.time,
                  socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5) -> None:
         super().__init__(retention, clock)
@@ -108,6 +109,7 @@ class RedisStore(StoreBackend):
     def delete(self, keys: Sequence[TierKey]) -> None:
         if keys:
             self._run(lambda: self.client.delete(*[self.name(k) for k in keys]))
+            self._notify_removed(list(keys))
 
     # ---------------------------------------------------------------------------- operators
     def _scan(self):
