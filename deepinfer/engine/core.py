@@ -48,7 +48,7 @@ from deepinfer.engine.plan import EngineCoreOutput, EngineStats, ForwardStep, La
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.executor import Executor
-from deepinfer.kv_cache.connector import make_kv_connector_scheduler
+from deepinfer.kv_cache.connector import KVConnectorStats, make_kv_connector_scheduler
 from deepinfer.kv_cache.events import KVEventSink, open_kv_events
 from deepinfer.kv_cache.manager import KVCacheManager, replay_config
 from deepinfer.kv_cache.prefix_cache import hash_root
@@ -229,6 +229,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         counters = self.kv_manager.counters
+        tier_stats = self.kv_tier.connector.stats() if self.kv_tier is not None else None
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters],
@@ -238,14 +239,14 @@ class EngineCore:
                            prefix_cache_replayed=[c.replayed for c in counters],
                            prefix_cache_expirations=[c.expirations for c in counters],
                            kv_group_kinds=[g.spec.kind for g in self.kv_manager.groups],
-                           kv_tier=vars(self.kv_tier.connector.stats()) if self.kv_tier is not None else None,
-                           kv_tier_metrics=self._kv_tier_metrics())
+                           kv_tier=vars(tier_stats) if tier_stats is not None else None,
+                           kv_tier_metrics=self._kv_tier_metrics(tier_stats))
 
-    def _kv_tier_metrics(self) -> KVTierMetrics | None:
-        if self.kv_tier is None:
+    def _kv_tier_metrics(self, stats: KVConnectorStats | None) -> KVTierMetrics | None:
+        if stats is None:
             return None
         connector = self.kv_tier.connector
-        return tier_metrics(connector.tier_name, connector.stats(), connector.load_latency, connector.save_latency,
+        return tier_metrics(connector.tier_name, stats, connector.load_latency, connector.save_latency,
                             self.executor.kv_connector_stats())
 
     def shutdown(self) -> None:
