@@ -132,6 +132,15 @@ class CacheConfig:
     otherwise, so it must be named."""
     kv_store_load_timeout_s: float = 5.0
     """A load from kv_store not read within this many seconds fails; the request recomputes."""
+    kv_events_endpoint: str | None = None
+    """Publish KV cache events (vLLM's BlockStored, BlockRemoved and AllBlocksCleared, msgpack) on a
+    ZMQ PUB socket at this endpoint, e.g. tcp://*:5557 (an address with * is bound, any other is
+    connected to). Unset: no events."""
+    kv_events_replay_endpoint: str | None = None
+    """A ZMQ ROUTER endpoint (bound) where a subscriber that missed event batches asks for them
+    again from a sequence number (vLLM's replay protocol). Unset: no replay."""
+    kv_events_topic: str = ""
+    """The topic frame of every KV event message, for subscribers to filter on."""
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -173,9 +182,20 @@ class CacheConfig:
         parse_retention(self.kv_retention)
         if not (isinstance(self.kv_store_load_timeout_s, (int, float)) and self.kv_store_load_timeout_s > 0):
             raise ValueError(f"kv_store_load_timeout_s must be > 0, got {self.kv_store_load_timeout_s!r}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.startswith(_ZMQ_SCHEMES)
+                                      or value.split("://", 1)[1] == ""):
+                raise ValueError(f"{name} must be a ZMQ endpoint ({', '.join(s + '...' for s in _ZMQ_SCHEMES)}, "
+                                 f"e.g. tcp://*:5557), got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the events it replays)")
+        if not isinstance(self.kv_events_topic, str):
+            raise ValueError(f"kv_events_topic must be a string, got {self.kv_events_topic!r}")
 
 
 _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def parse_retention(text: str) -> dict[str, float]:

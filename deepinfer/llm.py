@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from deepinfer.chat import apply_template_kwargs, make_encoder
 from deepinfer.config import EngineConfig
+from deepinfer.engine import traffic_class as traffic
 from deepinfer.engine.admission import EngineFacts, child_requests, to_request
 from deepinfer.engine.core import EngineCore
 from deepinfer.models.generation_config import default_sampling_overrides
@@ -69,7 +70,8 @@ class LLM:
         self.engine = EngineCore(self.config, source, load_weights=load_format == "auto")
         self.config = self.engine.config   # with the batch limits the platform filled in
         self.max_model_len = self.engine.max_model_len
-        self._facts = EngineFacts(self.model_id, self.max_model_len, self.eos_token_ids)   # for admission
+        self._facts = EngineFacts(self.model_id, self.max_model_len, self.eos_token_ids,   # for admission
+                                  traffic.retention_classes(self.config.cache.kv_retention))
         self.vocab_size = source.hf_config["vocab_size"]
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
@@ -98,7 +100,10 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | Callable[..., tqdm] = True, priority: Sequence[int] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None, traffic_class: str | None = None) -> list[RequestOutput]:
+        """`traffic_class`: the retention class (one of kv_retention's) of these requests' KV in a
+        KV store; unset: "chat" (engine/traffic_class.py)."""
+        traffic_class = traffic.resolve(traffic_class, self._facts.traffic_classes)
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -113,25 +118,29 @@ class LLM:
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         ids = []
         for (text, token_ids, sp), prio in zip(prepared, priorities):
-            ids.append(self._add_request(text, token_ids, sp, prio, cache_salt))
+            ids.append(self._add_request(text, token_ids, sp, prio, cache_salt, traffic_class))
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             traffic_class: str | None = None) -> list[RequestOutput]:
         """Render each conversation (OpenAI chat messages) through the recipe, then generate.
 
         chat_template: a Jinja template (its text) instead of the model's format.
         tools: OpenAI tool definitions; a template that does not show tools gets them written
             into the messages, as the server's chat routes do.
         chat_template_kwargs: `enable_thinking` for every format, any other key a template variable.
+        traffic_class: the KV store retention class; unset: "agent" when tools are given (and
+            kv_retention has it), else "chat".
         """
+        traffic_class = traffic.resolve(traffic_class, self._facts.traffic_classes, offers_tools=bool(tools))
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, traffic_class=traffic_class)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (n must be 1)."""
@@ -226,9 +235,10 @@ class LLM:
         return text, token_ids, params
 
     def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
-                     priority: int, cache_salt: str | None) -> str:
+                     priority: int, cache_salt: str | None, traffic_class: str | None = None) -> str:
         request_id = str(next(self._counter))
-        children = child_requests(request_id, token_ids, params, self._facts, priority=priority, cache_salt=cache_salt)
+        children = child_requests(request_id, token_ids, params, self._facts, priority=priority, cache_salt=cache_salt,
+                                  traffic_class=traffic_class)
         self.output_processor.add_request(request_id, text, token_ids, params)
         for child in children:
             self.engine.add_request(to_request(child, self.config.cache.block_size))

@@ -1,4 +1,4 @@
-"""`deepinfer generate | chat | serve | bench throughput | bench latency | bench serve`."""
+"""`deepinfer generate | chat | serve | kv stats|gc|clear | bench throughput | bench latency | bench serve`."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_engine_args(serve)
 
+    kv = commands.add_parser("kv", allow_abbrev=False, help="a persistent KV store: stats | gc | clear")
+    from deepinfer.cli.kv import add_kv_args
+
+    add_kv_args(kv)
+
     bench = commands.add_parser("bench", allow_abbrev=False, help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     throughput = bench_commands.add_parser("throughput", allow_abbrev=False, help="offline throughput of synthetic requests")
@@ -65,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "kv":
+            from deepinfer.cli.kv import run_kv
+
+            return run_kv(args)
         if args.bench_command == "serve":
             from deepinfer.bench.serve import run_serve_bench
 

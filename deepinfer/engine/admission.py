@@ -1,6 +1,7 @@
 """Admission: one user request -> the engine core's requests, the same way on every path.
 
-    messages = child_requests(request_id, prompt_ids, params, facts, priority=..., cache_salt=...)
+    messages = child_requests(request_id, prompt_ids, params, facts, priority=..., cache_salt=...,
+                              traffic_class=...)
     request = to_request(message, block_size)      # in the core (process), one per message
 
 Three callers share it: the offline `LLM` (both halves, in one process), the server's engine
@@ -12,7 +13,9 @@ second half). What it decides:
     own seed (SamplingParams.for_child); the front end's output processor gathers them back;
   - extra_key: model id + cache_salt, part of every block hash (kv_cache/prefix_cache.py), so
     tenants with different salts never share KV blocks;
-  - prompt_logprobs skip the prefix cache: every prompt position must be computed.
+  - prompt_logprobs skip the prefix cache: every prompt position must be computed;
+  - traffic_class: one of the engine's kv_retention classes (engine/traffic_class.py; None:
+    "chat"), the retention of the request's blocks in a KV store. Any other is a ValueError.
 
 `child_requests` is pure (it registers nothing), so a caller can build and encode everything
 before it commits to anything (the engine client's add_request is transactional).
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from deepinfer.config import CacheConfig
+from deepinfer.engine import traffic_class as traffic
 from deepinfer.engine.request import Request
 from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.sampling_params import SamplingParams
@@ -42,6 +47,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     cache_salt: str | None = None
     extra_key: bytes = b""
     skip_prefix_cache: bool = False
+    traffic_class: str = traffic.DEFAULT_CLASS
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,8 @@ class EngineFacts:
     model_id: str                 # served model name: part of every block hash
     max_model_len: int
     eos_token_ids: frozenset[int]
+    # The kv_retention classes a request may name (traffic_class).
+    traffic_classes: tuple[str, ...] = traffic.retention_classes(CacheConfig.kv_retention)
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -63,14 +71,16 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
 
 
 def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, facts: EngineFacts, *,
-                   priority: int = 0, cache_salt: str | None = None) -> list[AddRequest]:
+                   priority: int = 0, cache_salt: str | None = None,
+                   traffic_class: str | None = None) -> list[AddRequest]:
     """The core requests of one user request, in child order (their ids: child_request_ids)."""
+    traffic_class = traffic.resolve(traffic_class, facts.traffic_classes)
     max_tokens = resolve_max_tokens(params, len(prompt_token_ids), facts.max_model_len)
     key = extra_key(facts.model_id, cache_salt)
     eos = sorted(facts.eos_token_ids)
     skip_prefix_cache = params.prompt_logprobs is not None
     return [AddRequest(child_id, prompt_token_ids, params.for_child(index) if params.n > 1 else params, eos,
-                       max_tokens, priority, cache_salt, key, skip_prefix_cache)
+                       max_tokens, priority, cache_salt, key, skip_prefix_cache, traffic_class)
             for index, child_id in enumerate(child_request_ids(request_id, params.n))]
 
 
@@ -79,4 +89,4 @@ def to_request(message: AddRequest, block_size: int) -> Request:
     return Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                    frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
                    cache_salt=message.cache_salt, extra_key=message.extra_key, block_size=block_size,
-                   skip_prefix_cache=message.skip_prefix_cache)
+                   skip_prefix_cache=message.skip_prefix_cache, traffic_class=message.traffic_class)

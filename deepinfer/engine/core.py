@@ -48,9 +48,11 @@ from deepinfer.engine.plan import EngineCoreOutput, EngineStats, ForwardStep, La
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.executor import Executor
-from deepinfer.kv_cache.connector import make_kv_connector_scheduler
+from deepinfer.kv_cache.connector import KVConnectorStats, make_kv_connector_scheduler
+from deepinfer.kv_cache.events import KVEventSink, open_kv_events
 from deepinfer.kv_cache.manager import KVCacheManager, replay_config
 from deepinfer.kv_cache.prefix_cache import hash_root
+from deepinfer.kv_cache.tier_stats import KVTierMetrics, tier_metrics
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import current_platform
@@ -102,6 +104,9 @@ class EngineCore:
         connector = make_kv_connector_scheduler(config, kv.groups, kv.block_size)
         self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier)
+        self.kv_events = open_kv_events(config.cache, kv.block_size)   # None unless kv_events_endpoint
+        if self.kv_events is not None:
+            self._attach_kv_events(self.kv_events)
         # Grammars are compiled against the tokenizer's vocabulary: without one (skip_tokenizer_init)
         # there is no structured output, and add_request refuses constrained requests.
         self.structured = None if source.tokenizer is None else StructuredOutputManager(
@@ -135,7 +140,23 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None or self._deferred_sample is not None
 
+    def _attach_kv_events(self, sink: KVEventSink) -> None:
+        """Device pools report drops and resets, the scheduler what it publishes, the store tier
+        (both sides) what it writes and removes."""
+        for pool in self.kv_manager.pools:
+            pool.events = sink
+        self.scheduler.kv_events = sink
+        if self.kv_tier is not None and hasattr(self.kv_tier.connector, "attach_kv_events"):
+            self.kv_tier.connector.attach_kv_events(sink)
+        self.executor.attach_kv_events(sink)
+
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.flush()   # one batch per step
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         failed = self.scheduler.poll_grammars()
         plan = self.scheduler.schedule()
         # A sampling deferred by the last step goes first on the device: its masks had the
@@ -211,6 +232,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         counters = self.kv_manager.counters
+        tier_stats = self.kv_tier.connector.stats() if self.kv_tier is not None else None
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters],
@@ -220,11 +242,21 @@ class EngineCore:
                            prefix_cache_replayed=[c.replayed for c in counters],
                            prefix_cache_expirations=[c.expirations for c in counters],
                            kv_group_kinds=[g.spec.kind for g in self.kv_manager.groups],
-                           kv_tier=vars(self.kv_tier.connector.stats()) if self.kv_tier is not None else None)
+                           kv_tier=vars(tier_stats) if tier_stats is not None else None,
+                           kv_tier_metrics=self._kv_tier_metrics(tier_stats))
+
+    def _kv_tier_metrics(self, stats: KVConnectorStats | None) -> KVTierMetrics | None:
+        if stats is None:
+            return None
+        connector = self.kv_tier.connector
+        return tier_metrics(connector.tier_name, stats, connector.load_latency, connector.save_latency,
+                            self.executor.kv_connector_stats())
 
     def shutdown(self) -> None:
         """Release the workers and the grammar threads; the core is not used afterwards."""
         self.executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.structured is not None:
             self.structured.shutdown()
 

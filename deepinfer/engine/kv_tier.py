@@ -42,12 +42,17 @@ class KVTierLink:
         """Once, at a request's first admission: the tokens asked of the tier and those it held."""
         bs = self.kv.block_size
         self.connector.record_query(hit.num_tier_queried_blocks * bs, hit.num_load_blocks * bs)
+        # A use of the prefix the device held is a use of its stored copies: their retention restarts.
+        on_device = len(hit.block_ids[self._persisted_ids[0]]) if self._persisted_ids and hit.block_ids else 0
+        if on_device:
+            self.connector.touch(request.block_hashes[:on_device], self._persisted_ids, request.traffic_class)
 
     def start_loads(self, request: Request, hit: PrefixHit) -> None:
         """Queue the loads of a hit's tier blocks into the device blocks just allocated for them."""
         start, end = hit.load_start, hit.load_start + hit.num_load_blocks
         self.connector.allocate_loads(request.request_id, request.block_hashes[start:end],
-                                      {g.group_id: request.block_ids[g.group_id][start:end] for g in self._persisted})
+                                      {g.group_id: request.block_ids[g.group_id][start:end] for g in self._persisted},
+                                      traffic_class=request.traffic_class)
 
     # -------------------------------------------------------------------------------- saves
     def save(self, request: Request, published: range) -> None:
@@ -59,7 +64,7 @@ class KVTierLink:
             blocks = [i for i in published if ids[i] != NULL_BLOCK_ID]
             if blocks:
                 self.connector.save_blocks(request.request_id, group.group_id, [hashes[i] for i in blocks],
-                                           [ids[i] for i in blocks])
+                                           [ids[i] for i in blocks], traffic_class=request.traffic_class)
 
     def build_meta(self) -> KVConnectorMetadata:
         return self.connector.build_connector_meta()

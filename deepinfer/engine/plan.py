@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deepinfer.kv_cache.tier_stats import KVTierMetrics
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.metrics import SpecDecodeStats
@@ -254,3 +255,5 @@ class EngineStats:
     kv_group_kinds: list[str] = field(default_factory=list)            # per group: full | sliding_window
     # The KV tier's counters (kv_cache/connector.py KVConnectorStats, by field name); None: no tier.
     kv_tier: dict[str, int] | None = None
+    # Its /metrics figures from both sides of the connector (kv_cache/tier_stats.py); None: no tier.
+    kv_tier_metrics: KVTierMetrics | None = None

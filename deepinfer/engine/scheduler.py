@@ -60,6 +60,7 @@ class Scheduler:
         self.spec = spec
         self.kv = kv_manager
         self.kv_tier = kv_tier               # a KV tier behind the connector, or None
+        self.kv_events = None                # a kv_cache.events.KVEventSink, or None (no events)
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []     # kept sorted by the policy's key
         self.running: list[Request] = []     # in admission order
@@ -383,6 +384,8 @@ class Scheduler:
     def _publish(self, request: Request) -> None:
         """Blocks the last step completed become hits, and a tier saves them."""
         published = self.kv.cache_computed_blocks(request)
+        if self.kv_events is not None:
+            self.kv_events.device_published(request, published, self.kv)
         if self.kv_tier is not None:
             self.kv_tier.save(request, published)
 

@@ -48,7 +48,7 @@ class PreparedConversation:
     params: SamplingParams
     sessions: list[OutputSession]
     top_logprobs: int | None        # None: logprobs not requested
-    engine_fields: dict             # priority, cache_salt
+    engine_fields: dict             # priority, cache_salt, traffic_class
     fields: SamplingFields          # the validated request fields (stream, stream_options, ...)
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
@@ -60,13 +60,18 @@ class PreparedConversation:
         return len(self.prompt_token_ids), completion, self.num_cached_tokens
 
 
-def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversation:
+def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header: str | None = None
+            ) -> PreparedConversation:
     """Validate, encode and build sampling params; any client mistake is an APIError (400/404).
+    `traffic_class_header`: the request's X-Traffic-Class header (the body field wins over it).
 
     CPU-heavy for a long conversation (template rendering, tokenization, schema compiles): the
     routes call it through `state.run_off_loop`."""
     fields = parse_fields(protocol, body)
     model = state.check_model(fields.model)
+    # Every chat-style protocol names its tools `tools`.
+    engine_fields = sampling.engine_request_fields(fields, state.client.traffic_classes, traffic_class_header,
+                                                   offers_tools=bool(fields.tools))
     encoder = state.chat_encoder()
     try:
         conversation = parse_request(protocol, body)
@@ -114,7 +119,7 @@ def prepare(state: ServerState, protocol: str, body: dict) -> PreparedConversati
                                                    response_id=prefix + request_id, created=created,
                                                    ignore_eos=fields.ignore_eos))
     return PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs,
-                                sampling.engine_request_fields(fields), fields, created)
+                                engine_fields, fields, created)
 
 
 def submit(state: ServerState, prepared: PreparedConversation) -> AsyncIterator[RequestOutput]:

@@ -7,8 +7,10 @@ validated fields become SamplingParams, with the limits that depend on the serve
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from deepinfer.engine import traffic_class as traffic
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.sample.structured import validate as validate_structured_outputs
@@ -53,10 +55,22 @@ def include_usage(fields) -> bool:
     return value
 
 
-def engine_request_fields(fields) -> dict:
+def engine_request_fields(fields, traffic_classes: Sequence[str], header: str | None = None,
+                          offers_tools: bool = False) -> dict:
     """vLLM's per-request scheduling fields: `priority` (lower runs first under --policy
-    priority) and `cache_salt` (a tenant's prefix-cache namespace)."""
-    return {"priority": fields.priority, "cache_salt": fields.cache_salt}
+    priority) and `cache_salt` (a tenant's prefix-cache namespace); and deepinfer's
+    `traffic_class` (engine/traffic_class.py): the body field, else the X-Traffic-Class header
+    (`header`), else "agent" when the request offers tools, "chat" otherwise. A class kv_retention
+    does not name is a 400 naming where it came from and the allowed classes."""
+    if fields.traffic_class is not None:
+        value, where = fields.traffic_class, "traffic_class"
+    else:
+        value, where = header, f"the {traffic.HEADER} header"
+    try:
+        traffic_class = traffic.resolve(value, traffic_classes, offers_tools=offers_tools, field=where)
+    except ValueError as e:
+        raise bad_request(str(e), "traffic_class") from None
+    return {"priority": fields.priority, "cache_salt": fields.cache_salt, "traffic_class": traffic_class}
 
 
 def check_logprobs(value: int | None, limit: int, name: str) -> None:

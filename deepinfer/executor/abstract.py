@@ -36,6 +36,8 @@ from deepinfer.engine.plan import (
 )
 
 if TYPE_CHECKING:
+    from deepinfer.kv_cache.events import KVEventSink
+    from deepinfer.kv_cache.store.persistent_worker import StoreWorkerStats
     from deepinfer.models.loader import ModelSource
     from deepinfer.spec_decode.drafter import Draft, DraftRequest
 
@@ -99,6 +101,15 @@ class Executor(ABC):
     @abstractmethod
     def propose_mtp(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
         """Drafts from the model's own MTP head."""
+
+    # ---------------------------------------------------------------------------- KV tier
+    def kv_connector_stats(self) -> StoreWorkerStats | None:
+        """The KV connector worker side's counters, when it keeps any (a persistent store's:
+        written, expired, bad entries, write latency), for /metrics; None otherwise."""
+        return None
+
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        """Let the worker side's KV tier report what it stores and removes (KV events)."""
 
     # -------------------------------------------------------------------------- the end
     @abstractmethod

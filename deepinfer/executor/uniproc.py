@@ -17,6 +17,8 @@ from deepinfer.platforms import current_platform
 from deepinfer.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from deepinfer.kv_cache.events import KVEventSink
+    from deepinfer.kv_cache.store.persistent_worker import StoreWorkerStats
     from deepinfer.models.loader import ModelSource
     from deepinfer.spec_decode.drafter import Draft, DraftRequest
 
@@ -44,6 +46,15 @@ class UniProcExecutor(Executor):
 
     def propose_mtp(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
         return self.runner.propose_mtp(requests)
+
+    def kv_connector_stats(self) -> StoreWorkerStats | None:
+        stats = getattr(getattr(self.runner, "kv_connector", None), "stats", None)
+        return stats() if stats is not None else None
+
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        attach = getattr(getattr(self.runner, "kv_connector", None), "attach_kv_events", None)
+        if attach is not None:
+            attach(sink)
 
     def shutdown(self) -> None:
         connector = getattr(self.runner, "kv_connector", None)

@@ -34,6 +34,7 @@ from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.engine.admission import EngineFacts, child_requests
 from deepinfer.engine.core_proc import Abort, Failed, Heartbeat, StepOutputs
 from deepinfer.engine.plan import EngineStats
+from deepinfer.engine.traffic_class import retention_classes
 from deepinfer.frontend.core_process import CoreProcess
 from deepinfer.frontend.output_stream import OutputStream
 from deepinfer.metrics.prometheus import ServerMetrics
@@ -110,6 +111,7 @@ class AsyncEngineClient:
         self.log_requests = log_requests
         self.on_fatal = on_fatal
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.traffic_classes = retention_classes(config.cache.kv_retention)   # what traffic_class may be
         # The core resolves max_model_len the same way; the token histograms' buckets need it now.
         self.metrics = ServerMetrics(self.model_id, resolve_max_model_len(config, source.hf_config),
                                      engine_healthy=lambda: self.healthy, vllm_names=metrics_vllm_names)
@@ -137,7 +139,8 @@ class AsyncEngineClient:
         self._core, self.dead_reason, self._busy_for_s = core, None, 0.0
         started = self.info.started if self.info else time.time()
         self.info = EngineInfo(self.model_id, ready.max_model_len, ready.num_kv_blocks, ready.block_size, started)
-        self._facts = EngineFacts(self.model_id, ready.max_model_len, self.eos_token_ids)   # for admission
+        self._facts = EngineFacts(self.model_id, ready.max_model_len, self.eos_token_ids,   # for admission
+                                  self.traffic_classes)
         # Also after a restart: counters carry the old core's totals on, process metrics follow the pid.
         self.metrics.engine_started(self.config.cache, ready.num_kv_blocks, ready.pid)
         self._tasks = [asyncio.create_task(self._output_loop(core), name="engine-outputs")]
@@ -186,7 +189,7 @@ class AsyncEngineClient:
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  prompt: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, traffic_class: str | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request now (so a full queue or a dead engine raises here, before any HTTP
         response starts) and return an iterator of its DELTA RequestOutputs until it finishes.
 
@@ -194,7 +197,7 @@ class AsyncEngineClient:
         aborts the request in the core, which frees its KV blocks."""
         request_id = request_id or self.new_request_id()
         tracked = self.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority,
-                                   cache_salt=cache_salt)
+                                   cache_salt=cache_salt, traffic_class=traffic_class)
         return self._iterate(request_id, tracked)
 
     async def _iterate(self, request_id: str, tracked: _Tracked) -> AsyncIterator[RequestOutput]:
@@ -211,7 +214,8 @@ class AsyncEngineClient:
                 self.abort(request_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prompt: str | None = None, priority: int = 0, cache_salt: str | None = None) -> _Tracked:
+                    prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    traffic_class: str | None = None) -> _Tracked:
         """Register and send a request: all of it, or (on any error) none of it."""
         if not self.healthy:
             raise EngineDeadError(self.unhealthy_reason)
@@ -225,7 +229,7 @@ class AsyncEngineClient:
         # Built and encoded before anything is registered or sent: a value msgpack cannot carry
         # fails here and leaves no trace (no slot taken, nothing half-sent to the core).
         messages = child_requests(request_id, prompt_token_ids, params, self._facts, priority=priority,
-                                  cache_salt=cache_salt)
+                                  cache_salt=cache_salt, traffic_class=traffic_class)
         encoded = [self._core.encode(m) for m in messages]
         max_tokens = messages[0].max_tokens
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)

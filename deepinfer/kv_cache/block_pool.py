@@ -21,6 +21,10 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer.kv_cache.events import KVEventSink
 
 NULL_BLOCK_ID = 0
 
@@ -56,6 +60,8 @@ class BlockPool:
     clock: Callable[[], float] = time.monotonic
     # Shared with the manager when several pools serve one model's groups.
     counters: list[GroupCounters] | None = None
+    # KV events (kv_cache/events.py): told of every cached block dropped and of a reset; None: off.
+    events: KVEventSink | None = None
     blocks: list[KVBlock] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +126,8 @@ class BlockPool:
             counters.expirations += 1
         else:
             counters.evictions += 1
+        if self.events is not None:
+            self.events.device_removed(*block.cache_key)
         block.cache_key = None
 
     def free(self, block_ids: Iterable[int]) -> None:
@@ -207,4 +215,6 @@ class BlockPool:
         self._empty = OrderedDict((i, None) for i in range(1, self.num_blocks))
         self._cached_lru.clear()
         self._cached_expiring.clear()
+        if self.events is not None:
+            self.events.device_cleared()
         return True

@@ -36,7 +36,8 @@ kv_store_load_timeout_s). The worker then reports its id by `failed_transfers()`
 tier blocks are on the device, and it recomputes them.
 
 Traffic class: save_blocks and allocate_loads take an optional `traffic_class` (the retention
-class of kv_retention; None: "chat"). The host tier ignores it.
+class of kv_retention; None: "chat"), and `touch` restarts the retention of blocks a request used
+from the device (a prefix hit there is a use too). The host tier ignores both.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class KVConnectorStats:
     loaded_blocks: int = 0    # blocks (of one group each) copied tier -> device
     saved_blocks: int = 0     # blocks copied device -> tier, counted once their save completed
     stored_blocks: int = 0    # gauge: entries held now, pending saves included
+    stored_bytes: int = 0     # gauge: their bytes (host tier)
     evictions: int = 0        # entries dropped (LRU) to make room for a save
     refused_saves: int = 0    # blocks offered of a kind never persisted (sliding window)
     dropped_saves: int = 0    # blocks not saved: every slot was pinned by a load or pending (host),
@@ -125,6 +127,7 @@ class KVConnectorScheduler(abc.ABC):
     Everything here runs on the scheduler's thread, between steps."""
 
     block_size: int
+    tier_name: str = "host"   # the `tier` label of its metrics: host | store
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
@@ -141,6 +144,11 @@ class KVConnectorScheduler(abc.ABC):
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admission's look-up: `num_tokens` asked for past the device hit, of which
         the tier held `num_hit_tokens`."""
+
+    def touch(self, request_hashes: Sequence[bytes], group_ids: Sequence[int], traffic_class: str) -> None:
+        """A request used these blocks from the device prefix cache: a persistent store
+        restarts their retention under `traffic_class` (entries it does not hold are ignored).
+        Tiers without retention do nothing."""
 
     @abc.abstractmethod
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],

@@ -21,10 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from deepinfer.engine.plan import EngineStats
+from deepinfer.kv_cache.tier_stats import KVTierMetrics
 
 # vLLM labels every engine metric with the engine index (data-parallel ranks); we run one core.
 ENGINE_INDEX = "0"
@@ -49,16 +55,28 @@ COUNTERS = {
                                 "full) or retention (swa_retention_s ran out).",
     "kv_tier_queries": "Tokens looked up in the KV tier past the device's prefix hit.",
     "kv_tier_hits": "Of those, tokens the KV tier held (loaded instead of computed).",
+    "kv_tier_misses": "Of those, tokens the KV tier did not hold (computed).",
     "kv_tier_loaded_blocks": "Blocks (of one layer group each) copied from the KV tier to the device.",
     "kv_tier_saved_blocks": "Blocks copied from the device to the KV tier.",
-    "kv_tier_evictions": "KV tier entries dropped (LRU) to make room.",
+    "kv_tier_writes": "Entries written to the KV tier (a store: written to the backend, not counting "
+                      "entries it already had).",
+    "kv_tier_evictions": "KV tier entries dropped: cause=lru (capacity) or retention (expired; Redis: the "
+                         "server's own counts).",
     "kv_tier_refused_saves": "Blocks offered to the KV tier of a kind it never holds (sliding window).",
     "kv_tier_dropped_saves": "Blocks not saved: every tier slot was pinned, or the KV store was down.",
     "kv_tier_failed_loads": "Blocks whose load from the KV store failed (bad entry, store down, timeout); recomputed.",
-    "kv_tier_corrupt_entries": "KV store entries a look-up found damaged (wrong size) and dropped.",
+    "kv_tier_corrupt_entries": "KV store entries found damaged and dropped, by reason (size: seen by a look-up; "
+                               "truncated, version, corrupt, mismatch: by a load).",
     "kv_tier_store_errors": "Calls to the KV store that failed (down, full, unreachable).",
 }
 TIER = (("tier", "host"),)
+# Families built from KVTierMetrics (kv_cache/tier_stats.py), not from the flat kv_tier counters.
+_FROM_TIER_METRICS = ("kv_tier_evictions", "kv_tier_corrupt_entries")
+LATENCY_HISTOGRAMS = {
+    "load_latency": ("kv_tier_load_latency_seconds", "A KV tier load, from queued to its blocks on the device."),
+    "store_latency": ("kv_tier_store_latency_seconds", "A KV tier save, from queued (a store: staged on the host) "
+                                                       "to held by the tier."),
+}
 # Exported from the start (at 0), so that rate() has a series before the first request.
 ALWAYS_EXPORTED = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
@@ -82,9 +100,19 @@ def engine_counters(stats: EngineStats) -> dict[CounterKey, float]:
         counters[("kv_cache_group_replayed_tokens", group)] = stats.prefix_cache_replayed[g]
         counters[("kv_cache_group_evictions", group + (("cause", "lru"),))] = stats.prefix_cache_evictions[g]
         counters[("kv_cache_group_evictions", group + (("cause", "retention"),))] = stats.prefix_cache_expirations[g]
+    tier_metrics = stats.kv_tier_metrics
+    tier = (("tier", tier_metrics.tier),) if tier_metrics is not None else TIER
     for name, value in (stats.kv_tier or {}).items():
-        if f"kv_tier_{name}" in COUNTERS:
-            counters[(f"kv_tier_{name}", TIER)] = value
+        if f"kv_tier_{name}" in COUNTERS and (tier_metrics is None or f"kv_tier_{name}" not in _FROM_TIER_METRICS):
+            counters[(f"kv_tier_{name}", tier)] = value
+    if tier_metrics is not None:
+        flat = stats.kv_tier or {}
+        counters[("kv_tier_misses", tier)] = flat.get("queries", 0) - flat.get("hits", 0)
+        counters[("kv_tier_writes", tier)] = tier_metrics.writes
+        for cause, value in tier_metrics.evictions.items():
+            counters[("kv_tier_evictions", tier + (("cause", cause),))] = value
+        for reason, value in tier_metrics.corrupt.items():
+            counters[("kv_tier_corrupt_entries", tier + (("reason", reason),))] = value
     spec = stats.spec_decode
     if spec is not None:
         counters[("spec_decode_num_drafts", ())] = spec.num_drafts
@@ -130,10 +158,28 @@ class EngineStatsCollector(Collector):
             # vLLM's name before 0.9, still what its Grafana dashboard reads.
             yield self._gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
                               "DEPRECATED: use kv_cache_usage_perc instead.", stats.kv_cache_usage)
-            if stats.kv_tier is not None:
+            tier_metrics = stats.kv_tier_metrics
+            tier = (("tier", tier_metrics.tier),) if tier_metrics is not None else TIER
+            if stats.kv_tier is not None and tier[0][1] == "host":   # a store's side sees no count: entries
                 yield self._gauge("kv_tier_stored_blocks", "Blocks the KV tier holds (saves in flight included).",
-                                  stats.kv_tier.get("stored_blocks", 0), TIER)
+                                  stats.kv_tier.get("stored_blocks", 0), tier)
+            if tier_metrics is not None:
+                yield self._gauge("kv_tier_entries", "Entries the KV tier holds (a dir store: this instance's "
+                                  "estimate; Redis: the keys of its database).", tier_metrics.entries, tier)
+                yield self._gauge("kv_tier_bytes", "Bytes the KV tier holds (Redis: the server's used memory).",
+                                  tier_metrics.bytes, tier)
         yield from self._counters()
+        if stats is not None and stats.kv_tier_metrics is not None:
+            yield from self._latencies(stats.kv_tier_metrics)
+
+    def _latencies(self, tier_metrics: KVTierMetrics) -> Iterator[Metric]:
+        # Not folded over engine restarts like the counters: a new core's histograms start at 0,
+        # which Prometheus reads as a counter reset.
+        for attribute, (name, documentation) in LATENCY_HISTOGRAMS.items():
+            histogram = getattr(tier_metrics, attribute)
+            family = HistogramMetricFamily(self._prefix + name, documentation, labels=LABELS + ["tier"])
+            family.add_metric(self._label_values + [tier_metrics.tier], histogram.cumulative(), histogram.total)
+            yield family
 
     def _counters(self) -> Iterator[Metric]:
         totals = dict.fromkeys(((name, ()) for name in ALWAYS_EXPORTED), 0.0)

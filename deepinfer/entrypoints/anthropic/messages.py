@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from deepinfer.engine import traffic_class as traffic
 from deepinfer.entrypoints import conversation, sse
 from deepinfer.entrypoints.conversation import PreparedConversation
 from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
@@ -33,7 +34,8 @@ def _usage(prepared: PreparedConversation, with_input: bool = True) -> dict:
 async def messages(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    prepared = await state.run_off_loop(conversation.prepare, state, "messages", body)
+    prepared = await state.run_off_loop(conversation.prepare, state, "messages", body,
+                                        request.headers.get(traffic.HEADER))
     with engine_errors():
         outputs = conversation.submit(state, prepared)
     if prepared.fields.stream:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from deepinfer.engine import traffic_class as traffic
 from deepinfer.entrypoints import conversation, sampling, sse
 from deepinfer.entrypoints.conversation import PreparedConversation
 from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
@@ -33,7 +34,8 @@ def _openai_usage(prepared: PreparedConversation) -> dict:
 async def chat_completions(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    prepared = await state.run_off_loop(conversation.prepare, state, "chat", body)
+    prepared = await state.run_off_loop(conversation.prepare, state, "chat", body,
+                                        request.headers.get(traffic.HEADER))
     include_usage = sampling.include_usage(prepared.fields)
     with engine_errors():
         outputs = conversation.submit(state, prepared)
@@ -93,7 +95,8 @@ def _responses_usage(prepared: PreparedConversation, usage: dict | None) -> dict
 async def responses(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    prepared = await state.run_off_loop(conversation.prepare, state, "responses", body)
+    prepared = await state.run_off_loop(conversation.prepare, state, "responses", body,
+                                        request.headers.get(traffic.HEADER))
     with engine_errors():
         outputs = conversation.submit(state, prepared)
     if prepared.fields.stream:

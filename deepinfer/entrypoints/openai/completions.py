@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from deepinfer.engine import traffic_class as traffic
 from deepinfer.entrypoints import sampling, sse
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.logprobs import CompletionLogprobs, join_completion_logprobs, prompt_logprobs_json
@@ -42,6 +43,7 @@ class CompletionJob:
     params: SamplingParams
     include_usage: bool
     prompt_only: bool   # max_tokens 0: the generated token is dropped
+    engine_fields: dict   # priority, cache_salt, traffic_class
 
 
 def _is_id(value) -> bool:
@@ -84,10 +86,12 @@ def _response_format(fields: CompletionFields) -> dict | None:
     return {"type": kind, "schema": schema}
 
 
-def prepare(state: ServerState, body: dict) -> CompletionJob:
-    """Validate and tokenize; any client mistake is an APIError. Runs off the event loop."""
+def prepare(state: ServerState, body: dict, traffic_class_header: str | None = None) -> CompletionJob:
+    """Validate and tokenize; any client mistake is an APIError. Runs off the event loop.
+    `traffic_class_header`: the request's X-Traffic-Class header (the body field wins over it)."""
     fields = parse_fields("completions", body)
     model = state.check_model(fields.model)
+    engine_fields = sampling.engine_request_fields(fields, state.client.traffic_classes, traffic_class_header)
     include_usage = sampling.include_usage(fields)
     if fields.suffix:
         raise bad_request("suffix is not supported", "suffix")
@@ -107,18 +111,18 @@ def prepare(state: ServerState, body: dict) -> CompletionJob:
     params = state.sampling_params(fields, max_tokens=max_tokens, logprobs=fields.logprobs,
                             prompt_logprobs=prompt_logprobs, stop=stop, n=fields.n,
                             response_format=_response_format(fields))
-    return CompletionJob(fields, model, prompts, params, include_usage, prompt_only)
+    return CompletionJob(fields, model, prompts, params, include_usage, prompt_only, engine_fields)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
     state = get_state(request)
     body = await read_json(request)
-    job = await state.run_off_loop(prepare, state, body)
+    job = await state.run_off_loop(prepare, state, body, request.headers.get(traffic.HEADER))
     response_id = f"cmpl-{secrets.token_hex(12)}"
     request_ids = [f"{response_id}-{i}" for i in range(len(job.prompts))]
     streams = []
-    engine_fields = sampling.engine_request_fields(job.fields)
+    engine_fields = job.engine_fields
     try:
         with engine_errors():
             for request_id, (text, ids) in zip(request_ids, job.prompts):

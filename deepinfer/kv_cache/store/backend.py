@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from deepinfer.kv_cache.connector import TierKey
 
@@ -30,15 +31,47 @@ class StoreUnavailable(RuntimeError):
     """The store cannot be reached or refused the operation (down, full, permissions)."""
 
 
+@dataclass
+class StoreReport:
+    """What a store holds (`deepinfer kv stats`): a full walk of its entries."""
+
+    url: str
+    entries: int = 0
+    bytes: int = 0
+    classes: dict[str, int] = field(default_factory=dict)   # entries per traffic class
+    oldest: float | None = None      # unix seconds; what `basis` says
+    newest: float | None = None
+    basis: str = "use"               # oldest/newest and classes are of each entry's last use (or write)
+    next_expiry: float | None = None     # the soonest an entry expires (unix seconds)
+
+
+@dataclass
+class StoreCounts:
+    """A cheap view of a store for /metrics (no walk): estimates, refreshed now and then."""
+
+    entries: int = 0
+    bytes: int = 0
+    evicted: int = 0       # dropped for capacity (cumulative)
+    expired: int = 0       # dropped by retention (cumulative)
+
+
 class StoreBackend(abc.ABC):
     """Entries are bytes (kv_cache/store/entry.py) under a TierKey. Thread-safe: the worker's
     reader and writer threads share one instance; the scheduler side has its own."""
 
     url: str
+    medium: str = "STORE"   # the `medium` of its KV events (kv_cache/events.py)
 
     def __init__(self, retention: Mapping[str, float], clock: Clock = time.time) -> None:
         self.retention = dict(retention)
         self.clock = clock
+        # Told of the entries this instance removes (expired, evicted, corrupt): KV events.
+        self.on_removed: Callable[[list[TierKey]], None] | None = None
+
+    def _notify_removed(self, keys: list[TierKey | None]) -> None:
+        keys = [k for k in keys if k is not None]
+        if keys and self.on_removed is not None:
+            self.on_removed(keys)
 
     def retention_of(self, traffic_class: str) -> float:
         """Seconds an entry of this class lives after its last use (an unknown class, e.g. one
@@ -71,6 +104,22 @@ class StoreBackend(abc.ABC):
         """Drop what expired; returns how many entries. Backends whose store expires entries
         itself (Redis) do nothing."""
         return 0
+
+    # Whether gc() does anything (False: the store expires entries itself).
+    collects_garbage = True
+
+    @abc.abstractmethod
+    def report(self) -> StoreReport:
+        """Walk every entry: counts, bytes, per class, oldest and newest (an operator's
+        command, O(entries); never on the serving path)."""
+
+    @abc.abstractmethod
+    def clear(self) -> int:
+        """Delete every entry (and the index); returns how many entries."""
+
+    @abc.abstractmethod
+    def counts(self) -> StoreCounts:
+        """Entries and bytes held, without a walk (estimates), and the drops so far."""
 
     def close(self) -> None:
         pass

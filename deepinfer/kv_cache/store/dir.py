@@ -17,12 +17,21 @@ Last use is the file's mtime (set from the injectable clock at write and on each
 index is bucketed by last use (BUCKET_S): a write or a hit that moves an entry into a new bucket
 appends its path to that bucket's file (O_APPEND, one short line). Expiry (gc) opens only buckets
 whose end plus their class's retention has passed, so its cost follows what expires; an entry
-touched since sits in a later bucket too, and its mtime tells the expired check to leave it.
+touched since sits in a later bucket too, and its mtime tells the expired check to leave it to
+that bucket, whose class (the class of that use) decides. (Two uses under different classes
+within one bucket leave the first class listed, until a use in a later bucket.)
 Bucket files are claimed by renaming (one instance wins), so two instances never process one.
 
 Capacity (kv_store_size): this instance's estimate of the bytes under PATH (a scan at start,
 rescanned every RESCAN_S to see other instances' writes, plus its own writes and deletes). Past
 the limit, the oldest buckets are drained, least recent mtime first, down to LOW_WATER of it.
+The same estimate (entries and bytes) is what /metrics shows (counts()); without a size limit it
+is scanned once, at the first call.
+
+Operators (`deepinfer kv stats | gc | clear`): report() walks every entry and the index (an
+entry's class is the one listed in the bucket of its last use); clear() removes every entry and
+index file, keeping the two directories and the writes in flight (running instances go on
+writing into them).
 """
 
 from __future__ import annotations
@@ -41,6 +50,8 @@ from deepinfer.kv_cache.store.backend import (
     WRONG_SIZE,
     Clock,
     StoreBackend,
+    StoreCounts,
+    StoreReport,
     StoreUnavailable,
 )
 
@@ -53,6 +64,8 @@ TEMP_MAX_AGE_S = 3600.0
 
 
 class DirStore(StoreBackend):
+    medium = "DISK"
+
     def __init__(self, path: str, retention: Mapping[str, float], *, size_bytes: int | None = None,
                  clock: Clock = time.time, bucket_s: float = BUCKET_S) -> None:
         super().__init__(retention, clock)
@@ -68,6 +81,7 @@ class DirStore(StoreBackend):
         self.evicted = 0        # entries dropped for capacity
         self._lock = threading.Lock()
         self._usage: int | None = None
+        self._entries = 0
         self._scanned_at = 0.0
         try:
             os.makedirs(self.blocks, exist_ok=True)
@@ -119,7 +133,7 @@ class DirStore(StoreBackend):
 
     def put(self, items: Sequence[tuple[TierKey, bytes, str]]) -> None:
         now = self.clock()
-        written = 0
+        written = added = 0
         try:
             for key, data, traffic_class in items:
                 rel = self.relpath(key)
@@ -140,12 +154,14 @@ class DirStore(StoreBackend):
                     raise
                 self._index_append(self._bucket(now), traffic_class, [rel])
                 written += len(data)
+                added += 1
         except OSError as exc:   # ENOSPC (full), EACCES, a mount gone: never fatal
             raise StoreUnavailable(str(exc)) from exc
         finally:
             with self._lock:
                 if self._usage is not None:
                     self._usage += written
+                    self._entries += added
         if self.size_bytes is not None:
             self._enforce_capacity()
 
@@ -168,8 +184,16 @@ class DirStore(StoreBackend):
             raise StoreUnavailable(str(exc)) from exc
 
     def delete(self, keys: Sequence[TierKey]) -> None:
-        for key in keys:
-            self._remove_entry(self.path(key))
+        self._notify_removed([key for key in keys if self._remove_entry(self.path(key))])
+
+    @staticmethod
+    def key_of(rel: str) -> TierKey | None:
+        """The key an entry's path names (relpath's inverse); None for a name not of that form."""
+        try:
+            block_hash, group, _ = os.path.basename(rel).split(".")
+            return bytes.fromhex(group), bytes.fromhex(block_hash)
+        except ValueError:
+            return None
 
     def _remove_entry(self, path: str) -> bool:
         try:
@@ -182,6 +206,7 @@ class DirStore(StoreBackend):
         with self._lock:
             if self._usage is not None:
                 self._usage -= size
+                self._entries -= 1
         return True
 
     # -------------------------------------------------------------------------------- index
@@ -220,7 +245,7 @@ class DirStore(StoreBackend):
     def gc(self) -> int:
         """Drop entries whose class's retention has passed since their last use."""
         now = self.clock()
-        dropped = 0
+        dropped: list[TierKey] = []
         try:
             for bucket, traffic_class, name in self._buckets():
                 retention = self.retention_of(traffic_class)
@@ -232,27 +257,42 @@ class DirStore(StoreBackend):
                         mtime = os.stat(path).st_mtime
                     except FileNotFoundError:
                         continue
-                    if mtime + retention <= now and self._remove_entry(path):
-                        dropped += 1
+                    # Used since (a later bucket lists it, maybe under another class): that
+                    # bucket decides, under the class of that use.
+                    if self._bucket(mtime) <= bucket and mtime + retention <= now and self._remove_entry(path):
+                        dropped.append(self.key_of(rel))
         except OSError as exc:
             raise StoreUnavailable(str(exc)) from exc
-        self.expired += dropped
-        return dropped
+        finally:
+            self.expired += len(dropped)
+            self._notify_removed(dropped)
+        return len(dropped)
 
     # ----------------------------------------------------------------------------- capacity
     def usage(self) -> int:
         """This instance's estimate of the bytes held (scanning when stale)."""
-        now = time.monotonic()
-        if self._usage is None or now - self._scanned_at > RESCAN_S:
-            total = self.sweep()
-            with self._lock:
-                self._usage, self._scanned_at = total, now
+        if self._usage is None or time.monotonic() - self._scanned_at > RESCAN_S:
+            self._rescan()
         return self._usage
+
+    def _rescan(self) -> None:
+        entries, total = self._walk()
+        with self._lock:
+            self._usage, self._entries, self._scanned_at = total, entries, time.monotonic()
+
+    def counts(self) -> StoreCounts:
+        if self._usage is None:
+            self._rescan()
+        return StoreCounts(self._entries, self._usage, self.evicted, self.expired)
 
     def sweep(self) -> int:
         """Walk the store: the bytes of its entries; temp files older than TEMP_MAX_AGE_S (left
         by a crashed writer) are removed on the way."""
-        total = 0
+        return self._walk()[1]
+
+    def _walk(self) -> tuple[int, int]:
+        """(entries, bytes) of the store, removing stale temp files on the way."""
+        total = entries = 0
         now = time.time()
         for dirpath, _, files in os.walk(self.blocks):
             for name in files:
@@ -266,12 +306,75 @@ class DirStore(StoreBackend):
                         _remove(path)
                     continue
                 total += st.st_size
-        return total
+                entries += 1
+        return entries, total
+
+    # ---------------------------------------------------------------------------- operators
+    def _entry_files(self):
+        """(relative path, stat) of every entry."""
+        for dirpath, _, files in os.walk(self.blocks):
+            for name in files:
+                if name.endswith(".kv"):
+                    path = os.path.join(dirpath, name)
+                    try:
+                        yield os.path.relpath(path, self.blocks), os.stat(path)
+                    except FileNotFoundError:
+                        continue
+
+    def report(self) -> StoreReport:
+        listed: dict[tuple[str, int], list[str]] = {}   # (entry, bucket) -> classes listing it there
+        try:
+            for bucket, traffic_class, name in self._buckets():
+                try:
+                    with open(os.path.join(self.index, name)) as f:
+                        for line in f:
+                            if line.strip():
+                                listed.setdefault((line.strip(), bucket), []).append(traffic_class)
+                except FileNotFoundError:   # claimed meanwhile by an instance's gc
+                    continue
+            report = StoreReport(self.url)
+            for rel, st in self._entry_files():
+                classes = listed.get((rel, self._bucket(st.st_mtime)))
+                # Listed under two classes in one bucket: the shorter retention expires it first.
+                traffic_class = min(classes, key=self.retention_of) if classes else "(unindexed)"
+                report.entries += 1
+                report.bytes += st.st_size
+                report.classes[traffic_class] = report.classes.get(traffic_class, 0) + 1
+                report.oldest = st.st_mtime if report.oldest is None else min(report.oldest, st.st_mtime)
+                report.newest = st.st_mtime if report.newest is None else max(report.newest, st.st_mtime)
+                if classes:
+                    expiry = st.st_mtime + self.retention_of(traffic_class)
+                    report.next_expiry = expiry if report.next_expiry is None else min(report.next_expiry, expiry)
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        return report
+
+    def clear(self) -> int:
+        removed = 0
+        try:
+            for rel, _ in list(self._entry_files()):   # temp files are writes in flight: left to them
+                _remove(os.path.join(self.blocks, rel))
+                removed += 1
+            for name in os.listdir(self.index):
+                _remove(os.path.join(self.index, name))
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        with self._lock:
+            self._usage, self._entries = 0, 0
+        return removed
 
     def _enforce_capacity(self) -> None:
         if self.usage() <= self.size_bytes:
             return
         target = int(self.size_bytes * LOW_WATER)
+        evicted: list[TierKey] = []
+        try:
+            self._drain(target, evicted)
+        finally:
+            self._notify_removed(evicted)
+
+    def _drain(self, target: int, evicted: list[TierKey]) -> None:
+        """Drop least recently used entries until the estimate is at `target` bytes."""
         for bucket, traffic_class, name in self._buckets():
             rels = self._claim(name)
             if not rels:
@@ -292,6 +395,7 @@ class DirStore(StoreBackend):
                     break
                 if self._remove_entry(os.path.join(self.blocks, rel)):
                     self.evicted += 1
+                    evicted.append(self.key_of(rel))
             if kept:
                 self._index_append(bucket, traffic_class, kept)
             if self._usage <= target:

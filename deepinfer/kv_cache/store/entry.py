@@ -37,6 +37,10 @@ _FIXED = struct.Struct("<4sHHIQQ16s16sd16s16s16s")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _FIXED.size + _CRC.size
 REASONS = ("truncated", "version", "corrupt", "mismatch")
+# Where traffic_class and created lie in the header (a store's report reads just those bytes).
+_CLASS_CREATED = struct.Struct("<16sd")
+CLASS_CREATED_START = struct.calcsize("<4sHHIQQ16s")
+CLASS_CREATED_END = CLASS_CREATED_START + _CLASS_CREATED.size
 
 
 class EntryError(ValueError):
@@ -99,6 +103,18 @@ def encode(group_key: bytes, block_hash: bytes, layout: EntryLayout, payload: by
                         layout.payload_bytes, _pad(layout.dtype, "dtype"), _pad(traffic_class, "traffic class"),
                         created, group_key, block_hash, checksum(payload))
     return b"".join((fixed, _CRC.pack(zlib.crc32(fixed)), payload))
+
+
+def class_and_created(raw: bytes) -> tuple[str, float] | None:
+    """traffic_class and created from header bytes [CLASS_CREATED_START, CLASS_CREATED_END)
+    (None: too short or not text), unchecked: for reports, never for loading."""
+    if len(raw) != _CLASS_CREATED.size:
+        return None
+    name, created = _CLASS_CREATED.unpack(raw)
+    try:
+        return name.rstrip(b"\0").decode(), created
+    except UnicodeDecodeError:
+        return None
 
 
 def decode_header(data: bytes | memoryview) -> EntryHeader:

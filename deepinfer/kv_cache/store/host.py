@@ -235,6 +235,8 @@ class HostTierScheduler(TierSchedulerBase):
     def stats(self) -> KVConnectorStats:
         stats = self._stats.copy()
         stats.stored_blocks = len(self._entries)
+        stats.stored_bytes = sum((pool.num_slots - len(index.free)) * pool.slot_bytes   # slots taken
+                                 for pool, index in zip(self.pools, self._index))
         return stats
 
 

@@ -31,9 +31,14 @@ Worker side (StoreTierWorker, persistent_worker.py):
           written, and the scheduler must recompute the request (FinishedTransfers.failed).
   close   flushes what is queued within flush_timeout_s, then stops the threads.
 
-Traffic class: save_blocks and allocate_loads take `traffic_class` (None: DEFAULT_CLASS,
-"chat"); it is the entry's retention class (kv_retention) at write, and the class a hit touches
-it under. The request field and HTTP header that set it come later.
+Traffic class (engine/traffic_class.py: the request field, the X-Traffic-Class header):
+save_blocks and allocate_loads take `traffic_class` (None: DEFAULT_CLASS, "chat"); it is the
+entry's retention class (kv_retention) at write, and the class a use touches it under, so an
+entry's retention counts from its last use under the class of the request that last used it.
+Uses are: a load (the reader touches what it read), a save of a block the store already has (the
+writer touches it), and a hit on the device prefix cache (`touch`, at most once per key every
+TOUCH_EVERY_S, so a hot prefix costs the store nothing per request; a day-scale retention does
+not notice minutes).
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ import queue
 import time
 import weakref
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from deepinfer.engine.plan import KVTransfer
+from deepinfer.engine.traffic_class import DEFAULT_CLASS
 from deepinfer.kv_cache.connector import (
     KVConnectorStats,
     TierKey,
@@ -56,11 +63,14 @@ from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, 
 from deepinfer.kv_cache.store.entry import EntryLayout
 from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
 
+if TYPE_CHECKING:
+    from deepinfer.kv_cache.events import KVEventSink
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_CLASS = "chat"
 KNOWN_TTL_S = 60.0
 KNOWN_MAX = 1 << 16
+TOUCH_EVERY_S = 300.0
 GC_INTERVAL_S = 60.0
 THREAD_POLL_S = 1.0
 _STOP = object()
@@ -95,6 +105,20 @@ def group_layouts(groups: Sequence[KVCacheGroup], block_size: int, key_extra: by
     return out
 
 
+def report_removals(layouts: Mapping[int, tuple[bytes, EntryLayout]], sink: KVEventSink, medium: str):
+    """A backend's on_removed that publishes BlockRemoved per layer group (entries of groups not
+    this engine's, another model's in a shared store, are not its events)."""
+    def removed(keys: Sequence[TierKey]) -> None:
+        group_of = {gk: group_id for group_id, (gk, _) in layouts.items()}
+        by_group: dict[int, list[bytes]] = {}
+        for gk, block_hash in keys:
+            if gk in group_of:
+                by_group.setdefault(group_of[gk], []).append(block_hash)
+        for group_id, hashes in by_group.items():
+            sink.removed(hashes, medium, group_id)
+    return removed
+
+
 def _check_class(traffic_class: str | None, retention: Mapping[str, float]) -> str:
     traffic_class = traffic_class or DEFAULT_CLASS
     if traffic_class not in retention:
@@ -105,6 +129,8 @@ def _check_class(traffic_class: str | None, retention: Mapping[str, float]) -> s
 
 # ---------------------------------------------------------------------------- scheduler side
 class StoreTierScheduler(TierSchedulerBase):
+    tier_name = "store"
+
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, backend: StoreBackend,
                  key_extra: bytes = b"", backoff_s: float = 1.0) -> None:
         super().__init__()
@@ -117,6 +143,7 @@ class StoreTierScheduler(TierSchedulerBase):
         self._known: collections.OrderedDict[TierKey, float] = collections.OrderedDict()
         self._errors_seen = 0
         self._saving: set[TierKey] = set()      # queued or in flight saves of this instance
+        self._touched: collections.OrderedDict[tuple[TierKey, str], float] = collections.OrderedDict()
 
     # ----------------------------------------------------------------------------- look-ups
     def _is_known(self, key: TierKey, now: float) -> bool:
@@ -157,6 +184,23 @@ class StoreTierScheduler(TierSchedulerBase):
             n += 1
         self._remember(keys[:n * per_block], time.monotonic())
         return n * self.block_size
+
+    def touch(self, request_hashes: Sequence[bytes], group_ids: Sequence[int], traffic_class: str) -> None:
+        traffic_class = _check_class(traffic_class, self.backend.retention)
+        now = time.monotonic()
+        keys = []
+        for gk, _ in (self._layouts[g] for g in group_ids if g in self._layouts):
+            for block_hash in request_hashes:
+                mark = ((gk, block_hash), traffic_class)
+                last = self._touched.get(mark)
+                if last is None or now - last >= TOUCH_EVERY_S:
+                    self._touched[mark] = now
+                    self._touched.move_to_end(mark)
+                    keys.append(mark[0])
+        while len(self._touched) > KNOWN_MAX:
+            self._touched.popitem(last=False)
+        if keys:
+            self.health.call("touch", lambda: self.backend.touch(keys, traffic_class), None)
 
     # -------------------------------------------------------------------------------- loads
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
@@ -234,6 +278,10 @@ class StoreTierScheduler(TierSchedulerBase):
         stats = self._stats.copy()
         stats.store_errors = self.health.errors
         return stats
+
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        """Report the entries this side removes (found damaged by a look-up) as KV events."""
+        self.backend.on_removed = report_removals(self._layouts, sink, self.backend.medium)
 
 
 # ------------------------------------------------------------------------------- worker side

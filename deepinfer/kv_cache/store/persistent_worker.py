@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import logging
 import queue
 import threading
@@ -13,6 +14,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,13 +26,26 @@ from deepinfer.kv_cache.connector import (
 )
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store import entry as entry_format
-from deepinfer.kv_cache.store.backend import PRESENT, StoreBackend, StoreHealth, StoreUnavailable
+from deepinfer.kv_cache.store.backend import PRESENT, StoreBackend, StoreCounts, StoreHealth, StoreUnavailable
 from deepinfer.kv_cache.store.entry import EntryError, EntryLayout
 from deepinfer.kv_cache.store.host import _pages, _word_dtype
-from deepinfer.kv_cache.store.persistent import _STOP, DEFAULT_CLASS, GC_INTERVAL_S, _serve, group_layouts
+from deepinfer.kv_cache.store.persistent import (
+    _STOP,
+    DEFAULT_CLASS,
+    GC_INTERVAL_S,
+    _serve,
+    group_layouts,
+    report_removals,
+)
+from deepinfer.kv_cache.tier_stats import LatencyHistogram
 from deepinfer.platforms.transfer import to_device
 
+if TYPE_CHECKING:
+    from deepinfer.kv_cache.events import KVEventSink
+
 logger = logging.getLogger(__name__)
+
+COUNTS_INTERVAL_S = 2.0
 
 
 @dataclass
@@ -48,14 +63,19 @@ class StoreWorkerStats:
     write_errors: int = 0
     read_errors: int = 0
     expired_entries: int = 0      # dropped by gc (retention)
+    # The backend's cheap view (entries, bytes, drops), refreshed every COUNTS_INTERVAL_S.
+    counts: StoreCounts = field(default_factory=StoreCounts)
+    write_latency: LatencyHistogram = field(default_factory=LatencyHistogram)   # staged -> written
 
     @property
     def corrupt_entries(self) -> int:
         return sum(self.bad_entries.values())
 
     def copy(self) -> StoreWorkerStats:
-        out = StoreWorkerStats(**{k: v for k, v in vars(self).items() if k != "bad_entries"})
+        out = StoreWorkerStats(**vars(self))
         out.bad_entries = dict(self.bad_entries)
+        out.counts = dataclasses.replace(self.counts)
+        out.write_latency = self.write_latency.copy()
         return out
 
 
@@ -67,6 +87,7 @@ class _Staged:
     host: torch.Tensor
     event: torch.cuda.Event | None
     nbytes: int
+    staged_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -113,6 +134,8 @@ class StoreTierWorker(KVConnectorWorker):
         self._closed = False
         self._closing_deadline: float | None = None
         self._last_gc = time.monotonic()
+        self._last_counts = -COUNTS_INTERVAL_S
+        self.events: KVEventSink | None = None   # KV events of what this instance writes and removes
         # The threads hold the worker weakly: an engine dropped without shutdown still lets its
         # KV tensors go (the threads notice within THREAD_POLL_S and end).
         ref = weakref.ref(self)
@@ -139,6 +162,11 @@ class StoreTierWorker(KVConnectorWorker):
     def stats(self) -> StoreWorkerStats:
         with self._lock:
             return self._stats.copy()
+
+    def attach_kv_events(self, sink: KVEventSink) -> None:
+        """Report entries written (BlockStored) and removed (gc, capacity, corrupt) as KV events."""
+        self.events = sink
+        self.backend.on_removed = report_removals(self._layouts, sink, self.backend.medium)
 
     # ------------------------------------------------------------------------------ the step
     def start_transfers(self, meta: KVConnectorMetadata) -> None:
@@ -344,6 +372,12 @@ class StoreTierWorker(KVConnectorWorker):
             expired = self.health.call("gc", self.backend.gc, 0)
             with self._lock:
                 self._stats.expired_entries += expired
+        if time.monotonic() - self._last_counts >= COUNTS_INTERVAL_S:
+            self._last_counts = time.monotonic()
+            counts = self.health.call("counts", self.backend.counts, None)
+            if counts is not None:
+                with self._lock:
+                    self._stats.counts = counts
 
     def _write(self, staged: _Staged) -> None:
         if staged.event is not None:
@@ -372,6 +406,9 @@ class StoreTierWorker(KVConnectorWorker):
             items.append((key, entry_format.encode(key[0], key[1], layout, payload, traffic_class, now),
                           traffic_class))
         skipped = n - len(items)
+        if skipped:   # the store has them: this save is a use, under this request's class
+            present = [key for key, state in zip(keys, states) if state == PRESENT]
+            self.health.call("touch", lambda: self.backend.touch(present, traffic_class), None)
         try:
             self.backend.put(items)
         except StoreUnavailable as exc:
@@ -382,9 +419,12 @@ class StoreTierWorker(KVConnectorWorker):
                 self._stats.skipped_blocks += skipped
             return
         self.health.succeeded()
+        if self.events is not None:
+            self.events.stored([key[1] for key, _, _ in items], self.backend.medium, transfer.group_id)
         with self._lock:
             self._stats.written_blocks += len(items)
             self._stats.skipped_blocks += skipped
+            self._stats.write_latency.observe(time.monotonic() - staged.staged_at)
 
     def _written(self, staged: _Staged) -> None:
         gk = self._layouts[staged.transfer.group_id][0]

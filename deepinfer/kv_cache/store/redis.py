@@ -9,6 +9,12 @@ catches a truncated value without reading it.
 
 Every call has short socket timeouts: a Redis that is down costs the scheduler a refused
 connection, then StoreHealth (backend.py) skips it for a back-off.
+
+Operators: gc() has nothing to do (Redis expires keys itself); report() SCANs the keys of this
+prefix, reading each one's length, time to live and the header's class and write time (GETRANGE,
+never the payload), so its classes and oldest/newest are those of the writes; clear() SCANs and
+UNLINKs them. counts(), for /metrics, is O(1): DBSIZE and the server's memory, evicted and
+expired keys (INFO), so give the store a Redis database (or server) of its own.
 """
 
 from __future__ import annotations
@@ -25,15 +31,21 @@ from deepinfer.kv_cache.store.backend import (
     WRONG_SIZE,
     Clock,
     StoreBackend,
+    StoreCounts,
+    StoreReport,
     StoreUnavailable,
 )
+from deepinfer.kv_cache.store.entry import CLASS_CREATED_END, CLASS_CREATED_START, class_and_created
 
+SCAN_BATCH = 1000
 PREFIX = "deepinfer:kv:"
 _ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ResponseError,
            redis.exceptions.BusyLoadingError, OSError)
 
 
 class RedisStore(StoreBackend):
+    collects_garbage = False
+    medium = "REDIS"
     def __init__(self, url: str, retention: Mapping[str, float], *, clock: Clock = time.time,
                  socket_timeout_s: float = 2.0, connect_timeout_s: float = 0.5) -> None:
         super().__init__(retention, clock)
@@ -97,6 +109,63 @@ class RedisStore(StoreBackend):
     def delete(self, keys: Sequence[TierKey]) -> None:
         if keys:
             self._run(lambda: self.client.delete(*[self.name(k) for k in keys]))
+            self._notify_removed(list(keys))
+
+    # ---------------------------------------------------------------------------- operators
+    def _scan(self):
+        """This store's keys, in batches of up to SCAN_BATCH."""
+        batch = []
+        for key in self.client.scan_iter(match=PREFIX + "*", count=SCAN_BATCH):
+            batch.append(key)
+            if len(batch) == SCAN_BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    def report(self) -> StoreReport:
+        def run():
+            report = StoreReport(self.url, basis="write")
+            now = self.clock()
+            for keys in self._scan():
+                pipe = self.client.pipeline(transaction=False)
+                for key in keys:
+                    pipe.strlen(key)
+                    pipe.pttl(key)
+                    pipe.getrange(key, CLASS_CREATED_START, CLASS_CREATED_END - 1)
+                replies = pipe.execute()
+                for length, ttl_ms, head in zip(replies[0::3], replies[1::3], replies[2::3]):
+                    if length == 0:   # expired or deleted since the scan saw it
+                        continue
+                    report.entries += 1
+                    report.bytes += length
+                    found = class_and_created(head)
+                    traffic_class = found[0] if found else "(unreadable)"
+                    report.classes[traffic_class] = report.classes.get(traffic_class, 0) + 1
+                    if found:
+                        created = found[1]
+                        report.oldest = created if report.oldest is None else min(report.oldest, created)
+                        report.newest = created if report.newest is None else max(report.newest, created)
+                    if ttl_ms >= 0:
+                        expiry = now + ttl_ms / 1000
+                        report.next_expiry = expiry if report.next_expiry is None else min(report.next_expiry, expiry)
+            return report
+        return self._run(run)
+
+    def clear(self) -> int:
+        def run():
+            removed = 0
+            for keys in self._scan():
+                removed += self.client.unlink(*keys)
+            return removed
+        return self._run(run)
+
+    def counts(self) -> StoreCounts:
+        def run():
+            memory, stats = self.client.info("memory"), self.client.info("stats")
+            return StoreCounts(self.client.dbsize(), memory.get("used_memory", 0), stats.get("evicted_keys", 0),
+                               stats.get("expired_keys", 0))
+        return self._run(run)
 
     def close(self) -> None:
         self.client.close()

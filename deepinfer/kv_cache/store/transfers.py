@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import abc
 import itertools
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
 from deepinfer.kv_cache.connector import FinishedTransfers, KVConnectorScheduler, KVConnectorStats, TierKey
+from deepinfer.kv_cache.tier_stats import LatencyHistogram
 
 
 @dataclass
@@ -25,6 +27,7 @@ class _Transfer:
     request_id: str
     keys: list[TierKey]
     built: bool = False       # handed to the worker in a KVConnectorMetadata
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -46,6 +49,9 @@ class TierSchedulerBase(KVConnectorScheduler):
         self._queued_saves: list[KVTransfer] = []
         self._ids = itertools.count(1)
         self._stats = KVConnectorStats()
+        # Queued to reported finished, of transfers that succeeded (kv_cache/tier_stats.py).
+        self.load_latency = LatencyHistogram()
+        self.save_latency = LatencyHistogram()
 
     # -------------------------------------------------------------------------------- hooks
     def _load_cancelled(self, transfer: _Transfer) -> None:
@@ -122,6 +128,9 @@ class TierSchedulerBase(KVConnectorScheduler):
                 continue
             state = self._requests[transfer.request_id]
             ok = transfer_id not in failed
+            if ok:
+                (self.load_latency if transfer.is_load else self.save_latency).observe(
+                    time.monotonic() - transfer.queued_at)
             if transfer.is_load:
                 state.loads.discard(transfer_id)
                 if not ok:

@@ -1,0 +1,94 @@
+"""What /metrics shows of the KV tier behind the connector (host memory or the persistent store),
+gathered in the engine core from both sides of the connector and sent with EngineStats.
+
+    tier            "host" (kv_offloading_size) or "store" (kv_store)
+    entries, bytes  what the tier holds now: host, its index; store, the backend's cheap view
+                    (dir: this instance's estimate; Redis: DBSIZE and used_memory)
+    writes          entries written: host, saves completed; store, entries the writer put (not
+                    counting those the store already had)
+    evictions       by cause: lru (capacity: the host tier's LRU, a dir store's kv_store_size,
+                    Redis's maxmemory evictions) and retention (expired: a dir store's gc, Redis's
+                    expired keys; Redis's figures are the server's, INFO stats)
+    corrupt         entries found bad and dropped, by reason: size (a look-up saw the wrong byte
+                    size), or the entry's (kv_cache/store/entry.py REASONS)
+    load_latency    a load from queued (allocate_loads) to its blocks on the device, as the
+                    scheduler sees it (so in steps): what a request waits in WAITING_FOR_KV
+    store_latency   a save from queued to held by the tier: host, the copy completed; store,
+                    staged on the host to written to the backend (the writer thread)
+
+Hits and misses are the scheduler side's token counts (KVConnectorStats.queries and hits). The
+latencies are per transfer (one request's blocks of one layer group, copied together); the
+histograms keep per-bucket counts over LATENCY_BUCKETS (exported cumulative, Prometheus-style).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer.kv_cache.connector import KVConnectorStats
+    from deepinfer.kv_cache.store.persistent_worker import StoreWorkerStats
+
+# Seconds: a host copy takes well under a millisecond, a Redis round trip about one, a shared
+# mount or a loaded store up to seconds (and kv_store_load_timeout_s bounds a load).
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+EVICTION_CAUSES = ("lru", "retention")
+
+
+@dataclass
+class LatencyHistogram:
+    """Observations per bucket of LATENCY_BUCKETS (counts[-1]: above the largest), and their sum."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.total += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """Prometheus buckets: (upper bound, observations at or below it), +Inf last."""
+        out, running = [], 0
+        for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), self.counts):
+            running += n
+            out.append((bound, float(running)))
+        return out
+
+    def copy(self) -> LatencyHistogram:
+        return LatencyHistogram(list(self.counts), self.total)
+
+
+@dataclass
+class KVTierMetrics:
+    tier: str
+    entries: int = 0
+    bytes: int = 0
+    writes: int = 0
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_CAUSES, 0))
+    corrupt: dict[str, int] = field(default_factory=dict)
+    load_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+    store_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
+
+
+def tier_metrics(tier: str, stats: KVConnectorStats, load_latency: LatencyHistogram,
+                 save_latency: LatencyHistogram, worker: StoreWorkerStats | None = None) -> KVTierMetrics:
+    """One tier's figures from its scheduler side (`stats`, the latencies it measured) and, for the
+    store, its worker side's counters."""
+    out = KVTierMetrics(tier, load_latency=load_latency.copy())
+    if worker is None:   # host memory: everything is on the scheduler side
+        out.entries, out.bytes, out.writes = stats.stored_blocks, stats.stored_bytes, stats.saved_blocks
+        out.evictions["lru"] = stats.evictions
+        out.store_latency = save_latency.copy()
+        return out
+    out.entries, out.bytes = worker.counts.entries, worker.counts.bytes
+    out.writes = worker.written_blocks
+    out.evictions = {"lru": worker.counts.evicted, "retention": worker.counts.expired}
+    out.corrupt = {"size": stats.corrupt_entries, **worker.bad_entries}
+    out.store_latency = worker.write_latency.copy()
+    return out
