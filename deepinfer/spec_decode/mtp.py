@@ -2,9 +2,10 @@
 
 A model that carries such a head exposes `propose_mtp(requests) -> {request_id: Draft}` (it
 runs the head on the hidden states of its last forward and returns drafts with the head's own
-confidences); the executor runs it where the model lives (Executor.propose_mtp). No model
-deepinfer ships has one yet, so building this drafter for any of them fails at start-up with a
-message that says so, instead of silently decoding without drafts.
+confidences); the executor runs it where the model lives (Executor.propose_mtp). DeepSeek-V4
+checkpoints with MTP layers have one (models/deepseek_v4/mtp_drafter.py); for any other model,
+building this drafter fails at start-up with a message that says so, instead of silently
+decoding without drafts.
 """
 
 from __future__ import annotations

@@ -505,10 +505,12 @@ class ModelRunner:
 
     def supports_mtp(self) -> bool:
         """Whether the model carries a multi-token-prediction head (spec_decode/mtp.py)."""
-        return hasattr(self.model, "propose_mtp")
+        return hasattr(self.model, "propose_mtp") and getattr(self.model, "has_mtp", True)
 
     def propose_mtp(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:
-        return self.model.propose_mtp(requests)
+        """The model's drafts; it gets each request's model_state (what its forwards kept)."""
+        states = {r.request_id: self.requests[r.request_id].model_state for r in requests if r.request_id in self.requests}
+        return self.model.propose_mtp(requests, states)
 
 
 def _draft_rows(state: RunnerRequestState, drafts: list[int]) -> list[SamplingRow]:

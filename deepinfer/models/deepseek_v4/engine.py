@@ -7,12 +7,13 @@ are a sliding window (every layer), compressed rows (CSA and HCA layers) and ind
 layers), listed by `kv_cache_specs` in that order; `LayerKV` says where each layer's are.
 
 Checkpoints load through weights.py (transformers' layout or DeepSeek's, FP8 / FP4 dequantized).
-Not yet here: running the MTP layers (they are built and loaded), fp8 KV, CUDA kernels.
+The MTP layer drafts for speculative decoding (mtp_drafter.py). Not yet here: fp8 KV, CUDA kernels.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,7 +25,10 @@ from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from deepinfer.models.deepseek_v4.model import V4Model
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
-from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged
+from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
+from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
+from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged, chunk_rows
+from deepinfer.spec_decode.drafter import Draft, DraftRequest
 
 
 def _layer_kv(cfg: V4Config) -> list[LayerKV]:
@@ -62,7 +66,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # Built for their weights; not run yet (the MTP drafter is still to come).
+        # The MTP layers: the drafter of speculative_config method "mtp" (mtp_drafter.py).
         self.mtp = nn.ModuleList([V4MTPLayer(self.cfg, t, self.model.rotaries) for t in self.cfg.mtp_layer_types])
         self.layer_kv = _layer_kv(self.cfg)
 
@@ -89,9 +93,20 @@ class DeepseekV4ForCausalLM(CausalLM):
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.layer_kv)):
             attend = lambda h, layer=layer, kv=kv, i=i: attend_paged(layer.self_attn, h[0], positions, meta, kv, i)[None]
             streams = layer.run(streams, attend, ids)
+        if len(self.mtp):   # the MTP drafter reads the latest streams of each request
+            for chunk, a, b in chunk_rows(meta.step):
+                keep_streams(chunk.model_state, chunk.start, streams[0, a:b], self.cfg.sliding_window)
         if logits_rows is not None:
             streams = streams[:, logits_rows]
         return self.model.norm(self.model.hc_head(streams))[0]
+
+    @property
+    def has_mtp(self) -> bool:
+        return len(self.mtp) > 0
+
+    def propose_mtp(self, requests: Sequence[DraftRequest], model_states: dict[str, dict]) -> dict[str, Draft]:
+        """Drafts from the MTP layer (speculative_config method "mtp"; mtp_drafter.py)."""
+        return propose_mtp_drafts(self, requests, model_states)
 
     def load_from(self, source, keep_int4: bool = False) -> None:
         """The checkpoint directory in either layout, FP8 / FP4 dequantized (weights.py). The MTP
