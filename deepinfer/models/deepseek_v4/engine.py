@@ -24,6 +24,7 @@ from deepinfer.layers.attention.metadata import get_forward_context
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from deepinfer.models.deepseek_v4.model import V4Model
+from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
 from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
 from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
@@ -69,6 +70,9 @@ class DeepseekV4ForCausalLM(CausalLM):
         # The MTP layers: the drafter of speculative_config method "mtp" (mtp_drafter.py).
         self.mtp = nn.ModuleList([V4MTPLayer(self.cfg, t, self.model.rotaries) for t in self.cfg.mtp_layer_types])
         self.layer_kv = _layer_kv(self.cfg)
+        for module in self.modules():   # routed experts as grouped GEMMs where torch has them
+            if isinstance(module, RoutedExperts):
+                module.grouped = True
 
     @classmethod
     def block_size_multiple(cls, hf_config: dict[str, Any]) -> int:
