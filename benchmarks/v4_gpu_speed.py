@@ -1,0 +1,154 @@
+"""DeepSeek-V4 speed on the engine: V4-Flash's full width, truncated depth, random weights.
+
+    python benchmarks/v4_gpu_speed.py [--layers 4] [--context 1024] [--steps 32] [--prefill 8192]
+        [--batch 64] [--modes grouped,loop] [--shape flash|tiny] [--out v4_speed.json]
+
+The first --layers layers of V4-Flash's schedule (4: sliding, sliding, CSA, HCA; the first 3
+MoE layers hash-routed), hidden 4096, 64 heads of 512, 256 experts of 2048, vocab 129280, bf16,
+random weights (normal, std 0.02: routing spreads over the experts), no MTP. Per mode (how the
+routed experts run: "grouped", two grouped GEMMs, the engine's; "loop", the reference loop over
+experts), in one run:
+  decode batch 1   per-step time at --context tokens (generate 1 + --steps tokens minus 1), against
+                   the roofline: active weight bytes (every weight but the routed experts a token
+                   does not use) / measured copy bandwidth
+  prefill          one --prefill-token prompt, against the matmul floor: 2 x active parameters x
+                   tokens / measured bf16 matmul rate (attention's FLOPs not counted: a floor)
+  decode batch N   --batch requests of 512 tokens decoding --steps tokens: output tokens / s
+Attention is the paged reference path (models/deepseek_v4/paged.py): per request chunk, all of
+a CSA layer's rows gathered and scored, no Triton kernel yet. --shape tiny runs a small config
+on any device (checks the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import machine_info, print_table, write_json
+from v4_kv_memory import v4_flash_config
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def shape(name: str, layers: int, max_len: int) -> dict:
+    config = v4_flash_config()
+    if name == "tiny":
+        config.update(hidden_size=256, num_attention_heads=8, head_dim=64, q_lora_rank=64, o_groups=2,
+                      o_lora_rank=32, index_n_heads=8, index_head_dim=32, index_topk=16, n_routed_experts=16,
+                      num_experts_per_tok=2, moe_intermediate_size=128, vocab_size=4096)
+    config.update(num_hidden_layers=layers, layer_types=config["layer_types"][:layers], num_nextn_predict_layers=0,
+                  max_position_embeddings=max_len, torch_dtype="bfloat16", rms_norm_eps=1e-6, num_hash_layers=3,
+                  swiglu_limit=10.0, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus",
+                  rope_theta=10000.0, compress_rope_theta=160000.0, tie_word_embeddings=False)
+    return config
+
+
+def randomize(model, seed: int = 0) -> None:
+    """Normal weights (std 0.02), unit norm weights, hash tables of distinct experts per token."""
+    import torch
+
+    g = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = torch.rand(b.shape[0], model.cfg.num_experts, generator=g, device=b.device)
+                b.copy_(experts.argsort(dim=-1)[:, :b.shape[1]])
+
+
+def active_bytes(model) -> int:
+    """Weight bytes one token reads: all but the routed experts it is not routed to."""
+    cfg = model.cfg
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * model.lm_head.weight.element_size()
+    return total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--prefill", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--modes", default="grouped,loop")
+    parser.add_argument("--shape", choices=["flash", "tiny"], default="flash")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+    from gpu_fast_path import random_prompts
+    from gpu_reference_baseline import copy_bandwidth, matmul_rate, write_config_dir
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.models.deepseek_v4.moe import RoutedExperts
+    from deepinfer.platforms import current_platform
+
+    platform = current_platform()
+    cuda = platform.name == "cuda"
+    max_len = max(args.prefill, args.context + args.steps) + 64
+    config = shape(args.shape, args.layers, max_len)
+    llm = LLM(write_config_dir(config), load_format="dummy", dtype="bfloat16", max_model_len=max_len,
+              skip_tokenizer_init=True, max_num_seqs=args.batch, max_num_batched_tokens=max(args.prefill, 2048),
+              enable_prefix_caching=False)
+    model = llm.engine.executor.runner.model
+    randomize(model)
+    bandwidth = copy_bandwidth() if cuda else None
+    flops = matmul_rate() if cuda else None
+    vocab = config["vocab_size"]
+    weights = active_bytes(model)
+    result = {"benchmark": "v4_gpu_speed", "machine": machine_info(), "args": vars(args),
+              "layer_types": config["layer_types"], "weight_bytes": llm.engine.executor.runner.weight_bytes,
+              "active_weight_bytes": weights, "copy_bandwidth": bandwidth, "matmul_rate": flops, "modes": {}}
+    print(f"V4 {args.shape}, {args.layers} layers {config['layer_types']}: weights "
+          f"{result['weight_bytes'] / 2**30:.1f} GiB, active per token {weights / 2**30:.2f} GiB", flush=True)
+
+    def timed(fn) -> float:
+        platform.synchronize()
+        start = time.perf_counter()
+        fn()
+        platform.synchronize()
+        return time.perf_counter() - start
+
+    def run(prompts, tokens):
+        return lambda: llm.generate(prompts, SamplingParams(max_tokens=tokens, **GREEDY), use_tqdm=False)
+
+    one = random_prompts(1, args.context, vocab, seed=1)
+    long = random_prompts(1, args.prefill, vocab, seed=2)
+    batch = random_prompts(args.batch, 512, vocab, seed=3)
+    for mode in args.modes.split(","):
+        for module in model.modules():
+            if isinstance(module, RoutedExperts):
+                module.grouped = mode == "grouped"
+        run(one, 4)()   # warm-up
+        step_s = min(timed(run(one, 1 + args.steps)) - timed(run(one, 1)) for _ in range(2)) / args.steps
+        prefill_s = min(timed(run(long, 1)) for _ in range(2))
+        batch_s = timed(run(batch, 1 + args.steps)) - timed(run(batch, 1))
+        row = {"decode_b1_step_ms": step_s * 1e3, "prefill_ms": prefill_s * 1e3,
+               "decode_batch_tok_s": args.batch * args.steps / batch_s}
+        if cuda:
+            row["roofline_step_ms"] = weights / bandwidth * 1e3
+            row["decode_fraction_of_roofline"] = row["roofline_step_ms"] / row["decode_b1_step_ms"]
+            row["prefill_floor_ms"] = 2 * weights / model.lm_head.weight.element_size() * args.prefill / flops * 1e3
+            row["prefill_fraction_of_floor"] = row["prefill_floor_ms"] / row["prefill_ms"]
+        result["modes"][mode] = row
+        print(f"  {mode}: {row}", flush=True)
+        write_json(args.out, result)
+    print()
+    print_table([{"mode": m, **r} for m, r in result["modes"].items()],
+                [("mode", "experts", ""), ("decode_b1_step_ms", "b1 step ms", ".1f"),
+                 ("roofline_step_ms", "roofline ms", ".2f"), ("prefill_ms", f"prefill {args.prefill} ms", ".0f"),
+                 ("prefill_floor_ms", "floor ms", ".1f"), ("decode_batch_tok_s", f"batch {args.batch} tok/s", ".1f")])
+    write_json(args.out, result)
+    torch.cuda.empty_cache() if cuda else None
+
+
+if __name__ == "__main__":
+    main()
