@@ -34,6 +34,7 @@ from tests.unit.test_kv_store_engine import (  # noqa: F401  (expected: a fixtur
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT_TOKENS = 100   # 6 full blocks of 16
+CATCH_S = 8.0         # how long the kill test tries to land inside a write
 
 
 def prompts(batch: int, n: int = 8) -> list[list[int]]:
@@ -79,8 +80,18 @@ def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_p
         while len(_files(str(tmp_path), ".kv")) < flushed + 4:   # later batches are being written
             assert time.monotonic() < deadline and child.poll() is None, "the writer engine stopped writing"
             time.sleep(0.005)
+        # Freeze it now and then until a write is caught half done (a temp file there), for at
+        # most CATCH_S; then the kill, frozen. What follows holds either way.
+        caught, until = False, time.monotonic() + CATCH_S
+        while not caught and time.monotonic() < until:
+            child.send_signal(signal.SIGSTOP)
+            caught = bool(_files(str(tmp_path), ".tmp."))
+            if not caught:
+                child.send_signal(signal.SIGCONT)
+                time.sleep(random.random() * 0.002)
         child.send_signal(signal.SIGKILL)
         assert child.wait(10) == -signal.SIGKILL
+        print(f"killed {'in' if caught else 'between'} writes")
     finally:
         if child.poll() is None:
             child.kill()
