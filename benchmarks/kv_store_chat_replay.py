@@ -11,6 +11,8 @@ How to run: the defaults (SmolLM2, 200 conversations x 3 turns, both modes) take
 minutes on the 2-core CPU box; the store mode writes about 2 GB into a temp dir (--workdir),
 removed at the end. A quick check: `--conversations 16 --turns 2 --system-tokens 256
 --first-tokens 128`. `--store redis` starts a redis-server of its own (Debian's redis-server).
+Times are for a quiet machine: on a shared 2-core box the engine's threads wait on each other and
+TTFTs swing 3-5x between runs.
 
 Conversation c has system prompt c mod --system-prompts (each ~--system-tokens tokens of this
 Python's standard-library source), a first user turn of --first-tokens tokens and later ones
@@ -18,8 +20,10 @@ of --turn-tokens (more of that source, never shared), and --answer-tokens greedy
 answer (ignore_eos), which go back into the conversation as the assistant's message. Turns go
 round-robin over the conversations (turn 1 of all, then turn 2 of all, ...), --concurrency
 requests in flight, so a conversation's own blocks have left the device pool when it comes
-back: the pool (--cpu-kv-cache-bytes) holds --pool-fraction of the working set (the system
-prompts and every conversation's final length). The same server flags in both modes; "store"
+back: the pool (--num-kv-blocks, so on a GPU too) holds --pool-fraction of the working set (the
+system prompts and every conversation's final length), or --concurrency + 1 requests of the
+longest length if that is more. Blocks are of one layer group: a model with several (Gemma's
+sliding-window and global layers) holds fewer tokens in as many blocks. The same server flags in both modes; "store"
 adds --kv-store (a fresh one). Per request: TTFT (to the first streamed token event, queueing
 included) and usage.prompt_tokens_details.cached_tokens. Per mode and turn: hit rate (cached /
 prompt tokens), TTFT P50 and P99; per mode: prefill tokens computed, and the store's own hit
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import shutil
 import sys
@@ -60,6 +65,7 @@ from kv_store_serving import (
 
 MODES = ("no-store", "store")
 TEMPLATE_TOKENS = 16   # what a chat template adds per message, for sizing (SmolLM2's adds ~5)
+BLOCK = 16
 
 
 def build_conversations(model, args) -> tuple[list[str], list[list[str]]]:
@@ -101,17 +107,16 @@ async def replay(server, systems: list[str], users: list[list[str]], args) -> li
     return sorted(records, key=lambda r: (r["turn"], r["conv"]))
 
 
-def pool_bytes(model, args) -> tuple[int, int, int]:
-    """(working set tokens, device pool bytes, max_model_len)."""
+def pool_size(model, args) -> tuple[int, int, int]:
+    """(working set tokens, device pool blocks, max_model_len)."""
     final = args.first_tokens + (args.turns - 1) * args.turn_tokens + args.turns * args.answer_tokens
     final += (2 * args.turns + 1) * TEMPLATE_TOKENS
     working_set = args.system_prompts * args.system_tokens + args.conversations * final
-    block = 16
-    per_token = kv_bytes_per_block(model.config, block, "bfloat16") / block
     max_len = args.system_tokens + final + 256
-    # At least what --concurrency requests of max_len hold at once, or the pool thrashes on them.
-    pool = max(args.pool_fraction * working_set, 2 * args.concurrency * max_len) * per_token
-    return working_set, int(pool), max_len
+    # At least what --concurrency requests of max_len hold at once (and one more), or the pool
+    # thrashes on the requests in flight rather than on the conversations.
+    tokens = max(args.pool_fraction * working_set, (args.concurrency + 1) * max_len)
+    return working_set, math.ceil(tokens / BLOCK) + 1, max_len   # + the null block
 
 
 def main() -> None:
@@ -144,14 +149,15 @@ def main() -> None:
     workdir = args.workdir or tempfile.mkdtemp(prefix="kv-store-replay-")
     os.makedirs(workdir, exist_ok=True)
     model = resolve_model(args.model, 0)
-    working_set, pool, max_len = pool_bytes(model, args)
+    working_set, pool, max_len = pool_size(model, args)
     systems, users = build_conversations(model, args)
     result = {"benchmark": "kv_store_chat_replay", "machine": machine_info(), "args": vars(args), "model": model.name,
-              "path": model.path, "working_set_tokens": working_set, "device_pool_bytes": pool,
+              "path": model.path, "working_set_tokens": working_set, "num_kv_blocks": pool,
+              "kv_bytes_per_block": kv_bytes_per_block(model.config, BLOCK, "bfloat16"),
               "max_model_len": max_len, "modes": {}}
     print(f"{model.name}: {args.conversations} conversations x {args.turns} turns on {args.system_prompts} system "
-          f"prompts; working set ~{working_set} tokens, device pool {pool / 2**20:.0f} MiB", flush=True)
-    flags = ["--max-model-len", str(max_len), "--cpu-kv-cache-bytes", str(pool)]
+          f"prompts; working set ~{working_set} tokens, device pool {pool} blocks of {BLOCK}", flush=True)
+    flags = ["--max-model-len", str(max_len), "--num-kv-blocks", str(pool), "--block-size", str(BLOCK)]
     for mode in modes:
         store = Store(args.store, workdir) if mode == "store" else None
         print(f"  {mode}" + (f": {store.url}" if store else ""), flush=True)

@@ -10,6 +10,8 @@ each mode); the store writes about 1.5 GB per run with SmolLM2 (into a temp dir 
 --store-dir says where; it is cleared between runs and removed at the end). A quick check:
 `--prompts 16 --input-len 256 --output-len 16 --repeats 1`. On a GPU the same script runs the
 model given (a real-weight path; the store is the same code).
+Times are for a quiet machine: on a shared 2-core box the engine's threads wait on each other and
+throughput swings 3-5x between runs.
 
 Both engines (LLM API, in this process) are built first and warmed up; then the runs alternate
 (off, on; on, off; ...) so that drift on a shared machine falls on both. Each run generates

@@ -13,6 +13,8 @@ loopback port. A quick check: `--models smollm2 --stores dir --prefix-tokens 102
 On a GPU: `--model-shape llama3-8b --prefix-tokens 32768 --stores dir` (random weights of
 Llama-3-8B's shape, served with `--load-format dummy`; every server seeds them alike, so one's
 KV is valid for the next).
+Times are for a quiet machine: on a shared 2-core box the engine's threads wait on each other and
+TTFTs swing 3-5x between runs.
 
 Per model and store:
   1. server A (a real `deepinfer serve`, loopback) answers turn 1 of `--repeats` conversations:
@@ -21,9 +23,9 @@ Per model and store:
      tokens are the conversation's prefix, written through to the store.
   2. A is stopped (SIGINT: the engine core flushes the store's pending writes at shutdown); the
      store's entries are counted.
-  3. server B, a new process on the same store, answers a warm-up request, then per conversation
-     (the order alternating) the follow-up (turn 1, A's answer, a short new question) and a cold
-     prompt of the same shape it never saw (nor A).
+  3. server B, a new process on the same store, answers a warm-up request (a cold prompt of the
+     same length), then per conversation (the order alternating) the follow-up (turn 1, A's
+     answer, a short new question) and a cold prompt of the same shape it never saw (nor A).
 Reported per conversation: the follow-up's usage.prompt_tokens_details.cached_tokens against
 the prefix (target >= prefix - block size; a model with sliding-window layers rebuilds them by
 SWA Bounded Replay, so its cached tokens are lower by the replayed window, reported beside), and
@@ -85,6 +87,8 @@ def run_pair(model, store_kind: str, args, workdir: str) -> dict:
     texts = TextSource(model, args.seed)
     turn1 = [conversation(texts.take(args.prefix_tokens - 32), r) for r in range(args.repeats)]
     cold1 = [conversation(texts.take(args.prefix_tokens - 32), args.repeats + r) for r in range(args.repeats)]
+    # B's warm-up is as long as the timed prompts, so no first-of-its-shape cost lands on them.
+    warm = follow_up(conversation(texts.take(args.prefix_tokens - 32), 2 * args.repeats), "Fine.")
     out = {"model": model.name, "store": store_kind, "url": store.url, "sliding_window": model.sliding_window,
            "conversations": []}
     try:
@@ -111,7 +115,7 @@ def run_pair(model, store_kind: str, args, workdir: str) -> dict:
         b = start(model, os.path.join(workdir, f"{model.name}-{store_kind}-B.log"), store.url, *flags)
         out["b_start_s"] = time.perf_counter() - t
         try:
-            chat_once(b, [{"role": "user", "content": "Say hello."}], 2)   # warm-up, untimed
+            chat_once(b, warm, 2)   # untimed
             for r in range(args.repeats):
                 hit_messages = follow_up(turn1[r], answers[r])
                 cold_messages = follow_up(cold1[r], answers[r])
