@@ -61,8 +61,13 @@ WRITER = textwrap.dedent("""
 """)
 
 
-def _files(root: str, suffix: str) -> list[str]:
-    return [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "blocks")) for f in fs if suffix in f]
+def _entries(root: str) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(root, "blocks")) for f in fs if f.endswith(".kv")]
+
+
+def _writes_in_progress(root: str) -> list[str]:
+    """Temp files (dir.py: <entry name>.tmp.<pid>.<thread>.<random>)."""
+    return [f for _, _, fs in os.walk(os.path.join(root, "blocks")) for f in fs if ".kv.tmp." in f]
 
 
 def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_path):
@@ -74,10 +79,10 @@ def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_p
     try:
         ready, _, _ = select.select([child.stdout], [], [], 120)
         assert ready and child.stdout.readline().strip() == "flushed", "the writer engine did not start"
-        flushed = len(_files(str(tmp_path), ".kv"))
+        flushed = len(_entries(str(tmp_path)))
         assert flushed == 8 * (PROMPT_TOKENS // BS)
         deadline = time.monotonic() + 60
-        while len(_files(str(tmp_path), ".kv")) < flushed + 4:   # later batches are being written
+        while len(_entries(str(tmp_path))) < flushed + 4:   # later batches are being written
             assert time.monotonic() < deadline and child.poll() is None, "the writer engine stopped writing"
             time.sleep(0.005)
         # Freeze it now and then until a write is caught half done (a temp file there), for at
@@ -85,7 +90,7 @@ def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_p
         caught, until = False, time.monotonic() + CATCH_S
         while not caught and time.monotonic() < until:
             child.send_signal(signal.SIGSTOP)
-            caught = bool(_files(str(tmp_path), ".tmp."))
+            caught = bool(_writes_in_progress(str(tmp_path)))
             if not caught:
                 child.send_signal(signal.SIGCONT)
                 time.sleep(random.random() * 0.002)
@@ -98,7 +103,7 @@ def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_p
             child.wait(10)
     # Whatever the kill interrupted: every entry under its name is whole (os.replace of a
     # complete temp file); a write in progress can only have left a temp file, never read.
-    for path in _files(str(tmp_path), ".kv"):
+    for path in _entries(str(tmp_path)):
         data = open(path, "rb").read()
         header = entry_format.decode_header(data)
         assert entry_format.checksum(data[entry_format.HEADER_SIZE:]) == header.checksum
@@ -117,6 +122,8 @@ def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_p
     assert tier["failed_loads"] == 0 and stats.corrupt_entries == 0 and tier["corrupt_entries"] == 0
     assert all(o.num_cached_tokens >= PROMPT_TOKENS - BS for o in got[:8])
     later.engine.shutdown()
+    if caught:   # the half-written file is still just that: never renamed, never read
+        assert _writes_in_progress(str(tmp_path))
 
 
 # ------------------------------------------------------------------------------ Redis entries
