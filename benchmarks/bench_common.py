@@ -362,14 +362,32 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def add_run_args(parser, eager_help: str = "no CUDA graphs") -> None:
     """The flags every KV benchmark shares: batch limit, eager mode, seed, and where results go."""
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true", help=eager_help)
     parser.add_argument("--seed", type=int, default=0)
+    add_output_args(parser)
+
+
+def add_output_args(parser) -> None:
+    """Where results go: --out (JSON), --plot (PNG), --plot-from (redraw a saved result)."""
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, help="a PNG of the results (needs matplotlib)")
     parser.add_argument("--plot-from", default=None, help="only draw --plot from a saved result JSON")
+
+
+def save_and_plot(args, result: dict, plot) -> None:
+    """The result to --out, and `plot(result, path)` to --plot when asked."""
+    write_json(args.out, result)
+    if args.plot:
+        plot(result, args.plot)
 
 
 def replot(args, plot) -> bool:

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from deepinfer.entrypoints.api_server import run_server
 
-    run_server(*serve_config(args))
+    run_server(*serve_config(args), load_format=args.load_format)
     return 0
 
 

@@ -31,8 +31,7 @@ def serve_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]
     """The engine config and server options of a parsed `deepinfer serve` line."""
     options = server_options(args)
     kwargs = engine_kwargs(args)
-    if kwargs.pop("load_format") != "auto":
-        raise ValueError("serve loads real weights; --load-format dummy is for offline benchmarks")
+    kwargs.pop("load_format")   # not an engine field: run_server takes it (main._serve)
     if args.model_tag is not None:
         kwargs["model"] = args.model_tag
     return EngineConfig.from_kwargs(**kwargs), options

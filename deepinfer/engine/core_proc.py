@@ -94,8 +94,10 @@ OutputMessage = Union[Ready, Failed, Heartbeat, StepOutputs]
 class EngineCoreProc:
     """Owns an EngineCore and the two sockets; `run()` is the busy loop."""
 
-    def __init__(self, config: EngineConfig, input_address: str, output_address: str, block_size: int) -> None:
+    def __init__(self, config: EngineConfig, input_address: str, output_address: str, block_size: int,
+                 load_weights: bool = True) -> None:
         self.config = config
+        self.load_weights = load_weights
         self.block_size = block_size
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
@@ -123,7 +125,13 @@ class EngineCoreProc:
         from deepinfer.models.loader import load_model_source
 
         source = load_model_source(self.config.model.model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
-        self.core = EngineCore(self.config, source, offline=False)
+        if not self.load_weights:
+            import torch
+
+            # Random weights from the engine seed: every server of one shape holds the same
+            # ones, so KV one computed into a shared store is valid for another.
+            torch.manual_seed(self.config.model.seed)
+        self.core = EngineCore(self.config, source, load_weights=self.load_weights, offline=False)
         name = self.config.model.served_model_name or source.name
         self.send(Ready(name, self.core.max_model_len, self.core.num_kv_blocks, self.block_size, os.getpid()))
 
@@ -214,13 +222,14 @@ def _exit_on_signal(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str) -> None:
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str,
+                    load_weights: bool = True) -> None:
     """Entry point of the core process (multiprocessing target)."""
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [core] [%(name)s] %(message)s")
     # SIGTERM from the front end ends the loop through SystemExit, closing sockets cleanly.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
-    proc = EngineCoreProc(config, input_address, output_address, config.cache.block_size)
+    proc = EngineCoreProc(config, input_address, output_address, config.cache.block_size, load_weights)
     try:
         proc.load()
         proc.start_heartbeat()

@@ -37,9 +37,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions | None = None,
-              on_fatal=None) -> FastAPI:
+              on_fatal=None, load_format: str = "auto") -> FastAPI:
+    """`load_format="dummy"`: the core keeps random weights of the model's shape (LLM's option,
+    `serve --load-format dummy`), for serving benchmarks of a real shape on a GPU."""
     options = options or ServerOptions()
-    client = AsyncEngineClient(config, source, max_pending_requests=options.max_pending_requests,
+    client = AsyncEngineClient(config, source, load_format=load_format,
+                               max_pending_requests=options.max_pending_requests,
                                request_timeout_s=options.request_timeout_s,
                                max_engine_restarts=options.max_engine_restarts,
                                log_requests=options.enable_log_requests,
@@ -187,7 +190,7 @@ def _tokenize(state: ServerState, body: dict) -> dict:
     return result
 
 
-def run_server(config: EngineConfig, options: ServerOptions) -> None:
+def run_server(config: EngineConfig, options: ServerOptions, *, load_format: str = "auto") -> None:
     import uvicorn
 
     from deepinfer.models.loader import load_model_source
@@ -202,7 +205,7 @@ def run_server(config: EngineConfig, options: ServerOptions) -> None:
 
     # The front end needs only config and tokenizer; the weights load in the core process.
     source = load_model_source(config.model.model, skip_tokenizer_init=config.model.skip_tokenizer_init)
-    app = build_app(config, source, options, on_fatal=on_fatal)
+    app = build_app(config, source, options, on_fatal=on_fatal, load_format=load_format)
     logger.info("serving %s on http://%s:%d", app.state.server.model_name, options.host, options.port)
     server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
                                            log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5))

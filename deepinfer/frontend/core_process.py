@@ -36,8 +36,9 @@ class CoreStartError(RuntimeError):
 
 
 class CoreProcess:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, load_weights: bool = True) -> None:
         self.config = config
+        self.load_weights = load_weights
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._ipc_dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
@@ -59,7 +60,8 @@ class CoreProcess:
         # spawn, not fork: the front end already holds threads (uvicorn, tokenizers).
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
-            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", envs.log_level()),
+            args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", envs.log_level(),
+                  self.load_weights),
             name="deepinfer-engine-core", daemon=True)
         self.process.start()
         deadline = time.monotonic() + timeout_s

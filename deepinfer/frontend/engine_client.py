@@ -97,10 +97,14 @@ class EngineInfo:
 
 
 class AsyncEngineClient:
-    def __init__(self, config: EngineConfig, source: ModelSource, *, max_pending_requests: int = 1024,
+    def __init__(self, config: EngineConfig, source: ModelSource, *, load_format: str = "auto",
+                 max_pending_requests: int = 1024,
                  request_timeout_s: float = 0.0, max_engine_restarts: int = 3, log_requests: bool = False,
                  metrics_vllm_names: bool = False, on_fatal: Callable[[str], None] | None = None) -> None:
+        if load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         self.config = config
+        self.load_weights = load_format == "auto"   # every core it starts (restarts too)
         self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
         self.eos_token_ids = source.eos_token_ids
         self.vocab_size = source.hf_config["vocab_size"]
@@ -130,7 +134,7 @@ class AsyncEngineClient:
 
     # ------------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = CORE_START_TIMEOUT_S) -> EngineInfo:
-        core = CoreProcess(self.config)
+        core = CoreProcess(self.config, load_weights=self.load_weights)
         try:
             ready = await core.start(timeout_s)
         except BaseException:

@@ -77,7 +77,7 @@ def _pretokenizer_regexes(pre_tokenizer: dict | None) -> tuple[str, ...] | None:
 class SafeTokenizer:
     full: Tokenizer
     plain: Tokenizer
-    control_ids: frozenset[int]  # ids of every added token (the "control vocabulary")
+    control_ids: frozenset[int]  # ids of the added tokens plain text never yields (the "control vocabulary")
     cut_pattern: re.Pattern | None  # None: whole-segment encoding only
     # The added tokens marked `special` (a subset of control_ids): what vLLM's
     # skip_special_tokens drops from output text.
@@ -86,16 +86,24 @@ class SafeTokenizer:
     @classmethod
     def from_json_text(cls, text: str) -> SafeTokenizer:
         data = json.loads(text)
-        control_ids = frozenset(tok["id"] for tok in data.get("added_tokens", []))
-        special_ids = frozenset(tok["id"] for tok in data.get("added_tokens", []) if tok.get("special"))
+        added = data.get("added_tokens", [])
+        special_ids = frozenset(tok["id"] for tok in added if tok.get("special"))
         plain_data = dict(data)
         plain_data["added_tokens"] = []
+        plain = Tokenizer.from_str(json.dumps(plain_data))
+        # A non-special added token that plain text encodes to on its own is a piece of the
+        # vocabulary, not a control: GGUF's user-defined tokens (Gemma's "\n", "\n\n", runs of
+        # spaces, HTML tags) are added only so text is never cut through them.
+        pieces = [tok for tok in added if not tok.get("special")]
+        encoded = plain.encode_batch([tok["content"] for tok in pieces], add_special_tokens=False) if pieces else []
+        vocabulary = {tok["id"] for tok, enc in zip(pieces, encoded) if enc.ids == [tok["id"]]}
+        control_ids = frozenset(tok["id"] for tok in added if tok["id"] not in vocabulary)
         cut = None
         if _pretokenizer_regexes(data.get("pre_tokenizer")) == _DEEPSEEK_V4_PRETOKENIZER_REGEXES and (
             data.get("normalizer") in (None, {"type": "Sequence", "normalizers": []})
         ):
             cut = _DEEPSEEK_V4_CUT
-        return cls(Tokenizer.from_str(text), Tokenizer.from_str(json.dumps(plain_data)), control_ids, cut, special_ids)
+        return cls(Tokenizer.from_str(text), plain, control_ids, cut, special_ids)
 
     @classmethod
     def from_file(cls, path: str | Path) -> SafeTokenizer:

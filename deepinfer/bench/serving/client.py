@@ -5,7 +5,8 @@ What is measured (vLLM's definitions, so that both clients report the same numbe
     the usage chunk at the end (empty `choices`) is not one;
   * TTFT is start -> first token event; ITL is the gap between consecutive token events;
   * latency (E2EL) is start -> the *last token event* (not the end of the stream);
-  * output tokens come from the final usage chunk (`stream_options.include_usage`);
+  * output tokens come from the final usage chunk (`stream_options.include_usage`), and so do the
+    prompt's cached tokens (`prompt_tokens_details.cached_tokens`, the KV benchmarks' hit);
   * a request succeeded if at least one token event came (and, ours, no error event).
 
 Why it is lean: on a busy GPU server every stream gets one event per decode step, so the client
@@ -41,6 +42,7 @@ class StreamResult:
     success: bool = False
     prompt_len: int = 0         # usage.prompt_tokens, else the tokens the workload meant to send
     output_tokens: int = 0      # usage.completion_tokens; 0 when the server sent no usage
+    cached_tokens: int = 0      # usage.prompt_tokens_details.cached_tokens (prefix-cache hit), when sent
     token_events: int = 0
     ttft: float = 0.0
     latency: float = 0.0
@@ -159,6 +161,7 @@ def _read_other_events(out: StreamResult, events: list[bytes]) -> None:
             out.output_tokens = usage.get("completion_tokens") or 0
             if usage.get("prompt_tokens") is not None:
                 out.prompt_len = usage["prompt_tokens"]
+            out.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         elif data.get("error"):
             out.success, out.error = False, f"error event: {json.dumps(data['error'])[:500]}"
 

@@ -59,7 +59,8 @@ class HFTemplateEncoder(Encoder):
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(chat_template)
         self.bos_token, self.eos_token = bos_token or "", eos_token or ""
-        self._spellings = ControlSpellings(t.content for t in tokenizer.full.get_added_tokens_decoder().values())
+        self._spellings = ControlSpellings(t.content for i, t in tokenizer.full.get_added_tokens_decoder().items()
+                                           if i in tokenizer.control_ids)
         # Characters placeholders must not be: the template's own may end up in its output.
         self._template_chars = set(chat_template) | set(self.bos_token) | set(self.eos_token)
         ends = tuple(s for s in (self.eos_token, *_END_OF_TURN_CANDIDATES) if s and tokenizer.has_control(s))
