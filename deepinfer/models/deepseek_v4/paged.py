@@ -120,12 +120,16 @@ class _ChunkPages:
         self.start, self.end = chunk.start, chunk.start + chunk.num_tokens
         self.bs = meta.block_size
         self.recent: dict = chunk.model_state
+        self._tables: dict[int, np.ndarray] = {}   # a group's block table as numpy, built once per chunk
 
     def _cache(self, index: int) -> torch.Tensor:
         return self.meta.kv_caches[self.meta.layer_to_slot[index]][0]    # K = V: one tensor
 
     def _table(self, index: int) -> np.ndarray:
-        return np.asarray(self.chunk.block_ids[self.meta.layer_to_group[index]], dtype=np.int64)
+        group = self.meta.layer_to_group[index]
+        if group not in self._tables:
+            self._tables[group] = np.asarray(self.chunk.block_ids[group], dtype=np.int64)
+        return self._tables[group]
 
     def _token_rows(self, index: int, positions: np.ndarray) -> torch.Tensor:
         table = self._table(index)
