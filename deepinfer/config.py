@@ -266,34 +266,46 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is spread over devices (vLLM's names). This build runs one rank: every
-    size must be 1, and a larger one is refused here rather than silently run on one device."""
+    """How the model is spread over devices and engines (vLLM's names and values)."""
 
     tensor_parallel_size: int = 1
-    """Devices each layer's weights are split over (only 1 in this build)."""
+    """Ranks each layer's weights are split over (attention heads, MLP rows, the vocabulary)."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split into (only 1 in this build)."""
+    """Stages the layers are split into: not implemented, only 1."""
     data_parallel_size: int = 1
-    """Engine replicas behind one endpoint (only 1 in this build)."""
+    """Engine cores behind one server, each with its own KV pool; requests go to the least loaded."""
     enable_expert_parallel: bool = False
-    """Split MoE experts over the tensor x data parallel ranks; with one rank it changes nothing."""
+    """MoE experts split over the tensor-parallel ranks (each rank holds 1/tp of them whole,
+    tokens sent to their experts' ranks by all-to-all) instead of every expert's rows split."""
     distributed_executor_backend: str | None = None
-    """mp | ray | uni: how ranks are started (executor/abstract.py, Executor.get_class). Only
-    uni, one worker in the engine core's process, is built so far (None means it too); the
-    engine refuses mp and ray at start."""
+    """mp | ray | uni: how ranks are started (executor/abstract.py, Executor.get_class). None:
+    uni for one rank, mp for several on this host (vLLM's default)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             size = getattr(self, name)
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {size!r}")
-            if size > 1:
-                raise ValueError(f"{name}={size}: only {name}=1 is supported in this build "
-                                 "(distributed execution is not implemented yet)")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism is not "
+                             "implemented; use tensor_parallel_size (and data_parallel_size) instead")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
                              f"got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: use 'mp' (this host) or 'ray' (a Ray cluster)")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine core (data-parallel engines are separate worlds)."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs: the one asked for, else uni for one rank and mp for several."""
+        return self.distributed_executor_backend or ("uni" if self.world_size == 1 else "mp")
 
 
 @dataclass(frozen=True)
