@@ -375,6 +375,11 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.parallel.world_size > 1 and (self.cache.kv_store or self.cache.kv_offloading_size):
+            # Each rank would hold its own heads' slice of every block in the tier, and the
+            # scheduler side would have to agree with all of them on what is there.
+            raise ValueError("kv_store and kv_offloading_size work with tensor_parallel_size=1 only in this build, "
+                             f"got tensor_parallel_size={self.parallel.tensor_parallel_size}")
         if (self.model.skip_tokenizer_init and self.speculative is not None
                 and self.speculative.method == "draft_model"):
             raise ValueError("speculative_config method 'draft_model' checks that the draft model shares "

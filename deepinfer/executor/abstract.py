@@ -14,8 +14,8 @@ through here (`profile_verify_step`, `propose_mtp`), and a draft model gets an e
 own from the same factory (`Executor.from_config`).
 
 Which executor runs is ParallelConfig.distributed_executor_backend, vLLM's field: "uni" (one
-worker in this process, also what None means) is the one built so far; "mp" and "ray" are
-refused with a clear error until their issues land.
+worker in this process), "mp" (tensor-parallel ranks in processes of this host) or "ray" (ranks
+placed by a Ray cluster); unset, one rank runs "uni" and several "mp".
 """
 
 from __future__ import annotations
@@ -51,20 +51,22 @@ class Executor(ABC):
 
     @staticmethod
     def get_class(parallel: ParallelConfig) -> type[Executor]:
-        """The executor class for `distributed_executor_backend` (None: "uni")."""
-        backend = parallel.distributed_executor_backend
-        if backend in ("mp", "ray"):
-            # ParallelConfig admits only one rank in this build, and one rank is what the
-            # in-process executor runs: a vLLM launch line naming mp or ray still works.
-            logger.info("distributed_executor_backend=%s with one rank: the worker runs in the engine core's "
-                        "process (multi-process executors arrive with tensor parallelism)", backend)
-            backend = "uni"
-        if backend in (None, "uni"):
+        """The executor class for ParallelConfig.executor_backend (uni for one rank unless
+        another is named, mp for several)."""
+        backend = parallel.executor_backend
+        if backend == "uni":
             from deepinfer.executor.uniproc import UniProcExecutor
 
             return UniProcExecutor
-        raise ValueError(f"distributed_executor_backend={backend!r} is not implemented yet; this build runs one "
-                         "worker in the engine core's process: use 'uni' or leave it unset")
+        if backend == "mp":
+            from deepinfer.executor.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor
+        if backend == "ray":
+            from deepinfer.executor.ray_executor import RayExecutor
+
+            return RayExecutor
+        raise ValueError(f"distributed_executor_backend={backend!r} is not one of mp, ray, uni")
 
     @classmethod
     def from_config(cls, config: EngineConfig, source: ModelSource, *, load_weights: bool = True) -> Executor:

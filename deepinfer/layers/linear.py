@@ -160,20 +160,25 @@ class Linear(nn.Linear):
             self.packed_weight = pack_dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias), on the fastest copy of the weight for x's rows. A row-parallel
+        layer passes no bias: it adds it once, after summing the ranks' products."""
         if x.dim() == 2 and x.shape[0] == 1 and current_backend().fused_gemv:
             # One row on the CUDA fast path: the Triton GEMV, faster than cuBLAS on every matrix
             # timed. A first multi-row version lost to cuBLAS at two rows on most of Llama-3-8B's
             # matrices, so more rows stay on cuBLAS. Figures:
             # docs/benchmarks/design-measurements.md#gemv-one-row
             from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
-            return gemv(x, self.weight, self.bias)
+            return gemv(x, self.weight, bias)
         if x.dtype == torch.bfloat16 and x.dim() == 2:
             if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
                 y = int4_matmul(x, self.int4_weight, self.int4_scales_zeros)
-                return y if self.bias is None else y + self.bias
+                return y if bias is None else y + bias
             if self.packed_weight is not None:
-                return dense_matmul(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+                return dense_matmul(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
 
 
 class FusedLinear(Linear):

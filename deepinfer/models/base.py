@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepinfer.distributed import current_tp_group
 from deepinfer.kv_cache.specs import KVCacheSpec
 from deepinfer.layers.attention.metadata import current_backend
 from deepinfer.layers.linear import (
@@ -32,6 +33,7 @@ from deepinfer.layers.linear import (
     pack_dense,
     pack_int4,
 )
+from deepinfer.layers.parallel import gather_logits
 
 # (fused parameter name, HF name, shard index)
 FUSED_PROJECTIONS = (
@@ -51,6 +53,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf_config = hf_config
         self.tie_word_embeddings = bool(hf_config.get("tie_word_embeddings", False))
+        # The tensor-parallel group the layers are built over (size 1 outside a distributed run).
+        self.tp = current_tp_group()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,6 +84,11 @@ class CausalLM(nn.Module):
     head_packed: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [rows, vocab]; under tensor parallelism each rank computes its slice of
+        the vocabulary and every rank gets all of them."""
+        return gather_logits(self.tp, self._local_logits(hidden), self.hf_config["vocab_size"])
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.dtype == torch.bfloat16 and hidden.dim() == 2:
             if self.head_int4 is not None and hidden.shape[0] <= HEAD_INT4_MAX_ROWS:
                 # The 8-bit head as two 4-bit halves: [x, x] @ [w_hi, w_lo].T (layers/linear.py).
@@ -126,16 +135,22 @@ class CausalLM(nn.Module):
                     module = self.get_submodule(target.rsplit(".", 1)[0])
                     rows, shard_index = module.shard(index), index
                     break
+            # 4-bit copies are kept on one rank only: a rank's slice of a GGUF block matrix is
+            # loaded dense (the runner asks for none under tensor parallelism).
             if isinstance(tensor, Int8Blocks):
                 is_head = name == ("model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight")
-                if is_head and int4_available(params[target].device, 2 * tensor.shape[1]):
+                if is_head and self.tp.size == 1 and int4_available(params[target].device, 2 * tensor.shape[1]):
                     self.head_int4 = pack_int4(tensor.as_int4_pair())
                 tensor = tensor.dequantize()
             if isinstance(tensor, Int4Blocks):
-                int4_parts.setdefault(target.rsplit(".", 1)[0], {})[shard_index] = tensor
+                if self.tp.size == 1:
+                    int4_parts.setdefault(target.rsplit(".", 1)[0], {})[shard_index] = tensor
                 tensor = tensor.dequantize()
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            owner = self.get_submodule(target.rsplit(".", 1)[0])
+            if hasattr(owner, "rank_part"):   # a tensor-parallel layer keeps its rank's slice
+                tensor = owner.rank_part(tensor, shard_index)
             param = params[target]
             dest = param.data[rows]
             if dest.shape != tensor.shape:

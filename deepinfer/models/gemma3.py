@@ -10,6 +10,7 @@ from torch import nn
 
 from deepinfer.kv_cache.specs import KVCacheSpec
 from deepinfer.layers.norm import GemmaRMSNorm
+from deepinfer.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from deepinfer.models.base import CausalLM
 from deepinfer.models.llama import GatedMLP, LlamaAttention, build_rotaries, head_dim_of, kv_cache_specs_of
 
@@ -55,7 +56,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.rotary_embs = build_rotaries(cfg)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, i, self.rotary_embs)
                                     for i in range(cfg["num_hidden_layers"]))
@@ -84,7 +85,7 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__(cfg)
         self.model = Gemma3Model(cfg)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg["hidden_size"], cfg["vocab_size"], bias=False)
+            self.lm_head = ParallelLMHead(cfg["hidden_size"], cfg["vocab_size"])
         self.final_logit_softcapping = cfg.get("final_logit_softcapping")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -99,4 +100,4 @@ class Gemma3ForCausalLM(CausalLM):
         return logits
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return kv_cache_specs_of(self.hf_config, dtype)
+        return kv_cache_specs_of(self.hf_config, dtype, self.tp.size)

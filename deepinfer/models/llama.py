@@ -9,11 +9,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.distributed import current_tp_group
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.attention.metadata import current_backend
-from deepinfer.layers.linear import FusedLinear, Linear
 from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from deepinfer.layers.rotary import RotaryEmbedding, rope_parameters
 from deepinfer.models.base import CausalLM
 
@@ -33,9 +39,17 @@ def layer_types_of(cfg: dict[str, Any]) -> list[str]:
     return ["sliding_attention" if uses_window else "full_attention"] * n
 
 
-def kv_cache_specs_of(cfg: dict[str, Any], dtype: torch.dtype) -> list[KVCacheSpec]:
-    """Per layer: a sliding-window spec for sliding layers, a full-attention spec otherwise."""
-    heads, dim = cfg.get("num_key_value_heads") or cfg["num_attention_heads"], head_dim_of(cfg)
+def local_kv_heads(cfg: dict[str, Any], tp_size: int) -> int:
+    """KV heads one tensor-parallel rank holds: its share, or one replicated head when there are
+    fewer heads than ranks (layers/parallel.py)."""
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return max(heads // tp_size, 1)
+
+
+def kv_cache_specs_of(cfg: dict[str, Any], dtype: torch.dtype, tp_size: int = 1) -> list[KVCacheSpec]:
+    """Per layer: a sliding-window spec for sliding layers, a full-attention spec otherwise, for
+    the KV heads of one tensor-parallel rank."""
+    heads, dim = local_kv_heads(cfg, tp_size), head_dim_of(cfg)
     return [SlidingWindowSpec(heads, dim, dtype, sliding_window=cfg["sliding_window"]) if t == "sliding_attention"
             else FullAttentionSpec(heads, dim, dtype) for t in layer_types_of(cfg)]
 
@@ -52,16 +66,21 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: dict[str, Any], layer_id: int, rotaries: nn.ModuleDict, *,
                  norm_cls: type[nn.Module] = RMSNorm, scale: float | None = None) -> None:
         super().__init__()
-        self.num_heads = cfg["num_attention_heads"]
-        self.num_kv_heads = cfg.get("num_key_value_heads") or self.num_heads
+        # Under tensor parallelism a rank holds its share of the query heads and of the KV heads
+        # (one replicated KV head when they are fewer than the ranks): heads stay whole.
+        tp = current_tp_group()
+        total_heads = cfg["num_attention_heads"]
+        total_kv_heads = cfg.get("num_key_value_heads") or total_heads
         self.head_dim = head_dim_of(cfg)
         hidden = cfg["hidden_size"]
         qkv_bias = bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2"
         o_bias = bool(cfg.get("attention_bias", False))
-        self.qkv_proj = FusedLinear(hidden, [self.num_heads * self.head_dim,
-                                             self.num_kv_heads * self.head_dim,
-                                             self.num_kv_heads * self.head_dim], bias=qkv_bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias)
+        self.qkv_proj = ColumnParallelLinear(
+            hidden, [total_heads * self.head_dim, total_kv_heads * self.head_dim, total_kv_heads * self.head_dim],
+            bias=qkv_bias, units=[total_heads, total_kv_heads, total_kv_heads])
+        self.num_heads = self.qkv_proj.shard_sizes[0] // self.head_dim
+        self.num_kv_heads = local_kv_heads(cfg, tp.size)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
         self.has_qk_norm = cfg.get("model_type") in ("qwen3", "gemma3_text", "gemma3")
         if self.has_qk_norm:
             self.q_norm = norm_cls(self.head_dim, cfg["rms_norm_eps"])
@@ -94,8 +113,8 @@ class LlamaAttention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,7 +161,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"])
         self.rotary_embs = build_rotaries(cfg)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, self.rotary_embs)
                                     for i in range(cfg["num_hidden_layers"]))
@@ -162,14 +181,14 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(hf_config)
         self.model = LlamaModel(hf_config)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(hf_config["hidden_size"], hf_config["vocab_size"], bias=False)
+            self.lm_head = ParallelLMHead(hf_config["hidden_size"], hf_config["vocab_size"])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, logits_rows)
 
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
-        return kv_cache_specs_of(self.hf_config, dtype)
+        return kv_cache_specs_of(self.hf_config, dtype, self.tp.size)
 
 
 # Same code, different config fields (see LlamaAttention and layer_types_of).

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
+from deepinfer.distributed import ParallelGroup, building_with
+from deepinfer.distributed.parallel_state import SINGLE
 from deepinfer.engine.plan import (
     ForwardStep,
     GrammarOutput,
@@ -93,8 +95,13 @@ class _QueuedSample:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, platform: Platform,
-                 source: ModelSource | None = None) -> None:
+                 source: ModelSource | None = None, group: ParallelGroup = SINGLE) -> None:
+        """`group`: the tensor-parallel ranks this runner is one of (executor/multiproc.py); every
+        rank runs the same plans and gets the same logits, so each samples the same tokens."""
         self.config = config
+        self.group = group
+        if group.size > 1:
+            group.enable_expert_parallel = config.parallel.enable_expert_parallel
         self.hf_config = hf_config
         self.platform = platform
         self.device = platform.device
@@ -106,7 +113,7 @@ class ModelRunner:
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), building_with(group):
                 self.model = cls(hf_config).eval()
         finally:
             torch.set_default_dtype(previous_dtype)
@@ -115,8 +122,8 @@ class ModelRunner:
         # small-batch decode, and dense weights a oneDNN-packed copy for larger batches.
         cpu_formats = (config.model.quantization == "auto" and platform.name == "cpu"
                        and self.dtype == torch.bfloat16)
-        if source is not None:
-            self.model.load_from(source, keep_int4=cpu_formats)
+        if source is not None:   # 4-bit copies on one rank only (models/base.py, load_weights)
+            self.model.load_from(source, keep_int4=cpu_formats and group.size == 1)
         if cpu_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
             self.model.pack_weights()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -137,6 +144,11 @@ class ModelRunner:
         if platform.name == "cuda":
             self._profile_peak_memory()   # the KV budget is what is left after the peak
         self.num_blocks, self.pool_blocks = self._num_blocks()
+        if group.size > 1:   # every rank holds the same block ids: the smallest pool any can hold
+            agreed = group.all_min(self.num_blocks)
+            if agreed != self.num_blocks:
+                self.num_blocks, self.pool_blocks = agreed, self.kv_layout.pool_blocks(
+                    agreed, self._bounded_pool_blocks(), self._max_model_len())
         spec = self.groups[0].spec
         self.kv_caches = self.kv_layout.allocate(self.pool_blocks, self.device)
         logger.info("KV cache: %d blocks of %d tokens (per pool %s), %d layer groups in %d pools, %s, %.1f MiB",
@@ -169,6 +181,11 @@ class ModelRunner:
                 min(config.scheduler.max_num_seqs, 512), self.max_blocks_per_seq, self.block_size,
                 self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
             self.decode_graphs.capture()
+        if group.size > 1:
+            # Unseeded requests draw from the global generator: the same seed on every rank, and
+            # the same draws in the same order (every rank runs every plan), keep the ranks'
+            # sampled tokens identical.
+            torch.manual_seed(config.model.seed)
 
     def decode_splits(self, batch: int) -> int:
         """Sequence splits of the decode kernel for a batch of this many rows (1 but on Triton)."""

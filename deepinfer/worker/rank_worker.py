@@ -1,0 +1,126 @@
+"""A tensor-parallel rank other than 0: its own ModelRunner, driven by the calls rank 0 makes.
+
+Rank 0's runner lives in the engine core's process (executor/multiproc.py, executor/ray.py);
+every other rank runs the same plans on its slice of the weights, in the same order, so that its
+collectives meet rank 0's. Only rank 0's results go back to the scheduler: the others compute the
+same tokens (identical logits after the all-gather, identical generators) and keep them for
+their next steps' inputs.
+
+The calls a rank receives are the executor interface's, as messages (method, step id, payload):
+    ("execute_model", step, SchedulerPlan)     ("sample_tokens", step, GrammarOutput | None)
+    ("collect", step, None)                    ("profile_verify_step", 0, (num_seqs, num_query))
+    ("propose_mtp", 0, [DraftRequest])         ("shutdown", 0, None)
+Every rank's runner numbers its steps alike; the step ids sent are rank 0's, and a rank checks its
+own forward got the same one (a rank out of step is an error, never a silent mix-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.distributed import init_distributed, shutdown_distributed
+from deepinfer.engine.plan import ForwardStep, LaunchedStep
+from deepinfer.platforms import current_platform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process needs to start: which rank it is, where the ranks meet, and the model
+    (reloaded by path in the rank's own process; nothing unpicklable crosses)."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    config: EngineConfig
+    model_path: str
+    load_weights: bool
+    local_device_index: int = 0   # the CUDA device of this rank on its host
+
+
+class RankWorker:
+    """One rank's runner and the handles of its steps in flight."""
+
+    def __init__(self, spec: RankSpec) -> None:
+        from deepinfer.models.loader import load_model_source
+        from deepinfer.worker.model_runner import ModelRunner
+
+        if torch.cuda.is_available() and os.environ.get("DEEPINFER_ACCELERATOR", "auto") != "cpu":
+            torch.cuda.set_device(spec.local_device_index)   # before the platform reads the device
+        platform = current_platform()
+        source = load_model_source(spec.model_path, skip_tokenizer_init=True)
+        if not spec.load_weights:   # random weights of the engine seed, as rank 0's
+            torch.manual_seed(spec.config.model.seed)
+        self.group = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
+                                      device=platform.device)
+        self.runner = ModelRunner(spec.config, source.hf_config, platform,
+                                  source if spec.load_weights else None, self.group)
+
+    def handle(self, method: str, step: int, payload: Any) -> Any:
+        """Run one call of rank 0's; returns what the runner returned (rank 0 keeps its own)."""
+        if method == "execute_model":
+            forward = self.runner.forward(payload)
+            if forward.step_id != step:
+                raise RuntimeError(f"rank out of step with rank 0: step {forward.step_id}, rank 0 ran {step}")
+        elif method == "sample_tokens":
+            self.runner.sample(ForwardStep(step), payload)
+        elif method == "collect":
+            return self.runner.collect(LaunchedStep(step))
+        elif method == "profile_verify_step":
+            return self.runner.profile_verify_step(*payload)
+        elif method == "propose_mtp":
+            return self.runner.propose_mtp(payload)
+        else:
+            raise ValueError(f"unknown rank call {method!r}")
+        return None
+
+    def close(self) -> None:
+        shutdown_distributed(self.group)
+        self.runner = None
+
+
+def run_rank_process(spec: RankSpec, conn: Connection) -> None:
+    """The main function of a rank's process (executor/multiproc.py): start, say "ready" (or
+    "failed" with the error), then serve calls until "shutdown" or until rank 0 goes away (the
+    pipe closes, or a collective finds its peer gone)."""
+    logging.basicConfig(level=os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING").upper(),
+                        format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
+    try:
+        worker = RankWorker(spec)
+    except BaseException as exc:   # noqa: BLE001  (reported to rank 0, which raises it)
+        _report(conn, "failed", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        sys.exit(1)
+    conn.send(("ready", None, None))
+    try:
+        while True:
+            try:
+                method, step, payload = conn.recv()
+            except EOFError:   # rank 0's process is gone
+                break
+            if method == "shutdown":
+                break
+            worker.handle(method, step, payload)
+    except BaseException as exc:   # noqa: BLE001
+        _report(conn, "failed", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        sys.exit(1)
+    finally:
+        worker.close()
+
+
+def _report(conn: Connection, kind: str, message: str, trace: str) -> None:
+    logger.error("rank failed: %s\n%s", message, trace)
+    try:
+        conn.send((kind, message, trace))
+    except OSError:
+        pass
