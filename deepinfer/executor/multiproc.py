@@ -1,7 +1,7 @@
 """The `mp` executor: tensor-parallel ranks on this host, one process each.
 
 Rank 0's ModelRunner runs in the engine core's own process, as the in-process executor's does, so
-one rank costs nothing more than `uni`; ranks 1..N-1 are spawned processes
+one rank costs nothing more than `uni`; ranks 1..N-1 are child processes
 (worker/rank_worker.py). Each executor call is sent to every other rank through its pipe first,
 then made on rank 0: all ranks run the same plan at once and meet in the layers' collectives
 (gloo on CPU, NCCL on CUDA). The scheduler reads rank 0's results only.
@@ -17,18 +17,24 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
+import os
+import secrets
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Sequence
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+import deepinfer
 from deepinfer.config import EngineConfig
 from deepinfer.distributed import init_distributed, shutdown_distributed
 from deepinfer.engine.plan import ForwardStep, GrammarOutput, LaunchedStep, RunnerResult, SchedulerPlan
 from deepinfer.executor.uniproc import UniProcExecutor
 from deepinfer.platforms import current_platform
 from deepinfer.worker.model_runner import ModelRunner
-from deepinfer.worker.rank_worker import RankSpec, run_rank_process
+from deepinfer.worker.rank_worker import RANK_TOKEN_ENV, RankSpec
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import ModelSource
@@ -37,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RANK_EXIT_WAIT_S = 10.0
+RANK_CONNECT_TIMEOUT_S = 120.0   # a rank's interpreter and torch import, on a loaded machine
 
 
 class RankFailedError(RuntimeError):
@@ -50,17 +57,44 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class _RankProcess:
-    """Rank 0's view of one spawned rank: its process and the pipe its calls go through."""
+    """Rank 0's view of one rank: its process and the connection its calls go through.
 
-    def __init__(self, spec: RankSpec) -> None:
+    The rank is a plain child process (`python -m deepinfer.worker.rank_worker`), not a
+    multiprocessing one: the server's engine core is a daemonic process, and those may not have
+    multiprocessing children. It connects back over loopback and proves itself with a token
+    only its environment carries; then its RankSpec crosses, pickled, like every call after it."""
+
+    def __init__(self, spec: RankSpec, listener: socket.socket) -> None:
         self.rank = spec.rank
-        context = multiprocessing.get_context("spawn")   # no fork of a process holding torch threads
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=run_rank_process, args=(spec, child_conn),
-                                       name=f"deepinfer-rank{spec.rank}", daemon=True)
-        self.process.start()
-        child_conn.close()
+        token = secrets.token_hex(16)
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(deepinfer.__file__)))
+        env = {**os.environ, RANK_TOKEN_ENV: token,
+               "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        host, port = listener.getsockname()[:2]
+        self.process = subprocess.Popen([sys.executable, "-m", "deepinfer.worker.rank_worker", host, str(port)],
+                                        env=env, stdin=subprocess.DEVNULL)
+        self.conn = self._accept(listener, token)
+        self.conn.send(spec)
         self.ready = False
+
+    def _accept(self, listener: socket.socket, token: str) -> Connection:
+        deadline = time.monotonic() + RANK_CONNECT_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RankFailedError(f"tensor-parallel rank {self.rank} exited with code "
+                                      f"{self.process.returncode} before it connected")
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"tensor-parallel rank {self.rank} did not connect within "
+                                      f"{RANK_CONNECT_TIMEOUT_S:.0f} s")
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                continue
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+            if conn.poll(RANK_CONNECT_TIMEOUT_S) and conn.recv() == token:
+                return conn
+            conn.close()   # not our rank: someone else on loopback
 
     def failure(self) -> str | None:
         """What went wrong with this rank, if anything: its report, or how its process ended."""
@@ -73,8 +107,8 @@ class _RankProcess:
                     self.ready = True
         except (EOFError, OSError):
             pass
-        if not self.process.is_alive():
-            return f"its process exited with code {self.process.exitcode}"
+        if self.process.poll() is not None:
+            return f"its process exited with code {self.process.returncode}"
         return None
 
     def send(self, message: tuple[str, int, Any]) -> None:
@@ -90,13 +124,16 @@ class MultiprocExecutor(UniProcExecutor):
     def __init__(self, config: EngineConfig, source: ModelSource, *, load_weights: bool = True) -> None:
         size, host = config.parallel.world_size, "127.0.0.1"
         port = free_port(host)
-        self.ranks = [_RankProcess(RankSpec(rank, size, host, port, config, source.path, load_weights,
-                                            local_device_index=rank))
-                      for rank in range(1, size)]
+        self.ranks: list[_RankProcess] = []
         self.group = None
         self.runner = None
         self._step_ids = itertools.count()
         try:
+            with socket.create_server((host, 0)) as listener:
+                listener.settimeout(0.1)
+                for rank in range(1, size):
+                    self.ranks.append(_RankProcess(RankSpec(rank, size, host, port, config, source.path,
+                                                            load_weights, local_device_index=rank), listener))
             platform = current_platform()
             self.group = init_distributed(0, size, host, port, device=platform.device,
                                           check_peers=self._raise_if_a_rank_failed)
@@ -178,10 +215,11 @@ class MultiprocExecutor(UniProcExecutor):
             except OSError:
                 pass
         for rank in self.ranks:
-            rank.process.join(RANK_EXIT_WAIT_S)
-            if rank.process.is_alive():
+            try:
+                rank.process.wait(RANK_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
                 rank.process.kill()
-                rank.process.join(RANK_EXIT_WAIT_S)
+                rank.process.wait(RANK_EXIT_WAIT_S)
             rank.conn.close()
         self.ranks = []
         if self.runner is not None:

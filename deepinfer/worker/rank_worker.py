@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import torch
@@ -90,10 +90,13 @@ class RankWorker:
         self.runner = None
 
 
+RANK_TOKEN_ENV = "DEEPINFER_RANK_TOKEN"
+
+
 def run_rank_process(spec: RankSpec, conn: Connection) -> None:
-    """The main function of a rank's process (executor/multiproc.py): start, say "ready" (or
-    "failed" with the error), then serve calls until "shutdown" or until rank 0 goes away (the
-    pipe closes, or a collective finds its peer gone)."""
+    """Serve one rank: start, say "ready" (or "failed" with the error), then run rank 0's calls
+    until "shutdown" or until rank 0 goes away (the connection closes, or a collective finds its
+    peer gone)."""
     logging.basicConfig(level=os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING").upper(),
                         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
@@ -124,3 +127,17 @@ def _report(conn: Connection, kind: str, message: str, trace: str) -> None:
         conn.send((kind, message, trace))
     except OSError:
         pass
+
+
+def main(argv: list[str]) -> None:
+    """`python -m deepinfer.worker.rank_worker HOST PORT`, started by executor/multiproc.py:
+    connect to rank 0, prove it with the token of this process's environment, get the RankSpec."""
+    host, port = argv[0], int(argv[1])
+    conn = Client((host, port))
+    conn.send(os.environ.pop(RANK_TOKEN_ENV))
+    spec = conn.recv()
+    run_rank_process(spec, conn)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
