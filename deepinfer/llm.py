@@ -47,7 +47,8 @@ class LLM:
     Keyword arguments are EngineConfig fields with vLLM's names: dtype, max_model_len, seed,
     block_size, gpu_memory_utilization, cpu_kv_cache_bytes, enable_prefix_caching,
     num_kv_blocks, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill, policy,
-    generation_config, skip_tokenizer_init, tensor_parallel_size (1 only), ...
+    generation_config, skip_tokenizer_init, tensor_parallel_size (ranks through the mp or ray
+    executor), enable_expert_parallel, distributed_executor_backend, ...
     `load_format="dummy"` keeps random weights (for speed measurements of a real shape).
     `speculative_config={"method": "ngram" | "draft_model" | "mtp", "num_speculative_tokens": 5,
     "model": PATH, "verification": "adaptive" | "fixed"}` turns on speculative decoding; its

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.executor.multiproc import RankFailedError
+from deepinfer.executor.ranked import RankFailedError
 from tests.models.tiny_models import build_tiny_checkpoint
 
 NEW_TOKENS = 12

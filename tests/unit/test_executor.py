@@ -21,19 +21,26 @@ PROMPTS = [[(7 * i + j) % 500 + 2 for j in range(6 + 5 * i)] for i in range(3)]
 
 
 def test_the_backend_picks_the_executor():
+    from deepinfer.executor.multiproc import MultiprocExecutor
+    from deepinfer.executor.ray_executor import RayExecutor
+
     assert Executor.get_class(ParallelConfig()) is UniProcExecutor
     assert Executor.get_class(ParallelConfig(distributed_executor_backend="uni")) is UniProcExecutor
-    # One rank (all this build admits) is what the in-process executor runs, so vLLM launch lines
-    # naming mp or ray still start; an unknown name is refused by the config.
-    for backend in ("mp", "ray"):
-        assert Executor.get_class(ParallelConfig(distributed_executor_backend=backend)) is UniProcExecutor
+    assert Executor.get_class(ParallelConfig(tensor_parallel_size=2)) is MultiprocExecutor   # vLLM's default
+    assert Executor.get_class(ParallelConfig(distributed_executor_backend="mp")) is MultiprocExecutor
+    assert Executor.get_class(ParallelConfig(distributed_executor_backend="ray")) is RayExecutor
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         ParallelConfig(distributed_executor_backend="threads")
 
 
-def test_a_vllm_backend_name_with_one_rank_runs_in_process(tiny_llama):
+def test_mp_with_one_rank_is_the_in_process_runner(tiny_llama):
+    """mp at one rank starts no process: rank 0 is the engine core's own runner, as uni's."""
     llm = LLM(tiny_llama, distributed_executor_backend="mp", **KW)
-    assert isinstance(llm.engine.executor, UniProcExecutor)
+    assert isinstance(llm.engine.executor, UniProcExecutor) and llm.engine.executor.ranks == []
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    want = LLM(tiny_llama, **KW).generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 def test_the_plain_loop_steps_through_the_executor(tiny_llama):
