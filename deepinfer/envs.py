@@ -42,3 +42,12 @@ def pdl() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"DEEPINFER_PDL={value!r} is not valid; choose 0 or 1")
     return value == "1"
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as a list of device ids (None: unset, every device is visible). Read
+    to give each data-parallel engine core its own devices (frontend/dp_balancer.py)."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [d.strip() for d in value.split(",") if d.strip()]

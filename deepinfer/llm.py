@@ -59,6 +59,12 @@ class LLM:
         if load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if self.config.parallel.data_parallel_size > 1:
+            # One engine core runs in this process; N cores behind one endpoint are the server's
+            # (vLLM's offline data parallelism is a launcher of one LLM per rank, not this class).
+            raise ValueError(f"data_parallel_size={self.config.parallel.data_parallel_size}: the offline LLM runs one "
+                             "engine core; use `deepinfer serve --data-parallel-size N` for N engine cores behind "
+                             "one server")
         source = load_model_source(model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
         self.model_id = self.config.model.served_model_name or source.name
         self.tokenizer = source.tokenizer   # None with skip_tokenizer_init

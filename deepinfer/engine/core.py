@@ -71,9 +71,11 @@ KV_POLL_IDLE_WAIT_S = 0.0005
 
 class EngineCore:
     def __init__(self, config: EngineConfig, source: ModelSource, *, load_weights: bool = True,
-                 offline: bool = True) -> None:
+                 offline: bool = True, data_parallel_rank: int = 0) -> None:
         """`offline`: the `LLM` class (True) or the server (False); they differ in the batch
-        limits the platform picks when the user sets none (Platform.batch_limits)."""
+        limits the platform picks when the user sets none (Platform.batch_limits).
+        `data_parallel_rank`: this core's index among the server's data-parallel cores (its KV
+        events carry it and go out on its own endpoint)."""
         self.platform = current_platform()
         # Everything below reads the filled-in limits.
         config = dataclasses.replace(config, scheduler=config.scheduler.with_batch_limits(
@@ -104,7 +106,7 @@ class EngineCore:
         connector = make_kv_connector_scheduler(config, kv.groups, kv.block_size)
         self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier)
-        self.kv_events = open_kv_events(config.cache, kv.block_size)   # None unless kv_events_endpoint
+        self.kv_events = open_kv_events(config.cache, kv.block_size, data_parallel_rank)   # None: no endpoint
         if self.kv_events is not None:
             self._attach_kv_events(self.kv_events)
         # Grammars are compiled against the tokenizer's vocabulary: without one (skip_tokenizer_init)

@@ -16,6 +16,9 @@ A thread of its own sends a Heartbeat every HEARTBEAT_S on a second socket, also
 loop is inside a long step, with how long the loop has been in its current iteration: silence
 means the process is stopped or frozen, a growing `busy_for_s` that one step never ends.
 
+With data parallelism (`data_parallel_size` N) the server runs N of these processes, each on
+sockets of its own, with its rank (0..N-1) in its KV events and its log lines.
+
 Handshake: the core loads the model, then sends Ready (or Failed with the error text). Any
 exception in the loop is sent as Failed before the process exits with status 1, so a crashed
 core turns into an unhealthy server, never a hung request.
@@ -95,9 +98,10 @@ class EngineCoreProc:
     """Owns an EngineCore and the two sockets; `run()` is the busy loop."""
 
     def __init__(self, config: EngineConfig, input_address: str, output_address: str, block_size: int,
-                 load_weights: bool = True) -> None:
+                 load_weights: bool = True, data_parallel_rank: int = 0) -> None:
         self.config = config
         self.load_weights = load_weights
+        self.data_parallel_rank = data_parallel_rank
         self.block_size = block_size
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
@@ -131,7 +135,8 @@ class EngineCoreProc:
             # Random weights from the engine seed: every server of one shape holds the same
             # ones, so KV one computed into a shared store is valid for another.
             torch.manual_seed(self.config.model.seed)
-        self.core = EngineCore(self.config, source, load_weights=self.load_weights, offline=False)
+        self.core = EngineCore(self.config, source, load_weights=self.load_weights, offline=False,
+                               data_parallel_rank=self.data_parallel_rank)
         name = self.config.model.served_model_name or source.name
         self.send(Ready(name, self.core.max_model_len, self.core.num_kv_blocks, self.block_size, os.getpid()))
 
@@ -223,13 +228,20 @@ def _exit_on_signal(signum, frame) -> None:
 
 
 def run_engine_core(config: EngineConfig, input_address: str, output_address: str, log_level: str,
-                    load_weights: bool = True) -> None:
-    """Entry point of the core process (multiprocessing target)."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [core] [%(name)s] %(message)s")
+                    load_weights: bool = True, data_parallel_rank: int = 0, env: dict[str, str] | None = None) -> None:
+    """Entry point of the core process (multiprocessing target). `data_parallel_rank`: this core's
+    index behind the server; `env`: variables to set before anything starts CUDA (its devices:
+    frontend/dp_balancer.py core_device_env)."""
+    os.environ.update(env or {})
+    name = "core" if config.parallel.data_parallel_size == 1 else f"core {data_parallel_rank}"
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s [{name}] [%(name)s] %(message)s")
+    if env:
+        logger.info("data-parallel rank %d: %s", data_parallel_rank, " ".join(f"{k}={v}" for k, v in env.items()))
     # SIGTERM from the front end ends the loop through SystemExit, closing sockets cleanly.
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
-    proc = EngineCoreProc(config, input_address, output_address, config.cache.block_size, load_weights)
+    proc = EngineCoreProc(config, input_address, output_address, config.cache.block_size, load_weights,
+                          data_parallel_rank)
     try:
         proc.load()
         proc.start_heartbeat()

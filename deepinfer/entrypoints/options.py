@@ -60,8 +60,8 @@ class ServerOptions:
     """vLLM's reasoning parser name; accepted names are those whose format the recipe parses
     (entrypoints/parser_names.py)."""
     max_engine_restarts: int = 3
-    """Restart a dead engine core process this many times, then exit non-zero so that a
-    supervisor sees the failure."""
+    """Restart a dead engine core process this many times (each core, with --data-parallel-size),
+    then exit non-zero so that a supervisor sees the failure."""
     uvicorn_log_level: str = "info"
     """uvicorn's own log level."""
     metrics_vllm_names: bool = False

@@ -4,6 +4,7 @@
     core.send(AddRequest(...)); message = await core.recv()
     core.silent_for()  # seconds since the core last said anything (heartbeats included)
 
+With data parallelism the client holds one CoreProcess per rank, each with its own sockets.
 Each CoreProcess is used once: when a core dies or stalls the client kills it and starts a new
 one on fresh sockets, so nothing the old core left queued can reach the new one.
 
@@ -36,9 +37,13 @@ class CoreStartError(RuntimeError):
 
 
 class CoreProcess:
-    def __init__(self, config: EngineConfig, *, load_weights: bool = True) -> None:
+    def __init__(self, config: EngineConfig, *, load_weights: bool = True, data_parallel_rank: int = 0,
+                 env: dict[str, str] | None = None) -> None:
+        """`env`: variables the core sets in its own process before it starts (its CUDA devices)."""
         self.config = config
         self.load_weights = load_weights
+        self.data_parallel_rank = data_parallel_rank
+        self.env = env or {}
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._ipc_dir = tempfile.mkdtemp(prefix="deepinfer-ipc-")
@@ -61,8 +66,8 @@ class CoreProcess:
         self.process = multiprocessing.get_context("spawn").Process(
             target=run_engine_core,
             args=(self.config, f"ipc://{self._ipc_dir}/input", f"ipc://{self._ipc_dir}/output", envs.log_level(),
-                  self.load_weights),
-            name="deepinfer-engine-core", daemon=True)
+                  self.load_weights, self.data_parallel_rank, self.env),
+            name=f"deepinfer-engine-core-{self.data_parallel_rank}", daemon=True)
         self.process.start()
         deadline = time.monotonic() + timeout_s
         while True:

@@ -18,6 +18,15 @@ heartbeat thread stopped: SIGSTOP, a frozen process), fails every waiting reques
 EngineDeadError and makes /health unhealthy at once; a dead core, or one stalled for
 ENGINE_STALL_RESTART_S, is killed and started again, at most `max_engine_restarts` times, after
 which `on_fatal` is called (the server then exits non-zero for its supervisor to see).
+
+Data parallelism (`data_parallel_size` N): N engine cores, one `_Engine` each (rank = index), each
+with its own process, sockets, output task, stats and restart count. A request goes to one core
+for its whole life, its n > 1 children with it (frontend/dp_balancer.py picks the least loaded
+healthy core). Everything above holds per core: a core that dies or stalls fails only its own
+requests and is restarted (at most `max_engine_restarts` times each) while the others keep serving;
+new requests are refused (503) only when no core is healthy. /health is unhealthy while any core
+is (a router in front should see a replica that runs short of capacity); /metrics labels every
+series with the core's index.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from deepinfer.engine.core_proc import Abort, Failed, Heartbeat, StepOutputs
 from deepinfer.engine.plan import EngineStats
 from deepinfer.engine.traffic_class import retention_classes
 from deepinfer.frontend.core_process import CoreProcess
+from deepinfer.frontend.dp_balancer import DPLoadBalancer, core_device_env
 from deepinfer.frontend.output_stream import OutputStream
 from deepinfer.metrics.prometheus import ServerMetrics
 from deepinfer.metrics.stats import RequestTimings
@@ -84,6 +94,7 @@ class _Tracked:
     timings: RequestTimings
     child_ids: list[str]
     deadline: float | None
+    engine: int                                      # the core it runs on, for its whole life
     stopped: set[str] = field(default_factory=set)   # children ended by a stop sequence upstream
 
 
@@ -94,6 +105,46 @@ class EngineInfo:
     num_kv_blocks: int
     block_size: int
     started: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Engine:
+    """One engine core as the client supervises it: data-parallel rank `index`, its process of the
+    moment (a new CoreProcess after each restart) and what the front end knows of it."""
+
+    index: int
+    num_engines: int
+    core: CoreProcess | None = None
+    info: EngineInfo | None = None
+    dead_reason: str | None = None     # set when it dies or is killed; a new process's Ready clears it
+    busy_for_s: float = 0.0            # from its heartbeats: time in its current loop iteration
+    last_stats: EngineStats | None = None
+    num_restarts: int = 0
+    output_task: asyncio.Task | None = None
+    restart_task: asyncio.Task | None = None   # while set, the watchdog leaves this core alone
+
+    @property
+    def name(self) -> str:
+        return "the engine core" if self.num_engines == 1 else f"engine core {self.index}"
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self.core is not None and self.core.alive
+
+    @property
+    def healthy(self) -> bool:
+        """Alive, heard from within ENGINE_STALL_S, and not stuck in one step."""
+        return self.alive and self.core.silent_for() < ENGINE_STALL_S and self.busy_for_s < ENGINE_STEP_HANG_S
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        if self.healthy:
+            return None
+        if not self.alive:
+            return self.dead_reason or f"{self.name} is not running"
+        if self.busy_for_s >= ENGINE_STEP_HANG_S:
+            return f"{self.name} has been in one step for {self.busy_for_s:.0f} s"
+        return f"{self.name} has sent nothing for {self.core.silent_for():.0f} s"
 
 
 class AsyncEngineClient:
@@ -116,71 +167,81 @@ class AsyncEngineClient:
         self.on_fatal = on_fatal
         self.output_processor = OutputProcessor(self.tokenizer)
         self.traffic_classes = retention_classes(config.cache.kv_retention)   # what traffic_class may be
+        num_engines = config.parallel.data_parallel_size
+        self.engines = [_Engine(i, num_engines) for i in range(num_engines)]
+        self.balancer = DPLoadBalancer(num_engines)
+        # Each core's devices, decided now so that too few devices is an error before anything starts.
+        self._core_env = [core_device_env(config.parallel, i) for i in range(num_engines)]
         # The core resolves max_model_len the same way; the token histograms' buckets need it now.
         self.metrics = ServerMetrics(self.model_id, resolve_max_model_len(config, source.hf_config),
-                                     engine_healthy=lambda: self.healthy, vllm_names=metrics_vllm_names)
-        self.info: EngineInfo | None = None
+                                     num_engines=num_engines, engine_healthy=lambda i: self.engines[i].healthy,
+                                     vllm_names=metrics_vllm_names)
+        self.info: EngineInfo | None = None   # the first core's; max_model_len is every core's
         self._facts: EngineFacts | None = None
-        self.last_stats: EngineStats | None = None
-        self.dead_reason: str | None = None
-        self.num_restarts = 0
         self._requests: dict[str, _Tracked] = {}
         self._parent_of: dict[str, str] = {}
         self._num_pending_seqs = 0   # children in flight: n > 1 counts n
-        self._core: CoreProcess | None = None
-        self._busy_for_s = 0.0
-        self._tasks: list[asyncio.Task] = []
         self._watchdog_task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------------ lifecycle
     async def start(self, timeout_s: float = CORE_START_TIMEOUT_S) -> EngineInfo:
-        core = CoreProcess(self.config, load_weights=self.load_weights)
+        """Start every core (they load at the same time) and the watchdog; if one fails, stop all."""
+        results = await asyncio.gather(*(self._start_engine(e, timeout_s) for e in self.engines),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            for engine in self.engines:
+                self._stop_engine(engine)
+            raise failed[0]
+        if self._watchdog_task is None:
+            self._watchdog_task = asyncio.create_task(self._watchdog(), name="engine-watchdog")
+        return self.info
+
+    async def _start_engine(self, engine: _Engine, timeout_s: float = CORE_START_TIMEOUT_S) -> None:
+        core = CoreProcess(self.config, load_weights=self.load_weights, data_parallel_rank=engine.index,
+                           env=self._core_env[engine.index])
         try:
             ready = await core.start(timeout_s)
         except BaseException:
             core.shutdown()
             raise
-        self._core, self.dead_reason, self._busy_for_s = core, None, 0.0
-        started = self.info.started if self.info else time.time()
-        self.info = EngineInfo(self.model_id, ready.max_model_len, ready.num_kv_blocks, ready.block_size, started)
-        self._facts = EngineFacts(self.model_id, ready.max_model_len, self.eos_token_ids,   # for admission
-                                  self.traffic_classes)
+        engine.core, engine.dead_reason, engine.busy_for_s, engine.last_stats = core, None, 0.0, None
+        started = engine.info.started if engine.info else time.time()
+        engine.info = EngineInfo(self.model_id, ready.max_model_len, ready.num_kv_blocks, ready.block_size, started)
+        if self.info is None:
+            self.info = engine.info
+            self._facts = EngineFacts(self.model_id, ready.max_model_len, self.eos_token_ids,   # for admission
+                                      self.traffic_classes)
         # Also after a restart: counters carry the old core's totals on, process metrics follow the pid.
-        self.metrics.engine_started(self.config.cache, ready.num_kv_blocks, ready.pid)
-        self._tasks = [asyncio.create_task(self._output_loop(core), name="engine-outputs")]
-        if self._watchdog_task is None:
-            self._watchdog_task = asyncio.create_task(self._watchdog(), name="engine-watchdog")
-        logger.info("engine core ready (pid %s): %s, max_model_len=%d, %d KV blocks of %d tokens",
-                    core.pid, self.model_id, self.info.max_model_len, self.info.num_kv_blocks, self.info.block_size)
-        return self.info
+        self.metrics.engine_started(self.config.cache, ready.num_kv_blocks, ready.pid, engine=engine.index)
+        engine.output_task = asyncio.create_task(self._output_loop(engine, core), name=f"engine-outputs-{engine.index}")
+        logger.info("%s ready (pid %s): %s, max_model_len=%d, %d KV blocks of %d tokens", engine.name, core.pid,
+                    self.model_id, ready.max_model_len, ready.num_kv_blocks, ready.block_size)
+
+    def _stop_engine(self, engine: _Engine) -> None:
+        for task in (engine.output_task, engine.restart_task):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        if engine.core is not None:
+            engine.core.shutdown()
 
     async def shutdown(self) -> None:
-        for task in [*self._tasks, self._watchdog_task]:
-            if task is not None:
-                task.cancel()
-        if self._core is not None:
-            self._core.shutdown()
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+        for engine in self.engines:
+            self._stop_engine(engine)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
-    def alive(self) -> bool:
-        return self.dead_reason is None and self._core is not None and self._core.alive
-
-    @property
     def healthy(self) -> bool:
-        """Alive, heard from within ENGINE_STALL_S, and not stuck in one step; /health says this."""
-        return (self.alive and self._core.silent_for() < ENGINE_STALL_S
-                and self._busy_for_s < ENGINE_STEP_HANG_S)
+        """Every core alive, heard from within ENGINE_STALL_S and not stuck in one step; /health
+        says this. With several cores, requests still go to the healthy ones meanwhile."""
+        return all(engine.healthy for engine in self.engines)
 
     @property
     def unhealthy_reason(self) -> str | None:
-        if self.healthy:
-            return None
-        if not self.alive:
-            return self.dead_reason or "the engine core is not running"
-        if self._busy_for_s >= ENGINE_STEP_HANG_S:
-            return f"the engine core has been in one step for {self._busy_for_s:.0f} s"
-        return f"the engine core has sent nothing for {self._core.silent_for():.0f} s"
+        reasons = [engine.unhealthy_reason for engine in self.engines if not engine.healthy]
+        return "; ".join(reasons) if reasons else None
 
     @property
     def num_pending(self) -> int:
@@ -220,9 +281,12 @@ class AsyncEngineClient:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
                     traffic_class: str | None = None) -> _Tracked:
-        """Register and send a request: all of it, or (on any error) none of it."""
-        if not self.healthy:
+        """Register and send a request, to the least loaded healthy core: all of it, or (on any
+        error) none of it."""
+        index = self.balancer.choose(e.index for e in self.engines if e.healthy)
+        if index is None:
             raise EngineDeadError(self.unhealthy_reason)
+        engine = self.engines[index]
         if self._num_pending_seqs + params.n > self.max_pending_requests:
             raise ServerBusyError(f"the server has {self._num_pending_seqs} sequences in flight and this request "
                                   f"adds {params.n}; the limit is {self.max_pending_requests} "
@@ -234,23 +298,25 @@ class AsyncEngineClient:
         # fails here and leaves no trace (no slot taken, nothing half-sent to the core).
         messages = child_requests(request_id, prompt_token_ids, params, self._facts, priority=priority,
                                   cache_salt=cache_salt, traffic_class=traffic_class)
-        encoded = [self._core.encode(m) for m in messages]
+        encoded = [engine.core.encode(m) for m in messages]
         max_tokens = messages[0].max_tokens
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s > 0 else None
         timings = RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens)
-        tracked = _Tracked(OutputStream(), timings, child_ids, deadline)
+        tracked = _Tracked(OutputStream(), timings, child_ids, deadline, index)
+        # Registered here, released only by _forget: the balancer's counts stay exact.
         self._requests[request_id] = tracked
         self._num_pending_seqs += len(child_ids)
+        self.balancer.added(index, len(child_ids))
         for child_id in child_ids:
             self._parent_of[child_id] = request_id
-        for raw in encoded:
-            self._core.send_encoded(raw)
+        for raw in encoded:   # every child to the same core: they share the prompt's KV blocks there
+            engine.core.send_encoded(raw)
         if self.log_requests:   # sizes and settings only: prompts and outputs stay out of logs
             logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%d, temperature=%g, top_p=%g, top_k=%d, "
-                        "seed=%s, priority=%d, structured=%s", request_id, len(prompt_token_ids), params.n,
-                        max_tokens, params.temperature, params.top_p, params.top_k, params.seed, priority,
-                        params.structured_outputs.kind if params.structured_outputs else None)
+                        "seed=%s, priority=%d, structured=%s, engine core %d", request_id, len(prompt_token_ids),
+                        params.n, max_tokens, params.temperature, params.top_p, params.top_k, params.seed, priority,
+                        params.structured_outputs.kind if params.structured_outputs else None, index)
         return tracked
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:
@@ -259,30 +325,37 @@ class AsyncEngineClient:
         tracked = self._forget(request_id)
         core_ids = self.output_processor.abort(request_id)
         if tracked is not None:
-            self.metrics.record_finished(tracked.timings, "abort")
+            self.metrics.record_finished(tracked.timings, "abort", engine=tracked.engine)
             tracked.stream.fail(error or RequestAbortedError(f"request {request_id} was aborted"))
-        if core_ids and self.alive:
-            self._core.send(Abort(core_ids))
+        if core_ids:
+            # Its core; were it unknown, every core (an unknown id is nothing to a core).
+            for engine in [self.engines[tracked.engine]] if tracked is not None else self.engines:
+                if engine.alive:
+                    engine.core.send(Abort(core_ids))
 
     def abort_child(self, request_id: str, index: int) -> None:
         """Stop one of a request's n sequences (the protocol layer saw a stop sequence in it).
 
         The core answers with an "abort" output for that child, which finishes it here."""
         tracked = self._requests.get(request_id)
-        if tracked is not None and 0 <= index < len(tracked.child_ids) and self.alive:
+        if tracked is None or not 0 <= index < len(tracked.child_ids):
+            return
+        engine = self.engines[tracked.engine]
+        if engine.alive:
             tracked.stopped.add(tracked.child_ids[index])
-            self._core.send(Abort([tracked.child_ids[index]]))
+            engine.core.send(Abort([tracked.child_ids[index]]))
 
     def _forget(self, request_id: str) -> _Tracked | None:
         tracked = self._requests.pop(request_id, None)
         if tracked is not None:
             self._num_pending_seqs -= len(tracked.child_ids)
+            self.balancer.finished(tracked.engine, len(tracked.child_ids))
             for child_id in tracked.child_ids:
                 self._parent_of.pop(child_id, None)
         return tracked
 
     # -------------------------------------------------------------------------- outputs
-    async def _output_loop(self, core: CoreProcess) -> None:
+    async def _output_loop(self, engine: _Engine, core: CoreProcess) -> None:
         try:
             while True:
                 messages = [await core.recv()]
@@ -290,34 +363,34 @@ class AsyncEngineClient:
                 outputs = []
                 for message in messages:
                     if isinstance(message, Failed):
-                        self._die(f"the engine core crashed:\n{message.error}")
+                        self._die(engine, f"{engine.name} crashed:\n{message.error}")
                         return
                     if isinstance(message, Heartbeat):
-                        self._busy_for_s = message.busy_for_s
+                        engine.busy_for_s = message.busy_for_s
                     elif isinstance(message, StepOutputs):
-                        self._busy_for_s = 0.0
-                        self._record_step(message)
+                        engine.busy_for_s = 0.0
+                        self._record_step(engine, message)
                         outputs += message.outputs
                 if outputs:
-                    self._dispatch(outputs)
+                    self._dispatch(engine, outputs)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave requests waiting forever
             logger.exception("engine output loop failed")
-            self._die(f"the engine output loop failed: {e!r}")
+            self._die(engine, f"the output loop of {engine.name} failed: {e!r}")
 
-    def _record_step(self, message: StepOutputs) -> None:
-        self.last_stats = message.stats
-        self.metrics.record_engine_stats(message.stats, message.iteration_tokens)
+    def _record_step(self, engine: _Engine, message: StepOutputs) -> None:
+        engine.last_stats = message.stats
+        self.metrics.record_engine_stats(message.stats, message.iteration_tokens, engine=engine.index)
         for child_id, times in message.finished_times.items():
             tracked = self._requests.get(self._parent_of.get(child_id, ""))
             if tracked is not None:
                 tracked.timings.on_core_finished(tracked.child_ids.index(child_id), times)
 
-    def _dispatch(self, outputs) -> None:
+    def _dispatch(self, engine: _Engine, outputs) -> None:
         processed = self.output_processor.process(outputs)
         if processed.abort_ids:   # stop strings found here: the core must stop those children
-            self._core.send(Abort(processed.abort_ids))
+            engine.core.send(Abort(processed.abort_ids))   # all from `outputs`, so all on this core
         now = time.monotonic()
         for out in processed.request_outputs:
             tracked = self._requests.get(out.request_id)
@@ -329,9 +402,9 @@ class AsyncEngineClient:
             first = timings.first_token is None and num_new > 0
             interval = timings.on_tokens(new_per_sequence, now)
             if first:
-                self.metrics.record_first_output(timings)
+                self.metrics.record_first_output(timings, engine=engine.index)
             if num_new:
-                self.metrics.record_tokens(num_new, interval)
+                self.metrics.record_tokens(num_new, interval, engine=engine.index)
             tracked.stream.put(out)
             if out.finished:
                 timings.finished = now
@@ -339,7 +412,7 @@ class AsyncEngineClient:
                 reasons = {"stop" if child in tracked.stopped else c.finish_reason
                            for child, c in zip(tracked.child_ids, out.outputs)}
                 reason = "abort" if "abort" in reasons else "length" if "length" in reasons else "stop"
-                self.metrics.record_finished(timings, reason)
+                self.metrics.record_finished(timings, reason, engine=engine.index)
                 self._forget(out.request_id)
 
     # ---------------------------------------------------------------------------- health
@@ -349,21 +422,30 @@ class AsyncEngineClient:
             await asyncio.sleep(WATCHDOG_INTERVAL_S)
             now = time.monotonic()
             self._expire_deadlines(now)
-            core = self._core
-            if self.dead_reason is None:
-                if not core.alive:
-                    self._die(f"the engine core process exited unexpectedly (exit code {core.exitcode})")
-                elif core.silent_for() >= ENGINE_STALL_RESTART_S or self._busy_for_s >= ENGINE_STEP_HANG_S:
-                    core.kill()
-                    self._die(f"the engine core stopped answering ({self.unhealthy_reason}); killed it")
-                elif not self.healthy and self._requests:
-                    # Stalled: nobody should wait on it; new requests are refused by add_request.
-                    self._fail_all(EngineDeadError(self.unhealthy_reason))
-            if self.dead_reason is not None:
-                await self._restart()
-            elif now - last_log >= STATS_LOG_INTERVAL_S and self.last_stats is not None:
+            for engine in self.engines:
+                self._supervise(engine)
+            if now - last_log >= STATS_LOG_INTERVAL_S:
                 last_log = now
                 self._log_stats()
+
+    def _supervise(self, engine: _Engine) -> None:
+        if engine.restart_task is not None:   # being started again (or the server is giving up)
+            return
+        core = engine.core
+        if engine.dead_reason is None:
+            if not core.alive:
+                self._die(engine, f"{engine.name} process exited unexpectedly (exit code {core.exitcode})")
+            elif core.silent_for() >= ENGINE_STALL_RESTART_S or engine.busy_for_s >= ENGINE_STEP_HANG_S:
+                reason = engine.unhealthy_reason
+                core.kill()
+                self._die(engine, f"{engine.name} stopped answering ({reason}); killed it")
+            elif not engine.healthy and self._on_engine(engine):
+                # Stalled: nobody should wait on it; new requests go elsewhere (or are refused).
+                self._fail_engine(engine, EngineDeadError(engine.unhealthy_reason))
+        if engine.dead_reason is not None:
+            # A task of its own: a core loads for seconds to minutes, and meanwhile the watchdog
+            # keeps supervising the other cores and expiring deadlines.
+            engine.restart_task = asyncio.create_task(self._restart(engine), name=f"engine-restart-{engine.index}")
 
     def _expire_deadlines(self, now: float) -> None:
         late = [rid for rid, t in self._requests.items() if t.deadline is not None and now >= t.deadline]
@@ -372,42 +454,57 @@ class AsyncEngineClient:
                 f"the request ran longer than the server's limit of {self.request_timeout_s:g} s "
                 "(--request-timeout-s)"))
 
-    async def _restart(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        self._core.shutdown()
-        if self.num_restarts >= self.max_engine_restarts:
-            reason = (f"the engine core failed and was restarted {self.num_restarts} times "
-                      f"(--max-engine-restarts); giving up: {self.dead_reason}")
-            logger.critical("%s", reason)
-            if self.on_fatal is not None:
-                self.on_fatal(reason)
-            await asyncio.Event().wait()   # the server is exiting; keep reporting unhealthy
-        self.num_restarts += 1
-        logger.warning("restarting the engine core (restart %d of at most %d)", self.num_restarts,
-                       self.max_engine_restarts)
+    async def _restart(self, engine: _Engine) -> None:
         try:
-            await self.start()
-        except Exception as e:
-            logger.error("the engine core did not start again: %s", e)
-            self.dead_reason = f"the engine core did not start again: {e}".splitlines()[0]
+            if engine.output_task is not None:
+                engine.output_task.cancel()
+            engine.core.shutdown()
+            if engine.num_restarts >= self.max_engine_restarts:
+                reason = (f"{engine.name} failed and was restarted {engine.num_restarts} times "
+                          f"(--max-engine-restarts); giving up: {engine.dead_reason}")
+                logger.critical("%s", reason)
+                if self.on_fatal is not None:
+                    self.on_fatal(reason)
+                await asyncio.Event().wait()   # the server is exiting; keep reporting unhealthy
+            engine.num_restarts += 1
+            logger.warning("restarting %s (restart %d of at most %d)", engine.name, engine.num_restarts,
+                           self.max_engine_restarts)
+            try:
+                await self._start_engine(engine)
+            except Exception as e:
+                logger.error("%s did not start again: %s", engine.name, e)
+                engine.dead_reason = f"{engine.name} did not start again: {e}".splitlines()[0]
+        finally:
+            engine.restart_task = None   # a core still dead is restarted again by the next watchdog pass
 
     def _log_stats(self) -> None:
-        s = self.last_stats
-        level = logging.INFO if s.num_running or s.num_waiting else logging.DEBUG
-        logger.log(level, "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, in flight here: %d",
-                   s.num_running, s.num_waiting, 100 * s.kv_cache_usage, len(self._requests))
-        if s.spec_decode is not None and s.spec_decode.num_drafts:
-            logger.log(level, "Speculative decoding: %s", s.spec_decode.summary())
+        for engine in self.engines:
+            s = engine.last_stats
+            if s is None or not engine.alive:
+                continue
+            where = "" if len(self.engines) == 1 else f"Engine {engine.index:03d}: "
+            in_flight = self.balancer.unfinished[engine.index]
+            level = logging.INFO if s.num_running or s.num_waiting else logging.DEBUG
+            logger.log(level, "%sRunning: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, in flight here: %d",
+                       where, s.num_running, s.num_waiting, 100 * s.kv_cache_usage, in_flight)
+            if s.spec_decode is not None and s.spec_decode.num_drafts:
+                logger.log(level, "%sSpeculative decoding: %s", where, s.spec_decode.summary())
 
-    def _die(self, reason: str) -> None:
-        if self.dead_reason is None:
+    def _on_engine(self, engine: _Engine) -> list[str]:
+        return [rid for rid, t in self._requests.items() if t.engine == engine.index]
+
+    def _die(self, engine: _Engine, reason: str) -> None:
+        if engine.dead_reason is None:
             logger.error("%s", reason)
-            self.dead_reason = reason.splitlines()[0]
-        self._fail_all(EngineDeadError(self.dead_reason))
+            engine.dead_reason = reason.splitlines()[0]
+        self._fail_engine(engine, EngineDeadError(engine.dead_reason))
+
+    def _fail_engine(self, engine: _Engine, error: Exception) -> None:
+        """Fail every request in flight on `engine` with `error` (and abort them there if it is
+        still alive: a stalled core finds the aborts queued when it resumes)."""
+        for request_id in self._on_engine(engine):
+            self.abort(request_id, error)
 
     def _fail_all(self, error: Exception) -> None:
-        """Fail every request in flight with `error` (and abort them in a core still alive:
-        a stalled one finds the aborts queued when it resumes)."""
         for request_id in list(self._requests):
             self.abort(request_id, error)

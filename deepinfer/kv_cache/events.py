@@ -32,7 +32,9 @@ owns the sockets. Like vLLM's: an endpoint with `*` (or ipc://, inproc://) is bo
 connected to; with `kv_events_replay_endpoint` a ROUTER socket answers a request (from a DEALER or
 REQ socket: an empty frame, then the first wanted sequence number, 8 bytes big-endian) with the
 buffered batches from it on, each (seq, payload), then (-1, b""). A full queue drops batches
-(counted, warned once), never blocks a step.
+(counted, warned once), never blocks a step. With data parallelism each engine core publishes on
+endpoints of its own, offset by its rank as vLLM does (`rank_endpoint`), and stamps its batches
+with that rank.
 """
 
 from __future__ import annotations
@@ -305,11 +307,31 @@ class ZmqEventPublisher:
         self._thread.join(self.SHUTDOWN_TIMEOUT_S)
 
 
-def open_kv_events(cache: CacheConfig, block_size: int) -> KVEventSink | None:
-    """The sink kv_events_endpoint asks for (None: off)."""
+def rank_endpoint(endpoint: str | None, data_parallel_rank: int) -> str | None:
+    """The endpoint data-parallel engine core `data_parallel_rank` uses: vLLM's convention, so its
+    subscribers find each rank where they look. Rank 0 uses the endpoint as given; rank r adds r
+    to a tcp:// port, and appends `_dp{r}` to an ipc:// or inproc:// address. N cores cannot all
+    bind one address; each batch also carries its rank (EventBatch.data_parallel_rank)."""
+    if endpoint is None or data_parallel_rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{data_parallel_rank}"
+    base, _, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not port.isdigit():
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: with data parallelism a tcp:// endpoint needs a port "
+                         "(each rank adds its rank to it)")
+    if int(port) + data_parallel_rank > 65535:
+        raise ValueError(f"kv_events_endpoint {endpoint!r}: port {port} + data-parallel rank {data_parallel_rank} "
+                         "is past 65535")
+    return f"{base}:{int(port) + data_parallel_rank}"
+
+
+def open_kv_events(cache: CacheConfig, block_size: int, data_parallel_rank: int = 0) -> KVEventSink | None:
+    """The sink kv_events_endpoint asks for (None: off), on this data-parallel rank's endpoints."""
     if not cache.kv_events_endpoint:
         return None
-    publisher = ZmqEventPublisher(cache.kv_events_endpoint, cache.kv_events_replay_endpoint, cache.kv_events_topic)
-    logger.info("KV events: publishing on %s%s", cache.kv_events_endpoint,
-                f" (replay on {cache.kv_events_replay_endpoint})" if cache.kv_events_replay_endpoint else "")
-    return KVEventSink(publisher, block_size)
+    endpoint = rank_endpoint(cache.kv_events_endpoint, data_parallel_rank)
+    replay = rank_endpoint(cache.kv_events_replay_endpoint, data_parallel_rank)
+    publisher = ZmqEventPublisher(endpoint, replay, cache.kv_events_topic)
+    logger.info("KV events: publishing on %s%s", endpoint, f" (replay on {replay})" if replay else "")
+    return KVEventSink(publisher, block_size, data_parallel_rank)

@@ -15,6 +15,10 @@ The counters stay: they are history, and a counter that vanishes reads as a rese
 
 A restarted core counts from zero again; `engine_started()` folds the totals of the core that
 is gone into a base, so every exported counter only ever goes up.
+
+With data parallelism (N engine cores behind the server) each core's stats are kept apart and
+every series carries its core's index in the `engine` label, as vLLM labels them; a dead core
+drops its own gauges only.
 """
 
 from __future__ import annotations
@@ -32,8 +36,7 @@ from prometheus_client.registry import Collector
 from deepinfer.engine.plan import EngineStats
 from deepinfer.kv_cache.tier_stats import KVTierMetrics
 
-# vLLM labels every engine metric with the engine index (data-parallel ranks); we run one core.
-ENGINE_INDEX = "0"
+# vLLM labels every engine metric with the engine index: the core's data-parallel rank, 0..N-1.
 LABELS = ["model_name", "engine"]
 
 # The core's cumulative counters: name -> help. The per-position ones carry a `position` label,
@@ -125,80 +128,100 @@ def engine_counters(stats: EngineStats) -> dict[CounterKey, float]:
 
 
 class EngineStatsCollector(Collector):
-    def __init__(self, prefix: str, model_name: str, healthy: Callable[[], bool]) -> None:
+    """The latest EngineStats of each engine core (data-parallel rank `engine`), exported with the
+    `engine` label; each family is yielded once, with a sample per core."""
+
+    def __init__(self, prefix: str, model_name: str, healthy: Callable[[int], bool], num_engines: int = 1) -> None:
         self._prefix = prefix
-        self._label_values = [model_name, ENGINE_INDEX]
+        self._model_name = model_name
         self._healthy = healthy
-        self._latest: EngineStats | None = None
-        self._retired: dict[CounterKey, float] = {}   # totals of engine cores that are gone
+        self._latest: list[EngineStats | None] = [None] * num_engines
+        # Per core: the totals of its processes that are gone (restarts).
+        self._retired: list[dict[CounterKey, float]] = [{} for _ in range(num_engines)]
 
-    def update(self, stats: EngineStats) -> None:
-        """Called with every EngineStats the core sends; only the latest is kept."""
-        self._latest = stats
+    def update(self, stats: EngineStats, engine: int = 0) -> None:
+        """Called with every EngineStats a core sends; only the latest is kept."""
+        self._latest[engine] = stats
 
-    def engine_started(self) -> None:
-        """A (new) core process is ready: what the previous one counted becomes the base."""
-        if self._latest is not None:
-            for key, value in engine_counters(self._latest).items():
-                self._retired[key] = self._retired.get(key, 0) + value
-        self._latest = None
+    def engine_started(self, engine: int = 0) -> None:
+        """A (new) process of core `engine` is ready: what the previous one counted becomes the base."""
+        latest, retired = self._latest[engine], self._retired[engine]
+        if latest is not None:
+            for key, value in engine_counters(latest).items():
+                retired[key] = retired.get(key, 0) + value
+        self._latest[engine] = None
 
     def collect(self) -> Iterator[Metric]:
-        healthy = self._healthy()
-        yield self._gauge("engine_healthy", "1 while the engine core process is alive and sending; 0 when it "
-                          "is dead or silent (its gauges are then left out).", 1.0 if healthy else 0.0)
-        stats = self._latest
+        families = _Families(self._prefix, self._model_name)
+        for engine in range(len(self._latest)):
+            self._collect_engine(engine, families)
+        yield from families.values()
+
+    def _collect_engine(self, engine: int, out: _Families) -> None:
+        healthy = self._healthy(engine)
+        out.gauge("engine_healthy", "1 while the engine core process is alive and sending; 0 when it is dead or "
+                  "silent (its gauges are then left out).", engine, 1.0 if healthy else 0.0)
+        stats = self._latest[engine]
         if healthy and stats is not None:
-            yield self._gauge("num_requests_running", "Number of requests in model execution batches.",
-                              stats.num_running)
-            yield self._gauge("num_requests_waiting", "Number of requests waiting to be processed.",
-                              stats.num_waiting)
-            yield self._gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                              stats.kv_cache_usage)
+            out.gauge("num_requests_running", "Number of requests in model execution batches.", engine,
+                      stats.num_running)
+            out.gauge("num_requests_waiting", "Number of requests waiting to be processed.", engine, stats.num_waiting)
+            out.gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine,
+                      stats.kv_cache_usage)
             # vLLM's name before 0.9, still what its Grafana dashboard reads.
-            yield self._gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
-                              "DEPRECATED: use kv_cache_usage_perc instead.", stats.kv_cache_usage)
+            out.gauge("gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage. "
+                      "DEPRECATED: use kv_cache_usage_perc instead.", engine, stats.kv_cache_usage)
             tier_metrics = stats.kv_tier_metrics
             tier = (("tier", tier_metrics.tier),) if tier_metrics is not None else TIER
             if stats.kv_tier is not None and tier[0][1] == "host":   # a store's side sees no count: entries
-                yield self._gauge("kv_tier_stored_blocks", "Blocks the KV tier holds (saves in flight included).",
-                                  stats.kv_tier.get("stored_blocks", 0), tier)
+                out.gauge("kv_tier_stored_blocks", "Blocks the KV tier holds (saves in flight included).", engine,
+                          stats.kv_tier.get("stored_blocks", 0), tier)
             if tier_metrics is not None:
-                yield self._gauge("kv_tier_entries", "Entries the KV tier holds (a dir store: this instance's "
-                                  "estimate; Redis: the keys of its database).", tier_metrics.entries, tier)
-                yield self._gauge("kv_tier_bytes", "Bytes the KV tier holds (Redis: the server's used memory).",
-                                  tier_metrics.bytes, tier)
-        yield from self._counters()
+                out.gauge("kv_tier_entries", "Entries the KV tier holds (a dir store: this instance's estimate; "
+                          "Redis: the keys of its database).", engine, tier_metrics.entries, tier)
+                out.gauge("kv_tier_bytes", "Bytes the KV tier holds (Redis: the server's used memory).", engine,
+                          tier_metrics.bytes, tier)
+        self._counters(engine, out)
         if stats is not None and stats.kv_tier_metrics is not None:
-            yield from self._latencies(stats.kv_tier_metrics)
+            self._latencies(engine, stats.kv_tier_metrics, out)
 
-    def _latencies(self, tier_metrics: KVTierMetrics) -> Iterator[Metric]:
+    def _latencies(self, engine: int, tier_metrics: KVTierMetrics, out: _Families) -> None:
         # Not folded over engine restarts like the counters: a new core's histograms start at 0,
         # which Prometheus reads as a counter reset.
         for attribute, (name, documentation) in LATENCY_HISTOGRAMS.items():
             histogram = getattr(tier_metrics, attribute)
-            family = HistogramMetricFamily(self._prefix + name, documentation, labels=LABELS + ["tier"])
-            family.add_metric(self._label_values + [tier_metrics.tier], histogram.cumulative(), histogram.total)
-            yield family
+            family = out.family(HistogramMetricFamily, name, documentation, ["tier"])
+            family.add_metric([self._model_name, str(engine), tier_metrics.tier], histogram.cumulative(),
+                              histogram.total)
 
-    def _counters(self) -> Iterator[Metric]:
+    def _counters(self, engine: int, out: _Families) -> None:
         totals = dict.fromkeys(((name, ()) for name in ALWAYS_EXPORTED), 0.0)
-        for key, value in self._retired.items():
+        for key, value in self._retired[engine].items():
             totals[key] = totals.get(key, 0) + value
-        if self._latest is not None:
-            for key, value in engine_counters(self._latest).items():
+        latest = self._latest[engine]
+        if latest is not None:
+            for key, value in engine_counters(latest).items():
                 totals[key] = totals.get(key, 0) + value
-        families: dict[str, CounterMetricFamily] = {}
         for (name, labels), value in totals.items():
-            family = families.get(name)
-            if family is None:
-                family = families[name] = CounterMetricFamily(
-                    self._prefix + name, COUNTERS[name], labels=LABELS + [label for label, _ in labels])
-            family.add_metric(self._label_values + [v for _, v in labels], value)
-        yield from families.values()
+            family = out.family(CounterMetricFamily, name, COUNTERS[name], [label for label, _ in labels])
+            family.add_metric([self._model_name, str(engine)] + [v for _, v in labels], value)
 
-    def _gauge(self, name: str, documentation: str, value: float,
-               labels: tuple[tuple[str, str], ...] = ()) -> GaugeMetricFamily:
-        family = GaugeMetricFamily(self._prefix + name, documentation, labels=LABELS + [k for k, _ in labels])
-        family.add_metric(self._label_values + [v for _, v in labels], value)
+
+class _Families(dict):
+    """One scrape's families by name: each made once, on first use, and filled by every core, so
+    the exposition has one family (one HELP and TYPE) per name with a sample per core."""
+
+    def __init__(self, prefix: str, model_name: str) -> None:
+        super().__init__()
+        self._prefix, self._model_name = prefix, model_name
+
+    def family(self, kind: type, name: str, documentation: str, labels: list[str]):
+        family = self.get(name)
+        if family is None:
+            family = self[name] = kind(self._prefix + name, documentation, labels=LABELS + labels)
         return family
+
+    def gauge(self, name: str, documentation: str, engine: int, value: float,
+              labels: tuple[tuple[str, str], ...] = ()) -> None:
+        family = self.family(GaugeMetricFamily, name, documentation, [k for k, _ in labels])
+        family.add_metric([self._model_name, str(engine)] + [v for _, v in labels], value)

@@ -1,9 +1,11 @@
 """Prometheus export: vLLM v1's metrics, names and semantics, under our `deepinfer:` prefix.
 
-    metrics = ServerMetrics(model_name, max_model_len, engine_healthy=lambda: client.healthy)
-    metrics.engine_started(cache_config, num_gpu_blocks, pid)   # each time a core is ready
-    metrics.record_engine_stats(stats, iteration_tokens)        # every message from the core
-    metrics.record_first_output / record_tokens / record_finished   # per request, in the front end
+    metrics = ServerMetrics(model_name, max_model_len, num_engines=N,
+                            engine_healthy=lambda engine: client.engines[engine].healthy)
+    metrics.engine_started(cache_config, num_gpu_blocks, pid, engine=i)   # each time core i is ready
+    metrics.record_engine_stats(stats, iteration_tokens, engine=i)        # every message from core i
+    metrics.record_first_output / record_tokens / record_finished(..., engine=i)   # per request, in
+                                                                          # the front end, by its core
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics.http)
     metrics.render()                                            # the body of GET /metrics
 
@@ -12,8 +14,12 @@ Where the series come from:
     this file             per-request histograms and token counters, observed by the front end;
                           iteration_tokens_total from the core's per-step counts; cache_config_info
     http.py               http_* (prometheus-fastapi-instrumentator's names, as vLLM exports them)
-    prometheus_client     process_* and python_* of this process; the engine core process's
-                          resources as deepinfer_engine_core_process_*
+    prometheus_client     process_* and python_* of this process; each engine core process's
+                          resources as deepinfer_engine_core_process_* (with its `engine` label)
+
+Every deepinfer: series carries `engine`, the index of the engine core (data-parallel rank) it
+describes, as vLLM labels its series; the per-request ones are observed under the core the request
+ran on. With one core it is always "0".
 
 Suffixes, buckets and what is observed when are vLLM v1's, including the older names its Grafana
 dashboard still reads (time_per_output_token_seconds, gpu_cache_usage_perc), so dashboards,
@@ -53,7 +59,7 @@ from prometheus_client.registry import Collector
 
 from deepinfer.config import CacheConfig
 from deepinfer.engine.plan import EngineStats
-from deepinfer.metrics.engine_collector import ENGINE_INDEX, LABELS, EngineStatsCollector
+from deepinfer.metrics.engine_collector import LABELS, EngineStatsCollector
 from deepinfer.metrics.http import HTTPMetrics
 from deepinfer.metrics.stats import RequestTimings
 
@@ -88,8 +94,8 @@ def buckets_1_2_5(max_value: int) -> list[int]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, *, engine_healthy: Callable[[], bool] = lambda: True,
-                 vllm_names: bool = False) -> None:
+    def __init__(self, model_name: str, max_model_len: int, *, num_engines: int = 1,
+                 engine_healthy: Callable[[int], bool] = lambda engine: True, vllm_names: bool = False) -> None:
         disable_created_metrics()   # process-wide in prometheus_client; see the module docstring
         self.model_name = model_name
         # `own` holds the deepinfer: families; `registry` is what /metrics exposes: those (and
@@ -97,15 +103,18 @@ class ServerMetrics:
         own = CollectorRegistry()
         self.registry = CollectorRegistry()
         self.registry.register(_Aliased(own, PREFIX, VLLM_PREFIX if vllm_names else None))
-        self.engine = EngineStatsCollector(PREFIX, model_name, engine_healthy)
+        self.engine = EngineStatsCollector(PREFIX, model_name, engine_healthy, num_engines)
         own.register(self.engine)
-        label_values = (model_name, ENGINE_INDEX)
+        engines = [str(i) for i in range(num_engines)]
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, LABELS, registry=own).labels(*label_values)
+        # Each per-request series is a list with one labelled child per engine core, indexed by it.
+        def counter(name: str, doc: str) -> list[Counter]:
+            family = Counter(PREFIX + name, doc, LABELS, registry=own)
+            return [family.labels(model_name, engine) for engine in engines]
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=own).labels(*label_values)
+        def histogram(name: str, doc: str, buckets) -> list[Histogram]:
+            family = Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=own)
+            return [family.labels(model_name, engine) for engine in engines]
 
         token_buckets = buckets_1_2_5(max_model_len)
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -113,7 +122,8 @@ class ServerMetrics:
         success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                           LABELS + ["finished_reason"], registry=own)
         # Every reason from the start, so that increase() sees the first request of each.
-        self._request_success = {reason: success.labels(*label_values, reason) for reason in FINISH_REASONS}
+        self._request_success = [{reason: success.labels(model_name, engine, reason) for reason in FINISH_REASONS}
+                                 for engine in engines]
         self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                           ITERATION_TOKEN_BUCKETS)
         self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -149,69 +159,96 @@ class ServerMetrics:
         # An info-style gauge (always 1, the cache config in its labels), set when a core is ready.
         self._cache_config_info = Gauge(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
                                         CACHE_CONFIG_LABELS, registry=own)
+        self._cache_config_labels: list[dict[str, str] | None] = [None] * num_engines
 
         self.http = HTTPMetrics(self.registry)
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        # The engine core's CPU and memory (its own process); no /proc entry, no series, until it runs.
-        self._core_pid: int | None = None
-        ProcessCollector(namespace="deepinfer_engine_core", pid=lambda: self._core_pid or "no-engine-core",
-                         registry=self.registry)
+        # Each engine core's CPU and memory (its own process); no /proc entry, no series, until it runs.
+        self._core_pids: list[int | None] = [None] * num_engines
+        self.registry.register(_CoreProcesses(self._core_pids))
 
     # --------------------------------------------------------------------------- the engine core
-    def engine_started(self, cache: CacheConfig, num_gpu_blocks: int, pid: int | None = None) -> None:
-        """A core process is ready (again, after a restart): its cache config, its pid, and the end
-        of the previous core's counting."""
-        self.engine.engine_started()
-        self._core_pid = pid
-        self._cache_config_info.clear()   # a restarted core may have sized its KV pool differently
-        self._cache_config_info.labels(**_cache_config_labels(cache, num_gpu_blocks)).set(1)
+    def engine_started(self, cache: CacheConfig, num_gpu_blocks: int, pid: int | None = None, engine: int = 0) -> None:
+        """Core `engine` is ready (again, after a restart): its cache config, its pid, and the end
+        of its previous process's counting."""
+        self.engine.engine_started(engine)
+        self._core_pids[engine] = pid
+        old = self._cache_config_labels[engine]
+        if old is not None:   # a restarted core may have sized its KV pool differently
+            self._cache_config_info.remove(*(old[name] for name in CACHE_CONFIG_LABELS))
+        labels = self._cache_config_labels[engine] = _cache_config_labels(cache, num_gpu_blocks, engine)
+        self._cache_config_info.labels(**labels).set(1)
 
-    def record_engine_stats(self, stats: EngineStats, iteration_tokens: Sequence[int] = ()) -> None:
-        """Every message from the core: its latest stats, and the tokens of each engine step it carries
-        (vLLM's iteration_tokens_total: one observation per step that produced output)."""
-        self.engine.update(stats)
+    def record_engine_stats(self, stats: EngineStats, iteration_tokens: Sequence[int] = (), engine: int = 0) -> None:
+        """Every message from core `engine`: its latest stats, and the tokens of each engine step it
+        carries (vLLM's iteration_tokens_total: one observation per step that produced output)."""
+        self.engine.update(stats, engine)
         for tokens in iteration_tokens:
-            self.iteration_tokens.observe(tokens)
+            self.iteration_tokens[engine].observe(tokens)
 
     # ------------------------------------------------------------------------------ per request
-    def record_first_output(self, timings: RequestTimings) -> None:
-        self.prompt_tokens.inc(timings.num_prompt_tokens)
+    # `engine`: the core the request runs on.
+    def record_first_output(self, timings: RequestTimings, engine: int = 0) -> None:
+        self.prompt_tokens[engine].inc(timings.num_prompt_tokens)
         if timings.ttft is not None:
-            self.ttft.observe(timings.ttft)
+            self.ttft[engine].observe(timings.ttft)
 
-    def record_tokens(self, num_new: int, itl: float | None) -> None:
-        self.generation_tokens.inc(num_new)
+    def record_tokens(self, num_new: int, itl: float | None, engine: int = 0) -> None:
+        self.generation_tokens[engine].inc(num_new)
         if itl is not None:
-            self.itl.observe(itl)
-            self.tpot_old_name.observe(itl)
+            self.itl[engine].observe(itl)
+            self.tpot_old_name[engine].observe(itl)
 
-    def record_finished(self, timings: RequestTimings, finish_reason: str) -> None:
-        self._request_success[finish_reason].inc()
-        self.e2e.observe(timings.e2e)
-        self.request_prompt_tokens.observe(timings.num_prompt_tokens)
-        self.request_generation_tokens.observe(timings.num_generation_tokens)
+    def record_finished(self, timings: RequestTimings, finish_reason: str, engine: int = 0) -> None:
+        self._request_success[engine][finish_reason].inc()
+        self.e2e[engine].observe(timings.e2e)
+        self.request_prompt_tokens[engine].observe(timings.num_prompt_tokens)
+        self.request_generation_tokens[engine].observe(timings.num_generation_tokens)
         # vLLM observes these once the last of the request's n sequences has finished.
-        self.request_max_generation_tokens.observe(timings.max_sequence_tokens)
-        self.request_params_n.observe(timings.n)
+        self.request_max_generation_tokens[engine].observe(timings.max_sequence_tokens)
+        self.request_params_n[engine].observe(timings.n)
         if timings.max_tokens:
-            self.request_params_max_tokens.observe(timings.max_tokens)
+            self.request_params_max_tokens[engine].observe(timings.max_tokens)
         for histogram, value in ((self.queue_time, timings.queue_time), (self.prefill_time, timings.prefill_time),
                                  (self.decode_time, timings.decode_time),
                                  (self.inference_time, timings.inference_time),
                                  (self.request_tpot, timings.mean_time_per_output_token)):
             if value is not None:   # None: the core never reported this request's times (aborted here)
-                histogram.observe(value)
+                histogram[engine].observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
-def _cache_config_labels(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
+def _cache_config_labels(cache: CacheConfig, num_gpu_blocks: int, engine: int) -> dict[str, str]:
     values = (cache.block_size, cache.kv_cache_dtype, cache.enable_prefix_caching, cache.gpu_memory_utilization,
-              num_gpu_blocks, cache.num_kv_blocks, cache.cpu_kv_cache_bytes, ENGINE_INDEX)
+              num_gpu_blocks, cache.num_kv_blocks, cache.cpu_kv_cache_bytes, engine)
     return dict(zip(CACHE_CONFIG_LABELS, map(str, values)))
+
+
+class _CoreProcesses(Collector):
+    """deepinfer_engine_core_process_*: prometheus_client's process metrics of each engine core
+    process, read from its /proc entry, merged into one family per name with the core's index in
+    an `engine` label (one collector per core would repeat each family's HELP and TYPE)."""
+
+    def __init__(self, pids: list[int | None]) -> None:
+        self._collectors = [ProcessCollector(namespace="deepinfer_engine_core",
+                                             pid=lambda i=i: pids[i] or "no-engine-core", registry=None)
+                            for i in range(len(pids))]
+
+    def collect(self) -> Iterator[Metric]:
+        merged: dict[str, Metric] = {}
+        for engine, collector in enumerate(self._collectors):
+            for family in collector.collect():
+                samples = [s._replace(labels={**s.labels, "engine": str(engine)}) for s in family.samples]
+                if family.name in merged:
+                    merged[family.name].samples += samples
+                else:
+                    merged[family.name] = copy.copy(family)
+                    merged[family.name].samples = samples
+        yield from merged.values()
 
 
 class _Aliased(Collector):

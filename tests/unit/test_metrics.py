@@ -185,7 +185,7 @@ def test_kv_group_counters_carry_group_kind_and_eviction_cause(metrics):
 
 def test_a_dead_engine_drops_its_gauges_and_keeps_its_counters():
     health = {"ok": True}
-    metrics = ServerMetrics("m", 2048, engine_healthy=lambda: health["ok"])
+    metrics = ServerMetrics("m", 2048, engine_healthy=lambda engine: health["ok"])
     metrics.record_engine_stats(stats(queries=32))
     assert value(metrics, "deepinfer:engine_healthy") == 1 and value(metrics, "deepinfer:num_requests_running") == 2
     health["ok"] = False
