@@ -18,7 +18,7 @@ from typing import Any
 
 import deepinfer
 from deepinfer.executor.ranked import RankedExecutor, RankFailedError, RankHandle
-from deepinfer.worker.rank_worker import RANK_TOKEN_ENV, RankSpec
+from deepinfer.worker.rank_worker import RANK_TOKEN_ENV, RankSpec, receive_message, send_message
 
 RANK_EXIT_WAIT_S = 10.0
 RANK_CONNECT_TIMEOUT_S = 120.0   # a rank's interpreter and torch import, on a loaded machine
@@ -42,7 +42,7 @@ class _RankProcess(RankHandle):
         self.process = subprocess.Popen([sys.executable, "-m", "deepinfer.worker.rank_worker", host, str(port)],
                                         env=env, stdin=subprocess.DEVNULL)
         self.conn = self._accept(listener, token)
-        self.conn.send(spec)
+        send_message(self.conn, spec)
         self.ready = False
 
     def _accept(self, listener: socket.socket, token: str) -> Connection:
@@ -60,7 +60,7 @@ class _RankProcess(RankHandle):
                 continue
             sock.setblocking(True)
             conn = Connection(sock.detach())
-            if conn.poll(RANK_CONNECT_TIMEOUT_S) and conn.recv() == token:
+            if conn.poll(RANK_CONNECT_TIMEOUT_S) and receive_message(conn) == token:
                 return conn
             conn.close()   # not our rank: someone else on loopback
 
@@ -68,7 +68,7 @@ class _RankProcess(RankHandle):
         """What went wrong with this rank, if anything: its report, or how its process ended."""
         try:
             while self.conn.poll():
-                kind, message, _trace = self.conn.recv()
+                kind, message, _trace = receive_message(self.conn)
                 if kind == "failed":
                     return message
                 if kind == "ready":
@@ -81,13 +81,13 @@ class _RankProcess(RankHandle):
 
     def send(self, message: tuple[str, int, Any]) -> None:
         try:
-            self.conn.send(message)
+            send_message(self.conn, message)
         except (BrokenPipeError, OSError) as exc:
             raise RankFailedError(f"tensor-parallel rank {self.rank} is gone: {self.failure() or exc}") from exc
 
     def stop(self) -> None:
         try:
-            self.conn.send(("shutdown", 0, None))
+            send_message(self.conn, ("shutdown", 0, None))
         except OSError:
             pass
         try:

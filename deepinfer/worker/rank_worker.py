@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import sys
 import traceback
 from dataclasses import dataclass
@@ -93,6 +94,17 @@ class RankWorker:
 RANK_TOKEN_ENV = "DEEPINFER_RANK_TOKEN"
 
 
+def send_message(conn: Connection, message: Any) -> None:
+    """Plain pickle, not Connection.send: with torch imported, multiprocessing's pickler sends
+    tensors (a step's grammar mask) as shared-memory handles that only a multiprocessing child
+    of the sender may open; a rank is a plain process, so tensors cross by value."""
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive_message(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
 def run_rank_process(spec: RankSpec, conn: Connection) -> None:
     """Serve one rank: start, say "ready" (or "failed" with the error), then run rank 0's calls
     until "shutdown" or until rank 0 goes away (the connection closes, or a collective finds its
@@ -104,11 +116,11 @@ def run_rank_process(spec: RankSpec, conn: Connection) -> None:
     except BaseException as exc:   # noqa: BLE001  (reported to rank 0, which raises it)
         _report(conn, "failed", f"{type(exc).__name__}: {exc}", traceback.format_exc())
         sys.exit(1)
-    conn.send(("ready", None, None))
+    send_message(conn, ("ready", None, None))
     try:
         while True:
             try:
-                method, step, payload = conn.recv()
+                method, step, payload = receive_message(conn)
             except EOFError:   # rank 0's process is gone
                 break
             if method == "shutdown":
@@ -124,7 +136,7 @@ def run_rank_process(spec: RankSpec, conn: Connection) -> None:
 def _report(conn: Connection, kind: str, message: str, trace: str) -> None:
     logger.error("rank failed: %s\n%s", message, trace)
     try:
-        conn.send((kind, message, trace))
+        send_message(conn, (kind, message, trace))
     except OSError:
         pass
 
@@ -134,8 +146,8 @@ def main(argv: list[str]) -> None:
     connect to rank 0, prove it with the token of this process's environment, get the RankSpec."""
     host, port = argv[0], int(argv[1])
     conn = Client((host, port))
-    conn.send(os.environ.pop(RANK_TOKEN_ENV))
-    spec = conn.recv()
+    send_message(conn, os.environ.pop(RANK_TOKEN_ENV))
+    spec = receive_message(conn)
     run_rank_process(spec, conn)
 
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.executor.ranked import RankFailedError
 from tests.models.tiny_models import build_tiny_checkpoint
 
@@ -65,6 +66,27 @@ def test_seeded_sampling_matches_one_rank(tiny_llama):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=NEW_TOKENS, ignore_eos=True)
     got, want = run(tiny_llama, 2, params, num_kv_blocks=64), run(tiny_llama, 1, params, num_kv_blocks=64)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_speculation_and_grammar_masks_reach_every_rank(tiny_llama):
+    """n-gram drafts (the verify step on every rank) and a regex constraint (the step's grammar
+    mask sent to every rank with the sampling call) give one rank's tokens."""
+    repeating = [5, 6, 7, 8] * 6
+    params = [SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=NEW_TOKENS,
+                             structured_outputs=StructuredOutputsParams(regex="(w5w7|w12){1,3}"))]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    prompts = [repeating, PROMPTS[1]]
+
+    def tokens(tp: int) -> list[list[int]]:
+        llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=128, tensor_parallel_size=tp, speculative_config=spec)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        finally:
+            llm.engine.shutdown()
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert tokens(2) == tokens(1)
 
 
 def test_sizes_that_do_not_divide_are_refused(tiny_llama):
