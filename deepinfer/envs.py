@@ -42,3 +42,19 @@ def pdl() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"DEEPINFER_PDL={value!r} is not valid; choose 0 or 1")
     return value == "1"
+
+
+EP_DISPATCH_MODES = ("all_to_all", "all_reduce")
+
+
+def ep_dispatch() -> str:
+    """DEEPINFER_EP_DISPATCH: all_to_all (default) | all_reduce. How an expert-parallel MoE layer
+    whose tokens every tensor-parallel rank holds reaches the experts of other ranks
+    (models/deepseek_v4/parallel.py): each rank sends its share of the tokens to the experts'
+    ranks and gathers the results back, or each rank runs its own experts on every token and one
+    all-reduce sums them. Results are the same either way; only the communication changes."""
+    value = os.environ.get("DEEPINFER_EP_DISPATCH", "all_to_all").strip().lower()
+    if value not in EP_DISPATCH_MODES:
+        raise ValueError(f"DEEPINFER_EP_DISPATCH={value!r} is not valid; choose one of "
+                         f"{', '.join(EP_DISPATCH_MODES)}")
+    return value
