@@ -27,6 +27,7 @@ SPEC_VERIFICATION = ("adaptive", "fixed")
 # (deepinfer/kv_cache/dtypes.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+EXPERT_PARALLEL_DISPATCH = ("all_to_all", "all_reduce")
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,11 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     """MoE experts split over the tensor-parallel ranks (each rank holds 1/tp of them whole,
     tokens sent to their experts' ranks by all-to-all) instead of every expert's rows split."""
+    expert_parallel_dispatch: str = "all_to_all"
+    """all_to_all | all_reduce: how an expert-parallel MoE layer whose tokens every rank holds
+    reaches other ranks' experts: each rank sends its share of the tokens to the experts' ranks
+    and gathers the results (all-to-all), or each rank runs its experts on every token routed
+    to them and one all-reduce sums the parts. The same results; only the communication differs."""
     distributed_executor_backend: str | None = None
     """mp | ray | uni: how ranks are started (executor/abstract.py, Executor.get_class). None:
     uni for one rank, mp for several on this host (vLLM's default)."""
@@ -289,6 +295,9 @@ class ParallelConfig:
         if self.pipeline_parallel_size > 1:
             raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism is not "
                              "implemented; use tensor_parallel_size (and data_parallel_size) instead")
+        if self.expert_parallel_dispatch not in EXPERT_PARALLEL_DISPATCH:
+            raise ValueError(f"expert_parallel_dispatch must be one of {', '.join(EXPERT_PARALLEL_DISPATCH)}, "
+                             f"got {self.expert_parallel_dispatch!r}")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "

@@ -16,6 +16,7 @@ from deepinfer.config import (
     DTYPE_ALIASES,
     DTYPES,
     EXECUTOR_BACKENDS,
+    EXPERT_PARALLEL_DISPATCH,
     KV_CACHE_DTYPES,
     POLICIES,
     QUANTIZATIONS,
@@ -36,6 +37,7 @@ _CHOICES = {
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "policy": POLICIES,
     "distributed_executor_backend": EXECUTOR_BACKENDS,
+    "expert_parallel_dispatch": EXPERT_PARALLEL_DISPATCH,
 }
 # Not generated: `model` gets its own help below, and `served_model_name` is the server's flag
 # (`serve --served-model-name a b`, ServerOptions), one flag for both.

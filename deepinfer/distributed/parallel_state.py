@@ -45,6 +45,7 @@ class ParallelGroup:
     # MoE layers built over this group split whole experts over its ranks (all-to-all dispatch)
     # instead of every expert's rows (ParallelConfig.enable_expert_parallel; set by the runner).
     enable_expert_parallel: bool = False
+    expert_parallel_dispatch: str = "all_to_all"   # ParallelConfig's; how such layers reach other ranks
 
     @property
     def is_first(self) -> bool:

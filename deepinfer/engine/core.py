@@ -81,7 +81,13 @@ class EngineCore:
         config = dataclasses.replace(config, scheduler=config.scheduler.with_batch_limits(
             self.platform.batch_limits(offline)))
         hf_config = source.hf_config
-        config = fit_block_size(config, model_class(hf_config).block_size_multiple(hf_config))
+        cls = model_class(hf_config)
+        config = fit_block_size(config, cls.block_size_multiple(hf_config))
+        # A model may refuse a parallel split (a head count tensor_parallel_size does not divide):
+        # checked here, so the error is raised once, before any rank starts.
+        check_parallel = getattr(cls, "check_parallel", None)
+        if check_parallel is not None:
+            check_parallel(hf_config, config.parallel)
         self.config = config
         self.max_model_len = resolve_max_model_len(config, hf_config)
         self.executor = Executor.from_config(config, source, load_weights=load_weights)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,12 @@ class ModelRunner:
         self.group = group
         if group.size > 1:
             group.enable_expert_parallel = config.parallel.enable_expert_parallel
+            group.expert_parallel_dispatch = config.parallel.expert_parallel_dispatch
+            if platform.name == "cpu":
+                # Ranks sharing a host's cores split them: with every rank on all of them, the
+                # ranks' threads spin against each other at every collective (a step ~10x slower
+                # with 2 ranks on 2 cores).
+                torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // group.size))
         self.hf_config = hf_config
         self.platform = platform
         self.device = platform.device

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.executor.ranked import RankFailedError
+from deepinfer.sampling_params import StructuredOutputsParams
 from tests.models.tiny_models import build_tiny_checkpoint
 
 NEW_TOKENS = 12

@@ -112,8 +112,9 @@ def test_bad_values_are_argparse_errors_naming_the_flag(flags, named, listed, ca
 
 
 def test_parallel_flags_reach_the_config(capsys):
-    config, _ = serve("-tp", "2", "-dp", "2", "--enable-expert-parallel", "--distributed-executor-backend", "ray")
-    assert config.parallel == ParallelConfig(2, 1, 2, True, "ray")
+    config, _ = serve("-tp", "2", "-dp", "2", "--enable-expert-parallel", "--expert-parallel-dispatch", "all_reduce",
+                      "--distributed-executor-backend", "ray")
+    assert config.parallel == ParallelConfig(2, 1, 2, True, "all_reduce", "ray")
     assert config.parallel.world_size == 2 and config.parallel.executor_backend == "ray"
     config, _ = serve("-tp", "2")
     assert config.parallel.executor_backend == "mp"   # vLLM's default for several ranks on one host
@@ -126,7 +127,7 @@ def test_parallel_flags_reach_the_config(capsys):
         EngineConfig.from_kwargs(tensor_parallel_size=0)
     config, _ = serve("-tp", "1", "-pp", "1", "-dp", "1", "--enable-expert-parallel",
                       "--distributed-executor-backend", "mp")
-    assert config.parallel == ParallelConfig(1, 1, 1, True, "mp")
+    assert config.parallel == ParallelConfig(1, 1, 1, True, distributed_executor_backend="mp")
 
 
 def test_llm_takes_parallel_kwargs(tiny_llama):

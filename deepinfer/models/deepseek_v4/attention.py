@@ -14,6 +14,9 @@ so heads can put weight "nowhere". As values carry rope too, the output's rope c
 turned back by -t. The H*D output splits into o_groups groups; o_a_proj maps each group
 (H*D/G channels) to o_lora_rank with its own block of the weight, o_b_proj mixes the
 G * o_lora_rank result to hidden.
+
+Under tensor parallelism (parallel.py) a rank holds H / tp query heads and their o_groups / tp
+groups of the output projection; the K=V head, the compressor and the indexer are replicated.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.distributed import ParallelGroup, current_tp_group
+from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from deepinfer.models.deepseek_v4.compressor import Compressor, visible_rows
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from deepinfer.models.deepseek_v4.indexer import Indexer
 from deepinfer.models.deepseek_v4.norm import V4RMSNorm, unit_rms
+from deepinfer.models.deepseek_v4.parallel import check_group, rank_rows
 from deepinfer.models.deepseek_v4.rope import V4Rotary
 from deepinfer.models.deepseek_v4.state import LayerState
 
@@ -42,12 +48,19 @@ class CSACompressor(Compressor):
 
 class GroupedLinear(nn.Module):
     """Block-diagonal linear: `groups` independent maps in_per_group -> out_per_group, stored as
-    one [groups * out_per_group, in_per_group] weight (group g owns rows g*out .. (g+1)*out)."""
+    one [groups * out_per_group, in_per_group] weight (group g owns rows g*out .. (g+1)*out).
+    Over several ranks each holds its groups / size consecutive groups."""
 
-    def __init__(self, in_per_group: int, out_total: int, groups: int) -> None:
+    def __init__(self, in_per_group: int, out_total: int, groups: int,
+                 group: ParallelGroup | None = None) -> None:
         super().__init__()
-        self.groups = groups
-        self.weight = nn.Parameter(torch.empty(out_total, in_per_group))
+        self.tp = group or current_tp_group()
+        self.groups = groups // self.tp.size
+        self.weight = nn.Parameter(torch.empty(out_total // self.tp.size, in_per_group))
+
+    def rank_part(self, tensor: torch.Tensor, part: int = 0) -> torch.Tensor:
+        """This rank's groups' rows of the whole [groups * out_per_group, in_per_group] weight."""
+        return tensor if self.tp.size == 1 else tensor[rank_rows(tensor.shape[0], self.tp)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., groups, in_per_group] -> [..., groups, out_per_group]."""
@@ -58,20 +71,27 @@ class GroupedLinear(nn.Module):
 class V4Attention(nn.Module):
     def __init__(self, cfg: V4Config, layer_type: str, rotaries: dict[str, V4Rotary]) -> None:
         super().__init__()
+        self.tp = current_tp_group()
+        check_group(cfg, self.tp)
         self.layer_type = layer_type
-        self.heads, self.head_dim, self.window = cfg.num_heads, cfg.head_dim, cfg.sliding_window
+        self.heads = cfg.num_heads // self.tp.size                     # this rank's query heads
+        self.head_dim, self.window = cfg.head_dim, cfg.sliding_window
         self.eps = cfg.rms_norm_eps
-        hidden = cfg.hidden_size
+        hidden, width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+        # Replicated: the low-rank query (the indexer reads it whole) and the one K=V head.
         self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
         self.q_a_norm = V4RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.heads * self.head_dim, bias=False)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [width], bias=False, units=[cfg.num_heads])
         self.kv_proj = nn.Linear(hidden, self.head_dim, bias=False)
         self.kv_norm = V4RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.o_groups = cfg.o_groups
-        self.o_a_proj = GroupedLinear(self.heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
-                                      cfg.o_groups)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
+        # Split by groups: a rank's heads are exactly its groups' channels (parallel.py).
+        self.o_a_proj = GroupedLinear(width // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)
+        self.o_groups = self.o_a_proj.groups
+        self.o_b_proj = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, hidden, bias=False)
+        # The only parameter held by this module itself (so `rank_part` is the sinks').
         self.sinks = nn.Parameter(torch.zeros(self.heads, dtype=torch.float32))
+        # The compressor and the indexer are replicated: every rank computes the same rows and
+        # the same top-k from the same inputs, so all heads of a query attend to the same rows.
         rotary = rotaries["main" if layer_type == SLIDING else "compress"]
         self.__dict__["rotary"] = rotary
         if layer_type == CSA:
@@ -82,8 +102,17 @@ class V4Attention(nn.Module):
         else:
             self.compressor = None
 
+    def rank_part(self, tensor: torch.Tensor, part: int = 0) -> torch.Tensor:
+        """This rank's heads' entries of the whole `sinks`."""
+        return tensor if self.tp.size == 1 else tensor[rank_rows(tensor.shape[0], self.tp)]
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
-        """x [B, L, hidden] for positions [L] (consecutive, continuing `state`)."""
+        """x [B, L, hidden] for positions [L] (consecutive, continuing `state`) -> [B, L, hidden]."""
+        return self.o_b_proj(self.low_rank_out(x, positions, state))
+
+    def low_rank_out(self, x: torch.Tensor, positions: torch.Tensor, state: LayerState) -> torch.Tensor:
+        """The attention up to o_b_proj's input: [B, L, this rank's o_groups * o_lora_rank] (the
+        paged path runs o_b_proj, and its all-reduce, once over every chunk of a step)."""
         batch, length, _ = x.shape
         q_residual = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_residual).view(batch, length, self.heads, self.head_dim)
@@ -112,5 +141,4 @@ class V4Attention(nn.Module):
         probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
         out = torch.einsum("bhls,bsd->blhd", probs.to(keys.dtype), keys)  # [B, L, H, D]
         out = self.rotary.rotate(out, positions, inverse=True)
-        out = self.o_a_proj(out.reshape(batch, length, self.o_groups, -1)).flatten(2)
-        return self.o_b_proj(out)
+        return self.o_a_proj(out.reshape(batch, length, self.o_groups, -1)).flatten(2)

@@ -8,19 +8,26 @@ layers), listed by `kv_cache_specs` in that order; `LayerKV` says where each lay
 
 Checkpoints load through weights.py (transformers' layout or DeepSeek's, FP8 / FP4 dequantized).
 The MTP layer drafts for speculative decoding (mtp_drafter.py). Not yet here: fp8 KV, CUDA kernels.
+
+Tensor and expert parallelism (parallel.py says what is split): built inside the runner's
+`building_with(group)`, each layer takes its rank's part, and weights.py cuts it out of the
+whole checkpoint tensors. The KV kinds stay the same on every rank (the K=V head, compressed
+rows and indexer keys are replicated), so every rank's pools hold the same block ids.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from deepinfer.kv_cache.specs import CompressedSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers.attention.metadata import get_forward_context
+from deepinfer.layers.linear import onednn_packing_available, pack_dense
+from deepinfer.layers.parallel import ParallelLMHead, gather_logits
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from deepinfer.models.deepseek_v4.model import V4Model
@@ -29,7 +36,11 @@ from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
 from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
 from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
 from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged, chunk_rows
+from deepinfer.models.deepseek_v4.parallel import check_parallel_sizes
 from deepinfer.spec_decode.drafter import Draft, DraftRequest
+
+if TYPE_CHECKING:
+    from deepinfer.config import ParallelConfig
 
 
 def _layer_kv(cfg: V4Config) -> list[LayerKV]:
@@ -64,7 +75,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.cfg = V4Config.from_hf(hf_config)
         self.tie_word_embeddings = self.cfg.tie_word_embeddings
         self.model = V4Model(self.cfg)
-        self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(self.cfg.hidden_size, self.cfg.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # The MTP layers: the drafter of speculative_config method "mtp" (mtp_drafter.py).
@@ -73,6 +84,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         for module in self.modules():   # routed experts as grouped GEMMs where torch has them
             if isinstance(module, RoutedExperts):
                 module.grouped = True
+
+    @classmethod
+    def check_parallel(cls, hf_config: dict[str, Any], parallel: ParallelConfig) -> None:
+        """A ValueError naming the config field tensor_parallel_size does not divide, before any
+        rank starts (the layers check again as they are built)."""
+        check_parallel_sizes(V4Config.from_hf(hf_config), parallel.tensor_parallel_size,
+                             parallel.enable_expert_parallel)
 
     @classmethod
     def block_size_multiple(cls, hf_config: dict[str, Any]) -> int:
@@ -87,6 +105,13 @@ class DeepseekV4ForCausalLM(CausalLM):
             raise ValueError(f"kv_cache_dtype {str(kv_cache_dtype).removeprefix('torch.')}: DeepSeek-V4 keeps its "
                              "KV in the model's dtype for now (kv_cache_dtype='auto')")
         return V4StepBackend(device, kv_cache_dtype)
+
+    def pack_weights(self) -> None:
+        """The head only (CPU, bf16), as before the attention's and the shared expert's projections
+        became deepinfer Linear layers for tensor parallelism: oneDNN copies of those would double
+        their memory for a speed-up not measured on V4 yet."""
+        if onednn_packing_available(self.head_weight()):
+            self.head_packed = pack_dense(self.head_weight())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,6 +128,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         if logits_rows is not None:
             streams = streams[:, logits_rows]
         return self.model.norm(self.model.hc_head(streams))[0]
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head over the whole vocabulary (the MTP drafter's; ranks' slices all-gathered)."""
+        return gather_logits(self.tp, self.lm_head(hidden), self.cfg.vocab_size)
 
     @property
     def has_mtp(self) -> bool:

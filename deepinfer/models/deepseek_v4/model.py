@@ -9,11 +9,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepinfer.distributed import current_tp_group
+from deepinfer.layers.parallel import VocabParallelEmbedding
 from deepinfer.models.deepseek_v4.config import V4Config
 from deepinfer.models.deepseek_v4.decoder import V4DecoderLayer
 from deepinfer.models.deepseek_v4.hyper import HyperHead
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
 from deepinfer.models.deepseek_v4.norm import V4RMSNorm
+from deepinfer.models.deepseek_v4.parallel import check_group
 from deepinfer.models.deepseek_v4.rope import V4Rotary
 from deepinfer.models.deepseek_v4.state import V4State
 
@@ -26,8 +29,10 @@ class V4Model(nn.Module):
     def __init__(self, cfg: V4Config) -> None:
         super().__init__()
         self.cfg = cfg
+        check_group(cfg, current_tp_group())   # a clear error before any layer is built
         self.rotaries = nn.ModuleDict(build_rotaries(cfg))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # The vocabulary is split over tensor-parallel ranks (a plain embedding on one rank).
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([V4DecoderLayer(cfg, t, m, self.rotaries)
                                      for t, m in zip(cfg.layer_types, cfg.mlp_types)])
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -9,6 +9,10 @@ sum 1, times routed_scaling_factor. Each expert and the shared one compute
 Routed experts are stored stacked as in the HF layout: gate_up_proj [E, 2I, hidden] (gate rows
 first), down_proj [E, hidden, I]. The reference loops over experts; the engine runs them as
 two grouped GEMMs (torch._grouped_mm) where it can.
+
+Under tensor parallelism (parallel.py) each rank holds every expert's 1/tp of the intermediate
+rows, or with expert parallelism 1/tp of the routed experts whole; `rank_part` cuts a rank's
+part out of a whole checkpoint tensor (weights.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.distributed import ParallelGroup, current_tp_group
+from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from deepinfer.models.deepseek_v4.config import V4Config
+from deepinfer.models.deepseek_v4.parallel import check_group, expert_parallel_moe, rank_rows
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -27,17 +34,20 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class SharedExpert(nn.Module):
-    """The dense SwiGLU MLP (the shared expert; names gate_proj / up_proj / down_proj)."""
+    """The dense SwiGLU MLP (the shared expert; names gate_proj / up_proj / down_proj). Over a
+    group of several ranks its intermediate rows are split and `forward` returns this rank's
+    partial sum, not reduced: V4MoE reduces it with the routed experts' in one all-reduce."""
 
-    def __init__(self, hidden: int, inner: int, limit: float) -> None:
+    def __init__(self, hidden: int, inner: int, limit: float, group: ParallelGroup | None = None) -> None:
         super().__init__()
         self.limit = limit
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden, [inner], bias=False, group=group)
+        self.up_proj = ColumnParallelLinear(hidden, [inner], bias=False, group=group)
+        self.down_proj = RowParallelLinear(inner, hidden, bias=False, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        # matmul, not forward: the row-parallel product without its own all-reduce (no bias).
+        return self.down_proj.matmul(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit), None)
 
 
 class Router(nn.Module):
@@ -85,14 +95,47 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
 
 
 class RoutedExperts(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
+    """The routed experts this rank holds: all of them, each with its 1/tp of the intermediate
+    rows (tensor parallelism), or experts first_expert .. first_expert + num_local whole (expert
+    parallelism); on one rank all, whole. forward takes local expert ids."""
+
+    def __init__(self, cfg: V4Config, group: ParallelGroup | None = None) -> None:
         super().__init__()
-        e, hidden, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.group = group or current_tp_group()
+        self.num_experts, hidden, self.inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.expert_parallel = self.group.size > 1 and self.group.enable_expert_parallel
+        mine = rank_rows(self.num_experts, self.group) if self.expert_parallel else slice(0, self.num_experts)
+        self.first_expert, self.num_local = mine.start, mine.stop - mine.start
+        inner = self.inner if self.expert_parallel else self.inner // self.group.size
         self.limit = cfg.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * inner, hidden))
-        self.down_proj = nn.Parameter(torch.zeros(e, hidden, inner))
+        self.gate_up_proj = nn.Parameter(torch.zeros(self.num_local, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(self.num_local, hidden, inner))
         # The engine turns on the grouped GEMM (engine.py); the reference loops over experts.
         self.grouped = False
+
+    def local_expert(self, expert: int) -> int | None:
+        """This rank's index of checkpoint expert `expert`; None when another rank holds it (an
+        index past every expert stays as it is, for the loader to report)."""
+        if not self.expert_parallel or expert >= self.num_experts:
+            return expert
+        local = expert - self.first_expert
+        return local if 0 <= local < self.num_local else None
+
+    def rank_part(self, tensor: torch.Tensor, part: str) -> torch.Tensor:
+        """This rank's part of a whole checkpoint tensor: `part` "gate_up_proj" / "down_proj"
+        (stacked [E, ...] or one expert's down [hidden, I]) or "gate" / "up" (one expert's half,
+        [I, hidden])."""
+        if self.group.size == 1:
+            return tensor
+        if self.expert_parallel:   # whole experts; one expert's tensors arrive already chosen
+            stacked = tensor.dim() == 3
+            return tensor[self.first_expert:self.first_expert + self.num_local] if stacked else tensor
+        rows = rank_rows(self.inner, self.group)
+        if part == "down_proj":
+            return tensor[..., rows]
+        if part == "gate_up_proj":   # [gate rows; up rows]: this rank's rows of each
+            return torch.cat([tensor[..., rows, :], tensor[..., self.inner:, :][..., rows, :]], dim=-2)
+        return tensor[..., rows, :]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.grouped and grouped_mm_supported(x):
@@ -127,11 +170,23 @@ class RoutedExperts(nn.Module):
 class V4MoE(nn.Module):
     def __init__(self, cfg: V4Config, mlp_type: str) -> None:
         super().__init__()
+        self.tp = current_tp_group()
+        check_group(cfg, self.tp)
+        # The router is replicated: every rank routes the same tokens to the same experts.
         self.gate = Router(cfg, hashed=mlp_type == "hash_moe")
-        self.experts = RoutedExperts(cfg)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit)
+        self.experts = RoutedExperts(cfg, self.tp)
+        # Expert parallelism keeps the shared expert whole on every rank (parallel.py).
+        shared_group = ParallelGroup() if self.experts.expert_parallel else self.tp
+        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                                           shared_group)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
+        if self.experts.expert_parallel:   # routing, dispatch and combine: parallel.py
+            ids = None if token_ids is None else token_ids.reshape(-1)
+            out = expert_parallel_moe(flat, ids, self.gate, self.experts, self.shared_experts, self.tp)
+            return out.view_as(x)
         ids, weights = self.gate(flat, token_ids)
-        return self.experts(flat, ids, weights).view_as(x) + self.shared_experts(x)
+        # Tensor parallelism: each rank's partial sums of the routed and shared experts, reduced
+        # once (a no-op on one rank).
+        return self.tp.all_reduce(self.experts(flat, ids, weights).view_as(x) + self.shared_experts(x))

@@ -14,6 +14,8 @@ own per-request state, at the main sequence's positions.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -37,7 +39,8 @@ class V4MTPLayer(V4DecoderLayer):
         self.hc_head = HyperHead(hidden, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
 
     def forward(self, streams: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                state: LayerState, embed: nn.Embedding, lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+                state: LayerState, embed: nn.Module,
+                lm_head: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         e = self.enorm(embed(next_ids))
         x = self.e_proj(e).unsqueeze(2) + self.h_proj(self.hnorm(streams))
         x = super().forward(x, positions, state, next_ids)

@@ -10,6 +10,10 @@ from the main model's streams, which every forward keeps per request (`keep_stre
 latest W + slack positions, by position (a verify step's rejected positions are cut off by the
 next chunk's start, as paged.py's projections are). Drafts are only proposals: whatever they
 are, verification keeps the output identical to decoding without them.
+
+Under tensor parallelism every rank proposes (executor/multiproc.py sends it the call): the MTP
+layer's attention and MoE are split as the main layers' and meet in the same collectives, on
+the same streams and tokens, so every rank runs the same number of layer calls.
 """
 
 from __future__ import annotations
@@ -67,7 +71,7 @@ def propose(model, requests: Sequence[DraftRequest], model_states: dict[str, dic
         next_ids = torch.tensor([list(request.token_ids[first + 1:n + 1])], device=device)
         positions = torch.arange(first, n, device=device)
         state = LayerState()
-        logits, out = layer(streams, next_ids, positions, state, model.model.embed_tokens, model.lm_head)
+        logits, out = layer(streams, next_ids, positions, state, model.model.embed_tokens, model.head_logits)
         tokens, confidences = [], []
         for step in range(request.max_drafts):
             probs = torch.softmax(logits[0, -1].float(), dim=-1)
@@ -78,6 +82,6 @@ def propose(model, requests: Sequence[DraftRequest], model_states: dict[str, dic
                 break
             position = torch.tensor([n + step], device=device)
             logits, out = layer(out[:, -1:], torch.tensor([[token]], device=device), position, state,
-                                model.model.embed_tokens, model.lm_head)
+                                model.model.embed_tokens, model.head_logits)
         drafts[request.request_id] = Draft(tokens, confidences)
     return drafts

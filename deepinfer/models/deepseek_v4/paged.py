@@ -94,8 +94,9 @@ def chunk_rows(step: StepLayout) -> list[tuple[StepChunk, int, int]]:
 
 def attend_paged(attn: V4Attention, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv: LayerKV, layer: int) -> torch.Tensor:
-    """One layer's attention over every chunk of the step: x [tokens, hidden] -> [tokens, hidden]."""
-    out = torch.empty_like(x)
+    """One layer's attention over every chunk of the step: x [tokens, hidden] -> [tokens, hidden].
+    The output projection runs once over all chunks (under tensor parallelism: one all-reduce)."""
+    out = x.new_empty(x.shape[0], attn.o_b_proj.in_features)
     for chunk, a, b in chunk_rows(meta.step):
         pages = _ChunkPages(meta, chunk)
         state = LayerState(window=pages.window(kv.window, attn.window))
@@ -103,13 +104,13 @@ def attend_paged(attn: V4Attention, x: torch.Tensor, positions: torch.Tensor, me
             state.compressor = pages.compressor_state(kv.compressed, attn.compressor, (layer, "compressor"))
             if kv.index is not None:
                 state.indexer = pages.compressor_state(kv.index, attn.compressor.indexer, (layer, "indexer"))
-        out[a:b] = attn(x[None, a:b], positions[a:b], state)[0]
+        out[a:b] = attn.low_rank_out(x[None, a:b], positions[a:b], state)[0]
         pages.write_rows(kv.window, state.call_rows[0])
         if attn.compressor is not None:
             pages.write_compressor(kv.compressed, attn.compressor, state.compressor, (layer, "compressor"))
             if kv.index is not None:
                 pages.write_compressor(kv.index, attn.compressor.indexer, state.indexer, (layer, "indexer"))
-    return out
+    return attn.o_b_proj(out)
 
 
 class _ChunkPages:

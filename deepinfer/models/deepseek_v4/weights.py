@@ -53,11 +53,12 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.errors import ModelLoadError
 from deepinfer.models.hf_loader import read_json, safetensors_files
 
@@ -398,14 +399,52 @@ def load_v4_weights(model: nn.Module, path: str, fp8_block: tuple[int, int] | No
     MissingTensorError."""
     checkpoint = V4Checkpoint(path, fp8_block)
     targets = model.state_dict(keep_vars=True)
+    checkpoint.entries = _rank_entries(model, checkpoint.entries, targets)
     _check_coverage(checkpoint.entries, targets)
     for piece in checkpoint.tensors():
+        piece = _rank_part(model, piece)
         slot = _slot(targets[piece.name], piece)
         if tuple(slot.shape) != tuple(piece.tensor.shape):
             raise ModelLoadError(f"{piece.source!r} has shape {tuple(piece.tensor.shape)}, but {piece.name}"
                                  f"{_where(piece.expert, piece.half)} is {tuple(slot.shape)}")
         slot.copy_(piece.tensor)
     return checkpoint.layout
+
+
+# Tensor parallelism: the checkpoint holds whole tensors; a layer split over ranks keeps its rank's
+# part (layers/parallel.py, deepseek_v4/parallel.py), cut here after dequantization (FP8 blocks and
+# FP4 groups do not line up with every rank's slice).
+
+def _rank_entries(model: nn.Module, entries: list[CheckpointEntry],
+                  targets: dict[str, torch.Tensor]) -> list[CheckpointEntry]:
+    """The entries this rank reads: under expert parallelism a DeepSeek-layout routed expert of
+    another rank is never read, and this rank's are renumbered to its local experts."""
+    kept = []
+    for entry in entries:
+        owner = _owner(model, entry.name) if entry.expert is not None and entry.name in targets else None
+        if isinstance(owner, RoutedExperts):
+            local = owner.local_expert(entry.expert)
+            if local is None:
+                continue
+            entry = replace(entry, expert=local)
+        kept.append(entry)
+    return kept
+
+
+def _rank_part(model: nn.Module, piece: V4Tensor) -> V4Tensor:
+    """This rank's part of a whole checkpoint tensor: its owner module's `rank_part` (a module
+    split over ranks has one); the tensor itself where the module is replicated."""
+    owner = _owner(model, piece.name)
+    if isinstance(owner, RoutedExperts):   # two stacked tensors, and one expert's halves
+        part = piece.half or piece.name.rpartition(".")[2]
+        return replace(piece, tensor=owner.rank_part(piece.tensor, part))
+    if hasattr(owner, "rank_part"):
+        return replace(piece, tensor=owner.rank_part(piece.tensor, 0))
+    return piece
+
+
+def _owner(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name.rpartition(".")[0])
 
 
 def _slot(target: torch.Tensor, piece: V4Tensor) -> torch.Tensor:
