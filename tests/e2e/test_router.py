@@ -131,6 +131,17 @@ def test_openai_and_anthropic_match_direct(replicas, routers):
     assert httpx.post(router.url + "/v1/completions", json={"prompt": PROMPT}).status_code == 401
 
 
+def test_tokenize_renders_each_chat_protocol(replicas, routers):
+    """/tokenize's `protocol` (what the cache policies use): a body of each chat route, as it renders."""
+    url, h = replicas[0].base_url + "/tokenize", replicas[0].headers
+    messages = [{"role": "user", "content": PROMPT}]
+    chat = httpx.post(url, headers=h, json={"messages": messages, "stream": True}).json()["tokens"]
+    anth = httpx.post(url, headers=h, json={"protocol": "messages", "messages": messages, "max_tokens": 4}).json()
+    resp = httpx.post(url, headers=h, json={"protocol": "responses", "input": PROMPT}).json()
+    assert chat == anth["tokens"] == resp["tokens"] and len(chat) >= 12
+    assert httpx.post(url, headers=h, json={"protocol": "x", "prompt": "w2"}).status_code == 400
+
+
 def test_round_robin_spreads(replicas, routers):
     router = routers["round_robin"]
     before = [r["routed"] for r in router.replicas()]
