@@ -7,7 +7,7 @@ half second, and admission off (every threshold None) until a flag turns a check
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 POLICIES = ("round_robin", "least_load", "cache_aware", "cost")
 
@@ -46,7 +46,6 @@ class RouterOptions:
     connect_timeout_s: float = 5.0
     request_timeout_s: float | None = None   # whole-request limit toward a replica (None: none)
     uvicorn_log_level: str = "info"
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -93,5 +92,5 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:
-    names = {f.name for f in fields(RouterOptions)} - {"extra"}
+    names = {f.name for f in fields(RouterOptions)}
     return RouterOptions(**{k: v for k, v in vars(args).items() if k in names and v is not None})
