@@ -1,4 +1,4 @@
-"""`deepinfer generate | chat | serve | kv stats|gc|clear | bench throughput | bench latency | bench serve`."""
+"""`deepinfer generate | chat | serve | router | kv stats|gc|clear | bench throughput | bench latency | bench serve`."""
 
 from __future__ import annotations
 
@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(serve)
     add_engine_args(serve)
 
+    router = commands.add_parser("router", allow_abbrev=False,
+                                 help="one OpenAI/Anthropic endpoint over several `serve` replicas")
+    from deepinfer.router.options import add_router_args
+
+    add_router_args(router)
+
     kv = commands.add_parser("kv", allow_abbrev=False, help="a persistent KV store: stats | gc | clear")
     from deepinfer.cli.kv import add_kv_args
 
@@ -70,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "router":
+            from deepinfer.router.app import run_router
+            from deepinfer.router.options import router_options
+
+            run_router(router_options(args))
+            return 0
         if args.command == "kv":
             from deepinfer.cli.kv import run_kv
 

@@ -169,13 +169,20 @@ def _add_common_routes(app: FastAPI) -> None:
 
 def _tokenize(state: ServerState, body: dict) -> dict:
     state.check_model(body.get("model"))
-    if "messages" in body:
+    # `protocol` (a deepinfer extension, for the router): tokenize a whole /v1/chat/completions
+    # ("chat", the default with `messages`), /v1/messages ("messages") or /v1/responses
+    # ("responses") body exactly as that route renders it.
+    protocol = body.get("protocol", "chat" if "messages" in body else None)
+    if protocol is not None:
         from deepinfer.entrypoints import conversation
 
+        if protocol not in ("chat", "messages", "responses"):
+            raise APIError(400, "protocol must be 'chat', 'messages' or 'responses'", param="protocol")
         chat = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs",
-                                                             "add_generation_prompt")}
-        chat.setdefault("max_tokens", 1)
-        ids = conversation.prepare(state, "chat", chat).prompt_token_ids
+                                                             "add_generation_prompt", "protocol")}
+        if protocol != "responses":   # required by those schemas, irrelevant to the prompt
+            chat.setdefault("max_tokens", 1)
+        ids = conversation.prepare(state, protocol, chat).prompt_token_ids
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):

@@ -43,8 +43,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(log_path: str, *extra: str) -> Server:
-    port = free_port()
+def start_server(log_path: str, *extra: str, port: int | None = None) -> Server:
+    port = port or free_port()
     args = [sys.executable, "-m", "deepinfer", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--api-key", API_KEY, "--cpu-kv-cache-bytes", str(96 << 20), "--max-model-len", "2048",
             "--uvicorn-log-level", "warning", *extra]

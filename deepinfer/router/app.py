@@ -1,0 +1,126 @@
+"""The router's FastAPI app and `run_router` (`deepinfer router --backend URL ... --policy P`).
+
+Routes (what `deepinfer serve` serves, so a client cannot tell the two apart):
+    routed by the policy, behind admission:  POST /v1/chat/completions, /v1/completions,
+                                             /v1/responses, /v1/messages
+    forwarded to the least-loaded replica:   POST /v1/messages/count_tokens, /tokenize, /detokenize;
+                                             GET /v1/models, /v1/models/{id}, /tokenizer_info, /version
+    the router's own:                        GET /health and /ping (200 while any replica is healthy,
+                                             else 503), /metrics (metrics.py), /router/replicas (JSON
+                                             state of every replica, for operators and tests)
+With --api-key the router checks the key itself (the server's middleware, same open paths) and
+sends it on, or --backend-api-key instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+import deepinfer
+from deepinfer.entrypoints.errors import APIError, is_anthropic_path
+from deepinfer.entrypoints.middleware import APIKeyMiddleware
+from deepinfer.router.kv_index import KVEventSubscriber, KVIndex
+from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.monitor import Monitor
+from deepinfer.router.options import RouterOptions
+from deepinfer.router.policy import make_policy
+from deepinfer.router.proxy import Proxy
+from deepinfer.router.replica import Replica
+
+logger = logging.getLogger(__name__)
+
+POST_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+               "/v1/messages/count_tokens", "/tokenize", "/detokenize")
+GET_ROUTES = ("/v1/models", "/tokenizer_info", "/version")
+
+
+def build_app(options: RouterOptions) -> FastAPI:
+    replicas = [Replica(url, i, options.kv_events_of(i)) for i, url in enumerate(options.backends)]
+    index = KVIndex(len(replicas))
+    metrics = RouterMetrics()
+    policy = make_policy(options.policy, index, options)
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # One pooled client for every replica: keep-alive connections are most of the overhead saved.
+        timeout = httpx.Timeout(options.request_timeout_s, connect=options.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        monitor = Monitor(replicas, index, metrics, options, client)
+        subscriber = KVEventSubscriber(index, [r.kv_events for r in replicas], options.kv_events_topic)
+        state["proxy"] = Proxy(replicas, index, policy, metrics, monitor, options, client)
+        # A first probe of every replica before serving, so the first requests have somewhere to go.
+        for r in replicas:
+            await monitor.probe_once(r)
+        monitor.start()
+        subscriber.start()
+        logger.info("router: %s over %d replicas (%d healthy now)", options.policy, len(replicas),
+                    sum(r.healthy for r in replicas))
+        try:
+            yield
+        finally:
+            await monitor.stop()
+            await subscriber.stop()
+            await client.aclose()
+
+    app = FastAPI(title="deepinfer router", version=deepinfer.__version__, lifespan=lifespan)
+    app.state.router = state
+    if options.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return error.response(anthropic=is_anthropic_path(request.url.path))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return APIError(500, "internal router error (the router log has the details)").response(
+            anthropic=is_anthropic_path(request.url.path))
+
+    async def forward(request: Request):
+        return await state["proxy"].handle(request, request.url.path)
+
+    for path in POST_ROUTES:
+        app.add_api_route(path, forward, methods=["POST"])
+    for path in GET_ROUTES:
+        app.add_api_route(path, forward, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", forward, methods=["GET"])
+
+    @app.get("/health")
+    async def health():
+        if any(r.healthy for r in replicas):
+            return Response(status_code=200)
+        return JSONResponse({"status": "unhealthy", "reason": "no healthy replica"}, status_code=503,
+                            headers={"Retry-After": "1"})
+
+    @app.get("/ping")
+    async def ping():
+        return await health()
+
+    @app.get("/metrics")
+    async def router_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/router/replicas")
+    async def replica_states():
+        return {"policy": options.policy, "replicas": [
+            {**r.snapshot(), "kv_blocks_indexed": len(index.device[r.index]),
+             "kv_events_seen": index.events_seen[r.index]} for r in replicas],
+            "store_blocks_indexed": len(index.store)}
+
+    return app
+
+
+def run_router(options: RouterOptions) -> None:
+    import uvicorn
+
+    app = build_app(options)
+    uvicorn.run(app, host=options.host, port=options.port, log_level=options.uvicorn_log_level,
+                timeout_keep_alive=30)
