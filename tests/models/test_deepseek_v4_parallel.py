@@ -28,7 +28,7 @@ from transformers import DeepseekV4ForCausalLM as HFDeepseekV4  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.config import ParallelConfig  # noqa: E402
 from deepinfer.distributed import building_with, init_distributed, shutdown_distributed  # noqa: E402
-from deepinfer.executor.multiproc import free_port  # noqa: E402
+from deepinfer.executor.ranked import free_port  # noqa: E402
 from deepinfer.models.deepseek_v4 import V4ForCausalLM  # noqa: E402
 from deepinfer.models.deepseek_v4.engine import DeepseekV4ForCausalLM  # noqa: E402
 from deepinfer.models.deepseek_v4.parallel import plan_dispatch, received_experts, token_share  # noqa: E402
@@ -79,7 +79,7 @@ def test_token_shares_cover_the_tokens_in_order(tokens, shares):
 
 def on_two_ranks(fn, expert_parallel: bool, dispatch: str = "all_to_all"):
     """fn(group) on two ranks, each a thread with its own gloo group; their results in rank order."""
-    port, results, errors = free_port(), [None] * RANKS, []
+    port, results, errors = free_port("127.0.0.1"), [None] * RANKS, []
 
     def body(rank: int) -> None:
         try:

@@ -11,7 +11,7 @@ latest W + slack positions, by position (a verify step's rejected positions are 
 next chunk's start, as paged.py's projections are). Drafts are only proposals: whatever they
 are, verification keeps the output identical to decoding without them.
 
-Under tensor parallelism every rank proposes (executor/multiproc.py sends it the call): the MTP
+Under tensor parallelism every rank proposes (executor/ranked.py sends it the call): the MTP
 layer's attention and MoE are split as the main layers' and meet in the same collectives, on
 the same streams and tokens, so every rank runs the same number of layer calls.
 """
