@@ -97,7 +97,7 @@ class _QueuedSample:
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config: dict, platform: Platform,
                  source: ModelSource | None = None, group: ParallelGroup = SINGLE) -> None:
-        """`group`: the tensor-parallel ranks this runner is one of (executor/multiproc.py); every
+        """`group`: the tensor-parallel ranks this runner is one of (executor/ranked.py); every
         rank runs the same plans and gets the same logits, so each samples the same tokens."""
         self.config = config
         self.group = group

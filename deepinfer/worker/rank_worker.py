@@ -1,8 +1,8 @@
 """A tensor-parallel rank other than 0: its own ModelRunner, driven by the calls rank 0 makes.
 
-Rank 0's runner lives in the engine core's process (executor/multiproc.py, executor/ray.py);
-every other rank runs the same plans on its slice of the weights, in the same order, so that its
-collectives meet rank 0's. Only rank 0's results go back to the scheduler: the others compute the
+Rank 0's runner lives in the engine core's process (executor/ranked.py; the other ranks are
+started by executor/multiproc.py or executor/ray_executor.py). Every other rank runs the same
+plans on its slice of the weights, in the same order, so that its collectives meet rank 0's. Only rank 0's results go back to the scheduler: the others compute the
 same tokens (identical logits after the all-gather, identical generators) and keep them for
 their next steps' inputs.
 
