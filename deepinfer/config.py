@@ -28,6 +28,7 @@ SPEC_VERIFICATION = ("adaptive", "fixed")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 EXPERT_PARALLEL_DISPATCH = ("all_to_all", "all_reduce")
+KV_ROLES = ("both", "prefill", "decode")
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +134,13 @@ class CacheConfig:
     otherwise, so it must be named."""
     kv_store_load_timeout_s: float = 5.0
     """A load from kv_store not read within this many seconds fails; the request recomputes."""
+    kv_role: str = "both"
+    """prefill | decode | both: this instance's part in prefill/decode disaggregation, KV handed
+    over through kv_store (`deepinfer router --prefill URL`). prefill: a request is answered only
+    once its prompt's blocks are written to the store, so a decode instance asked next finds
+    them. decode: loads from the store and writes nothing to it. A load that fails or is slow
+    recomputes (vLLM's kv_load_failure_policy=recompute); sliding-window layers are rebuilt by
+    Bounded Replay, never transferred. both: what an instance without a role does."""
     kv_events_endpoint: str | None = None
     """Publish KV cache events (vLLM's BlockStored, BlockRemoved and AllBlocksCleared, msgpack) on a
     ZMQ PUB socket at this endpoint, e.g. tcp://*:5557 (an address with * is bound, any other is
@@ -181,6 +189,11 @@ class CacheConfig:
                                        or not 0 < store_size < math.inf):
             raise ValueError(f"kv_store_size must be a number of GiB > 0 (or unset), got {store_size!r}")
         parse_retention(self.kv_retention)
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_role != "both" and self.kv_store is None:
+            raise ValueError(f"kv_role={self.kv_role!r} hands KV over through a store: set kv_store "
+                             "(dir://PATH or redis://HOST:PORT/DB), the same on the prefill and decode instances")
         if not (isinstance(self.kv_store_load_timeout_s, (int, float)) and self.kv_store_load_timeout_s > 0):
             raise ValueError(f"kv_store_load_timeout_s must be > 0, got {self.kv_store_load_timeout_s!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

@@ -18,6 +18,7 @@ from deepinfer.config import (
     EXECUTOR_BACKENDS,
     EXPERT_PARALLEL_DISPATCH,
     KV_CACHE_DTYPES,
+    KV_ROLES,
     POLICIES,
     QUANTIZATIONS,
     CacheConfig,
@@ -38,6 +39,7 @@ _CHOICES = {
     "policy": POLICIES,
     "distributed_executor_backend": EXECUTOR_BACKENDS,
     "expert_parallel_dispatch": EXPERT_PARALLEL_DISPATCH,
+    "kv_role": KV_ROLES,
 }
 # Not generated: `model` gets its own help below, and `served_model_name` is the server's flag
 # (`serve --served-model-name a b`, ServerOptions), one flag for both.

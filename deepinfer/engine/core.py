@@ -110,7 +110,7 @@ class EngineCore:
             # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
             self.spec = build_speculative_decoder(config, self.executor, source, self.max_model_len)
         connector = make_kv_connector_scheduler(config, kv.groups, kv.block_size)
-        self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager)
+        self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager, config.cache.kv_role)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier)
         self.kv_events = open_kv_events(config.cache, kv.block_size, data_parallel_rank)   # None: no endpoint
         if self.kv_events is not None:

@@ -25,9 +25,14 @@ from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
 
 
 class KVTierLink:
-    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager) -> None:
+    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager, kv_role: str = "both") -> None:
         self.connector = connector
         self.kv = kv
+        # Prefill/decode disaggregation (CacheConfig.kv_role): a decode instance writes nothing to
+        # the tier; a prefill instance's requests are answered once their saves are written
+        # (the worker side reports them finished only then, and the scheduler holds the answer).
+        self.saves = kv_role != "decode"
+        self.answer_when_saved = kv_role == "prefill"
         self._persisted = [g for g in kv.groups if g.spec.persisted]
         self._persisted_ids = [g.group_id for g in self._persisted]
         # Block tables kept past their request's end (or preemption) while transfers use them.
@@ -56,7 +61,7 @@ class KVTierLink:
 
     # -------------------------------------------------------------------------------- saves
     def save(self, request: Request, published: range) -> None:
-        if not published:
+        if not published or not self.saves:
             return
         hashes = request.block_hashes
         for group in self._persisted:
@@ -82,16 +87,24 @@ class KVTierLink:
         else:
             self.kv.free(request)
 
-    def poll(self, result: RunnerResult) -> tuple[list[str], list[str]]:
+    def poll(self, result: RunnerResult) -> tuple[list[str], list[str], list[str]]:
         """Apply the transfers a result reports finished or failed; returns the requests whose
-        loads completed, and those whose loads failed (no transfer writes their blocks any more:
-        they are recomputed)."""
+        loads completed, those whose loads failed (no transfer writes their blocks any more:
+        they are recomputed), and those whose parked blocks were freed (their transfers done)."""
         done = self.connector.on_transfers_finished(result.finished_kv_transfers, result.failed_kv_transfers)
+        released = []
         for request_id in done.released:
-            for tables in self._parked.pop(request_id, []):
+            tables_list = self._parked.pop(request_id, [])
+            for tables in tables_list:
                 for group, ids in zip(self.kv.groups, tables):
                     self.kv.pool_of(group).free(ids[::-1])
-        return done.loaded, done.failed
+            if tables_list:
+                released.append(request_id)
+        return done.loaded, done.failed, released
+
+    def is_parked(self, request_id: str) -> bool:
+        """Whether a finished request's blocks wait for its transfers (its saves, on a prefill instance)."""
+        return request_id in self._parked
 
     @property
     def busy(self) -> bool:

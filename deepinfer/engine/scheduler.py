@@ -69,6 +69,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._finished_ids: list[str] = []   # told to the runner in the next plan
+        # kv_role=prefill: finished requests' last outputs, held until their KV is in the store.
+        self._held_outputs: dict[str, EngineCoreOutput] = {}
         self.runner_tables = RunnerBlockTables()   # the requests the runner holds, and their tables
         self.num_preemptions = 0
 
@@ -298,7 +300,7 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
         if self.kv_tier is not None:
-            self._apply_kv_transfers(result)
+            outputs += self._apply_kv_transfers(result)
         # Grammars advance by their request's one sampled token in one batch call after the loop
         # (nothing in the loop reads a matcher); a request verifying drafts advances in order.
         grammars, grammar_tokens = [], []
@@ -348,16 +350,23 @@ class Scheduler:
             if request.times.first_token is None and new_tokens:
                 request.times.first_token = now
             logprobs = result.logprobs.get(chunk.request_id)
-            outputs.append(EngineCoreOutput(
+            output = EngineCoreOutput(
                 chunk.request_id, new_tokens,
                 new_logprobs=logprobs[:len(new_tokens)] if logprobs else None,
                 prompt_logprobs=prompt_logprobs,
                 finish_reason=finish.value if finish else None,
                 stop_reason=request.stop_reason,
                 num_cached_tokens=request.num_cached_tokens,
-            ))
+            )
             if finish is not None:
                 self._finish(request, finish)
+                if self.kv_tier is not None and self.kv_tier.answer_when_saved \
+                        and self.kv_tier.is_parked(request.request_id):
+                    # A prefill instance answers once the prompt's KV is in the store, so the
+                    # decode instance the router asks next finds it (CacheConfig.kv_role).
+                    self._held_outputs[request.request_id] = output
+                    continue
+            outputs.append(output)
         if grammars:
             RequestGrammar.accept_batch(grammars, grammar_tokens)
         return outputs
@@ -389,11 +398,13 @@ class Scheduler:
         if self.kv_tier is not None:
             self.kv_tier.save(request, published)
 
-    def _apply_kv_transfers(self, result: RunnerResult) -> None:
+    def _apply_kv_transfers(self, result: RunnerResult) -> list[EngineCoreOutput]:
         """Requests whose tier loads completed go to the front of the queue, blocks in place;
         those whose loads failed (a corrupt entry, a store that went away or timed out) go there
-        too, from zero, and skip the tier this time: their prompt is recomputed."""
-        loaded, failed = self.kv_tier.poll(result)
+        too, from zero, and skip the tier this time: their prompt is recomputed. Returns the held
+        last outputs of finished requests whose saves are now written (kv_role=prefill)."""
+        loaded, failed, released = self.kv_tier.poll(result)
+        answered = [self._held_outputs.pop(r) for r in released if r in self._held_outputs]
         for request_id in loaded + failed:
             request = self.requests.get(request_id)
             if request is None or request.status is not RequestStatus.WAITING_FOR_KV:
@@ -408,6 +419,7 @@ class Scheduler:
                 request.kv_loaded = True
             request.status = RequestStatus.WAITING   # a failed load counts its new look-up afresh
             self._enqueue(request, front=True)
+        return answered
 
     def _release_kv(self, request: Request, loading: bool = False) -> None:
         if self.kv_tier is not None:

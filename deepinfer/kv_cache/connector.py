@@ -307,7 +307,8 @@ def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequenc
         from deepinfer.kv_cache.store.persistent_worker import StoreTierWorker
 
         cache = getattr(config, "cache", config)
-        return StoreTierWorker(store, device, load_timeout_s=cache.kv_store_load_timeout_s)
+        return StoreTierWorker(store, device, load_timeout_s=cache.kv_store_load_timeout_s,
+                               durable_saves=cache.kv_role == "prefill")
     size = offloading_bytes(config)
     if size is None:
         return None

@@ -8,7 +8,8 @@ Routes (what `deepinfer serve` serves, so a client cannot tell the two apart):
     the router's own:                        GET /health and /ping (200 while any replica is healthy,
                                              else 503), /metrics (metrics.py), /router/replicas (JSON
                                              state of every replica, for operators and tests)
-With --api-key the router checks the key itself (the server's middleware, same open paths) and
+With --prefill URL ..., each generation request's prompt is first computed on a prefill replica
+(disaggregation.py). With --api-key the router checks the key itself (the server's middleware, same open paths) and
 sends it on, or --backend-api-key instead.
 """
 
@@ -24,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 import deepinfer
 from deepinfer.entrypoints.errors import APIError, is_anthropic_path
 from deepinfer.entrypoints.middleware import APIKeyMiddleware
+from deepinfer.router.disaggregation import PrefillStage
 from deepinfer.router.kv_index import KVEventSubscriber, KVIndex
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.monitor import Monitor
@@ -41,6 +43,7 @@ GET_ROUTES = ("/v1/models", "/tokenizer_info", "/version")
 
 def build_app(options: RouterOptions) -> FastAPI:
     replicas = [Replica(url, i, options.kv_events_of(i)) for i, url in enumerate(options.backends)]
+    prefill_replicas = [Replica(url, i, None) for i, url in enumerate(options.prefill_backends)]
     index = KVIndex(len(replicas))
     metrics = RouterMetrics()
     policy = make_policy(options.policy, index, options)
@@ -53,12 +56,18 @@ def build_app(options: RouterOptions) -> FastAPI:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
         monitor = Monitor(replicas, index, metrics, options, client)
+        # Prefill replicas are probed and scraped alike, but never routed to by the policy.
+        prefill_monitor = Monitor(prefill_replicas, KVIndex(len(prefill_replicas)), metrics, options, client)
         subscriber = KVEventSubscriber(index, [r.kv_events for r in replicas], options.kv_events_topic)
-        state["proxy"] = Proxy(replicas, index, policy, metrics, monitor, options, client)
+        prefill = PrefillStage(prefill_replicas, prefill_monitor, metrics, options, client) if prefill_replicas else None
+        state["proxy"] = Proxy(replicas, index, policy, metrics, monitor, options, client, prefill)
         # A first probe of every replica before serving, so the first requests have somewhere to go.
         for r in replicas:
             await monitor.probe_once(r)
+        for r in prefill_replicas:
+            await prefill_monitor.probe_once(r)
         monitor.start()
+        prefill_monitor.start()
         subscriber.start()
         logger.info("router: %s over %d replicas (%d healthy now)", options.policy, len(replicas),
                     sum(r.healthy for r in replicas))
@@ -66,6 +75,7 @@ def build_app(options: RouterOptions) -> FastAPI:
             yield
         finally:
             await monitor.stop()
+            await prefill_monitor.stop()
             await subscriber.stop()
             await client.aclose()
 
@@ -113,7 +123,8 @@ def build_app(options: RouterOptions) -> FastAPI:
         return {"policy": options.policy, "replicas": [
             {**r.snapshot(), "kv_blocks_indexed": len(index.device[r.index]),
              "kv_events_seen": index.events_seen[r.index]} for r in replicas],
-            "store_blocks_indexed": len(index.store)}
+            "store_blocks_indexed": len(index.store),
+            "prefill_replicas": [r.snapshot() for r in prefill_replicas]}
 
     return app
 

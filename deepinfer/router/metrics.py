@@ -37,6 +37,8 @@ class RouterMetrics:
                                        ["replica"], registry=r)
         self.reported_cached = Counter(P + "reported_cached_tokens", "Cached prompt tokens replicas reported.",
                                        ["replica"], registry=r)
+        self.prefill = Counter(P + "prefill_handoffs", "Prefills on a prefill replica before decode, by outcome.",
+                               ["outcome"], registry=r)
         self.healthy = Gauge(P + "replica_healthy", "1 while the replica is routed to.", ["replica"], registry=r)
         self.in_flight = Gauge(P + "replica_in_flight", "Requests in flight to the replica.", ["replica"],
                                registry=r)

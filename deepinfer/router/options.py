@@ -14,7 +14,7 @@ POLICIES = ("round_robin", "least_load", "cache_aware", "cost")
 
 @dataclass(frozen=True)
 class RouterOptions:
-    backends: tuple[str, ...]
+    backends: tuple[str, ...]             # the replicas requests are routed to (decode replicas under P/D)
     policy: str = "least_load"
     host: str = "0.0.0.0"
     port: int = 8000
@@ -46,6 +46,10 @@ class RouterOptions:
     connect_timeout_s: float = 5.0
     request_timeout_s: float | None = None   # whole-request limit toward a replica (None: none)
     uvicorn_log_level: str = "info"
+    # Prefill/decode disaggregation (disaggregation.py): replicas started with --kv-role prefill that
+    # compute each generation request's prompt before a --backend (decode) replica generates.
+    prefill_backends: tuple[str, ...] = ()
+    prefill_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -59,6 +63,7 @@ class RouterOptions:
             raise ValueError("router: --max-attempts must be at least 1")
         object.__setattr__(self, "backends", tuple(b.rstrip("/") for b in self.backends))
         object.__setattr__(self, "kv_events", tuple(self.kv_events))
+        object.__setattr__(self, "prefill_backends", tuple(b.rstrip("/") for b in self.prefill_backends))
 
     def kv_events_of(self, index: int) -> str | None:
         return (self.kv_events[index] or None) if self.kv_events else None
@@ -89,6 +94,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     a("--max-attempts", type=int, default=d.max_attempts)
     a("--request-timeout-s", type=float, default=None)
     a("--uvicorn-log-level", default=d.uvicorn_log_level)
+    a("--prefill", dest="prefill_backends", nargs="+", default=(), metavar="URL",
+      help="prefill replicas (deepinfer serve --kv-role prefill, sharing --kv-store with the --backend "
+           "replicas, started with --kv-role decode): each request's prompt is computed there first")
+    a("--prefill-timeout-s", type=float, default=d.prefill_timeout_s,
+      help="how long a prefill may take before the decode replica computes the prompt itself")
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:

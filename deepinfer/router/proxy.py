@@ -33,6 +33,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from deepinfer.entrypoints.errors import APIError, is_anthropic_path
 from deepinfer.router import admission
+from deepinfer.router.disaggregation import PrefillStage
 from deepinfer.router.kv_index import KVIndex, prompt_block_hashes
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.monitor import Monitor
@@ -73,8 +74,10 @@ def _error_events(path: str, error: APIError) -> list[bytes]:
 
 class Proxy:
     def __init__(self, replicas: list[Replica], index: KVIndex, policy: Policy, metrics: RouterMetrics,
-                 monitor: Monitor, options: RouterOptions, client: httpx.AsyncClient) -> None:
+                 monitor: Monitor, options: RouterOptions, client: httpx.AsyncClient,
+                 prefill: PrefillStage | None = None) -> None:
         self.replicas = replicas
+        self.prefill = prefill   # P/D: the prompt computed on a prefill replica first (disaggregation.py)
         self.index = index
         self.policy = policy
         self.metrics = metrics
@@ -163,6 +166,8 @@ class Proxy:
         self.metrics.routing.observe(time.perf_counter() - start)
         routed = Routed(choice, prompt_blocks, block_size)
         stream = bool(body and body.get("stream"))
+        if generation and self.prefill is not None:
+            await self.prefill.run(path, body, headers)
         return await self._forward(request, path, raw, headers, routed, stream, start)
 
     async def _forward(self, request: Request, path: str, raw: bytes, headers: dict, routed: Routed,

@@ -103,13 +103,17 @@ class _Load:
 class StoreTierWorker(KVConnectorWorker):
     def __init__(self, backend: StoreBackend, device: torch.device, *, load_timeout_s: float = 5.0,
                  max_pending_bytes: int = 1 << 30, flush_timeout_s: float = 10.0, backoff_s: float = 1.0,
-                 key_extra: bytes = b"") -> None:
+                 key_extra: bytes = b"", durable_saves: bool = False) -> None:
         self.backend = backend
         self.device = torch.device(device)
         self.load_timeout_s = load_timeout_s
         self.max_pending_bytes = max_pending_bytes
         self.flush_timeout_s = flush_timeout_s
         self.key_extra = key_extra
+        # A save is reported finished once its copy off the device is complete (its blocks may be
+        # freed then), or, with durable_saves (kv_role=prefill), once it is written to the store:
+        # the scheduler then holds the request's answer until the decode side can load its KV.
+        self.durable_saves = durable_saves
         self.health = StoreHealth(backend.url, backoff_s)
         self._cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
@@ -223,7 +227,8 @@ class StoreTierWorker(KVConnectorWorker):
             for i, block_hash in enumerate(transfer.block_hashes):
                 self._pending[(gk, block_hash)] = (host, i, event)
             self._unwritten += 1
-        self._staging.append(staged)
+        if not self.durable_saves:
+            self._staging.append(staged)
         self._writes.put(staged)
 
     def finished_transfers(self) -> list[int]:
@@ -435,6 +440,8 @@ class StoreTierWorker(KVConnectorWorker):
                     del self._pending[(gk, block_hash)]
             self._pending_bytes -= staged.nbytes
             self._unwritten -= 1
+            if self.durable_saves:   # written, or dropped (the decode side then recomputes)
+                self._done.append(staged.transfer.transfer_id)
             self._idle.notify_all()
 
     # ---------------------------------------------------------------------------- shutdown

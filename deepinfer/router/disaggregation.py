@@ -1,0 +1,89 @@
+"""Prefill/decode disaggregation in the router (`deepinfer router --prefill URL ... --backend URL ...`).
+
+A generation request first goes, as a copy that asks for one token and no stream, to a prefill
+replica (`deepinfer serve --kv-role prefill --kv-store S`), which computes the prompt and answers
+only once the prompt's KV blocks are written to the store S. The request itself then goes to a
+decode replica (`--kv-role decode`, the same store), chosen by the router's policy as any request
+is: its prefix look-up finds the blocks in the store, it loads them (WAITING_FOR_KV) and
+generates. The transport is the KV store (dir:// on a shared mount, or redis://); a direct
+device-to-device hand-over can come later behind the same roles.
+
+Whatever happens to the prefill (no prefill replica healthy, an error, a timeout), the request
+still goes to a decode replica, which then computes what it cannot load: the hand-over is a
+saving, never a condition (vLLM's kv_load_failure_policy=recompute). Sliding-window layers are
+never handed over; the decode side rebuilds them by Bounded Replay.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.monitor import Monitor
+from deepinfer.router.options import RouterOptions
+from deepinfer.router.replica import Replica
+
+logger = logging.getLogger(__name__)
+
+# The fields that bound the answer's length, per route; the first is set to 1, the others dropped.
+LENGTH_FIELDS = {"/v1/chat/completions": ("max_tokens", "max_completion_tokens"),
+                 "/v1/completions": ("max_tokens",),
+                 "/v1/messages": ("max_tokens",),
+                 "/v1/responses": ("max_output_tokens",)}
+
+
+def prefill_body(path: str, body: dict) -> dict:
+    """The copy a prefill replica gets: the same prompt (so the same token ids and block hashes),
+    one greedy token, one choice, no stream, nothing stored for later retrieval."""
+    copy = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "n", "best_of")}
+    fields = LENGTH_FIELDS[path]
+    for name in fields:
+        copy.pop(name, None)
+    copy[fields[0]] = 1
+    copy["temperature"] = 0
+    if path == "/v1/responses":
+        copy["store"] = False
+    return copy
+
+
+class PrefillStage:
+    """Sends a request's prompt to the least busy healthy prefill replica and waits for it."""
+
+    def __init__(self, replicas: list[Replica], monitor: Monitor, metrics: RouterMetrics,
+                 options: RouterOptions, client: httpx.AsyncClient) -> None:
+        self.replicas = replicas
+        self.monitor = monitor
+        self.metrics = metrics
+        self.options = options
+        self.client = client
+
+    async def run(self, path: str, body: dict | None, headers: dict[str, str]) -> str:
+        """The hand-over's outcome (ok, skipped, failed, http_<status>), also counted in /metrics."""
+        outcome = await self._run(path, body, headers)
+        self.metrics.prefill.labels(outcome).inc()
+        return outcome
+
+    async def _run(self, path: str, body: dict | None, headers: dict[str, str]) -> str:
+        healthy = [r for r in self.replicas if r.healthy]
+        if body is None or path not in LENGTH_FIELDS or not healthy:
+            return "skipped"
+        replica = min(healthy, key=lambda r: (r.in_flight, r.index))
+        replica.in_flight += 1
+        try:
+            response = await self.client.post(replica.url + path, json=prefill_body(path, body), headers=headers,
+                                              timeout=self.options.prefill_timeout_s)
+            if response.status_code != 200:
+                logger.warning("prefill on %s answered %d; the decode replica computes the prompt",
+                               replica.url, response.status_code)
+                return f"http_{response.status_code}"
+            return "ok"
+        except httpx.HTTPError as exc:
+            logger.warning("prefill on %s failed (%s: %s); the decode replica computes the prompt",
+                           replica.url, type(exc).__name__, exc)
+            if isinstance(exc, (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+                self.monitor.mark_failed(replica, f"prefill: {type(exc).__name__}")
+            return "failed"
+        finally:
+            replica.in_flight -= 1
