@@ -49,12 +49,12 @@ def pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
 
 
-def start_router(workdir: str, backends, events, policy: str) -> tuple[subprocess.Popen, str]:
+def start_router(workdir: str, backends, events, policy: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    log = open(os.path.join(workdir, f"router-{policy}.log"), "w")
+    log = open(os.path.join(workdir, f"router-{policy}-{port}.log"), "w")
     args = [sys.executable, "-m", "deepinfer", "router", "--host", "127.0.0.1", "--port", str(port),
             "--api-key", API_KEY, "--policy", policy, "--uvicorn-log-level", "warning",
-            "--backend", *[b.base_url for b in backends], "--kv-events", *events]
+            "--backend", *[b.base_url for b in backends], *(("--kv-events", *events) if events else ()), *extra]
     process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
