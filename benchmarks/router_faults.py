@@ -16,7 +16,7 @@ how long the router took to route to it again.
 Overload: the sustainable rate R is measured first (a closed loop at --concurrency, requests per
 second), then the unloaded TTFT (one request at a time); then requests arrive open-loop (Poisson)
 at --overload-factor x R for --overload-seconds through a router with admission on
-(--max-waiting-requests per replica). Reported: the share answered 429 (with Retry-After), and the
+(--admission: by default --max-requests-per-replica 1). Reported: the share answered 429 (with Retry-After), and the
 admitted requests' TTFT P50/P99 against the unloaded P99 (target: within 2x).
 """
 
@@ -150,6 +150,47 @@ async def open_loop(url: str, model: str, rate: float, seconds: float, max_token
         return list(await asyncio.gather(*tasks))
 
 
+def overload(workdir: str, replicas, model: str, args) -> dict:
+    process, url = start_router(workdir, replicas, [], "least_load")
+    try:
+        rate, _ = asyncio.run(closed_loop(url, model, 4 * args.concurrency, args.concurrency, args.max_tokens,
+                                          args.seed))
+        _, unloaded = asyncio.run(closed_loop(url, model, 20, 1, args.max_tokens, args.seed + 1))
+    finally:
+        stop(process)
+    unloaded_ttfts = [r["ttft_s"] for r in unloaded if r.get("ttft_s")]
+    process, url = start_router(workdir, replicas, [], "least_load", *args.admission, "--metrics-interval-s", "0.2")
+    try:
+        loaded = asyncio.run(open_loop(url, model, args.overload_factor * rate, args.overload_seconds,
+                                       args.max_tokens, args.seed + 2))
+    finally:
+        stop(process)
+    admitted = [r["ttft_s"] for r in loaded if r["end"] == "answered" and r.get("ttft_s")]
+    rejected = [r for r in loaded if r["status"] == 429]
+    out = {"admission": " ".join(args.admission), "sustainable_rps": rate, "offered_rps": args.overload_factor * rate,
+           "requests": len(loaded), "rejected_429": len(rejected), "rejected_share": len(rejected) / max(len(loaded), 1),
+           "retry_after_on_every_429": all(r.get("retry_after") for r in rejected),
+           "unloaded_ttft_p99_ms": 1e3 * pct(unloaded_ttfts, 99),
+           "admitted_ttft_p50_ms": 1e3 * pct(admitted, 50), "admitted_ttft_p99_ms": 1e3 * pct(admitted, 99),
+           "other_errors": sum(r["end"] != "answered" and r["status"] != 429 for r in loaded)}
+    out["p99_ratio"] = out["admitted_ttft_p99_ms"] / out["unloaded_ttft_p99_ms"]
+    return out
+
+
+def kill(workdir: str, replicas, ports, model_args, model: str, args) -> dict:
+    process, url = start_router(workdir, replicas, [], "least_load", "--health-interval-s", "0.5")
+    try:
+        retries_before = router_counter(url, "retries")
+        out = asyncio.run(kill_run(url, model, replicas, args))
+        out["router_retries"] = router_counter(url, "retries") - retries_before
+        victim = replicas[1]
+        replicas[1] = start_server(os.path.join(workdir, "replica1-restarted.log"), *model_args, port=ports[1])
+        out["readded_after_restart_s"] = wait_readded(url, victim.base_url)
+        return out
+    finally:
+        stop(process)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="replica model (default: the embedded SmolLM2-135M-Instruct)")
@@ -160,7 +201,9 @@ def main() -> int:
     p.add_argument("--request-timeout-s", type=float, default=120.0)
     p.add_argument("--overload-factor", type=float, default=3.0)
     p.add_argument("--overload-seconds", type=float, default=15.0)
-    p.add_argument("--max-waiting-requests", type=int, default=2, help="the router's admission threshold")
+    p.add_argument("--admission", nargs="+", default=["--max-requests-per-replica", "1"],
+                   help="the router's admission flags in the overload part")
+    p.add_argument("--parts", default="overload,kill", help="comma-separated: overload, kill")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -169,51 +212,15 @@ def main() -> int:
     model_args = ("--model", args.model) if args.model else ()
     ports = [free_port() for _ in range(args.replicas)]
     replicas, results = [], {}
+    parts = args.parts.split(",")
     try:
         for i, port in enumerate(ports):
             replicas.append(start_server(os.path.join(workdir, f"replica{i}.log"), *model_args, port=port))
         model = httpx.get(replicas[0].base_url + "/v1/models", headers=HEADERS).json()["data"][0]["id"]
-
-        # Overload first, on healthy replicas.
-        process, url = start_router(workdir, replicas, [], "least_load")
-        try:
-            rate, _ = asyncio.run(closed_loop(url, model, 4 * args.concurrency, args.concurrency, args.max_tokens,
-                                              args.seed))
-            _, unloaded = asyncio.run(closed_loop(url, model, 20, 1, args.max_tokens, args.seed + 1))
-        finally:
-            stop(process)
-        unloaded_ttfts = [r["ttft_s"] for r in unloaded if r.get("ttft_s")]
-        process, url = start_router(workdir, replicas, [], "least_load",
-                                    "--max-waiting-requests", str(args.max_waiting_requests),
-                                    "--metrics-interval-s", "0.2")
-        try:
-            loaded = asyncio.run(open_loop(url, model, args.overload_factor * rate, args.overload_seconds,
-                                           args.max_tokens, args.seed + 2))
-        finally:
-            stop(process)
-        admitted = [r["ttft_s"] for r in loaded if r["end"] == "answered" and r.get("ttft_s")]
-        rejected = [r for r in loaded if r["status"] == 429]
-        results["overload"] = {
-            "sustainable_rps": rate, "offered_rps": args.overload_factor * rate, "requests": len(loaded),
-            "rejected_429": len(rejected), "rejected_share": len(rejected) / max(len(loaded), 1),
-            "retry_after_on_every_429": all(r.get("retry_after") for r in rejected),
-            "unloaded_ttft_p99_ms": 1e3 * pct(unloaded_ttfts, 99),
-            "admitted_ttft_p50_ms": 1e3 * pct(admitted, 50), "admitted_ttft_p99_ms": 1e3 * pct(admitted, 99),
-            "other_errors": sum(r["end"] != "answered" and r["status"] != 429 for r in loaded)}
-        results["overload"]["p99_ratio"] = (results["overload"]["admitted_ttft_p99_ms"]
-                                            / results["overload"]["unloaded_ttft_p99_ms"])
-
-        # Then the kill.
-        process, url = start_router(workdir, replicas, [], "least_load", "--health-interval-s", "0.5")
-        try:
-            retries_before = router_counter(url, "retries")
-            results["kill"] = asyncio.run(kill_run(url, model, replicas, args))
-            results["kill"]["router_retries"] = router_counter(url, "retries") - retries_before
-            victim = replicas[1]
-            replicas[1] = start_server(os.path.join(workdir, "replica1-restarted.log"), *model_args, port=ports[1])
-            results["kill"]["readded_after_restart_s"] = wait_readded(url, victim.base_url)
-        finally:
-            stop(process)
+        if "overload" in parts:   # first, on healthy replicas
+            results["overload"] = overload(workdir, replicas, model, args)
+        if "kill" in parts:
+            results["kill"] = kill(workdir, replicas, ports, model_args, model, args)
     finally:
         for r in replicas:
             stop_server(r)

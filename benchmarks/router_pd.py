@@ -8,7 +8,10 @@ decode` replica on one dir:// KV store behind `deepinfer router --prefill URL --
 same streamed chat requests (each with a prompt of its own of --prompt-words words, --max-tokens
 greedy tokens, --concurrency at once) go to each; reported per setup: TTFT and inter-token
 latency P50/P99, the decode side's cached prompt tokens (what it loaded instead of computing),
-and whether every answer equals the colocated one. On one 2-core machine the three processes of
+and how many answers equal the colocated ones. In bf16 a few may differ after some tokens: the
+decode side computes only the prompt's last partial block, a step of another shape than the
+colocated prefill, and bf16 products round differently by shape (on the CPU a few-row step takes
+the int4 kernel); --dtype float32 removes that. On one 2-core machine the three processes of
 the disaggregated setup share the cores, so this measures correctness and the hand-over's cost,
 not the separation of prefill and decode load that P/D buys on separate machines.
 """
@@ -79,6 +82,8 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=300)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--dtype", default="auto", help="the replicas' --dtype (float32: answers free of bf16 "
+                   "rounding that differs with a step's shape)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -87,7 +92,7 @@ def main() -> int:
     texts = [f"Text {i}: " + " ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) + " Summarize it."
              for i in range(args.requests)]
     workdir = tempfile.mkdtemp(prefix="router-pd-")
-    model_args = ("--model", args.model) if args.model else ()
+    model_args = (("--model", args.model) if args.model else ()) + ("--dtype", args.dtype)
     store = ("--kv-store", f"dir://{os.path.join(workdir, 'store')}")
     results = {}
     servers = []

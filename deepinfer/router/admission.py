@@ -4,6 +4,12 @@ A replica can admit a request when every check that is on (its flag given) holds
     kv_usage        <= --max-kv-usage           (scraped kv_cache_usage_perc, 0..1)
     waiting         <= --max-waiting-requests   (scraped num_requests_waiting, or the router's own
                                                   in-flight surplus over what runs, if larger)
+    load            <  --max-requests-per-replica (running + waiting, or the router's own in-flight
+                                                  count if larger: Replica.load). Where a step's time
+                                                  grows with its batch (a CPU, a compute-bound GPU),
+                                                  this is what keeps admitted requests' TTFT near
+                                                  an idle replica's: waiting stays 0 while the
+                                                  engine takes every request into its batch.
     free KV blocks  >= --min-free-kv-blocks + the request's own prompt blocks
                                                  (num_gpu_blocks * (1 - kv_usage))
     queue delay     <= --max-queue-delay-s      (Replica.queue_delay_s: waiting requests drain one
@@ -30,6 +36,8 @@ def can_admit(replica: Replica, options: RouterOptions, prompt_blocks: int = 0) 
     waiting = max(s.waiting, replica.in_flight - s.running)
     if options.max_waiting_requests is not None and waiting > options.max_waiting_requests:
         return f"{waiting:.0f} waiting > {options.max_waiting_requests}"
+    if options.max_requests_per_replica is not None and replica.load >= options.max_requests_per_replica:
+        return f"{replica.load:.0f} requests >= {options.max_requests_per_replica}"
     if options.min_free_kv_blocks is not None and replica.free_blocks < options.min_free_kv_blocks + prompt_blocks:
         return f"{replica.free_blocks:.0f} free KV blocks < {options.min_free_kv_blocks} + {prompt_blocks}"
     if options.max_queue_delay_s is not None:

@@ -40,6 +40,7 @@ class RouterOptions:
     max_queue_delay_s: float | None = None
     max_kv_usage: float | None = None
     max_waiting_requests: int | None = None
+    max_requests_per_replica: int | None = None
     min_free_kv_blocks: int | None = None
     retry_after_s: int = 1
     max_attempts: int = 3                 # replicas tried per request before its first byte
@@ -89,6 +90,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     a("--max-queue-delay-s", type=float, default=None, help="429 when every replica's estimated queue delay is above")
     a("--max-kv-usage", type=float, default=None, help="429 when every replica's KV usage (0..1) is above")
     a("--max-waiting-requests", type=int, default=None, help="429 when every replica has more waiting requests")
+    a("--max-requests-per-replica", type=int, default=None,
+      help="429 when every replica already has this many requests running or waiting")
     a("--min-free-kv-blocks", type=int, default=None, help="429 when no replica has this many free KV blocks")
     a("--retry-after-s", type=int, default=d.retry_after_s)
     a("--max-attempts", type=int, default=d.max_attempts)

@@ -106,6 +106,12 @@ def test_admission_checks_and_reasons():
     reps[1].service_s, reps[1].scraped.waiting = 2.0, 1               # 1 waiting * 2 s / 1 running
     assert admissible(reps, opts)[0] == [reps[0]]   # reps[0] not timed yet: no estimate
     assert admissible(reps, RouterOptions(backends=("a",)))[0] == reps
+    opts = RouterOptions(backends=("a",), max_requests_per_replica=3)
+    reps[1].scraped.running, reps[1].scraped.waiting = 2, 1           # load 3: full; reps[0]: 5 in flight
+    ok, reasons = admissible(reps, opts)
+    assert ok == [] and "requests >= 3" in reasons[1]
+    reps[1].scraped.waiting = 0
+    assert admissible(reps, opts)[0] == [reps[1]]
 
 
 def test_parse_metrics_sums_engines():
