@@ -145,6 +145,29 @@ def overhead(direct: str, routed: str, model: str, n: int) -> dict:
     return out
 
 
+def plot(results: dict, path: str) -> None:
+    from benchmarks.bench_common import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return
+    results = results.get("results", results)
+    names = [n for n in results if n not in ("overhead", "args")]
+    fig, (hit, ttft) = plt.subplots(1, 2, figsize=(10, 3.6))
+    hit.bar(names, [results[n]["hit_rate"] for n in names], color="tab:blue")
+    hit.set_ylabel("prefix hit rate")
+    hit.set_ylim(0, 1)
+    x = range(len(names))
+    ttft.bar([i - 0.2 for i in x], [results[n]["ttft_p50_ms"] for n in names], width=0.4, label="P50")
+    ttft.bar([i + 0.2 for i in x], [results[n]["ttft_p99_ms"] for n in names], width=0.4, label="P99")
+    ttft.set_xticks(list(x), names)
+    ttft.set_ylabel("TTFT (ms)")
+    ttft.legend()
+    for axis in (hit, ttft):
+        axis.tick_params(axis="x", labelrotation=20)
+    save_figure(fig, path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="replica model (default: the embedded SmolLM2-135M-Instruct)")
@@ -159,7 +182,13 @@ def main() -> int:
     p.add_argument("--overhead-requests", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--plot", default=None, help="a PNG of hit rate and TTFT per policy (needs matplotlib)")
+    p.add_argument("--plot-from", default=None, help="only draw --plot from a saved --json result")
     args = p.parse_args()
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            plot(json.load(f), args.plot or os.path.splitext(args.plot_from)[0] + ".png")
+        return 0
 
     workdir = tempfile.mkdtemp(prefix="router-bench-")
     model_args = ("--model", args.model) if args.model else ()
@@ -204,6 +233,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
+    if args.plot:
+        plot(results, args.plot)
     return 0
 
 
