@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 import deepinfer
 from deepinfer.chat import make_encoder
 from deepinfer.config import EngineConfig
-from deepinfer.entrypoints.errors import APIError, is_anthropic_path
+from deepinfer.entrypoints.errors import APIError, install_error_handlers
 from deepinfer.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
@@ -77,16 +77,7 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     app.add_middleware(BodySizeLimitMiddleware, limit=options.max_request_body_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=client.metrics.http)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
-        return error.response(anthropic=is_anthropic_path(request.url.path))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        # A bug, never the client's fault: the details go to the log, not to the client.
-        logger.exception("unhandled error on %s", request.url.path)
-        wrapped = APIError(500, "internal server error (the server log has the details)")
-        return wrapped.response(anthropic=is_anthropic_path(request.url.path))
+    install_error_handlers(app, "server")
 
     from deepinfer.entrypoints.anthropic import messages
     from deepinfer.entrypoints.openai import chat, completions

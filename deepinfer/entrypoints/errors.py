@@ -57,3 +57,24 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def is_anthropic_path(path: str) -> bool:
     return path.startswith("/v1/messages")
+
+
+def install_error_handlers(app, process: str) -> None:
+    """APIError -> its status and body in the route's protocol (OpenAI or Anthropic); any other
+    exception -> a 500 that points at `process`'s log (a bug, never the client's fault: the
+    details go to the log, not to the client). Used by the server and the router alike."""
+    import logging
+
+    from fastapi import Request
+
+    logger = logging.getLogger(f"deepinfer.{process}")
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError):
+        return error.response(anthropic=is_anthropic_path(request.url.path))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, error: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        wrapped = APIError(500, f"internal {process} error (the {process} log has the details)")
+        return wrapped.response(anthropic=is_anthropic_path(request.url.path))

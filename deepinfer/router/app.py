@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 import deepinfer
-from deepinfer.entrypoints.errors import APIError, is_anthropic_path
+from deepinfer.entrypoints.errors import install_error_handlers
 from deepinfer.entrypoints.middleware import APIKeyMiddleware
 from deepinfer.router.disaggregation import PrefillStage
 from deepinfer.router.kv_index import KVEventSubscriber, KVIndex
@@ -84,15 +84,7 @@ def build_app(options: RouterOptions) -> FastAPI:
     if options.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
 
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, error: APIError):
-        return error.response(anthropic=is_anthropic_path(request.url.path))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, error: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return APIError(500, "internal router error (the router log has the details)").response(
-            anthropic=is_anthropic_path(request.url.path))
+    install_error_handlers(app, "router")
 
     async def forward(request: Request):
         return await state["proxy"].handle(request, request.url.path)
