@@ -31,6 +31,7 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from benchmarks.bench_common import write_json  # noqa: E402
 from benchmarks.router_policies import HEADERS, pct, start_router, stop  # noqa: E402
 from tests.e2e.server_process import start_server, stop_server  # noqa: E402
 
@@ -122,9 +123,7 @@ def main() -> int:
         for s in servers:
             stop_server(s)
     print(json.dumps(results, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), **results}, f, indent=2)
+    write_json(args.json, {"args": vars(args), **results})
     return 0
 
 

@@ -20,7 +20,7 @@ import itertools
 import logging
 import socket
 import time
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +49,7 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class RankHandle:
+class RankHandle(ABC):
     """Rank 0's view of one other rank."""
 
     rank: int
