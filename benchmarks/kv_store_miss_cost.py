@@ -1,15 +1,19 @@
 """KV store, no cost when it misses: offline throughput with a dir:// store on (every prompt new,
 so every look-up misses and every prompt's blocks are written through) against the store off.
 
-    python benchmarks/kv_store_miss_cost.py [--model smollm2|PATH] [--prompts 64] [--input-len 512]
-        [--output-len 64] [--repeats 3] [--store-dir DIR] [--kv-cache-gib 1.5] [--dtype auto]
-        [--seed 0] [--out miss.json] [--plot miss.png] [--plot-from miss.json]
+    python benchmarks/kv_store_miss_cost.py [--model smollm2|llama3-8b|gemma3-1b|PATH] [--prompts 64]
+        [--input-len 512] [--output-len 64] [--repeats 3] [--store-dir DIR] [--kv-cache-gib 1.5]
+        [--num-kv-blocks B] [--dtype auto] [--seed 0] [--out miss.json] [--plot miss.png]
+        [--plot-from miss.json]
 
 How to run: the defaults take about 4-6 minutes on the 2-core CPU box (SmolLM2, 3 repeats of
 each mode); the store writes about 1.5 GB per run with SmolLM2 (into a temp dir on disk unless
 --store-dir says where; it is cleared between runs and removed at the end). A quick check:
-`--prompts 16 --input-len 256 --output-len 16 --repeats 1`. On a GPU the same script runs the
-model given (a real-weight path; the store is the same code).
+`--prompts 16 --input-len 256 --output-len 16 --repeats 1`. On a GPU, `--model llama3-8b` (or
+gemma3-1b) runs random weights of that shape (load_format="dummy", nothing to transfer); the two
+engines share the device, so give each --num-kv-blocks (the H200 run: `--model llama3-8b
+--prompts 256 --input-len 512 --output-len 256 --num-kv-blocks 16384`; every prompt's KV,
+~17 GB a run, is written to disk and cleared after the run).
 Times are for a quiet machine: on a shared 2-core box the engine's threads wait on each other and
 throughput swings 3-5x between runs.
 
@@ -37,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (
     add_output_args,
     free_memory,
+    gemma3_1b_shape,
     machine_info,
     median,
     model_config,
@@ -48,17 +53,31 @@ from bench_common import (
     save_figure,
     shutdown,
     write_json,
+    write_shape_dir,
 )
 
 MODES = ("off", "on")
 
 
-def resolve_model(name: str) -> str:
+SHAPES = ("llama3-8b", "gemma3-1b")
+
+
+def resolve_model(name: str) -> tuple[str, str]:
+    """(path, load_format): the embedded model, a shape's config-only directory (random weights),
+    or a path."""
     if name == "smollm2":
         from deepinfer.models.bundled import default_model_path
 
-        return default_model_path()
-    return name
+        return default_model_path(), "auto"
+    if name in SHAPES:
+        if name == "llama3-8b":
+            from gpu_reference_baseline import LLAMA3_8B
+
+            config = dict(LLAMA3_8B)
+        else:
+            config = gemma3_1b_shape()
+        return write_shape_dir(config), "dummy"
+    return name, "auto"
 
 
 def run_once(llm, prompts: list[list[int]], params) -> tuple[float, float]:
@@ -75,13 +94,18 @@ def run_once(llm, prompts: list[list[int]], params) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2 (the embedded SmolLM2-135M) or a path")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (the embedded SmolLM2-135M), a shape of random weights (llama3-8b, gemma3-1b) "
+                             "or a path")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating")
     parser.add_argument("--store-dir", default=None, help="an empty directory for the store (default: a temp dir)")
     parser.add_argument("--kv-cache-gib", type=float, default=1.5, help="each engine's KV pool on the CPU")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="each engine's KV blocks (on a GPU: both engines live side by side, so give each its "
+                             "share; the memory budget would let the first take what the second needs)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     add_output_args(parser)
@@ -97,11 +121,12 @@ def main() -> None:
     from deepinfer.config import parse_retention
     from deepinfer.kv_cache.store.dir import DirStore
 
-    path = resolve_model(args.model)
+    path, load_format = resolve_model(args.model)
     vocab = model_config(path)["vocab_size"]
     store_dir = args.store_dir or tempfile.mkdtemp(prefix="kv-store-miss-")
     base = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len + 16,
-                cpu_kv_cache_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed)
+                cpu_kv_cache_bytes=int(args.kv_cache_gib * 2**30), seed=args.seed, load_format=load_format,
+                num_kv_blocks=args.num_kv_blocks)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     result = {"benchmark": "kv_store_miss_cost", "machine": machine_info(), "args": vars(args), "model": path,
               "store": f"dir://{store_dir}", "runs": []}

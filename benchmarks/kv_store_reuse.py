@@ -10,7 +10,7 @@ How to run: on the CPU box the defaults (SmolLM2 and Gemma 3 270M, dir:// and re
 4k-token prefix, 3 repeats) take about 10-15 minutes (eight server starts); redis:// needs
 Debian's redis-server (`apt-get install redis-server`), started by the script on a free
 loopback port. A quick check: `--models smollm2 --stores dir --prefix-tokens 1024 --repeats 1`.
-On a GPU: `--model-shape llama3-8b --prefix-tokens 32768 --stores dir` (random weights of
+On a GPU: `--model-shape llama3-8b --prefix-tokens 32768 --stores dir --buffer-gib 10` (random weights of
 Llama-3-8B's shape, served with `--load-format dummy`; every server seeds them alike, so one's
 KV is valid for the next).
 Times are for a quiet machine: on a shared 2-core box the engine's threads wait on each other and
@@ -83,7 +83,8 @@ def run_pair(model, store_kind: str, args, workdir: str) -> dict:
     store = Store(store_kind, workdir)
     max_len = args.prefix_tokens + args.answer_tokens + 512
     flags = ["--max-model-len", str(max_len), "--kv-store-load-timeout-s", str(args.load_timeout_s),
-             "--cpu-kv-cache-bytes", str(int(args.kv_cache_gib * 2**30))]
+             "--cpu-kv-cache-bytes", str(int(args.kv_cache_gib * 2**30)),
+             "--kv-store-buffer-size", str(args.buffer_gib)]
     texts = TextSource(model, args.seed)
     turn1 = [conversation(texts.take(args.prefix_tokens - 32), r) for r in range(args.repeats)]
     cold1 = [conversation(texts.take(args.prefix_tokens - 32), args.repeats + r) for r in range(args.repeats)]
@@ -164,6 +165,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="conversations per model and store")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0, help="each server's KV pool on the CPU")
     parser.add_argument("--load-timeout-s", type=float, default=60.0, help="--kv-store-load-timeout-s of B")
+    parser.add_argument("--buffer-gib", type=float, default=4.0,
+                        help="--kv-store-buffer-size of both (a request loads at most half of it: a 32k prefix "
+                             "of Llama-3-8B's shape, 4 GiB of KV, needs 10)")
     parser.add_argument("--workdir", default=None, help="where stores and server logs go (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     add_output_args(parser)

@@ -134,6 +134,11 @@ class CacheConfig:
     otherwise, so it must be named."""
     kv_store_load_timeout_s: float = 5.0
     """A load from kv_store not read within this many seconds fails; the request recomputes."""
+    kv_store_buffer_size: float = 4.0
+    """GiB of host memory every block passes through between the device and kv_store (page-locked
+    on a GPU, allocated at start): saves waiting to be written, loads read and not yet copied in.
+    It bounds both: a save finding it full writes only its leading blocks, and one request loads
+    at most half of it (the rest of its prefix is computed)."""
     kv_role: str = "both"
     """prefill | decode | both: this instance's part in prefill/decode disaggregation, KV handed
     over through kv_store (`deepinfer router --prefill URL`). prefill: a request is answered only
@@ -196,6 +201,8 @@ class CacheConfig:
                              "(dir://PATH or redis://HOST:PORT/DB), the same on the prefill and decode instances")
         if not (isinstance(self.kv_store_load_timeout_s, (int, float)) and self.kv_store_load_timeout_s > 0):
             raise ValueError(f"kv_store_load_timeout_s must be > 0, got {self.kv_store_load_timeout_s!r}")
+        if not (isinstance(self.kv_store_buffer_size, (int, float)) and self.kv_store_buffer_size > 0):
+            raise ValueError(f"kv_store_buffer_size must be a number of GiB > 0, got {self.kv_store_buffer_size!r}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.startswith(_ZMQ_SCHEMES)

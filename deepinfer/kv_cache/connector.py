@@ -288,7 +288,9 @@ def make_kv_connector_scheduler(config: EngineConfig | CacheConfig, groups: Sequ
     if store is not None:
         from deepinfer.kv_cache.store.persistent import StoreTierScheduler
 
-        return StoreTierScheduler(groups, block_size, store)
+        cache = getattr(config, "cache", config)
+        return StoreTierScheduler(groups, block_size, store,
+                                  buffer_bytes=int(cache.kv_store_buffer_size * 2**30))
     size = offloading_bytes(config)
     if size is None:
         return None
@@ -308,6 +310,7 @@ def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequenc
 
         cache = getattr(config, "cache", config)
         return StoreTierWorker(store, device, load_timeout_s=cache.kv_store_load_timeout_s,
+                               buffer_bytes=int(cache.kv_store_buffer_size * 2**30),
                                durable_saves=cache.kv_role == "prefill")
     size = offloading_bytes(config)
     if size is None:

@@ -17,15 +17,16 @@ come back empty). A store that is down or refuses answers "no hit" and takes
 no saves (StoreHealth: warn once, count, retry after a back-off).
 
 Worker side (StoreTierWorker, persistent_worker.py):
-  saves   after the forward, the blocks are copied device -> host (a side stream and an event on
-          CUDA), and the save is reported finished once that copy completed (the device blocks
-          may be reused from then on). The host copy goes through a bounded queue (max_pending_bytes)
-          to a writer thread, which skips entries the store has, encodes and writes the rest.
-          A full queue drops the save (counted), never blocks the step. Until written, a staged
-          block is served to loads from host memory.
+  saves   after the forward, the blocks are copied device -> slots of the staging buffer
+          (staging.py, kv_store_buffer_size; a side stream and an event on CUDA), and the save is
+          reported finished once that copy completed (the device blocks may be reused from then
+          on). A writer thread skips entries the store has, encodes and writes the rest, spread
+          over I/O threads. A full buffer drops the save's tail (counted), never blocks the step.
+          Until written, a staged block is served to loads from its slot.
   loads   start_transfers hands each load to a reader thread, which reads and checks the entries
-          into host memory and touches them (their retention restarts); the step thread copies
-          them into the device blocks when it polls (finished_transfers). A load that fails (an
+          into staging slots (over the I/O threads) and touches them (their retention restarts);
+          the step thread copies them into the device blocks when it polls (finished_transfers).
+          A request loads at most half the buffer (max_load_blocks). A load that fails (an
           entry missing or bad, the store down) or is not read within load_timeout_s is reported
           by failed_transfers() instead of finished_transfers(): its device blocks were never
           written, and the scheduler must recompute the request (FinishedTransfers.failed).
@@ -61,6 +62,7 @@ from deepinfer.kv_cache.connector import (
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, StoreHealth
 from deepinfer.kv_cache.store.entry import EntryLayout
+from deepinfer.kv_cache.store.staging import staging_shape
 from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
 
 if TYPE_CHECKING:
@@ -132,7 +134,7 @@ class StoreTierScheduler(TierSchedulerBase):
     tier_name = "store"
 
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, backend: StoreBackend,
-                 key_extra: bytes = b"", backoff_s: float = 1.0) -> None:
+                 key_extra: bytes = b"", backoff_s: float = 1.0, buffer_bytes: int = 1 << 30) -> None:
         super().__init__()
         self.block_size = block_size
         self.backend = backend
@@ -140,6 +142,11 @@ class StoreTierScheduler(TierSchedulerBase):
         self._layouts = group_layouts(groups, block_size, key_extra)
         if not self._layouts:
             raise ValueError("no layer group's KV kind may be persisted (sliding-window KV never is)")
+        # A load passes through the worker's staging buffer (staging.py) whole: one request loads
+        # at most half of it (its blocks in every persisted group), the rest of its prefix is
+        # computed, so that loads never wait on each other for room, and saves keep some.
+        _, slots = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], buffer_bytes)
+        self.max_load_blocks = max(slots // (2 * len(self._layouts)), 1)
         self._known: collections.OrderedDict[TierKey, float] = collections.OrderedDict()
         self._errors_seen = 0
         self._saving: set[TierKey] = set()      # queued or in flight saves of this instance
@@ -166,7 +173,8 @@ class StoreTierScheduler(TierSchedulerBase):
         if num_device_tokens % self.block_size:
             raise ValueError(f"num_device_tokens={num_device_tokens} is not whole blocks of {self.block_size}")
         groups = [self._layouts[g] for g in group_ids if g in self._layouts]
-        hashes = request_hashes[num_device_tokens // self.block_size:]
+        first = num_device_tokens // self.block_size
+        hashes = request_hashes[first:first + self.max_load_blocks]
         if not groups or not hashes:
             return 0
         keys = [(gk, h) for h in hashes for gk, _ in groups]

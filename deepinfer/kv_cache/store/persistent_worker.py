@@ -8,11 +8,13 @@ import atexit
 import collections
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +39,7 @@ from deepinfer.kv_cache.store.persistent import (
     group_layouts,
     report_removals,
 )
+from deepinfer.kv_cache.store.staging import StagingBuffer, staging_shape
 from deepinfer.kv_cache.tier_stats import LatencyHistogram
 from deepinfer.platforms.transfer import to_device
 
@@ -46,6 +49,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 COUNTS_INTERVAL_S = 2.0
+# Entries one I/O task reads or writes: a transfer of more is split over the I/O threads. Each
+# entry's checksum (blake2b) and file I/O release the interpreter, so the threads run in parallel.
+ENTRIES_PER_TASK = 8
 
 
 @dataclass
@@ -81,12 +87,11 @@ class StoreWorkerStats:
 
 @dataclass
 class _Staged:
-    """Blocks of one save, on the host: [blocks, layers, 2, page words]."""
+    """The leading blocks of one save, copied into staging slots (slots[i]: block i)."""
 
     transfer: KVTransfer
-    host: torch.Tensor
+    slots: list[int]
     event: torch.cuda.Event | None
-    nbytes: int
     staged_at: float = field(default_factory=time.monotonic)
 
 
@@ -95,19 +100,22 @@ class _Load:
     transfer: KVTransfer
     deadline: float
     done: threading.Event = field(default_factory=threading.Event)
-    host: torch.Tensor | None = None     # [blocks, layers, 2, words] once read and checked
+    slots: list[int] | None = None       # staging slots holding the read, checked entries (block i: slots[i])
     error: str | None = None
     abandoned: bool = False              # timed out: the reader's result is dropped
 
 
 class StoreTierWorker(KVConnectorWorker):
     def __init__(self, backend: StoreBackend, device: torch.device, *, load_timeout_s: float = 5.0,
-                 max_pending_bytes: int = 1 << 30, flush_timeout_s: float = 10.0, backoff_s: float = 1.0,
-                 key_extra: bytes = b"", durable_saves: bool = False) -> None:
+                 buffer_bytes: int = 1 << 30, io_threads: int | None = None, flush_timeout_s: float = 10.0,
+                 backoff_s: float = 1.0, key_extra: bytes = b"", durable_saves: bool = False) -> None:
         self.backend = backend
         self.device = torch.device(device)
         self.load_timeout_s = load_timeout_s
-        self.max_pending_bytes = max_pending_bytes
+        # The staging buffer (staging.py) bounds what is in flight between device and store:
+        # saves waiting to be written and loads read but not yet copied in.
+        self.buffer_bytes = buffer_bytes
+        self.staging: StagingBuffer | None = None
         self.flush_timeout_s = flush_timeout_s
         self.key_extra = key_extra
         # A save is reported finished once its copy off the device is complete (its blocks may be
@@ -124,13 +132,17 @@ class StoreTierWorker(KVConnectorWorker):
         self._group_pages: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._deferred_saves: list[KVTransfer] = []
         self._staging: collections.deque[_Staged] = collections.deque()   # copies not complete yet
-        # Staged, not written yet: (host blocks, row, the copy's event on CUDA)
-        self._pending: dict[TierKey, tuple[torch.Tensor, int, torch.cuda.Event | None]] = {}
-        self._pending_bytes = 0
+        # Staged, not written yet: (slot, the copy's event on CUDA); a load may read it from there.
+        self._pending: dict[TierKey, tuple[int, torch.cuda.Event | None]] = {}
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._loads: collections.deque[_Load] = collections.deque()
-        self._copies: collections.deque[tuple[int, torch.cuda.Event]] = collections.deque()
+        # Loads copied in on the side stream: (transfer id, its slots, the copy's event)
+        self._copies: collections.deque[tuple[int, list[int], torch.cuda.Event]] = collections.deque()
+        # The writer and reader threads hand a transfer's entries, ENTRIES_PER_TASK at a time, to
+        # these; on a CPU engine the cores belong to the forward, so fewer.
+        threads = io_threads or (min(8, os.cpu_count() or 1) if self._cuda else 2)
+        self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-store-io")
         self._done: list[int] = []
         self._failed: list[int] = []
         self._idle = threading.Condition(self._lock)
@@ -161,7 +173,17 @@ class StoreTierWorker(KVConnectorWorker):
             self._words[group_id] = word
             self._group_pages[group_id] = [(_pages(k, block_size, word), _pages(v, block_size, word))
                                            for k, v in group_kv_tensors(kv_caches, groups, by_id[group_id])]
-        logger.info("KV store tier: %s, groups %s", self.backend.url, sorted(self._layouts))
+        if self._layouts:
+            shape = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], self.buffer_bytes)
+            self.staging = StagingBuffer(*shape, self.device)
+        logger.info("KV store tier: %s, groups %s, staging %d blocks", self.backend.url, sorted(self._layouts),
+                    self.staging.num_slots if self.staging else 0)
+
+    def _rows(self, group_id: int, device_side: bool) -> torch.Tensor:
+        """The staging buffer as [slots, layers, 2, words] of this group (its device view or host side)."""
+        layout = self._layouts[group_id][1]
+        view = self.staging.device_view if device_side else self.staging.host
+        return self.staging.rows(view, layout.payload_bytes, self._words[group_id], layout.num_layers)
 
     def stats(self) -> StoreWorkerStats:
         with self._lock:
@@ -193,43 +215,45 @@ class StoreTierWorker(KVConnectorWorker):
             self._stage(transfer)
 
     def _stage(self, transfer: KVTransfer) -> None:
-        """Copy a save's blocks device -> host (the only part on the step)."""
-        layout = self._layouts[transfer.group_id][1]
-        nbytes = len(transfer.device_block_ids) * layout.payload_bytes
-        with self._lock:
-            full = self._pending_bytes + nbytes > self.max_pending_bytes
-            if full or not self.health.usable():
-                self._stats.dropped_saves += len(transfer.device_block_ids)
-                # Reported finished (its device blocks are free), never written.
-                self._done.append(transfer.transfer_id)
-                return
-            self._pending_bytes += nbytes
-        pages = self._group_pages[transfer.group_id]
+        """Copy a save's blocks device -> staging slots (the only part on the step). With too few
+        free slots the leading blocks are staged (a prefix hit needs them first), the rest dropped."""
         n = len(transfer.device_block_ids)
+        slots = self.staging.take(n, partial=True) if self.health.usable() else []
+        if len(slots) < n:
+            with self._lock:
+                self._stats.dropped_saves += n - len(slots)
+        if not slots:
+            with self._lock:   # reported finished (its device blocks are free), never written
+                self._done.append(transfer.transfer_id)
+            return
+        pages = self._group_pages[transfer.group_id]
+        rows = self._rows(transfer.group_id, device_side=True)
+        event = None
         if self._cuda:
-            host = torch.empty((n, len(pages), 2, pages[0][0].shape[1]), dtype=self._words[transfer.group_id],
-                               pin_memory=True)
             with torch.cuda.stream(self._stream):
-                blocks = to_device(transfer.device_block_ids, self.device, torch.long)
-                gathered = torch.stack([torch.stack([k.index_select(0, blocks), v.index_select(0, blocks)], 1)
-                                        for k, v in pages], 1)
-                host.copy_(gathered, non_blocking=True)
+                self._gather(pages, rows, transfer.device_block_ids[:len(slots)], slots)
                 event = torch.cuda.Event()
                 event.record(self._stream)
         else:
-            blocks = torch.tensor(transfer.device_block_ids, dtype=torch.long)
-            host = torch.stack([torch.stack([k.index_select(0, blocks), v.index_select(0, blocks)], 1)
-                                for k, v in pages], 1)
-            event = None
-        staged = _Staged(transfer, host, event, nbytes)
+            self._gather(pages, rows, transfer.device_block_ids[:len(slots)], slots)
+        staged = _Staged(transfer, slots, event)
         gk = self._layouts[transfer.group_id][0]
         with self._lock:
-            for i, block_hash in enumerate(transfer.block_hashes):
-                self._pending[(gk, block_hash)] = (host, i, event)
+            for block_hash, slot in zip(transfer.block_hashes, slots):
+                self._pending[(gk, block_hash)] = (slot, event)
             self._unwritten += 1
         if not self.durable_saves:
             self._staging.append(staged)
         self._writes.put(staged)
+
+    def _gather(self, pages, rows: torch.Tensor, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Device blocks -> staging rows, layer by layer (on CUDA the rows are the device view of
+        the mapped host memory: the kernels write it over the bus)."""
+        blocks = to_device(block_ids, self.device, torch.long)
+        slot_ids = to_device(slots, self.device, torch.long)
+        for layer, (k, v) in enumerate(pages):
+            rows[:, layer, 0].index_copy_(0, slot_ids, k.index_select(0, blocks))
+            rows[:, layer, 1].index_copy_(0, slot_ids, v.index_select(0, blocks))
 
     def finished_transfers(self) -> list[int]:
         done: list[int] = []
@@ -238,8 +262,10 @@ class StoreTierWorker(KVConnectorWorker):
         while self._staging and (self._staging[0].event is None or self._staging[0].event.query()):
             done.append(self._staging.popleft().transfer.transfer_id)
         self._finish_loads()
-        while self._copies and self._copies[0][1].query():
-            done.append(self._copies.popleft()[0])
+        while self._copies and self._copies[0][2].query():
+            transfer_id, slots, _ = self._copies.popleft()
+            self.staging.free(slots)
+            done.append(transfer_id)
         with self._lock:
             done.extend(self._done)
             self._done = []
@@ -265,104 +291,134 @@ class StoreTierWorker(KVConnectorWorker):
                 load.error = load.error or f"not read within {self.load_timeout_s} s"
             self._loads.popleft()
             transfer = load.transfer
-            if load.error is not None or load.host is None:
+            slots = self._claim(load)
+            if load.error is not None or slots is None:
+                if slots is not None:
+                    self.staging.free(slots)
                 logger.debug("KV store load %d failed: %s", transfer.transfer_id, load.error)
                 with self._lock:
                     self._stats.failed_loads += 1
                     self._failed.append(transfer.transfer_id)
                 continue
-            self._copy_in(transfer, load.host)
+            self._copy_in(transfer, slots)
             with self._lock:
                 self._stats.loaded_blocks += len(transfer.device_block_ids)
 
-    def _copy_in(self, transfer: KVTransfer, host: torch.Tensor) -> None:
+    def _claim(self, load: _Load) -> list[int] | None:
+        """The load's slots, taken from it (once: the reader and the step thread both try when a
+        load times out, and whoever claims them frees them)."""
+        with self._lock:
+            slots, load.slots = load.slots, None
+        return slots
+
+    def _copy_in(self, transfer: KVTransfer, slots: list[int]) -> None:
+        """Staging slots -> the load's device blocks; the slots are freed once the copy is done."""
         pages = self._group_pages[transfer.group_id]
+        rows = self._rows(transfer.group_id, device_side=True)
         if self._cuda:
             queued = torch.cuda.Event()
             queued.record()
             self._stream.wait_event(queued)
             with torch.cuda.stream(self._stream):
-                blocks = to_device(transfer.device_block_ids, self.device, torch.long)
-                src = host.pin_memory().to(self.device, non_blocking=True)
-                for layer, (k, v) in enumerate(pages):
-                    k.index_copy_(0, blocks, src[:, layer, 0])
-                    v.index_copy_(0, blocks, src[:, layer, 1])
+                self._scatter(pages, rows, transfer.device_block_ids, slots)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            self._copies.append((transfer.transfer_id, event))
+            self._copies.append((transfer.transfer_id, slots, event))
         else:
-            blocks = torch.tensor(transfer.device_block_ids, dtype=torch.long)
-            for layer, (k, v) in enumerate(pages):
-                k.index_copy_(0, blocks, host[:, layer, 0])
-                v.index_copy_(0, blocks, host[:, layer, 1])
+            self._scatter(pages, rows, transfer.device_block_ids, slots)
+            self.staging.free(slots)
             with self._lock:
                 self._done.append(transfer.transfer_id)
+
+    def _scatter(self, pages, rows: torch.Tensor, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        blocks = to_device(block_ids, self.device, torch.long)
+        # One read of the slots (over the bus on CUDA) into device memory, then per layer a copy.
+        src = rows.index_select(0, to_device(slots, self.device, torch.long))
+        for layer, (k, v) in enumerate(pages):
+            k.index_copy_(0, blocks, src[:, layer, 0])
+            v.index_copy_(0, blocks, src[:, layer, 1])
 
     # ------------------------------------------------------------------------------ threads
     def _on_read(self, load: _Load | None) -> None:
         if load is None:   # idle tick
             return
         try:
-            load.host = self._read(load)
+            self._read(load)
         except Exception as exc:   # never let the thread die: the load fails, the request recomputes
             load.error = f"{type(exc).__name__}: {exc}"
         finally:
+            if load.abandoned or load.error is not None:   # nobody will copy it in
+                slots = self._claim(load)
+                if slots is not None:
+                    self.staging.free(slots)
             load.done.set()
 
-    def _read(self, load: _Load) -> torch.Tensor | None:
+    def _read(self, load: _Load) -> None:
+        """Read and check the load's entries into staging slots (load.slots), or set load.error."""
         transfer = load.transfer
         gk, layout = self._layouts[transfer.group_id]
         keys = [(gk, h) for h in transfer.block_hashes]
-        word = self._words[transfer.group_id]
-        rows: list[torch.Tensor | None] = [None] * len(keys)
+        slots = self.staging.take(len(keys))
+        if not slots:
+            load.error = f"the staging buffer has fewer than {len(keys)} free blocks"
+            return
+        load.slots = slots
         with self._lock:
-            staged_rows = [(i, self._pending.get(key)) for i, key in enumerate(keys)]
-        for i, staged in staged_rows:   # staged, not written yet: from host memory
-            if staged is not None:
-                host, row, event = staged
-                if event is not None:
-                    event.synchronize()
-                rows[i] = host[row].clone()
-        wanted = [i for i, r in enumerate(rows) if r is None]
-        if wanted:
-            if not self.health.usable():
-                load.error = "the store is down"
-                return None
-            try:
-                data = self.backend.get([keys[i] for i in wanted])
-            except StoreUnavailable as exc:
-                self.health.failed(exc, "read")
+            staged = {i: self._pending[key] for i, key in enumerate(keys) if key in self._pending}
+        for _, event in staged.values():   # their copies off the device must be complete
+            if event is not None:
+                event.synchronize()
+        host, size = self.staging.host, layout.payload_bytes
+        with self._lock:   # staged, not written yet: copied from its slot, unless written (and freed) since
+            for i, (slot, event) in list(staged.items()):
+                if self._pending.get(keys[i]) == (slot, event):
+                    host[slots[i], :size] = host[slot, :size]
+                else:
+                    del staged[i]
+        wanted = [i for i in range(len(keys)) if i not in staged]
+        if not wanted:
+            return
+        if not self.health.usable():
+            load.error = "the store is down"
+            return
+        tasks = [wanted[j:j + ENTRIES_PER_TASK] for j in range(0, len(wanted), ENTRIES_PER_TASK)]
+        errors = [e for e in self._io.map(lambda part: self._read_part(keys, slots, part, layout), tasks) if e]
+        if errors:
+            load.error = errors[0]
+            return
+        self.health.call("touch", lambda: self.backend.touch([keys[i] for i in wanted],
+                                                             transfer.traffic_class or DEFAULT_CLASS), None)
+
+    def _read_part(self, keys: list[TierKey], slots: list[int], part: list[int], layout) -> str | None:
+        """Entries keys[i] for i in `part` -> their slots; an error text if any is missing or bad."""
+        try:
+            data = self.backend.get([keys[i] for i in part])
+        except StoreUnavailable as exc:
+            self.health.failed(exc, "read")
+            with self._lock:
+                self._stats.read_errors += 1
+            return str(exc)
+        self.health.succeeded()
+        error, bad = None, []
+        for i, raw in zip(part, data):
+            if raw is None:
                 with self._lock:
-                    self._stats.read_errors += 1
-                load.error = str(exc)
-                return None
-            self.health.succeeded()
-            bad = []
-            for i, raw in zip(wanted, data):
-                if raw is None:
-                    with self._lock:
-                        self._stats.missing_entries += 1
-                    load.error = "entry gone"
-                    continue
-                try:
-                    _, payload = entry_format.decode(raw, keys[i][0], keys[i][1], layout)
-                except EntryError as exc:
-                    with self._lock:
-                        self._stats.bad_entries[exc.reason] += 1
-                    logger.warning("KV store %s: dropping a bad entry (%s)", self.backend.url, exc)
-                    bad.append(keys[i])
-                    load.error = str(exc)
-                    continue
-                rows[i] = torch.frombuffer(bytearray(payload), dtype=word).view(layout.num_layers, 2, -1)
-            if bad:
-                self.health.call("delete", lambda: self.backend.delete(bad), None)
-            if load.error is not None:
-                return None
-            self.health.call("touch", lambda: self.backend.touch([keys[i] for i in wanted],
-                                                                 transfer.traffic_class or DEFAULT_CLASS), None)
-        if load.abandoned:
-            return None
-        return torch.stack(rows)
+                    self._stats.missing_entries += 1
+                error = "entry gone"
+                continue
+            try:
+                _, payload = entry_format.decode(raw, keys[i][0], keys[i][1], layout)
+            except EntryError as exc:
+                with self._lock:
+                    self._stats.bad_entries[exc.reason] += 1
+                logger.warning("KV store %s: dropping a bad entry (%s)", self.backend.url, exc)
+                bad.append(keys[i])
+                error = str(exc)
+                continue
+            self.staging.payload(slots[i], layout.payload_bytes)[:] = payload
+        if bad:
+            self.health.call("delete", lambda: self.backend.delete(bad), None)
+        return error
 
     def _on_write(self, staged: _Staged | None) -> None:
         if staged is not None:   # None: an idle tick
@@ -388,31 +444,42 @@ class StoreTierWorker(KVConnectorWorker):
         if staged.event is not None:
             staged.event.synchronize()
         transfer = staged.transfer
-        gk, layout = self._layouts[transfer.group_id]
-        keys = [(gk, h) for h in transfer.block_hashes]
-        n = len(keys)
+        n = len(staged.slots)
         if self._closing_deadline is not None and time.monotonic() > self._closing_deadline:
             with self._lock:
                 self._stats.dropped_saves += n
             return
-        states = self.health.call("exists", lambda: self.backend.exists(keys, [layout.entry_bytes] * n), None)
+        gk, layout = self._layouts[transfer.group_id]
+        keys = [(gk, h) for h in transfer.block_hashes[:n]]
+        traffic_class = transfer.traffic_class or DEFAULT_CLASS
+        parts = [range(j, min(j + ENTRIES_PER_TASK, n)) for j in range(0, n, ENTRIES_PER_TASK)]
+        written: list[TierKey] = []
+        for result in self._io.map(lambda part: self._write_part(keys, staged.slots, part, layout, traffic_class),
+                                   parts):
+            written.extend(result)
+        if written and self.events is not None:
+            self.events.stored([key[1] for key in written], self.backend.medium, transfer.group_id)
+        if written:
+            with self._lock:
+                self._stats.write_latency.observe(time.monotonic() - staged.staged_at)
+
+    def _write_part(self, keys: list[TierKey], slots: list[int], part: range, layout, traffic_class: str
+                    ) -> list[TierKey]:
+        """Write entries keys[i] for i in `part` from their slots, skipping those the store has;
+        returns the keys written."""
+        mine = [keys[i] for i in part]
+        states = self.health.call("exists", lambda: self.backend.exists(mine, [layout.entry_bytes] * len(mine)), None)
         if states is None:
             with self._lock:
-                self._stats.dropped_saves += n
-            return
-        traffic_class = transfer.traffic_class or DEFAULT_CLASS
+                self._stats.dropped_saves += len(mine)
+            return []
         now = self.backend.clock()
-        items = []
-        host = staged.host.cpu()
-        for i, (key, state) in enumerate(zip(keys, states)):
-            if state == PRESENT:
-                continue
-            payload = host[i].contiguous().view(torch.uint8).numpy().tobytes()
-            items.append((key, entry_format.encode(key[0], key[1], layout, payload, traffic_class, now),
-                          traffic_class))
-        skipped = n - len(items)
-        if skipped:   # the store has them: this save is a use, under this request's class
-            present = [key for key, state in zip(keys, states) if state == PRESENT]
+        items = [(keys[i], entry_format.encode(keys[i][0], keys[i][1], layout,
+                                               self.staging.payload(slots[i], layout.payload_bytes), traffic_class,
+                                               now), traffic_class)
+                 for i, state in zip(part, states) if state != PRESENT]
+        present = [key for key, state in zip(mine, states) if state == PRESENT]
+        if present:   # the store has them: this save is a use, under this request's class
             self.health.call("touch", lambda: self.backend.touch(present, traffic_class), None)
         try:
             self.backend.put(items)
@@ -421,28 +488,26 @@ class StoreTierWorker(KVConnectorWorker):
             with self._lock:
                 self._stats.write_errors += 1
                 self._stats.dropped_saves += len(items)
-                self._stats.skipped_blocks += skipped
-            return
+                self._stats.skipped_blocks += len(present)
+            return []
         self.health.succeeded()
-        if self.events is not None:
-            self.events.stored([key[1] for key, _, _ in items], self.backend.medium, transfer.group_id)
         with self._lock:
             self._stats.written_blocks += len(items)
-            self._stats.skipped_blocks += skipped
-            self._stats.write_latency.observe(time.monotonic() - staged.staged_at)
+            self._stats.skipped_blocks += len(present)
+        return [key for key, _, _ in items]
 
     def _written(self, staged: _Staged) -> None:
         gk = self._layouts[staged.transfer.group_id][0]
         with self._lock:
-            for block_hash in staged.transfer.block_hashes:
+            for block_hash, slot in zip(staged.transfer.block_hashes, staged.slots):
                 entry = self._pending.get((gk, block_hash))
-                if entry is not None and entry[0] is staged.host:
+                if entry is not None and entry[0] == slot:
                     del self._pending[(gk, block_hash)]
-            self._pending_bytes -= staged.nbytes
             self._unwritten -= 1
             if self.durable_saves:   # written, or dropped (the decode side then recomputes)
                 self._done.append(staged.transfer.transfer_id)
             self._idle.notify_all()
+        self.staging.free(staged.slots)
 
     # ---------------------------------------------------------------------------- shutdown
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -483,4 +548,5 @@ class StoreTierWorker(KVConnectorWorker):
         self._reads.put(_STOP)
         self._writer.join(1.0)
         self._reader.join(1.0)
+        self._io.shutdown(wait=False)
         self.backend.close()
