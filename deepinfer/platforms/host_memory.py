@@ -85,3 +85,80 @@ class _Allocation:
             _driver().cuMemFreeHost(ctypes.c_void_p(self.pointer))
         except Exception:   # interpreter shutdown: the driver may be gone, and the pages with it
             pass
+
+
+_CU_MEMHOSTREGISTER_PORTABLE = 0x01
+_CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+
+
+class SharedHostBuffer:
+    """`nbytes` of host memory another process can map too (a Linux memfd: `fd`, inherited by a
+    child that maps it with `map_shared`), with the same two views as HostBuffer: `host`, and on
+    CUDA `device_view`, the pages registered page-locked and mapped into the device
+    (cuMemHostRegister), so index kernels move blocks in and out while the other process reads
+    and writes the same bytes. Freed (unregistered, unmapped, closed) with `close()` or at exit."""
+
+    def __init__(self, nbytes: int, device: torch.device, name: str = "deepinfer-shared") -> None:
+        import mmap
+        import os
+
+        self.nbytes = nbytes
+        self.fd = os.memfd_create(name, 0)   # no MFD_CLOEXEC: the child inherits it through pass_fds
+        os.ftruncate(self.fd, nbytes)
+        self._map = mmap.mmap(self.fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._pointer = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.host = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.device = device
+        self._registered = False
+        if device.type == "cpu":
+            self.device_view = self.host
+            return
+        if device.type != "cuda":
+            raise NotImplementedError(f"no shared host buffer for device type {device.type!r}")
+        from deepinfer.platforms.nvrtc import _check_driver, _driver
+
+        driver = _driver()
+        with torch.cuda.device(device):
+            torch.zeros(1, device=device)   # torch's context is current on this thread from here on
+            _check_driver(driver.cuMemHostRegister_v2(ctypes.c_void_p(self._pointer), ctypes.c_size_t(nbytes),
+                                                      _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP),
+                          f"cuMemHostRegister of {nbytes} bytes")
+            self._registered = True
+            device_pointer = ctypes.c_uint64()
+            _check_driver(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device_pointer),
+                                                              ctypes.c_void_p(self._pointer), 0),
+                          "cuMemHostGetDevicePointer")
+            self._source = _CudaArray(device_pointer.value, nbytes)
+            self.device_view = torch.as_tensor(self._source, device=device)
+        if self.device_view.data_ptr() != device_pointer.value:
+            raise RuntimeError(f"the device view of the shared host buffer is not an alias on {device}")
+
+    def close(self) -> None:
+        """Unregister and unmap (every view of the buffer must be dropped by then)."""
+        import os
+
+        if self._map is None:
+            return
+        self.host = self.device_view = None
+        if self._registered:
+            try:
+                from deepinfer.platforms.nvrtc import _driver
+
+                torch.cuda.synchronize(self.device)
+                _driver().cuMemHostUnregister(ctypes.c_void_p(self._pointer))
+            except Exception:   # interpreter shutdown: the driver may be gone
+                pass
+        try:
+            self._map.close()
+        except BufferError:   # a view is still alive: the mapping goes with the process
+            pass
+        self._map = None
+        os.close(self.fd)
+
+
+def map_shared(fd: int, nbytes: int) -> torch.Tensor:
+    """The other process's side of a SharedHostBuffer: its bytes as a CPU uint8 tensor."""
+    import mmap
+
+    return torch.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+                            dtype=torch.uint8)

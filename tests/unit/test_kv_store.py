@@ -88,17 +88,17 @@ def test_entry_round_trip_and_every_fault_is_detected():
 
 
 # ------------------------------------------------------------------------------ round trips
-def _round_trip(make_store, dtype, device="cpu"):
+def _round_trip(make_store, dtype, device="cpu", io_process=None):
     groups = [full(0, (0, 1), cache_dtype=dtype)]
     hashes = chain(5)
     src = random_caches(2, dtype, device)
-    writer = connector(make_store(), groups, device)
+    writer = connector(make_store(), groups, device, io_process=io_process)
     save_all(*writer, src, groups, hashes, [3, 7, 1, 12, 5])
     assert writer[1].stats().written_blocks == 5
     writer[1].close()
     # A fresh instance (both sides new) on the same store: cross-instance reuse.
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    sched, worker = connector(make_store(), groups, device)
+    sched, worker = connector(make_store(), groups, device, io_process=io_process)
     worker.register_kv_caches(dst, groups, BS)
     n, done = load_all(sched, worker, groups, hashes, [0, 2, 4, 6, 8])
     assert n == 5 and done.loaded == ["reader"] and not done.failed
@@ -112,6 +112,15 @@ def _round_trip(make_store, dtype, device="cpu"):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_round_trip_is_bit_identical_through_a_directory(tmp_path, dtype):
     _round_trip(lambda: DirStore(str(tmp_path), RETENTION), dtype)
+
+
+def test_round_trip_through_the_io_process_is_bit_identical(tmp_path, redis_server):  # noqa: F811
+    """The data path in a process of its own (a GPU engine's default; entry_io.ProcessIO), over
+    the staging buffer both map: a directory and a Redis, written by one instance, read by the next."""
+    from deepinfer.kv_cache.store.redis import RedisStore
+
+    _round_trip(lambda: DirStore(str(tmp_path), RETENTION), torch.bfloat16, io_process=True)
+    _round_trip(lambda: RedisStore(redis_server.url, RETENTION), torch.float8_e4m3fn, io_process=True)
 
 
 @pytest.mark.gpu
@@ -149,8 +158,10 @@ def _file(store: DirStore, groups, hashes, i):
     return store.path((StoreTierScheduler(groups, BS, store)._layouts[0][0], hashes[i]))
 
 
-@pytest.mark.parametrize("fault", ["bit_flip", "truncate", "delete", "foreign_version", "delete_after_lookup"])
-def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, fault):
+@pytest.mark.parametrize("fault,io_process", [("bit_flip", False), ("truncate", False), ("delete", False),
+                                              ("foreign_version", False), ("delete_after_lookup", False),
+                                              ("bit_flip", True), ("delete_after_lookup", True)])
+def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, fault, io_process):
     groups = [full(0, (0, 1))]
     hashes = chain(4)
     src = random_caches(2, torch.bfloat16)
@@ -172,7 +183,7 @@ def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, faul
     # A half-written temp file beside it is never read either.
     open(_file(store, groups, hashes, 3) + ".tmp.1.2.dead", "wb").write(b"DIKV\x01")
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups)
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, io_process=io_process)
     worker.register_kv_caches(dst, groups, BS)
     n = sched.get_num_new_matched_tokens(hashes, [0], 0) // BS
     if fault in ("truncate", "delete"):   # seen by the look-up itself: stops at block 2
@@ -222,13 +233,15 @@ def test_a_load_slower_than_the_timeout_fails(tmp_path):
     worker.close()
 
 
-def test_redis_down_never_stops_serving_and_is_used_again_when_back(redis_server):  # noqa: F811
+@pytest.mark.parametrize("io_process", [False, True])
+def test_redis_down_never_stops_serving_and_is_used_again_when_back(redis_server, io_process):  # noqa: F811
     from deepinfer.kv_cache.store.redis import RedisStore
 
     groups = [full(0, (0,))]
     hashes = chain(3)
     src = random_caches(1, torch.bfloat16)
-    sched, worker = connector(RedisStore(redis_server.url, RETENTION, connect_timeout_s=0.2), groups)
+    sched, worker = connector(RedisStore(redis_server.url, RETENTION, connect_timeout_s=0.2), groups,
+                              io_process=io_process)
     worker.register_kv_caches(src, groups, BS)
     redis_server.stop()
     assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 0      # a miss, not an error
@@ -455,21 +468,22 @@ def _slots_bytes(groups, n: int) -> int:
     return n * slot
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_full_staging_buffer_writes_a_saves_leading_blocks(tmp_path, device):
+@pytest.mark.parametrize("device,io_process", [("cpu", False), ("cpu", True),
+                                               pytest.param("cuda", True, marks=pytest.mark.gpu)])
+def test_a_full_staging_buffer_writes_a_saves_leading_blocks(tmp_path, device, io_process):
     """Three slots, a save of five blocks: the first three are written (a prefix hit needs those
     first), the other two dropped and counted; a reader finds the three, bit-identical."""
     groups = [full(0, (0, 1))]
     hashes = chain(5)
     src = random_caches(2, torch.bfloat16, device)
     sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device,
-                              buffer_bytes=_slots_bytes(groups, 3))
+                              buffer_bytes=_slots_bytes(groups, 3), io_process=io_process)
     save_all(sched, worker, src, groups, hashes, [3, 7, 1, 12, 5])
     stats = worker.stats()
     assert (stats.written_blocks, stats.dropped_saves) == (3, 2)
     worker.close()
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device)
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device, io_process=io_process)
     worker.register_kv_caches(dst, groups, BS)
     n, done = load_all(sched, worker, groups, hashes, [0, 2, 4, 6, 8])
     assert n == 3 and done.loaded == ["reader"]

@@ -124,6 +124,13 @@ class StoreBackend(abc.ABC):
     def close(self) -> None:
         pass
 
+    def reopen_args(self) -> tuple[str, dict[str, float], int | None] | None:
+        """(url, retention, size bytes): what opens this store again in another process
+        (open_store); None when it cannot be (an injected clock stays in this process)."""
+        if self.clock is not time.time:
+            return None
+        return self.url, self.retention, getattr(self, "size_bytes", None)
+
 
 class StoreHealth:
     """Whether to use the store now: after a failure it is skipped for `backoff_s`, then tried

@@ -14,7 +14,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,8 +27,9 @@ from deepinfer.kv_cache.connector import (
 )
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store import entry as entry_format
-from deepinfer.kv_cache.store.backend import PRESENT, StoreBackend, StoreCounts, StoreHealth, StoreUnavailable
-from deepinfer.kv_cache.store.entry import EntryError, EntryLayout
+from deepinfer.kv_cache.store.backend import StoreBackend, StoreCounts, StoreHealth, StoreUnavailable
+from deepinfer.kv_cache.store.entry import EntryLayout
+from deepinfer.kv_cache.store.entry_io import OpResult, ProcessIO, ThreadIO
 from deepinfer.kv_cache.store.host import _pages, _word_dtype
 from deepinfer.kv_cache.store.persistent import (
     _STOP,
@@ -49,9 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 COUNTS_INTERVAL_S = 2.0
-# Entries one I/O task reads or writes: a transfer of more is split over the I/O threads. Each
-# entry's checksum (blake2b) and file I/O release the interpreter, so the threads run in parallel.
-ENTRIES_PER_TASK = 8
 
 
 @dataclass
@@ -107,8 +104,9 @@ class _Load:
 
 class StoreTierWorker(KVConnectorWorker):
     def __init__(self, backend: StoreBackend, device: torch.device, *, load_timeout_s: float = 5.0,
-                 buffer_bytes: int = 1 << 30, io_threads: int | None = None, flush_timeout_s: float = 10.0,
-                 backoff_s: float = 1.0, key_extra: bytes = b"", durable_saves: bool = False) -> None:
+                 buffer_bytes: int = 1 << 30, io_threads: int | None = None, io_process: bool | None = None,
+                 flush_timeout_s: float = 10.0, backoff_s: float = 1.0, key_extra: bytes = b"",
+                 durable_saves: bool = False) -> None:
         self.backend = backend
         self.device = torch.device(device)
         self.load_timeout_s = load_timeout_s
@@ -139,10 +137,14 @@ class StoreTierWorker(KVConnectorWorker):
         self._loads: collections.deque[_Load] = collections.deque()
         # Loads copied in on the side stream: (transfer id, its slots, the copy's event)
         self._copies: collections.deque[tuple[int, list[int], torch.cuda.Event]] = collections.deque()
-        # The writer and reader threads hand a transfer's entries, ENTRIES_PER_TASK at a time, to
-        # these; on a CPU engine the cores belong to the forward, so fewer.
-        threads = io_threads or (min(8, os.cpu_count() or 1) if self._cuda else 2)
-        self._io = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-store-io")
+        # The writer and reader threads hand a transfer's entries to the data path (entry_io.py):
+        # in a process of its own on a GPU (the step is host-bound Python there), on threads of
+        # this process on the CPU (whose cores belong to the forward, so fewer of them).
+        self._io_threads = io_threads or (min(8, os.cpu_count() or 1) if self._cuda else 2)
+        self._io_process = self._cuda if io_process is None else io_process
+        if self._io_process and backend.reopen_args() is None:
+            self._io_process = False   # an injected clock cannot follow the store into a child
+        self._io: ThreadIO | ProcessIO | None = None
         self._done: list[int] = []
         self._failed: list[int] = []
         self._idle = threading.Condition(self._lock)
@@ -152,6 +154,7 @@ class StoreTierWorker(KVConnectorWorker):
         self._last_gc = time.monotonic()
         self._last_counts = -COUNTS_INTERVAL_S
         self.events: KVEventSink | None = None   # KV events of what this instance writes and removes
+        self._report_removed = None
         # The threads hold the worker weakly: an engine dropped without shutdown still lets its
         # KV tensors go (the threads notice within THREAD_POLL_S and end).
         ref = weakref.ref(self)
@@ -175,7 +178,11 @@ class StoreTierWorker(KVConnectorWorker):
                                            for k, v in group_kv_tensors(kv_caches, groups, by_id[group_id])]
         if self._layouts:
             shape = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], self.buffer_bytes)
-            self.staging = StagingBuffer(*shape, self.device)
+            self.staging = StagingBuffer(*shape, self.device, shared=self._io_process)
+            if self._io_process:
+                self._io = ProcessIO(self.backend.reopen_args(), self.staging.fd, shape, self._io_threads)
+            else:
+                self._io = ThreadIO(self.backend, self.staging.host.numpy(), self._io_threads)
         logger.info("KV store tier: %s, groups %s, staging %d blocks", self.backend.url, sorted(self._layouts),
                     self.staging.num_slots if self.staging else 0)
 
@@ -192,7 +199,7 @@ class StoreTierWorker(KVConnectorWorker):
     def attach_kv_events(self, sink: KVEventSink) -> None:
         """Report entries written (BlockStored) and removed (gc, capacity, corrupt) as KV events."""
         self.events = sink
-        self.backend.on_removed = report_removals(self._layouts, sink, self.backend.medium)
+        self._report_removed = report_removals(self._layouts, sink, self.backend.medium)
 
     # ------------------------------------------------------------------------------ the step
     def start_transfers(self, meta: KVConnectorMetadata) -> None:
@@ -381,44 +388,32 @@ class StoreTierWorker(KVConnectorWorker):
         if not self.health.usable():
             load.error = "the store is down"
             return
-        tasks = [wanted[j:j + ENTRIES_PER_TASK] for j in range(0, len(wanted), ENTRIES_PER_TASK)]
-        errors = [e for e in self._io.map(lambda part: self._read_part(keys, slots, part, layout), tasks) if e]
-        if errors:
-            load.error = errors[0]
-            return
-        self.health.call("touch", lambda: self.backend.touch([keys[i] for i in wanted],
-                                                             transfer.traffic_class or DEFAULT_CLASS), None)
-
-    def _read_part(self, keys: list[TierKey], slots: list[int], part: list[int], layout) -> str | None:
-        """Entries keys[i] for i in `part` -> their slots; an error text if any is missing or bad."""
         try:
-            data = self.backend.get([keys[i] for i in part])
-        except StoreUnavailable as exc:
-            self.health.failed(exc, "read")
-            with self._lock:
-                self._stats.read_errors += 1
-            return str(exc)
-        self.health.succeeded()
-        error, bad = None, []
-        for i, raw in zip(part, data):
-            if raw is None:
-                with self._lock:
-                    self._stats.missing_entries += 1
-                error = "entry gone"
-                continue
-            try:
-                _, payload = entry_format.decode(raw, keys[i][0], keys[i][1], layout)
-            except EntryError as exc:
-                with self._lock:
-                    self._stats.bad_entries[exc.reason] += 1
-                logger.warning("KV store %s: dropping a bad entry (%s)", self.backend.url, exc)
-                bad.append(keys[i])
-                error = str(exc)
-                continue
-            self.staging.payload(slots[i], layout.payload_bytes)[:] = payload
-        if bad:
-            self.health.call("delete", lambda: self.backend.delete(bad), None)
-        return error
+            result = self._io.call("read", [keys[i] for i in wanted], [slots[i] for i in wanted], layout,
+                                   transfer.traffic_class or DEFAULT_CLASS)
+        except StoreUnavailable as exc:   # the I/O process is gone
+            result = OpResult(error=str(exc), unavailable=str(exc), read_errors=1)
+        self._apply(result, "read")
+        load.error = result.error
+
+    def _apply(self, result: OpResult, what: str) -> None:
+        """An op's counts into the stats, its store failure into health, its removals into events."""
+        if result.unavailable is not None:
+            self.health.failed(StoreUnavailable(result.unavailable), what)
+        else:
+            self.health.succeeded()
+        with self._lock:
+            stats = self._stats
+            stats.written_blocks += len(result.written)
+            stats.skipped_blocks += result.skipped
+            stats.dropped_saves += result.dropped
+            stats.missing_entries += result.missing
+            stats.read_errors += result.read_errors
+            stats.write_errors += result.write_errors
+            for reason, n in result.bad.items():
+                stats.bad_entries[reason] += n
+        if result.removed and self._report_removed is not None:
+            self._report_removed(result.removed)
 
     def _on_write(self, staged: _Staged | None) -> None:
         if staged is not None:   # None: an idle tick
@@ -428,14 +423,18 @@ class StoreTierWorker(KVConnectorWorker):
                 logger.exception("KV store write failed")
             finally:
                 self._written(staged)
+        if self._io is None:
+            return
         if time.monotonic() - self._last_gc >= GC_INTERVAL_S:
             self._last_gc = time.monotonic()
-            expired = self.health.call("gc", self.backend.gc, 0)
+            expired, removed = self.health.call("gc", lambda: self._io.call("gc"), (0, []))
             with self._lock:
                 self._stats.expired_entries += expired
+            if removed and self._report_removed is not None:
+                self._report_removed(removed)
         if time.monotonic() - self._last_counts >= COUNTS_INTERVAL_S:
             self._last_counts = time.monotonic()
-            counts = self.health.call("counts", self.backend.counts, None)
+            counts = self.health.call("counts", lambda: self._io.call("counts"), None)
             if counts is not None:
                 with self._lock:
                     self._stats.counts = counts
@@ -451,50 +450,20 @@ class StoreTierWorker(KVConnectorWorker):
             return
         gk, layout = self._layouts[transfer.group_id]
         keys = [(gk, h) for h in transfer.block_hashes[:n]]
-        traffic_class = transfer.traffic_class or DEFAULT_CLASS
-        parts = [range(j, min(j + ENTRIES_PER_TASK, n)) for j in range(0, n, ENTRIES_PER_TASK)]
-        written: list[TierKey] = []
-        for result in self._io.map(lambda part: self._write_part(keys, staged.slots, part, layout, traffic_class),
-                                   parts):
-            written.extend(result)
-        if written and self.events is not None:
-            self.events.stored([key[1] for key in written], self.backend.medium, transfer.group_id)
-        if written:
+        if not self.health.usable():
+            with self._lock:
+                self._stats.dropped_saves += n
+            return
+        try:
+            result = self._io.call("write", keys, staged.slots, layout, transfer.traffic_class or DEFAULT_CLASS)
+        except StoreUnavailable as exc:   # the I/O process is gone
+            result = OpResult(unavailable=str(exc), dropped=n, write_errors=1)
+        self._apply(result, "write")
+        if result.written:
+            if self.events is not None:
+                self.events.stored([key[1] for key in result.written], self.backend.medium, transfer.group_id)
             with self._lock:
                 self._stats.write_latency.observe(time.monotonic() - staged.staged_at)
-
-    def _write_part(self, keys: list[TierKey], slots: list[int], part: range, layout, traffic_class: str
-                    ) -> list[TierKey]:
-        """Write entries keys[i] for i in `part` from their slots, skipping those the store has;
-        returns the keys written."""
-        mine = [keys[i] for i in part]
-        states = self.health.call("exists", lambda: self.backend.exists(mine, [layout.entry_bytes] * len(mine)), None)
-        if states is None:
-            with self._lock:
-                self._stats.dropped_saves += len(mine)
-            return []
-        now = self.backend.clock()
-        items = [(keys[i], entry_format.encode(keys[i][0], keys[i][1], layout,
-                                               self.staging.payload(slots[i], layout.payload_bytes), traffic_class,
-                                               now), traffic_class)
-                 for i, state in zip(part, states) if state != PRESENT]
-        present = [key for key, state in zip(mine, states) if state == PRESENT]
-        if present:   # the store has them: this save is a use, under this request's class
-            self.health.call("touch", lambda: self.backend.touch(present, traffic_class), None)
-        try:
-            self.backend.put(items)
-        except StoreUnavailable as exc:
-            self.health.failed(exc, "write")
-            with self._lock:
-                self._stats.write_errors += 1
-                self._stats.dropped_saves += len(items)
-                self._stats.skipped_blocks += len(present)
-            return []
-        self.health.succeeded()
-        with self._lock:
-            self._stats.written_blocks += len(items)
-            self._stats.skipped_blocks += len(present)
-        return [key for key, _, _ in items]
 
     def _written(self, staged: _Staged) -> None:
         gk = self._layouts[staged.transfer.group_id][0]
@@ -548,5 +517,8 @@ class StoreTierWorker(KVConnectorWorker):
         self._reads.put(_STOP)
         self._writer.join(1.0)
         self._reader.join(1.0)
-        self._io.shutdown(wait=False)
+        if self._io is not None:
+            self._io.close()
+        if self.staging is not None:
+            self.staging.close()
         self.backend.close()

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
 
-from deepinfer.platforms.host_memory import HostBuffer
+from deepinfer.platforms.host_memory import HostBuffer, SharedHostBuffer
 
 
 def staging_shape(payload_bytes: list[int], buffer_bytes: int) -> tuple[int, int]:
@@ -35,11 +34,17 @@ def staging_shape(payload_bytes: list[int], buffer_bytes: int) -> tuple[int, int
 
 
 class StagingBuffer:
-    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device) -> None:
+    def __init__(self, slot_bytes: int, num_slots: int, device: torch.device, shared: bool = False) -> None:
+        """`shared`: memory another process maps too (`fd`: the I/O process's, entry_io.py)."""
         if num_slots < 1:
             raise ValueError(f"the KV store's staging buffer holds no block of {slot_bytes} bytes")
         self.slot_bytes, self.num_slots = slot_bytes, num_slots
-        self._buffer = HostBuffer(slot_bytes * num_slots, device)
+        if shared:
+            self._buffer = SharedHostBuffer(slot_bytes * num_slots, device, "deepinfer-kv-staging")
+            self.fd = self._buffer.fd
+        else:
+            self._buffer = HostBuffer(slot_bytes * num_slots, device)
+            self.fd = None
         self.host = self._buffer.host.view(num_slots, slot_bytes)             # what the I/O threads read and write
         self.device_view = self._buffer.device_view.view(num_slots, slot_bytes)   # what the copies index
         self._lock = threading.Lock()
@@ -69,6 +74,7 @@ class StagingBuffer:
         """`view` (host or device_view) as [slots, layers, 2, words] of a group's payload (an alias)."""
         return view[:, :payload_bytes].view(word).view(self.num_slots, num_layers, 2, -1)
 
-    def payload(self, slot: int, payload_bytes: int) -> np.ndarray:
-        """A slot's payload bytes on the host, as a numpy view (the I/O threads' side)."""
-        return self.host[slot, :payload_bytes].numpy()
+    def close(self) -> None:
+        self.host = self.device_view = None
+        if isinstance(self._buffer, SharedHostBuffer):
+            self._buffer.close()
