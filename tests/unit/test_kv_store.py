@@ -471,13 +471,14 @@ def _slots_bytes(groups, n: int) -> int:
 @pytest.mark.parametrize("device,io_process", [("cpu", False), ("cpu", True),
                                                pytest.param("cuda", True, marks=pytest.mark.gpu)])
 def test_a_full_staging_buffer_writes_a_saves_leading_blocks(tmp_path, device, io_process):
-    """Three slots, a save of five blocks: the first three are written (a prefix hit needs those
-    first), the other two dropped and counted; a reader finds the three, bit-identical."""
+    """Six slots, three of them for saves, a save of five blocks: the first three are written (a
+    prefix hit needs those first), the other two dropped and counted; a reader finds the three,
+    bit-identical."""
     groups = [full(0, (0, 1))]
     hashes = chain(5)
     src = random_caches(2, torch.bfloat16, device)
     sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device,
-                              buffer_bytes=_slots_bytes(groups, 3), io_process=io_process)
+                              buffer_bytes=_slots_bytes(groups, 6), io_process=io_process)
     save_all(sched, worker, src, groups, hashes, [3, 7, 1, 12, 5])
     stats = worker.stats()
     assert (stats.written_blocks, stats.dropped_saves) == (3, 2)
@@ -506,17 +507,17 @@ def test_a_request_loads_at_most_half_the_staging_buffer(tmp_path):
 
 
 def test_a_load_that_finds_no_room_in_the_staging_buffer_fails_and_frees_nothing_twice(tmp_path):
-    """The scheduler side allows 4 blocks, the worker's buffer holds 3: the load fails (the
-    request recomputes), and the buffer is whole again for the next."""
+    """The scheduler side allows 4 blocks, the loads' half of the worker's buffer holds 3: the
+    load fails (the request recomputes), and the buffer is whole again for the next."""
     groups = [full(0, (0, 1))]
     hashes = chain(4)
     src = random_caches(2, torch.bfloat16)
     save_all(*connector(DirStore(str(tmp_path), RETENTION), groups), src, groups, hashes, [3, 7, 1, 12])
     store = DirStore(str(tmp_path), RETENTION)
     sched = StoreTierScheduler(groups, BS, store, backoff_s=0.2)
-    worker = StoreTierWorker(store, "cpu", backoff_s=0.2, buffer_bytes=_slots_bytes(groups, 3))
+    worker = StoreTierWorker(store, "cpu", backoff_s=0.2, buffer_bytes=_slots_bytes(groups, 6))
     worker.register_kv_caches([(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src], groups, BS)
     n, done = load_all(sched, worker, groups, hashes, [0, 2, 4, 6])
     assert n == 4 and done.failed == ["reader"] and worker.stats().failed_loads == 1
-    assert worker.staging.free_slots == 3
+    assert worker.staging.free_slots == 6
     worker.close()

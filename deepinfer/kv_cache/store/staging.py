@@ -11,18 +11,25 @@ tier first did, cost the step ~15 % of an H200's throughput at a 0 % hit rate, a
 their whole payload on the step.)
 
 A slot holds one block of one group's payload, [layers, K/V, page bytes]. Slots are taken and
-freed under a lock by the step thread and the I/O threads; a transfer that finds too few free
-slots takes what there is (saves: their leading blocks, the ones a later prefix hit needs first)
-or fails (loads: the request recomputes), and the buffer's size bounds what is in flight.
+freed under a lock by the step thread and the I/O threads. Saves and loads each have half of
+them: a store that writes slower than the engine computes fills the saves' half, and a load must
+still find room (measured on the H200: a server whose saves had filled the whole buffer failed
+the next 32k-token load). A transfer that finds too few free slots in its half takes what there
+is (saves: their leading blocks, the ones a later prefix hit needs first) or fails (loads: the
+request recomputes). Free slots are kept in order, so a transfer's slots are mostly consecutive
+and on CUDA move in a few large copies.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
 
 from deepinfer.platforms.host_memory import HostBuffer, SharedHostBuffer
+
+logger = logging.getLogger(__name__)
 
 
 def staging_shape(payload_bytes: list[int], buffer_bytes: int) -> tuple[int, int]:
@@ -47,32 +54,54 @@ class StagingBuffer:
             self.fd = None
         self.host = self._buffer.host.view(num_slots, slot_bytes)             # what the I/O threads read and write
         self.device_view = self._buffer.device_view.view(num_slots, slot_bytes)   # what the copies index
+        # Whether torch copies to and from the host side asynchronously (it must know the pages
+        # as locked; else a non-blocking copy would wait for the device on the step's thread).
+        self.dma = device.type == "cuda" and self.host.is_pinned()
+        if device.type == "cuda" and not self.dma:
+            logger.warning("the KV store's staging buffer is not seen as page-locked; its copies run as kernels")
         self._lock = threading.Lock()
         self._free = list(range(num_slots - 1, -1, -1))   # popped from the end: low slots first
+        self.quota = {"save": max(num_slots // 2, 1), "load": max(num_slots - num_slots // 2, 1)}
+        self._used = {"save": 0, "load": 0}
 
     @property
     def free_slots(self) -> int:
         return len(self._free)
 
-    def take(self, n: int, partial: bool = False) -> list[int]:
-        """n slots, or fewer when `partial` and fewer are free ([] when none, or when not
-        `partial` and fewer than n are free)."""
+    def take(self, n: int, kind: str, partial: bool = False) -> list[int]:
+        """n slots of `kind`'s half (save | load), ascending, or fewer when `partial` and fewer
+        are free ([] when none, or when not `partial` and fewer than n are free)."""
         with self._lock:
-            if len(self._free) < n and not partial:
+            room = min(len(self._free), self.quota[kind] - self._used[kind])
+            if room < n and not partial:
                 return []
-            k = min(n, len(self._free))
+            k = max(min(n, room), 0)
             taken = self._free[len(self._free) - k:]
             del self._free[len(self._free) - k:]
+            self._used[kind] += k
         taken.reverse()
         return taken
 
-    def free(self, slots: list[int]) -> None:
+    def free(self, slots: list[int], kind: str) -> None:
         with self._lock:
             self._free.extend(slots)
+            self._free.sort(reverse=True)
+            self._used[kind] -= len(slots)
 
     def rows(self, view: torch.Tensor, payload_bytes: int, word: torch.dtype, num_layers: int) -> torch.Tensor:
         """`view` (host or device_view) as [slots, layers, 2, words] of a group's payload (an alias)."""
         return view[:, :payload_bytes].view(word).view(self.num_slots, num_layers, 2, -1)
+
+    @staticmethod
+    def runs(slots: list[int]):
+        """(index, first slot, length) of each run of consecutive slots in `slots`."""
+        i = 0
+        while i < len(slots):
+            j = i + 1
+            while j < len(slots) and slots[j] == slots[j - 1] + 1:
+                j += 1
+            yield i, slots[i], j - i
+            i = j
 
     def close(self) -> None:
         self.host = self.device_view = None
