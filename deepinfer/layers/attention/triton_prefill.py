@@ -313,8 +313,8 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 def num_prefill_splits(programs: int, max_keys: int, num_sms: int) -> int:
     """How many runs to cut each program's key range into (1: the unsplit kernel).
 
-    `programs`: the unsplit grid (query tiles x sequences x heads); `max_keys`: a bound on the
-    keys one program walks. Only a grid of at most half the multiprocessors is split: a fuller
+    `programs`: the unsplit grid's programs that have queries (query tiles x heads); `max_keys`:
+    a bound on the keys one program walks. Only a grid of at most half the multiprocessors is split: a fuller
     one gains little from more, shorter programs and pays the workspace and the merge. It then
     gets SPLIT_WAVES programs per multiprocessor (rounded down: one program more than a whole
     wave costs a wave), at most MAX_SPLITS, each run of at least MIN_KEYS_PER_SPLIT keys.
@@ -368,7 +368,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if max_seq_len is not None:
             # A tile's queries span BLOCK_M positions, and a window shows each at most WINDOW keys.
             max_keys = min(max_seq_len, window + block_m) if window else max_seq_len
-            num_splits = num_prefill_splits(grid[0] * grid[1] * grid[2], max_keys, multiprocessor_count(q.device))
+            # Programs with queries: the grid gives every sequence the longest chunk's tiles, and
+            # the extra ones return at once; the T rows make at most (T + S * (BLOCK_M - 1)) //
+            # BLOCK_M tiles over S sequences (T counts every row of q, picked or not: a bound).
+            tiles = min(grid[0] * grid[1], (num_tokens + grid[1] * (block_m - 1)) // block_m)
+            num_splits = num_prefill_splits(tiles * num_heads, max_keys, multiprocessor_count(q.device))
     split = num_splits > 1
     if split:
         # Per run, every row of q: [splits, T, H, D] partials and [splits, T, H] log-sum-exps.
