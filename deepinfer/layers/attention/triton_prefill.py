@@ -324,6 +324,18 @@ def num_prefill_splits(programs: int, max_keys: int, num_sms: int) -> int:
     return max(1, min(MAX_SPLITS, SPLIT_WAVES * num_sms // programs, max_keys // MIN_KEYS_PER_SPLIT))
 
 
+def split_count(num_tokens: int, num_seqs: int, num_heads: int, max_query_len: int, max_seq_len: int,
+                window: int | None, block_m: int, device: torch.device) -> int:
+    """paged_prefill_attention's own choice of runs (num_prefill_splits), from host values only."""
+    # A tile's queries span BLOCK_M positions, and a window shows each at most WINDOW keys.
+    max_keys = min(max_seq_len, window + block_m) if window else max_seq_len
+    # Programs with queries: the grid gives every sequence the longest chunk's tiles, and the
+    # extra ones return at once; T rows make at most (T + S * (BLOCK_M - 1)) // BLOCK_M tiles
+    # over S sequences (T counts every row of q, picked or not: a bound).
+    tiles = min(triton.cdiv(max_query_len, block_m) * num_seqs, (num_tokens + num_seqs * (block_m - 1)) // block_m)
+    return num_prefill_splits(tiles * num_heads, max_keys, multiprocessor_count(device))
+
+
 @functools.cache
 def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":   # Triton's interpreter (tests): see INTERPRETER_SMS
@@ -364,15 +376,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), seq_ids.shape[0], num_heads)
     if num_splits is None:
-        num_splits = 1
-        if max_seq_len is not None:
-            # A tile's queries span BLOCK_M positions, and a window shows each at most WINDOW keys.
-            max_keys = min(max_seq_len, window + block_m) if window else max_seq_len
-            # Programs with queries: the grid gives every sequence the longest chunk's tiles, and
-            # the extra ones return at once; the T rows make at most (T + S * (BLOCK_M - 1)) //
-            # BLOCK_M tiles over S sequences (T counts every row of q, picked or not: a bound).
-            tiles = min(grid[0] * grid[1], (num_tokens + grid[1] * (block_m - 1)) // block_m)
-            num_splits = num_prefill_splits(tiles * num_heads, max_keys, multiprocessor_count(q.device))
+        num_splits = 1 if max_seq_len is None else split_count(
+            num_tokens, seq_ids.shape[0], num_heads, max_query_len, max_seq_len, window, block_m, q.device)
     split = num_splits > 1
     if split:
         # Per run, every row of q: [splits, T, H, D] partials and [splits, T, H] log-sum-exps.
