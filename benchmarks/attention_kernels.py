@@ -291,7 +291,7 @@ def case_replay(matmul: float, failures: list[str], contexts: list[int], rows: l
                   step.layer_output(step.inputs("reference")), failures)
         run = functools.partial(paged_prefill_attention, step.q, step.k_cache, step.v_cache, group.block_table,
                                 meta.seq_lens, meta.prefill_query_start, q_len, head_dim ** -0.5, None, BLOCK)
-        chosen = split_count(q_len, 1, heads, q_len, seq_len, None, block_m, step.q.device)
+        chosen = split_count(q_len, 1, heads, head_dim, q_len, seq_len, None, block_m, step.q.device)
         unsplit = run(num_splits=1)
         flops = causal_flops(heads, head_dim, context, q_len)
         row = dict(part="replay" if against_reference else "long chunk", context=context, queries=q_len,
@@ -317,7 +317,7 @@ def case_replay(matmul: float, failures: list[str], contexts: list[int], rows: l
             f"head_dim {head_dim}")
         step = Step([0], [tokens], heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         meta = step.inputs("triton", fresh_sdpa_min_tokens=1 << 30).attention
-        chosen = split_count(tokens, 1, heads, tokens, tokens, None, prefill_config(head_dim, DTYPE)[0],
+        chosen = split_count(tokens, 1, heads, head_dim, tokens, tokens, None, prefill_config(head_dim, DTYPE)[0],
                              step.q.device)
         run = functools.partial(paged_prefill_attention, step.q, step.k_cache, step.v_cache, meta.groups[0].block_table,
                                 meta.seq_lens, meta.prefill_query_start, tokens, head_dim ** -0.5, None, BLOCK)

@@ -130,6 +130,21 @@ def test_split_choice():
     assert num_prefill_splits(2048, 8192, 132) == 1          # an 8k prefill (64 tiles x 32 heads)
 
 
+def test_split_count_from_host_values():
+    """What paged_prefill_attention chooses: programs with queries bounded by q's rows, the
+    workspace by the picked sequences' longest chunk, not by q's other rows."""
+    from deepinfer.layers.attention.triton_prefill import MAX_WORKSPACE_BYTES, split_count
+
+    cpu = torch.device("cpu")   # the interpreter's 132 multiprocessors
+    # The replay's 576 queries (9 tiles of 64) beside a 64-token chunk: 10 live tiles x 4 heads.
+    assert split_count(640, 2, 4, 256, 576, 32768, None, 64, cpu) == 264 // 44
+    # A short chunk on a long prefix beside an 8k fresh chunk that SDPA attends (q's rows, not picked).
+    assert split_count(8192 + 20, 1, 32, 128, 20, 100_000, None, 128, cpu) == 264 // 32
+    # Many sequences under one long chunk: the workspace would pass its bound, so fewer runs.
+    per_split = 16 * 4096 * 1 * 129 * 4
+    assert split_count(4096 + 15, 16, 1, 128, 4096, 100_000, None, 4096, cpu) == MAX_WORKSPACE_BYTES // per_split
+
+
 def test_window_bounds_the_keys_of_the_choice(monkeypatch):
     """With a window a program walks at most WINDOW + BLOCK_M keys whatever the sequence's
     length, and the choice counts only those; without max_seq_len it never splits."""

@@ -61,6 +61,9 @@ MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 512
 SPLIT_WAVES = 2
 INTERPRETER_SMS = 132
+# The split's fp32 workspace reserves max_query_len rows per picked sequence and run; fewer runs
+# where that would pass this (a ragged batch of many short chunks beside one long one).
+MAX_WORKSPACE_BYTES = 256 << 20
 
 
 @triton.jit
@@ -132,7 +135,7 @@ def _attend_tile(
 # stalling the step that meets it (see triton_decode.py and
 # docs/benchmarks/design-measurements.md#triton-compile-stalls).
 # Likewise the split count and the workspace strides that follow the step's token count.
-SPLIT_ARGS = ["num_splits", "stride_ps", "stride_ls"]
+SPLIT_ARGS = ["num_splits", "stride_ps", "stride_pb", "stride_ls", "stride_lb"]
 
 
 @triton.jit(do_not_specialize=["stride_bt", *SPLIT_ARGS],
@@ -142,7 +145,7 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, seq_ids_ptr,
     key_floor_ptr, o_part_ptr, lse_part_ptr, qk_scale,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, stride_ot, stride_oh,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, num_splits,
+    stride_ps, stride_pb, stride_pt, stride_ph, stride_ls, stride_lb, stride_lt, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
     IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr, SPLIT: tl.constexpr,
@@ -238,10 +241,10 @@ def _prefill_kernel(
         has = l_i > 0
         lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         part = acc / tl.where(has, l_i, 1.0)[:, None]
-        rows = q_start + m_offs
-        tl.store(o_part_ptr + split * stride_ps + rows[:, None] * stride_pt + head * stride_ph + dims[None, :],
-                 part, mask=m_ok[:, None] & dim_ok[None, :])
-        tl.store(lse_part_ptr + split * stride_ls + rows * stride_lt + head, lse, mask=m_ok)
+        slot = tl.program_id(1)   # the workspace's rows: (picked sequence, query of its chunk)
+        tl.store(o_part_ptr + split * stride_ps + slot * stride_pb + m_offs[:, None] * stride_pt + head * stride_ph
+                 + dims[None, :], part, mask=m_ok[:, None] & dim_ok[None, :])
+        tl.store(lse_part_ptr + split * stride_ls + slot * stride_lb + m_offs * stride_lt + head, lse, mask=m_ok)
         return
     # Every real query sees at least its own key, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -252,13 +255,14 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=SPLIT_ARGS, do_not_specialize_on_alignment=["query_start_ptr", "seq_ids_ptr"])
 def _combine_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, query_start_ptr, seq_ids_ptr,
-    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh, num_splits,
+    stride_ps, stride_pb, stride_pt, stride_ph, stride_ls, stride_lb, stride_lt, stride_ot, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """`out` rows of one (query tile, sequence, head): the runs' partials merged by their
     log-sum-exp. Rows of sequences not picked are never read or written."""
     tile = tl.program_id(0)
-    seq = tl.load(seq_ids_ptr + tl.program_id(1))
+    slot = tl.program_id(1)
+    seq = tl.load(seq_ids_ptr + slot)
     head = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -266,28 +270,27 @@ def _combine_kernel(
         return
     m_offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m_offs < q_len
-    rows = q_start + m_offs
+    lse_ptrs = lse_part_ptr + slot * stride_lb + m_offs * stride_lt + head
+    part_ptrs = o_part_ptr + slot * stride_pb + m_offs[:, None] * stride_pt + head * stride_ph
     dims = tl.arange(0, DIM_PAD)
     mask = m_ok[:, None] & (dims[None, :] < HEAD_DIM)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(lse_part_ptr + s * stride_ls + rows * stride_lt + head, mask=m_ok,
-                                  other=float("-inf")))
+        m = tl.maximum(m, tl.load(lse_ptrs + s * stride_ls, mask=m_ok, other=float("-inf")))
     # Every stored row saw its own key in some run, so m is finite there; the guard keeps the
     # rows past q_len free of NaN (-inf - -inf), which are not stored anyway.
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     for s in range(0, num_splits):
-        lse = tl.load(lse_part_ptr + s * stride_ls + rows * stride_lt + head, mask=m_ok, other=float("-inf"))
+        lse = tl.load(lse_ptrs + s * stride_ls, mask=m_ok, other=float("-inf"))
         w = tl.math.exp2(lse - m)   # 0 for a run that saw no key of the row
-        part = tl.load(o_part_ptr + s * stride_ps + rows[:, None] * stride_pt + head * stride_ph + dims[None, :],
-                       mask=mask, other=0.0)
+        part = tl.load(part_ptrs + s * stride_ps + dims[None, :], mask=mask, other=0.0)
         acc += part * w[:, None]
         total += w
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+    tl.store(out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -314,18 +317,19 @@ def num_prefill_splits(programs: int, max_keys: int, num_sms: int) -> int:
     """How many runs to cut each program's key range into (1: the unsplit kernel).
 
     `programs`: the unsplit grid's programs that have queries (query tiles x heads); `max_keys`:
-    a bound on the keys one program walks. Only a grid of at most half the multiprocessors is split: a fuller
-    one gains little from more, shorter programs and pays the workspace and the merge. It then
-    gets SPLIT_WAVES programs per multiprocessor (rounded down: one program more than a whole
-    wave costs a wave), at most MAX_SPLITS, each run of at least MIN_KEYS_PER_SPLIT keys.
+    a bound on the keys one program walks. Only a grid of at most half the multiprocessors is
+    split: a fuller one gains little from more, shorter programs and pays the workspace and the
+    merge. It then gets SPLIT_WAVES programs per multiprocessor (rounded down: one program more
+    than a whole wave costs a wave), at most MAX_SPLITS, each run of at least MIN_KEYS_PER_SPLIT
+    keys.
     """
     if 2 * programs > num_sms:
         return 1
     return max(1, min(MAX_SPLITS, SPLIT_WAVES * num_sms // programs, max_keys // MIN_KEYS_PER_SPLIT))
 
 
-def split_count(num_tokens: int, num_seqs: int, num_heads: int, max_query_len: int, max_seq_len: int,
-                window: int | None, block_m: int, device: torch.device) -> int:
+def split_count(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int, max_query_len: int,
+                max_seq_len: int, window: int | None, block_m: int, device: torch.device) -> int:
     """paged_prefill_attention's own choice of runs (num_prefill_splits), from host values only."""
     # A tile's queries span BLOCK_M positions, and a window shows each at most WINDOW keys.
     max_keys = min(max_seq_len, window + block_m) if window else max_seq_len
@@ -333,7 +337,9 @@ def split_count(num_tokens: int, num_seqs: int, num_heads: int, max_query_len: i
     # extra ones return at once; T rows make at most (T + S * (BLOCK_M - 1)) // BLOCK_M tiles
     # over S sequences (T counts every row of q, picked or not: a bound).
     tiles = min(triton.cdiv(max_query_len, block_m) * num_seqs, (num_tokens + num_seqs * (block_m - 1)) // block_m)
-    return num_prefill_splits(tiles * num_heads, max_keys, multiprocessor_count(device))
+    splits = num_prefill_splits(tiles * num_heads, max_keys, multiprocessor_count(device))
+    per_split = num_seqs * max_query_len * num_heads * (head_dim + 1) * 4   # partials and log-sum-exps
+    return max(1, min(splits, MAX_WORKSPACE_BYTES // per_split))
 
 
 @functools.cache
@@ -377,12 +383,15 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (triton.cdiv(max_query_len, block_m), seq_ids.shape[0], num_heads)
     if num_splits is None:
         num_splits = 1 if max_seq_len is None else split_count(
-            num_tokens, seq_ids.shape[0], num_heads, max_query_len, max_seq_len, window, block_m, q.device)
+            num_tokens, seq_ids.shape[0], num_heads, head_dim, max_query_len, max_seq_len, window, block_m, q.device)
     split = num_splits > 1
     if split:
-        # Per run, every row of q: [splits, T, H, D] partials and [splits, T, H] log-sum-exps.
-        o_part = torch.empty(num_splits, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(num_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        # Per run, a row per (picked sequence, query of its chunk): [splits, S, max_query_len, H, D]
+        # partials and [splits, S, max_query_len, H] log-sum-exps. Not a row per row of q: q may
+        # also hold long chunks that other kernels attend (backends/triton.py), never read here.
+        shape = (num_splits, seq_ids.shape[0], max_query_len, num_heads)
+        o_part = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(shape, dtype=torch.float32, device=q.device)
         grid = (grid[0], grid[1], num_heads * num_splits)
     else:   # never read: the kernel writes `out` itself
         o_part = lse_part = out
@@ -392,7 +401,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         seq_lens if key_floor is None else key_floor, o_part, lse_part, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
-        *(_part_strides(o_part, lse_part) if split else (0, 0, 0, 0, 0)), num_splits,
+        *(_part_strides(o_part, lse_part) if split else (0,) * 7), num_splits,
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, WINDOW=window or 0, EVEN_DIM=head_dim == dim_pad,
         IEEE=q.dtype == torch.float32, HAS_FLOOR=key_floor is not None, SPLIT=split, num_warps=num_warps,
@@ -411,5 +420,5 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 COMBINE_BLOCK_M = 16
 
 
-def _part_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[int, int, int, int, int]:
-    return o_part.stride(0), o_part.stride(1), o_part.stride(2), lse_part.stride(0), lse_part.stride(1)
+def _part_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[int, ...]:
+    return (*o_part.stride()[:4], *lse_part.stride()[:3])
