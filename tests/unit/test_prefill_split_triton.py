@@ -145,6 +145,18 @@ def test_split_count_from_host_values():
     assert split_count(4096 + 15, 16, 1, 128, 4096, 100_000, None, 4096, cpu) == MAX_WORKSPACE_BYTES // per_split
 
 
+def test_the_warm_up_chunk_splits():
+    """The runner's warm-up chunk compiles the split variant: a model of 4 query heads (one
+    tile each) and one of 32 (Llama 3 8B's), on an H100/H200's 132 multiprocessors."""
+    from deepinfer.layers.attention.backends.triton import SPLIT_WARM_UP_CHUNK
+    from deepinfer.layers.attention.triton_prefill import prefill_config, split_count
+
+    cached, new = SPLIT_WARM_UP_CHUNK
+    for heads, head_dim in ((4, 256), (32, 128)):
+        block_m = prefill_config(head_dim, torch.bfloat16)[0]
+        assert split_count(new, 1, heads, head_dim, new, cached + new, None, block_m, torch.device("cpu")) > 1
+
+
 def test_window_bounds_the_keys_of_the_choice(monkeypatch):
     """With a window a program walks at most WINDOW + BLOCK_M keys whatever the sequence's
     length, and the choice counts only those; without max_seq_len it never splits."""

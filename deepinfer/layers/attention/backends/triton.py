@@ -36,6 +36,11 @@ from deepinfer.layers.attention.layer import equal_length_runs
 # step: a flash call per short chunk would launch fewer programs (128-query tiles x heads) than
 # the GPU has multiprocessors, once per chunk and layer.
 FRESH_SDPA_MIN_TOKENS = 512
+# (cached, new) of a chunk for the runner's warm-up (model_runner._warm_up_kernels): few queries
+# on keys enough for the paged prefill kernel to split them (at least 2 x
+# triton_prefill.MIN_KEYS_PER_SPLIT), so that its split variant and the merge compile at start,
+# not in the first step that meets a long context (SWA Bounded Replay's recompute, say).
+SPLIT_WARM_UP_CHUNK = (1024, 2)
 
 
 @dataclass(kw_only=True)
