@@ -269,7 +269,7 @@ def case_decode(matmul: float, bandwidth: float, failures: list[str], batch: int
 
 REPLAY_QUERIES = 576            # SWA Bounded Replay's recompute: window 512 + a 64-token turn
 REPLAY_SHAPE = (4, 1, 256)      # Gemma 3 1B: query heads, KV heads, head_dim
-SPLIT_SWEEP = (2, 4, 8, 16)
+SPLIT_SWEEP = (2, 4, 8, 16, 32)
 
 
 def case_replay(matmul: float, failures: list[str], contexts: list[int], rows: list[dict]) -> None:
