@@ -1,7 +1,7 @@
 """The CUDA fast path's attention against the reference backend and SDPA's flash kernel, per call.
 
-    python benchmarks/attention_kernels.py [--cases prefill,extend,decode] [--sweep] [--sweep-dims 64,128,256]
-                                           [--kv-cache-dtype auto|fp8]
+    python benchmarks/attention_kernels.py [--cases prefill,extend,decode,replay] [--sweep] [--sweep-dims 64,128,256]
+                                           [--kv-cache-dtype auto|fp8] [--replay-contexts 4096,...] [--out FILE.json]
 
 Llama-3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128), bf16, 16-token blocks
 scattered at random over the pool, one layer:
@@ -15,6 +15,16 @@ scattered at random over the pool, one layer:
             gpu_fast_path.py's (c)) (paged decode kernel, split along the sequence; timed as a CUDA
             graph replay, as the engine runs decode). Anchor: flash over contiguous K/V. Also KV
             bytes read per second against the copy bandwidth.
+
+  replay    the paged prefill kernel split along the keys (triton_prefill.py) on SWA Bounded
+            Replay's shape: 576 queries at the end of a 4k/8k/16k/32k context through a global
+            layer of Gemma 3 1B (4 query heads, 1 KV head, head_dim 256, bf16, 16-token blocks),
+            and a 1024-token chunk on 127k cached tokens (long-context chunked prefill). Unsplit,
+            the kernel's own choice (what the engine runs) and forced split counts, each checked
+            against the unsplit kernel (and the 576-query ones against the reference backend);
+            then an 8k fresh chunk through the kernel at both shapes, where the choice must stay
+            unsplit and the output bit-identical. Not in the default --cases; prints a table and,
+            with --out, writes its rows as JSON.
 
 --kv-cache-dtype fp8 stores the caches as float8 e4m3 (kv_cache/dtypes.py): the reference reads
 the same fp8 cache, the anchors get it converted to bf16, and the KV rate counts fp8 bytes. The
@@ -257,6 +267,95 @@ def case_decode(matmul: float, bandwidth: float, failures: list[str], batch: int
     timed("SDPA flash, contiguous K/V, graph (anchor)", anchor, flops, matmul, True, kv_rate)
 
 
+REPLAY_QUERIES = 576            # SWA Bounded Replay's recompute: window 512 + a 64-token turn
+REPLAY_SHAPE = (4, 1, 256)      # Gemma 3 1B: query heads, KV heads, head_dim
+SPLIT_SWEEP = (2, 4, 8, 16, 32)
+
+
+def case_replay(matmul: float, failures: list[str], contexts: list[int], rows: list[dict]) -> None:
+    from deepinfer.layers.attention.triton_prefill import paged_prefill_attention, prefill_config, split_count
+
+    heads, kv_heads, head_dim = REPLAY_SHAPE
+    block_m = prefill_config(head_dim, DTYPE)[0]
+    shapes = [(c - REPLAY_QUERIES, REPLAY_QUERIES, True) for c in contexts] + [(127 * 1024, 1024, False)]
+    for context, q_len, against_reference in shapes:
+        seq_len = context + q_len
+        out(f"replay: {q_len} queries on {context} cached, {heads}/{kv_heads} heads, head_dim {head_dim}")
+        step = Step([context], [q_len], heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        fast = step.inputs("triton")
+        meta, group = fast.attention, fast.attention.groups[0]
+        assert group.kernel_prefill_rows is not None and group.kernel_max_seq_len == seq_len
+        ours = step.layer_output(fast)   # the engine's layer: KV write, then the kernel's own choice
+        if against_reference:
+            check(f"{seq_len}: engine path (kernel's choice) vs reference", ours,
+                  step.layer_output(step.inputs("reference")), failures)
+        run = functools.partial(paged_prefill_attention, step.q, step.k_cache, step.v_cache, group.block_table,
+                                meta.seq_lens, meta.prefill_query_start, q_len, head_dim ** -0.5, None, BLOCK)
+        chosen = split_count(q_len, 1, heads, head_dim, q_len, seq_len, None, block_m, step.q.device)
+        unsplit = run(num_splits=1)
+        flops = causal_flops(heads, head_dim, context, q_len)
+        row = dict(part="replay" if against_reference else "long chunk", context=context, queries=q_len,
+                   keys=seq_len, splits_chosen=chosen, gflop=flops / 1e9)
+        for name, splits in [("unsplit", 1), ("chosen", None), *((f"split {n}", n) for n in SPLIT_SWEEP)]:
+            kwargs = dict(num_splits=splits) if splits else dict(max_seq_len=seq_len)
+            check(f"{seq_len}: {name} vs unsplit", run(**kwargs), unsplit, failures)
+            ms = bench(functools.partial(run, **kwargs))
+            label = f"kernel, {name}" + (f" ({chosen})" if splits is None else "")
+            timing(label, ms, flops, matmul)
+            row[f"us_{name.replace(' ', '')}"] = ms * 1e3
+        row["speedup"] = row["us_unsplit"] / row["us_chosen"]
+        row["tflops_unsplit"] = flops / row["us_unsplit"] / 1e6
+        row["tflops_chosen"] = flops / row["us_chosen"] / 1e6
+        rows.append(row)
+        del step
+        torch.cuda.empty_cache()
+    # The fresh 8k chunk: thousands of programs, so the choice stays unsplit (the same kernel).
+    for shape in ((HEADS, KV_HEADS, HEAD_DIM), REPLAY_SHAPE):
+        heads, kv_heads, head_dim = shape
+        tokens = 8192
+        out(f"replay, unchanged: {tokens} tokens from position 0 through the kernel, {heads}/{kv_heads} heads, "
+            f"head_dim {head_dim}")
+        step = Step([0], [tokens], heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        meta = step.inputs("triton", fresh_sdpa_min_tokens=1 << 30).attention
+        chosen = split_count(tokens, 1, heads, head_dim, tokens, tokens, None, prefill_config(head_dim, DTYPE)[0],
+                             step.q.device)
+        run = functools.partial(paged_prefill_attention, step.q, step.k_cache, step.v_cache, meta.groups[0].block_table,
+                                meta.seq_lens, meta.prefill_query_start, tokens, head_dim ** -0.5, None, BLOCK)
+        same = chosen == 1 and torch.equal(run(max_seq_len=tokens), run(num_splits=1))
+        out(f"  check {'choice unsplit, output bit-identical':<50} {'ok' if same else 'FAILED'} (choice {chosen})")
+        if not same:
+            failures.append(f"fresh {tokens} {shape} not unchanged")
+        flops = causal_flops(heads, head_dim, 0, tokens)
+        row = dict(part="fresh 8k", context=0, queries=tokens, keys=tokens, heads=heads, head_dim=head_dim,
+                   splits_chosen=chosen, gflop=flops / 1e9)
+        for name, kwargs in (("unsplit", dict(num_splits=1)), ("chosen", dict(max_seq_len=tokens))):
+            ms = bench(functools.partial(run, **kwargs))
+            timing(f"kernel, {name}", ms, flops, matmul)
+            row[f"us_{name}"] = ms * 1e3
+            row[f"tflops_{name}"] = flops / ms / 1e9
+        rows.append(row)
+        del step
+        torch.cuda.empty_cache()
+
+
+def replay_table(rows: list[dict]) -> None:
+    from bench_common import print_table
+
+    out("")
+    out(f"paged prefill kernel split along the keys, {REPLAY_SHAPE[0]}/{REPLAY_SHAPE[1]} heads, head_dim "
+        f"{REPLAY_SHAPE[2]} unless said (us per call; TFLOP/s of the causal FLOPs):")
+    print_table(rows, [("part", "part", ""), ("keys", "keys", ","), ("queries", "queries", ","),
+                       ("splits_chosen", "chosen", ""), ("us_unsplit", "unsplit us", ",.1f"),
+                       ("us_chosen", "chosen us", ",.1f"), ("speedup", "speedup", ".2f"),
+                       ("tflops_unsplit", "TFLOP/s unsplit", ".1f"), ("tflops_chosen", "TFLOP/s chosen", ".1f"),
+                       *((f"us_split{n}", f"split {n} us", ",.1f") for n in SPLIT_SWEEP)])
+    replay = {r["keys"]: r for r in rows if r["part"] == "replay"}
+    if len(replay) > 1:
+        short, long = replay[min(replay)], replay[max(replay)]
+        out(f"{long['keys']} / {short['keys']} keys: unsplit {long['us_unsplit'] / short['us_unsplit']:.2f}x, "
+            f"chosen {long['us_chosen'] / short['us_chosen']:.2f}x")
+
+
 SWEEP_TILES = [(64, 64), (128, 32), (128, 64), (128, 128)]
 
 
@@ -308,6 +407,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--sweep-dims", default="64,128,256")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    parser.add_argument("--replay-contexts", default="4096,8192,16384,32768",
+                        help="contexts (keys) of the replay case, each ending in its 576 queries")
+    parser.add_argument("--out", help="write the replay case's rows here as JSON")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_kernels.py measures the CUDA fast path: it needs a CUDA GPU, and "
@@ -336,6 +438,18 @@ def main() -> None:
         if "decode" in cases:
             for batch, context in ((1, 1024), (1, 8192), (64, 1024), (64, 8192), (512, 1152)):
                 case_decode(matmul, bandwidth, failures, batch, context)
+        replay_rows: list[dict] = []
+        if "replay" in cases:
+            try:
+                case_replay(matmul, failures, [int(c) for c in args.replay_contexts.split(",")], replay_rows)
+            finally:   # what was measured before a failure still prints and saves
+                if replay_rows:
+                    replay_table(replay_rows)
+                if args.out:
+                    from bench_common import machine_info, write_json
+
+                    write_json(args.out, {"machine": machine_info(), "matmul_tflops": matmul / 1e12,
+                                          "failures": failures, "replay": replay_rows})
         if args.sweep:
             sweep([int(d) for d in args.sweep_dims.split(",")], failures)
         torch.cuda.synchronize()

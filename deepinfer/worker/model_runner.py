@@ -50,7 +50,7 @@ from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.tensors import KVLayout
 from deepinfer.layers.attention import forward_context
 from deepinfer.layers.attention.backends import select_backend
-from deepinfer.layers.attention.backends.triton import FRESH_SDPA_MIN_TOKENS
+from deepinfer.layers.attention.backends.triton import FRESH_SDPA_MIN_TOKENS, SPLIT_WARM_UP_CHUNK
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
@@ -233,11 +233,18 @@ class ModelRunner:
         sequence, a chunk on top of cached tokens (the paged prefill kernel) and a fresh chunk
         (SDPA), so that their compiles (each far longer than a step, see
         docs/benchmarks/design-measurements.md#kernel-warm-up) happen at start, as vLLM's
-        warm-up does, not in the first steps that serve requests."""
+        warm-up does, not in the first steps that serve requests. Then, where the model's length
+        allows it, a step of one short chunk on a long context: the paged prefill kernel split
+        along its keys, and the merge (a step of its own, or its launch would take the other
+        chunks too and the unsplit kernel would not run)."""
         limit = min(self._max_model_len(), 128)
         # (cached, new) per chunk; the fresh chunk long enough for SDPA where the model allows it.
-        tokens = [(limit - 1, 1), (limit // 2, limit - limit // 2),
-                  (0, min(FRESH_SDPA_MIN_TOKENS, self._max_model_len()))]
+        self._warm_up_step([(limit - 1, 1), (limit // 2, limit - limit // 2),
+                            (0, min(FRESH_SDPA_MIN_TOKENS, self._max_model_len()))])
+        if sum(SPLIT_WARM_UP_CHUNK) <= self._max_model_len():
+            self._warm_up_step([SPLIT_WARM_UP_CHUNK])
+
+    def _warm_up_step(self, tokens: list[tuple[int, int]]) -> None:
         blocks = sum(-(-(c + n) // self.block_size) for c, n in tokens) + 1
         caches = self._scratch_caches(blocks)
         chunks, token_ids, next_block = [], {}, 1

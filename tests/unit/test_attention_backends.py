@@ -141,3 +141,20 @@ def test_the_forward_context_carries_the_backend_that_built_the_step():
     by_name = build_step_inputs(chunks, token_ids, groups, 16, [0], [0], caches, torch.device("cpu"), backend="cpu")
     assert type(by_name.attention.backend) is CpuBackend
     assert torch.equal(by_name.attention.groups[0].decode_head_rows, inputs.attention.groups[0].decode_head_rows)
+
+
+def test_warm_up_adds_a_split_prefill_step_where_the_model_is_long_enough():
+    """The runner's warm-up: one step of every attention kind, then one short chunk on a long
+    context (the paged prefill kernel split along its keys) if the model's length allows it."""
+    from types import SimpleNamespace
+
+    from deepinfer.layers.attention.backends.triton import FRESH_SDPA_MIN_TOKENS, SPLIT_WARM_UP_CHUNK
+    from deepinfer.worker.model_runner import ModelRunner
+
+    long_enough = sum(SPLIT_WARM_UP_CHUNK)
+    for max_len, expected in ((512, 1), (long_enough - 1, 1), (long_enough, 2), (32768, 2)):
+        steps = []
+        ModelRunner._warm_up_kernels(SimpleNamespace(_max_model_len=lambda n=max_len: n, _warm_up_step=steps.append))
+        assert len(steps) == expected
+        assert steps[0] == [(127, 1), (64, 64), (0, min(FRESH_SDPA_MIN_TOKENS, max_len))]
+        assert steps[1:] == [[SPLIT_WARM_UP_CHUNK]] * (expected - 1)

@@ -24,15 +24,46 @@ the request recomputed its window from that position, and the rows below were ne
 its queries see keys in [max(q - WINDOW + 1, floor), q]. The floor raises the window edge's
 bounds and is one more term of the edge tiles' mask. It is compiled in only under HAS_FLOOR, so
 the kernel without floors is the one it always was.
+
+Split along the keys (flash-decoding style). The grid is (query tiles x sequences x heads); a
+chunk of few queries over a long cached context (SWA Bounded Replay's 576 queries through a global
+layer of a model with 4 query heads: 36 programs) leaves most multiprocessors idle while each
+program walks the whole context. Then (num_prefill_splits) each program's key range [lo, hi) is
+cut into NUM_SPLITS runs of whole BLOCK_N tiles, one program per run: it walks the parts of the
+three loops above that fall in its run, so the masks stay on the same edge tiles, and writes its
+rows normalised with their log-sum-exp (base 2) to an fp32 workspace. _combine_kernel merges the
+runs by their log-sum-exp into `out`. A run can see no key (a short sequence of a ragged batch, or
+a window or floor above it): its rows report -inf and weigh 0. The choice uses only values the
+host has (the longest chunk, the number of sequences, a host bound on the longest KV length),
+so it costs no device sync; the grid of an ordinary prefill (an 8k chunk has thousands of
+programs) keeps the unsplit kernel, compiled as before (SPLIT is a constexpr).
+
+The query heads that share a KV head are not packed into one program (the decode kernel does
+that): a prefill tile already reuses each K/V tile across its BLOCK_M queries, and the heads'
+programs read the same K/V through L2.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+# The key split (module docstring): at most this many runs per program, each of at least this
+# many keys (a shorter run spends a larger share of its time loading Q and writing its partial),
+# aiming at SPLIT_WAVES programs per multiprocessor. Triton's interpreter has no multiprocessors:
+# it is given an H100/H200's count.
+MAX_SPLITS = 32
+MIN_KEYS_PER_SPLIT = 512
+SPLIT_WAVES = 2
+INTERPRETER_SMS = 132
+# The split's fp32 workspace reserves max_query_len rows per picked sequence and run; fewer runs
+# where that would pass this (a ragged batch of many short chunks beside one long one).
+MAX_WORKSPACE_BYTES = 256 << 20
 
 
 @triton.jit
@@ -103,22 +134,31 @@ def _attend_tile(
 # compile-time specialization on them, or each new combination would compile the kernel again,
 # stalling the step that meets it (see triton_decode.py and
 # docs/benchmarks/design-measurements.md#triton-compile-stalls).
-@triton.jit(do_not_specialize=["stride_bt"],
+# Likewise the split count and the workspace strides that follow the step's token count.
+SPLIT_ARGS = ["num_splits", "stride_ps", "stride_pb", "stride_ls", "stride_lb"]
+
+
+@triton.jit(do_not_specialize=["stride_bt", *SPLIT_ARGS],
             do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_ptr", "seq_ids_ptr",
                                             "key_floor_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, seq_ids_ptr,
-    key_floor_ptr, qk_scale,
+    key_floor_ptr, o_part_ptr, lse_part_ptr, qk_scale,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, stride_ot, stride_oh,
+    stride_ps, stride_pb, stride_pt, stride_ph, stride_ls, stride_lb, stride_lt, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
-    IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr,
+    IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # The grid's first axis runs over query tiles in reverse: under a causal mask the last tiles
     # of a chunk see the most keys, and starting them first shortens the tail of the launch.
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.load(seq_ids_ptr + tl.program_id(1))
-    head = tl.program_id(2)
+    if SPLIT:   # the third axis runs over (head, split), the splits of a head side by side
+        head = tl.program_id(2) // num_splits
+        split = tl.program_id(2) % num_splits
+    else:
+        head = tl.program_id(2)
     kv_head = head // GROUP
 
     q_start = tl.load(query_start_ptr + seq)
@@ -159,30 +199,99 @@ def _prefill_kernel(
         mid_lo = tl.cdiv(all_from, BLOCK_N) * BLOCK_N
         mid_lo = tl.minimum(tl.maximum(mid_lo, lo), mid_hi)
 
+    edge_lo, edge_hi = lo, mid_lo
+    body_lo, body_hi = mid_lo, mid_hi
+    diag_lo, diag_hi = mid_hi, hi
+    if SPLIT:
+        # This program's run: whole BLOCK_N tiles of [lo, hi) from lo (a tile boundary), so every
+        # bound below stays on a tile boundary (or is hi) and each loop keeps its own tiles: the
+        # unmasked loop still sees only tiles that every query of the tile sees whole. The runs
+        # cover [lo, hi) once; a run past hi (more splits than tiles) is empty.
+        tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
+        run_lo = lo + split * tiles_per_split * BLOCK_N
+        run_hi = tl.minimum(run_lo + tiles_per_split * BLOCK_N, hi)
+        edge_lo, edge_hi = tl.maximum(edge_lo, run_lo), tl.minimum(edge_hi, run_hi)
+        body_lo, body_hi = tl.maximum(body_lo, run_lo), tl.minimum(body_hi, run_hi)
+        diag_lo, diag_hi = tl.maximum(diag_lo, run_lo), tl.minimum(diag_hi, run_hi)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
     if WINDOW > 0:
-        for n in range(lo, mid_lo, BLOCK_N):
+        for n in range(edge_lo, edge_hi, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
                 dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
                 BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR)
-    for n in range(mid_lo, mid_hi, BLOCK_N):
+    for n in range(body_lo, body_hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
             dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
             BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, False, IEEE, HAS_FLOOR)
-    for n in range(mid_hi, hi, BLOCK_N):
+    for n in range(diag_lo, diag_hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
             dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
             BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR)
 
+    if SPLIT:
+        # A run's rows, normalised, with their log-sum-exp in base 2 (the scores are): a row that
+        # saw no key in this run (an empty run, or keys all outside its window or floor) has
+        # l_i = 0 and reports -inf, which the merge weighs 0.
+        has = l_i > 0
+        lse = tl.where(has, m_i + tl.math.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        part = acc / tl.where(has, l_i, 1.0)[:, None]
+        slot = tl.program_id(1)   # the workspace's rows: (picked sequence, query of its chunk)
+        tl.store(o_part_ptr + split * stride_ps + slot * stride_pb + m_offs[:, None] * stride_pt + head * stride_ph
+                 + dims[None, :], part, mask=m_ok[:, None] & dim_ok[None, :])
+        tl.store(lse_part_ptr + split * stride_ls + slot * stride_lb + m_offs * stride_lt + head, lse, mask=m_ok)
+        return
     # Every real query sees at least its own key, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit(do_not_specialize=SPLIT_ARGS, do_not_specialize_on_alignment=["query_start_ptr", "seq_ids_ptr"])
+def _combine_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, query_start_ptr, seq_ids_ptr,
+    stride_ps, stride_pb, stride_pt, stride_ph, stride_ls, stride_lb, stride_lt, stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """`out` rows of one (query tile, sequence, head): the runs' partials merged by their
+    log-sum-exp. Rows of sequences not picked are never read or written."""
+    tile = tl.program_id(0)
+    slot = tl.program_id(1)
+    seq = tl.load(seq_ids_ptr + slot)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    m_offs = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = m_offs < q_len
+    lse_ptrs = lse_part_ptr + slot * stride_lb + m_offs * stride_lt + head
+    part_ptrs = o_part_ptr + slot * stride_pb + m_offs[:, None] * stride_pt + head * stride_ph
+    dims = tl.arange(0, DIM_PAD)
+    mask = m_ok[:, None] & (dims[None, :] < HEAD_DIM)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(0, num_splits):
+        m = tl.maximum(m, tl.load(lse_ptrs + s * stride_ls, mask=m_ok, other=float("-inf")))
+    # Every stored row saw its own key in some run, so m is finite there; the guard keeps the
+    # rows past q_len free of NaN (-inf - -inf), which are not stored anyway.
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_ptrs + s * stride_ls, mask=m_ok, other=float("-inf"))
+        w = tl.math.exp2(lse - m)   # 0 for a run that saw no key of the row
+        part = tl.load(part_ptrs + s * stride_ps + dims[None, :], mask=mask, other=0.0)
+        acc += part * w[:, None]
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + m_offs)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -204,20 +313,60 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     return 64, 32, 8, 2
 
 
+def num_prefill_splits(programs: int, max_keys: int, num_sms: int) -> int:
+    """How many runs to cut each program's key range into (1: the unsplit kernel).
+
+    `programs`: the unsplit grid's programs that have queries (query tiles x heads); `max_keys`:
+    a bound on the keys one program walks. Only a grid of at most half the multiprocessors is
+    split: a fuller one gains little from more, shorter programs and pays the workspace and the
+    merge. It then gets SPLIT_WAVES programs per multiprocessor (rounded down: one program more
+    than a whole wave costs a wave), at most MAX_SPLITS, each run of at least MIN_KEYS_PER_SPLIT
+    keys.
+    """
+    if 2 * programs > num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, SPLIT_WAVES * num_sms // programs, max_keys // MIN_KEYS_PER_SPLIT))
+
+
+def split_count(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int, max_query_len: int,
+                max_seq_len: int, window: int | None, block_m: int, device: torch.device) -> int:
+    """paged_prefill_attention's own choice of runs (num_prefill_splits), from host values only."""
+    # A tile's queries span BLOCK_M positions, and a window shows each at most WINDOW keys.
+    max_keys = min(max_seq_len, window + block_m) if window else max_seq_len
+    # Programs with queries: the grid gives every sequence the longest chunk's tiles, and the
+    # extra ones return at once; T rows make at most (T + S * (BLOCK_M - 1)) // BLOCK_M tiles
+    # over S sequences (T counts every row of q, picked or not: a bound).
+    tiles = min(triton.cdiv(max_query_len, block_m) * num_seqs, (num_tokens + num_seqs * (block_m - 1)) // block_m)
+    splits = num_prefill_splits(tiles * num_heads, max_keys, multiprocessor_count(device))
+    per_split = num_seqs * max_query_len * num_heads * (head_dim + 1) * 4   # partials and log-sum-exps
+    return max(1, min(splits, MAX_WORKSPACE_BYTES // per_split))
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":   # Triton's interpreter (tests): see INTERPRETER_SMS
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_table: torch.Tensor, seq_lens: torch.Tensor, query_start: torch.Tensor,
                             max_query_len: int, scale: float, window: int | None, block_size: int,
                             out: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
                             config: tuple[int, int, int, int] | None = None,
-                            key_floor: torch.Tensor | None = None) -> torch.Tensor:
+                            key_floor: torch.Tensor | None = None, max_seq_len: int | None = None,
+                            num_splits: int | None = None) -> torch.Tensor:
     """q: [T, H, D] (the chunks back to back) -> [T, H, D].
 
     `seq_ids` (int32) picks the sequences to attend (rows of block_table / seq_lens, chunks of
     query_start); the others' rows of `out` are left untouched. None: all of them.
     `key_floor` (int32, one per sequence like seq_lens; needs a window): the lowest key position
     each sequence's queries may see. None: no floor.
-    `max_query_len` is the longest chunk among those picked. `config` overrides
-    (BLOCK_M, BLOCK_N, num_warps, num_stages), for benchmarks and tests.
+    `max_query_len` is the longest chunk among those picked, `max_seq_len` a host-side bound on
+    their longest seq_lens entry (the key split's choice, num_prefill_splits; None: never split,
+    as the device's seq_lens are not read on the host). `num_splits` overrides that choice (1:
+    the unsplit kernel), and `config` (BLOCK_M, BLOCK_N, num_warps, num_stages); both for
+    benchmarks and tests.
     """
     num_tokens, num_heads, head_dim = q.shape
     group = num_heads // k_cache.shape[1]
@@ -232,15 +381,44 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("a key floor cuts sliding windows only; full attention sees every key")
     block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), seq_ids.shape[0], num_heads)
+    if num_splits is None:
+        num_splits = 1 if max_seq_len is None else split_count(
+            num_tokens, seq_ids.shape[0], num_heads, head_dim, max_query_len, max_seq_len, window, block_m, q.device)
+    split = num_splits > 1
+    if split:
+        # Per run, a row per (picked sequence, query of its chunk): [splits, S, max_query_len, H, D]
+        # partials and [splits, S, max_query_len, H] log-sum-exps. Not a row per row of q: q may
+        # also hold long chunks that other kernels attend (backends/triton.py), never read here.
+        shape = (num_splits, seq_ids.shape[0], max_query_len, num_heads)
+        o_part = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(shape, dtype=torch.float32, device=q.device)
+        grid = (grid[0], grid[1], num_heads * num_splits)
+    else:   # never read: the kernel writes `out` itself
+        o_part = lse_part = out
     _prefill_kernel[grid](
         # Without a floor the kernel never reads key_floor_ptr: any int32 tensor stands in.
         q, k_cache, v_cache, out, block_table, seq_lens, query_start, seq_ids,
-        seq_lens if key_floor is None else key_floor, scale * LOG2E,
+        seq_lens if key_floor is None else key_floor, o_part, lse_part, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
+        *(_part_strides(o_part, lse_part) if split else (0,) * 7), num_splits,
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, WINDOW=window or 0, EVEN_DIM=head_dim == dim_pad,
-        IEEE=q.dtype == torch.float32, HAS_FLOOR=key_floor is not None, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, HAS_FLOOR=key_floor is not None, SPLIT=split, num_warps=num_warps,
         num_stages=num_stages,
     )
+    if split:
+        _combine_kernel[(triton.cdiv(max_query_len, COMBINE_BLOCK_M), seq_ids.shape[0], num_heads)](
+            o_part, lse_part, out, query_start, seq_ids, *_part_strides(o_part, lse_part),
+            out.stride(0), out.stride(1), num_splits,
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_M=COMBINE_BLOCK_M, num_warps=4,
+        )
     return out
+
+
+# Rows per program of the merge: [16, 256] fp32 partials stay in registers at 4 warps.
+COMBINE_BLOCK_M = 16
+
+
+def _part_strides(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[int, ...]:
+    return (*o_part.stride()[:4], *lse_part.stride()[:3])

@@ -36,6 +36,11 @@ from deepinfer.layers.attention.layer import equal_length_runs
 # step: a flash call per short chunk would launch fewer programs (128-query tiles x heads) than
 # the GPU has multiprocessors, once per chunk and layer.
 FRESH_SDPA_MIN_TOKENS = 512
+# (cached, new) of a chunk for the runner's warm-up (model_runner._warm_up_kernels): few queries
+# on keys enough for the paged prefill kernel to split them (at least 2 x
+# triton_prefill.MIN_KEYS_PER_SPLIT), so that its split variant and the merge compile at start,
+# not in the first step that meets a long context (SWA Bounded Replay's recompute, say).
+SPLIT_WARM_UP_CHUNK = (1024, 2)
 
 
 @dataclass(kw_only=True)
@@ -46,11 +51,13 @@ class TritonGroupMetadata(GroupMetadata):
     # group). Fresh chunks (the chunk starts at position 0, is long enough to fill the GPU, and no
     # window cuts it) attend over this step's own K/V with SDPA's flash kernel: their token ranges
     # in the step, on the host. Every other prefill row goes to the paged prefill kernel: their
-    # indices among the prefill rows [n] int32 (None: there are none) and the longest of those
-    # chunks (the kernel's grid).
+    # indices among the prefill rows [n] int32 (None: there are none), the longest of those
+    # chunks (the kernel's grid) and their longest KV length (start + chunk), on the host: the
+    # kernel's key split is chosen from it without reading seq_lens back from the device.
     sdpa_prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
     kernel_prefill_rows: torch.Tensor | None = None
     kernel_max_prefill_len: int = 0
+    kernel_max_seq_len: int = 0
     # A sliding-window group's key floor per prefill row [num_prefills] int32 (SWA Bounded
     # Replay: the requests' window floors); None when no prefill row of the step has one, and
     # always for full-attention groups, which see every key.
@@ -164,6 +171,7 @@ class TritonBackend(AttentionBackend):
                 sdpa_prefill_ranges=sdpa_ranges,
                 kernel_prefill_rows=step.to_device(np.array(kernel_rows, dtype=np.int32)) if kernel_rows else None,
                 kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0),
+                kernel_max_seq_len=max((prefills[i].start + prefills[i].num_tokens for i in kernel_rows), default=0),
                 kernel_key_floor=key_floor if window else None))
         lengths = [c.num_tokens for c in prefills]
         return TritonMetadata(
@@ -205,7 +213,8 @@ class TritonBackend(AttentionBackend):
             paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
                                     meta.prefill_query_start, group.kernel_max_prefill_len, layer.scale,
                                     layer.sliding_window, meta.block_size, out=out[n_dec:],
-                                    seq_ids=group.kernel_prefill_rows, key_floor=group.kernel_key_floor)
+                                    seq_ids=group.kernel_prefill_rows, key_floor=group.kernel_key_floor,
+                                    max_seq_len=group.kernel_max_seq_len)
         for start, end, count in equal_length_runs(fresh):
             out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
                               else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
