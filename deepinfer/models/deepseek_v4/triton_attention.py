@@ -135,7 +135,8 @@ def _sparse_attention_kernel(
 def sparse_attention(q: torch.Tensor, sinks: torch.Tensor, tok_chunk: torch.Tensor, tok_pos: torch.Tensor,
                      tok_lo: torch.Tensor, win_cache: torch.Tensor, win_table: torch.Tensor, block_size: int,
                      comp: dict | None = None, topk: torch.Tensor | None = None,
-                     heads_block: int = 16, block_n: int = 32, num_warps: int = 4) -> torch.Tensor:
+                     heads_block: int = 16, block_n: int = 32, num_warps: int = 4,
+                     num_stages: int = 2) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D] (q's dtype). Window rows from `win_cache` ([rows, D] or
     [rows, 1, D]) through `win_table` [chunks, blocks] int32; tok_* [T] int32: each token's
     chunk, position and window low bound. `comp` (None: sliding layer only) describes the
@@ -164,6 +165,6 @@ def sparse_attention(q: torch.Tensor, sinks: torch.Tensor, tok_chunk: torch.Tens
         c_cache.stride(0), c_table.stride(0), new.stride(0), picks.stride(0),
         HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)), HEADS_BLOCK=heads_block, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, MODE=mode, RATE=rate, PER_PAGE=per_page, PAGE_ROWS=page_rows,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -38,27 +38,27 @@ def _index_score_kernel(
     count = (pos + 1) // RATE                  # rows complete at this token
     ok = s < count
     out_ptrs = scores_ptr + t.to(tl.int64) * stride_st + s
-    if tl.program_id(1) * BLOCK_S >= count:   # a tile past the token's rows: -inf, nothing read
+    if tl.program_id(1) * BLOCK_S < count:
+        chunk = tl.load(tok_chunk_ptr + t)
+        heads = tl.arange(0, HEADS_PAD)
+        head_ok = heads < num_heads
+        dims = tl.arange(0, DIM_PAD)
+        dim_ok = dims < HEAD_DIM
+        q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                    mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
+        first_new = tl.load(first_new_ptr + chunk)
+        new_off = tl.load(new_off_ptr + chunk)
+        k = load_compressed(s, ok, dims, dim_ok, comp_table_ptr + chunk.to(tl.int64) * stride_ct, comp_cache_ptr,
+                            stride_cr, new_ptr, stride_nr, first_new, new_off, PER_PAGE, PAGE_ROWS).to(q.dtype)
+        if IEEE:
+            dots = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            dots = tl.dot(q, tl.trans(k))
+        score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0) * scale
+        tl.store(out_ptrs, tl.where(ok, score, float("-inf")))
+    else:   # a tile past the token's complete rows: -inf, nothing read
         tl.store(out_ptrs, tl.full([BLOCK_S], float("-inf"), tl.float32))
-        return
-    chunk = tl.load(tok_chunk_ptr + t)
-    heads = tl.arange(0, HEADS_PAD)
-    head_ok = heads < num_heads
-    dims = tl.arange(0, DIM_PAD)
-    dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-    w = tl.load(w_ptr + t.to(tl.int64) * stride_wt + heads, mask=head_ok, other=0.0).to(tl.float32)
-    first_new = tl.load(first_new_ptr + chunk)
-    new_off = tl.load(new_off_ptr + chunk)
-    k = load_compressed(s, ok, dims, dim_ok, comp_table_ptr + chunk.to(tl.int64) * stride_ct, comp_cache_ptr,
-                        stride_cr, new_ptr, stride_nr, first_new, new_off, PER_PAGE, PAGE_ROWS).to(q.dtype)
-    if IEEE:
-        dots = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        dots = tl.dot(q, tl.trans(k))
-    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], 0) * scale
-    tl.store(out_ptrs, tl.where(ok, score, float("-inf")))
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, tok_chunk: torch.Tensor, tok_pos: torch.Tensor,
