@@ -70,5 +70,6 @@ def test_prefix_hits_match_transformers(checkpoint):
     llm.generate([first], GREEDY, use_tqdm=False)
     follow_up = [first[:67] + prompt(cfg, 9, seed + 7)[0].tolist()]
     outputs = llm.generate(follow_up, GREEDY, use_tqdm=False)
-    assert outputs[0].num_cached_tokens == 64
+    bs = llm.config.cache.block_size
+    assert outputs[0].num_cached_tokens == 67 // bs * bs > 0
     check(outputs, follow_up, hf)
