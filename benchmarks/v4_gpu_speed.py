@@ -18,7 +18,10 @@ densely), on the same engine and weights, in one run (the routed experts run as 
   prefill          one --prefill-token prompt, against the matmul floor: 2 x active parameters x
                    tokens / measured bf16 matmul rate (attention's FLOPs not counted: a floor)
   decode batch N   --batch requests of 512 tokens decoding --steps tokens: output tokens / s
---shape tiny runs a small config on any device (checks the script; "triton" needs CUDA).
+then the Triton path's speed-up over the reference, and (CUDA, flash shape) the kernels alone at
+these shapes (v4_kernel_times.py: one layer's attention and indexer, in ms).
+--shape tiny runs a small config on any device (checks the script; "triton" on the CPU only under
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -155,6 +158,20 @@ def main() -> None:
         result["modes"][mode] = row
         print(f"  {mode}: {row}", flush=True)
         write_json(args.out, result)
+    modes = result["modes"]
+    if "triton" in modes and "reference" in modes:   # > 1: the Triton path is faster
+        t, r = modes["triton"], modes["reference"]
+        result["triton_speedup"] = {"decode_b1": r["decode_b1_step_ms"] / t["decode_b1_step_ms"],
+                                    "prefill": r["prefill_ms"] / t["prefill_ms"],
+                                    "decode_batch": t["decode_batch_tok_s"] / r["decode_batch_tok_s"]}
+        print(f"  triton speed-up over reference: {result['triton_speedup']}", flush=True)
+    if cuda and args.shape == "flash":   # the kernels alone at the same shapes (v4_kernel_times.py)
+        try:
+            from v4_kernel_times import kernel_times
+            result["kernels"] = kernel_times()
+        except Exception as e:   # the engine figures above stand without them
+            result["kernels_error"] = repr(e)
+            print(f"  kernel timings failed: {e!r}", flush=True)
     print()
     print_table([{"mode": m, **r} for m, r in result["modes"].items()],
                 [("mode", "attention", ""), ("decode_b1_step_ms", "b1 step ms", ".1f"),
