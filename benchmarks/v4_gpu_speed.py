@@ -1,22 +1,27 @@
 """DeepSeek-V4 speed on the engine: V4-Flash's full width, truncated depth, random weights.
 
     python benchmarks/v4_gpu_speed.py [--layers 4] [--context 1024] [--steps 32] [--prefill 8192]
-        [--batch 64] [--modes grouped,loop] [--shape flash|tiny] [--out v4_speed.json]
+        [--batch 64] [--modes triton,reference] [--experts grouped|loop] [--shape flash|tiny]
+        [--out v4_speed.json]
 
 The first --layers layers of V4-Flash's schedule (4: sliding, sliding, CSA, HCA; the first 3
 MoE layers hash-routed), hidden 4096, 64 heads of 512, 256 experts of 2048, vocab 129280, bf16,
-random weights (normal, std 0.02: routing spreads over the experts), no MTP. Per mode (how the
-routed experts run: "grouped", two grouped GEMMs, the engine's; "loop", the reference loop over
-experts), in one run:
+random weights (normal, std 0.02: routing spreads over the experts), no MTP. Per mode (the
+attention path: "triton", the Triton kernels of models/deepseek_v4/paged_kernels.py, one sparse
+gather-attention and one indexer launch per layer over the whole step; "reference", the paged
+reference path of paged.py, per request chunk, all of a CSA layer's rows gathered and scored
+densely), on the same engine and weights, in one run (the routed experts run as --experts says:
+"grouped", two grouped GEMMs, the engine's; "loop", the reference loop over experts):
   decode batch 1   per-step time at --context tokens (generate 1 + --steps tokens minus 1), against
                    the roofline: active weight bytes (every weight but the routed experts a token
                    does not use) / measured copy bandwidth
   prefill          one --prefill-token prompt, against the matmul floor: 2 x active parameters x
                    tokens / measured bf16 matmul rate (attention's FLOPs not counted: a floor)
   decode batch N   --batch requests of 512 tokens decoding --steps tokens: output tokens / s
-Attention is the paged reference path (models/deepseek_v4/paged.py): per request chunk, all of
-a CSA layer's rows gathered and scored, no Triton kernel yet. --shape tiny runs a small config
-on any device (checks the script).
+then the Triton path's speed-up over the reference, and (CUDA, flash shape) the kernels alone at
+these shapes (v4_kernel_times.py: one layer's attention and indexer, in ms).
+--shape tiny runs a small config on any device (checks the script; "triton" on the CPU only under
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--modes", default="grouped,loop")
+    parser.add_argument("--modes", default="triton,reference", help="attention paths, in this order")
+    parser.add_argument("--experts", choices=["grouped", "loop"], default="grouped")
     parser.add_argument("--shape", choices=["flash", "tiny"], default="flash")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -89,17 +95,27 @@ def main() -> None:
 
     from deepinfer import LLM, SamplingParams
     from deepinfer.models.deepseek_v4.moe import RoutedExperts
+    from deepinfer.models.deepseek_v4.paged import V4StepBackend
+    from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
     from deepinfer.platforms import current_platform
 
     platform = current_platform()
     cuda = platform.name == "cuda"
     max_len = max(args.prefill, args.context + args.steps) + 64
     config = shape(args.shape, args.layers, max_len)
+    # Built on the reference path: the start-up profile then sizes the KV pool for its peak (the
+    # dense logits of the 8k prefill), the larger of the two paths'.
     llm = LLM(write_config_dir(config), load_format="dummy", dtype="bfloat16", max_model_len=max_len,
+              attention_backend="reference",
               skip_tokenizer_init=True, max_num_seqs=args.batch, max_num_batched_tokens=max(args.prefill, 2048),
               enable_prefix_caching=False)
-    model = llm.engine.executor.runner.model
+    runner = llm.engine.executor.runner
+    model = runner.model
     randomize(model)
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.grouped = args.experts == "grouped"
+    paths = {"triton": V4KernelStepBackend, "reference": V4StepBackend}
     bandwidth = copy_bandwidth() if cuda else None
     flops = matmul_rate() if cuda else None
     vocab = config["vocab_size"]
@@ -124,10 +140,11 @@ def main() -> None:
     long = random_prompts(1, args.prefill, vocab, seed=2)
     batch = random_prompts(args.batch, 512, vocab, seed=3)
     for mode in args.modes.split(","):
-        for module in model.modules():
-            if isinstance(module, RoutedExperts):
-                module.grouped = mode == "grouped"
-        run(one, 4)()   # warm-up
+        # The runner builds every step's metadata with its backend, and the model takes the path
+        # that backend says (engine.py): swapping it switches the path, same weights and KV pools.
+        runner.attention_backend = paths[mode](runner.device, runner.kv_cache_dtype)
+        run(one, 4)()   # warm-up (and the kernels' compiles)
+        run(batch[:2], 2)()
         step_s = min(timed(run(one, 1 + args.steps)) - timed(run(one, 1)) for _ in range(2)) / args.steps
         prefill_s = min(timed(run(long, 1)) for _ in range(2))
         batch_s = timed(run(batch, 1 + args.steps)) - timed(run(batch, 1))
@@ -141,9 +158,23 @@ def main() -> None:
         result["modes"][mode] = row
         print(f"  {mode}: {row}", flush=True)
         write_json(args.out, result)
+    modes = result["modes"]
+    if "triton" in modes and "reference" in modes:   # > 1: the Triton path is faster
+        t, r = modes["triton"], modes["reference"]
+        result["triton_speedup"] = {"decode_b1": r["decode_b1_step_ms"] / t["decode_b1_step_ms"],
+                                    "prefill": r["prefill_ms"] / t["prefill_ms"],
+                                    "decode_batch": t["decode_batch_tok_s"] / r["decode_batch_tok_s"]}
+        print(f"  triton speed-up over reference: {result['triton_speedup']}", flush=True)
+    if cuda and args.shape == "flash":   # the kernels alone at the same shapes (v4_kernel_times.py)
+        try:
+            from v4_kernel_times import kernel_times
+            result["kernels"] = kernel_times()
+        except Exception as e:   # the engine figures above stand without them
+            result["kernels_error"] = repr(e)
+            print(f"  kernel timings failed: {e!r}", flush=True)
     print()
     print_table([{"mode": m, **r} for m, r in result["modes"].items()],
-                [("mode", "experts", ""), ("decode_b1_step_ms", "b1 step ms", ".1f"),
+                [("mode", "attention", ""), ("decode_b1_step_ms", "b1 step ms", ".1f"),
                  ("roofline_step_ms", "roofline ms", ".2f"), ("prefill_ms", f"prefill {args.prefill} ms", ".0f"),
                  ("prefill_floor_ms", "floor ms", ".1f"), ("decode_batch_tok_s", f"batch {args.batch} tok/s", ".1f")])
     write_json(args.out, result)

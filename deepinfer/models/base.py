@@ -72,9 +72,10 @@ class CausalLM(nn.Module):
         """What the KV block size must be a multiple of (DeepSeek-V4: its compress rates)."""
         return 1
 
-    def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype):
+    def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype, engine_backend=None):
         """A model that addresses its KV cache itself returns the backend that builds its steps'
-        metadata (DeepSeek-V4); None: the engine's `attention_backend` choice."""
+        metadata (DeepSeek-V4), told the engine's own choice (`engine_backend`: whether it runs
+        model kernels); None: the engine's `attention_backend` choice."""
         return None
 
     # The head's weight in 4-bit form, (packed, scales_and_zeros) of Int8Blocks.as_int4_pair,

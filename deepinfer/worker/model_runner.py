@@ -145,8 +145,9 @@ class ModelRunner:
         self.layer_to_group, self.layer_to_slot = self.kv_layout.layer_to_group, self.kv_layout.layer_to_slot
         # The attention backend, chosen once (layers/attention/backends/selection.py): it builds each
         # step's metadata, and every layer of a forward asks it which fast ops to run.
-        self.attention_backend = (self.model.own_attention_backend(self.device, self.kv_cache_dtype)
-                                  or select_backend(config, platform, self.kv_cache_dtype))
+        engine_backend = select_backend(config, platform, self.kv_cache_dtype)
+        self.attention_backend = (self.model.own_attention_backend(self.device, self.kv_cache_dtype, engine_backend)
+                                  or engine_backend)
         self.max_blocks_per_seq = -(-self._max_model_len() // self.block_size)
         if platform.name == "cuda":
             self._profile_peak_memory()   # the KV budget is what is left after the peak

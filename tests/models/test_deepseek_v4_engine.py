@@ -2,7 +2,8 @@
 float32, on the tiny random configs of test_deepseek_v4_layers.py: greedy tokens identical and
 top-5 logprobs close for several prompts in one batch, with chunked prefill cutting compression
 blocks, with prefix-cache hits that end on block boundaries (the compressor state comes from the
-pages' tails), and after preemption."""
+pages' tails), and after preemption. On the CPU this is the reference path (paged.py); on a GPU
+the Triton kernels' (paged_kernels.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,11 @@ def _hf_greedy(hf, ids: list[int], new_tokens: int) -> tuple[list[int], torch.Te
 def engine(directory: str, **kwargs) -> LLM:
     options = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=320, num_kv_blocks=160,
                    enforce_eager=True)
-    return LLM(directory, **{**options, **kwargs})
+    llm = LLM(directory, **{**options, **kwargs})
+    runner = llm.engine.executor.runner
+    if runner.device.type == "cuda":   # the GPU's default backend: the Triton kernels (paged_kernels.py)
+        assert runner.attention_backend.kernels
+    return llm
 
 
 def check(outputs, prompts, hf) -> None:

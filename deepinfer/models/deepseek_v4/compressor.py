@@ -36,10 +36,12 @@ class Compressor(nn.Module):
         self.kv_norm = V4RMSNorm(dim, eps)
         self.__dict__["rotary"] = rotary          # shared with the attention; not a submodule
 
-    def compress(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, state: CompressorState,
+                 projected: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Feed the tokens x [B, L, hidden] (continuing `state`); returns every row so far,
-        [B, rows, dim], and leaves `state` ready for the next call."""
-        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        [B, rows, dim] (from state.skipped_rows on), and leaves `state` ready for the next call.
+        `projected`: kv_proj(x) and gate_proj(x) already computed (batched over a step)."""
+        kv, gate = projected if projected is not None else (self.kv_proj(x), self.gate_proj(x))
         state.call_kv, state.call_gate = kv, gate
         if state.pending_kv is not None:
             kv, gate = torch.cat([state.pending_kv, kv], dim=1), torch.cat([state.pending_gate, gate], dim=1)

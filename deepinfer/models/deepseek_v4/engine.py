@@ -7,7 +7,9 @@ are a sliding window (every layer), compressed rows (CSA and HCA layers) and ind
 layers), listed by `kv_cache_specs` in that order; `LayerKV` says where each layer's are.
 
 Checkpoints load through weights.py (transformers' layout or DeepSeek's, FP8 / FP4 dequantized).
-The MTP layer drafts for speculative decoding (mtp_drafter.py). Not yet here: fp8 KV, CUDA kernels.
+The MTP layer drafts for speculative decoding (mtp_drafter.py). Attention runs the Triton kernels
+(paged_kernels.py) where the engine's backend is Triton, the reference (paged.py) elsewhere. Not yet
+here: fp8 KV.
 
 Tensor and expert parallelism (parallel.py says what is split): built inside the runner's
 `building_with(group)`, each layer takes its rank's part, and weights.py cuts it out of the
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from deepinfer.kv_cache.specs import CompressedSpec, KVCacheSpec, SlidingWindowSpec
+from deepinfer.layers.attention.backends.base import AttentionBackend
 from deepinfer.layers.attention.metadata import get_forward_context
 from deepinfer.layers.linear import onednn_packing_available, pack_dense
 from deepinfer.layers.parallel import ParallelLMHead, gather_logits
@@ -100,10 +103,17 @@ class DeepseekV4ForCausalLM(CausalLM):
     def kv_cache_specs(self, dtype: torch.dtype) -> list[KVCacheSpec]:
         return kv_cache_specs_for(self.cfg, dtype)
 
-    def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype) -> V4StepBackend:
+    def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype,
+                              engine_backend: AttentionBackend | None = None) -> V4StepBackend:
+        """The Triton kernels (paged_kernels.py) where the engine's backend runs model kernels
+        (attention_backend "triton", or "auto" on CUDA), else the reference path (paged.py)."""
         if kv_cache_dtype != self.lm_head.weight.dtype:
             raise ValueError(f"kv_cache_dtype {str(kv_cache_dtype).removeprefix('torch.')}: DeepSeek-V4 keeps its "
                              "KV in the model's dtype for now (kv_cache_dtype='auto')")
+        if engine_backend is not None and engine_backend.model_kernels:
+            from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
+
+            return V4KernelStepBackend(device, kv_cache_dtype)
         return V4StepBackend(device, kv_cache_dtype)
 
     def pack_weights(self) -> None:
@@ -119,8 +129,11 @@ class DeepseekV4ForCausalLM(CausalLM):
         ids = input_ids[None]
         x = self.model.embed_tokens(ids)
         streams = x.unsqueeze(2).expand(-1, -1, self.cfg.hc_mult, -1).contiguous()
+        attend_fn = attend_paged
+        if meta.backend.kernels:   # Triton: one launch per layer over the step (paged_kernels.py)
+            from deepinfer.models.deepseek_v4.paged_kernels import attend_paged_kernels as attend_fn
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.layer_kv)):
-            attend = lambda h, layer=layer, kv=kv, i=i: attend_paged(layer.self_attn, h[0], positions, meta, kv, i)[None]
+            attend = lambda h, layer=layer, kv=kv, i=i: attend_fn(layer.self_attn, h[0], positions, meta, kv, i)[None]
             streams = layer.run(streams, attend, ids)
         if len(self.mtp):   # the MTP drafter reads the latest streams of each request
             for chunk, a, b in chunk_rows(meta.step):

@@ -73,6 +73,8 @@ class V4StepBackend(AttentionBackend):
     attention is not the engine's paged attention): the step layout and the write rows."""
 
     name = "deepseek_v4_reference"
+    # Whether the model's forward takes the Triton path (paged_kernels.py) on this backend's steps.
+    kernels = False
 
     def build_metadata(self, step: StepLayout) -> AttentionMetadata:
         groups = [GroupMetadata(slot_mapping=m) for m in step.slot_mappings]
@@ -156,15 +158,18 @@ class _ChunkPages:
             return None
         return self._cache(index)[self._token_rows(index, np.arange(low, self.start)), 0][None]
 
-    def compressor_state(self, index: int, compressor: Compressor, key) -> CompressorState:
-        """The compressor's state at the chunk's start: the rows so far from the pages, the
-        unfinished block's projections and (overlapping) the last block's Ca from the request's
-        recent projections, or at a block boundary from the tail of the block before."""
+    def compressor_state(self, index: int, compressor: Compressor, key, gather_rows: bool = True) -> CompressorState:
+        """The compressor's state at the chunk's start: the rows so far from the pages (unless
+        not `gather_rows`: the kernels read them there), the unfinished block's projections and
+        (overlapping) the last block's Ca from the request's recent projections, or at a block
+        boundary from the tail of the block before."""
         rate, d = compressor.rate, compressor.dim
         tail = 2 * rate if compressor.overlap else 0
         done = self.start // rate                     # complete rows before the chunk
         state = CompressorState()
-        if done:
+        if not gather_rows:
+            state.skipped_rows = done
+        elif done:
             rows = self._compressed_rows(index, rate, tail, np.arange(done))
             state.rows = self._cache(index)[rows, 0][None]
         pending_from = done * rate
@@ -206,7 +211,8 @@ class _ChunkPages:
         kept = -(-self.chunk.write_floor // rate)     # rows below it stay as cached (replay, keep)
         if last > max(first, kept):
             new = np.arange(max(first, kept), last)
-            cache[self._compressed_rows(index, rate, tail, new), 0] = state.rows[0, new].to(cache.dtype)
+            held = state.rows[0, new - state.skipped_rows]
+            cache[self._compressed_rows(index, rate, tail, new), 0] = held.to(cache.dtype)
 
         # Projections of positions [known_from, end): the recent ones before the chunk, then its own.
         recent: _Recent | None = self.recent.get(key)

@@ -34,6 +34,9 @@ class CompressorState:
     prev_gate: torch.Tensor | None = None
     # Compressed rows so far, normed and rotated at position row_index * rate: [B, rows, dim].
     rows: torch.Tensor | None = None
+    # Rows that exist before `rows` but are not held (the paged kernel path reads them from the
+    # KV pages): `rows` then holds rows skipped_rows .. num_rows - 1 only.
+    skipped_rows: int = 0
     # The last call's own tokens' projections (kv, gate without position_bias), [B, L, width]:
     # not state, but what a paged cache keeps of them (models/deepseek_v4/paged.py).
     call_kv: torch.Tensor | None = None
@@ -41,7 +44,7 @@ class CompressorState:
 
     @property
     def num_rows(self) -> int:
-        return 0 if self.rows is None else self.rows.shape[1]
+        return self.skipped_rows + (0 if self.rows is None else self.rows.shape[1])
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.pending_kv, self.pending_gate, self.prev_kv, self.prev_gate, self.rows)

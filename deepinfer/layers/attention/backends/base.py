@@ -155,6 +155,8 @@ class AttentionBackend(ABC):
     needs_warm_up: ClassVar[bool] = False
     # Whether decode steps can replay as CUDA graphs (decode_graph_buffers).
     supports_decode_graphs: ClassVar[bool] = False
+    # A model that attends itself (DeepSeek-V4) runs its own Triton kernels under this backend.
+    model_kernels: ClassVar[bool] = False
 
     def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         """The engine's device and KV cache dtype; None for a backend built by name to compare

@@ -106,6 +106,7 @@ class TritonBackend(AttentionBackend):
     fused_gemv = True
     needs_warm_up = True
     supports_decode_graphs = True
+    model_kernels = True
 
     def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None) -> None:
         super().__init__(device, kv_cache_dtype)
