@@ -126,14 +126,15 @@ class ServerClient:
         return response
 
     def run(self, jobs: list[Job], settings: Settings, chat: bool) -> Iterator[tuple[Job, Result]]:
-        with futures.ThreadPoolExecutor(self.concurrency) as pool:
-            pending = {pool.submit(self._one, job, settings, chat): job for job in jobs}
-            try:
-                for future in futures.as_completed(pending):
-                    yield pending[future], future.result()
-            finally:
-                for future in pending:
-                    future.cancel()
+        pool = futures.ThreadPoolExecutor(self.concurrency)
+        pending = {pool.submit(self._one, job, settings, chat): job for job in jobs}
+        try:
+            for future in futures.as_completed(pending):
+                yield pending[future], future.result()
+        finally:
+            # Stopped early (an error, a cut): drop the queued jobs and do not wait for the ones in
+            # flight; their results are not written, so a resume sends them again.
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _one(self, job: Job, settings: Settings, chat: bool) -> Result:
         import httpx

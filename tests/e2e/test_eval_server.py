@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -101,6 +103,32 @@ def test_a_cut_run_resumed_gives_the_same_report(server, mc_run, tmp_path):
     counts = generate(task, client, str(cut), samples=1, settings=settings, progress=False)
     assert counts == {"written": 17, "skipped": 7, "total": 24}
     assert _report(task, cut) == _report(task, whole)
+
+
+def test_ctrl_c_then_the_same_command_resumes(server, mc_run, tmp_path):
+    """The CLI interrupted by SIGINT mid-run exits at once (status 130) with whole lines only; the
+    same command finishes the run, whose grade report equals the uninterrupted one's."""
+    run = tmp_path / "interrupted.jsonl"
+    command = [sys.executable, "-m", "deepinfer", "eval", "generate", "--task", "mc_basics", "--model-url",
+               server.base_url, "--api-key", API_KEY, "--out", str(run), "--concurrency", "1", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "recipe"),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None:
+        if run.exists() and run.read_text().count("\n") >= 6:     # the header and five samples
+            break
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=30)
+    assert process.returncode == 130, stderr[-2000:]
+    assert "run the same command to resume" in stderr
+    done = len(read_samples(str(run)).completions)
+    assert 5 <= done < 24
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and f"{24 - done} samples written, {done} already there" in result.stdout
+    task = load_task("mc_basics")
+    assert _report(task, run) == _report(task, mc_run)
 
 
 def test_a_handful_of_humaneval_items_through_the_server_and_in_process(server, tmp_path):
