@@ -52,8 +52,13 @@ class Settings:
 def task_settings(task: Task, **overrides: Any) -> Settings:
     """The task's generation settings with the command line's overrides (None: keep the task's)."""
     values = {**task.generation, **{k: v for k, v in overrides.items() if v is not None}}
+    stop = values.get("stop", ())
+    if isinstance(stop, str):
+        stop = (stop,)
+    if not all(isinstance(s, str) and s for s in stop):
+        raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
     settings = Settings(temperature=float(values.get("temperature", 0.0)), top_p=float(values.get("top_p", 1.0)),
-                        max_tokens=int(values.get("max_tokens", 512)), stop=tuple(values.get("stop", ())),
+                        max_tokens=int(values.get("max_tokens", 512)), stop=tuple(stop),
                         seed=values.get("seed"))
     if settings.temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {settings.temperature}")

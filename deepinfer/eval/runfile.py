@@ -50,7 +50,6 @@ def read_samples(path: str) -> RunSamples:
     if not os.path.isfile(path):
         raise RunFileError(f"run file {path!r} not found")
     run = RunSamples(header=None)
-    ours = None
     with open(path, encoding="utf-8") as f:
         text = f.read()
     lines = text.split("\n")
@@ -71,10 +70,8 @@ def read_samples(path: str) -> RunSamples:
                 raise RunFileError(f"{where}: field 'kind': a second header")
             if run.lines:
                 raise RunFileError(f"{where}: field 'kind': the header must be the first line")
-            run.header, ours = row, True
+            run.header = row
             continue
-        if ours is None:
-            ours = "kind" in row
         task_id, completion = row.get("task_id"), row.get("completion")
         if not isinstance(task_id, str):
             raise RunFileError(f"{where}: field 'task_id' missing or not a string")
