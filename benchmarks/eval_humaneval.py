@@ -113,7 +113,6 @@ def main() -> int:
                         "a HumanEval figure: coverage is partial and grading refuses it)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--concurrency", type=int, default=16, help="(a): requests in flight")
-    parser.add_argument("--batch-size", type=int, default=64, help="(b): samples per generate() call")
     parser.add_argument("--work-dir", default=None, help="where the run files go (default: a temp dir); "
                         "an existing run file there is resumed")
     parser.add_argument("--reference-threads", type=int, default=1,
@@ -154,7 +153,7 @@ def main() -> int:
         elif part == "inprocess":
             from deepinfer.eval.generate import InProcessClient
 
-            client = InProcessClient({"model": gguf, "dtype": args.dtype}, batch_size=args.batch_size)
+            client = InProcessClient({"model": gguf, "dtype": args.dtype})
             tokenizer, eos_ids = client.llm.tokenizer, list(client.llm.eos_token_ids)
             counts = generate(task, client, path, samples=1, settings=settings, limit=args.limit)
         else:

@@ -30,7 +30,7 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     gen.add_argument("--api-key", default=None, help="the server's API key")
     gen.add_argument("--served-model", default=None, help="the model name to send (default: the server's first)")
     gen.add_argument("--concurrency", type=int, default=8, help="requests in flight to the server (default 8)")
-    gen.add_argument("--batch-size", type=int, default=32, help="in-process: samples per generate() call")
+    gen.add_argument("--batch-size", type=int, default=32, help="in-process chat tasks: samples per chat() call")
     gen.add_argument("--limit", type=int, default=None, help="only the first N items (a quick look; grade "
                      "will then report partial coverage)")
     gen.add_argument("--temperature", type=float, default=None, help="default: the task's (0 for the shipped ones)")

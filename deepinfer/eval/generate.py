@@ -176,7 +176,10 @@ class ServerClient:
 
 
 class InProcessClient:
-    """The offline `LLM` in this process; jobs go in batches of `batch_size`, appended per batch."""
+    """The offline `LLM` in this process. Completion tasks: every job goes into the engine at once
+    and each sample is yielded as it finishes (LLM.generate_as_completed), so the engine batches
+    as it likes and a cut run loses only unfinished samples. Chat tasks: batches of `batch_size`
+    through LLM.chat, appended per batch."""
 
     def __init__(self, engine_kwargs: dict[str, Any], *, batch_size: int = 32) -> None:
         import deepinfer
@@ -188,20 +191,28 @@ class InProcessClient:
         self.backend = "in-process"
         self.batch_size = batch_size
 
-    def run(self, jobs: list[Job], settings: Settings, chat: bool) -> Iterator[tuple[Job, Result]]:
+    @staticmethod
+    def _params(job: Job, settings: Settings):
         from deepinfer import SamplingParams
 
+        return SamplingParams(temperature=settings.temperature, top_p=settings.top_p, max_tokens=settings.max_tokens,
+                              stop=list(settings.stop), seed=job.seed)
+
+    def run(self, jobs: list[Job], settings: Settings, chat: bool) -> Iterator[tuple[Job, Result]]:
+        if not chat:
+            began = time.monotonic()
+            outputs = self.llm.generate_as_completed([job.item.prompt for job in jobs],
+                                                     [self._params(job, settings) for job in jobs])
+            for index, output in outputs:
+                completion = output.outputs[0]
+                yield jobs[index], Result(completion.text, completion.finish_reason, len(completion.token_ids),
+                                          time.monotonic() - began)
+            return
         for start in range(0, len(jobs), self.batch_size):
             batch = jobs[start:start + self.batch_size]
-            params = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p,
-                                     max_tokens=settings.max_tokens, stop=list(settings.stop), seed=job.seed)
-                      for job in batch]
             began = time.monotonic()
-            if chat:
-                outputs = self.llm.chat([[{"role": "user", "content": job.item.prompt}] for job in batch], params,
-                                        use_tqdm=False)
-            else:
-                outputs = self.llm.generate([job.item.prompt for job in batch], params, use_tqdm=False)
+            outputs = self.llm.chat([[{"role": "user", "content": job.item.prompt}] for job in batch],
+                                    [self._params(job, settings) for job in batch], use_tqdm=False)
             seconds = (time.monotonic() - began) / len(batch)
             for job, output in zip(batch, outputs):
                 completion = output.outputs[0]
