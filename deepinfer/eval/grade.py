@@ -7,7 +7,7 @@ command exits with status 3).
 
 pass@k is the unbiased estimator of Chen et al. (2021): for an item with n samples of which c
 pass, pass@k = 1 - C(n - c, k) / C(n, k), averaged over items; reported for each k <= K in
-{1, 10, 100} and K itself. With n = K = 1 (greedy) pass@1 is the fraction of items passed.
+{1, 10, 100} and K itself, or for the k asked (`--k`). With n = K = 1 (greedy) pass@1 is the fraction of items passed.
 """
 
 from __future__ import annotations
@@ -104,8 +104,11 @@ def coverage(task: Task, run: RunSamples, samples: int | None = None) -> Report:
 
 
 def grade(task: Task, run: RunSamples, *, samples: int | None = None, workers: int | None = None,
-          progress: bool = True, limits: Limits | None = None) -> Report:
+          progress: bool = True, limits: Limits | None = None, ks: list[int] | None = None) -> Report:
+    """Coverage, then (only at 100 %) every sample graded and pass@k for `ks` (default: report_ks(K))."""
     report = coverage(task, run, samples)
+    if ks is not None and not all(1 <= k <= report.samples for k in ks):
+        raise ValueError(f"--k: every k must be in [1, K = {report.samples}], got {ks}")
     if not report.complete:
         return report     # refuse before spending any time running code
     by_id = task.by_id()
@@ -127,7 +130,7 @@ def grade(task: Task, run: RunSamples, *, samples: int | None = None, workers: i
         passed, detail = results[(task_id, index)]
         report.passed.setdefault(task_id, []).append(passed)
         report.details.setdefault(task_id, []).append(detail)
-    for k in report_ks(report.samples):
+    for k in sorted(set(ks)) if ks else report_ks(report.samples):
         report.pass_at[k] = sum(pass_at_k(len(p), sum(p), k) for p in report.passed.values()) / report.items
     return report
 

@@ -207,3 +207,22 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, args, needle):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and needle in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_pass_at_k_over_a_run_of_k_samples(tmp_path):
+    """K = 3: item a passes 2 of 3, item b 0 of 3. pass@1 = (2/3 + 0) / 2; pass@3 = (1 + 0) / 2;
+    pass@2 for a = 1 - C(1,2)/C(3,2) = 1."""
+    task = load_task(_write_task(tmp_path, [{"id": "a", "q": "?", "answer": "yes"},
+                                            {"id": "b", "q": "?", "answer": "yes"}]))
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps({"task_id": i, "completion": c}) + "\n"
+                            for i, c in [("a", "yes"), ("a", "no"), ("a", " Yes."), ("b", "no"), ("b", "n"),
+                                         ("b", "")]))
+    report = grade(task, read_samples(str(path)), progress=False)
+    assert report.samples == 3 and report.complete
+    assert report.pass_at == {1: pytest.approx(1 / 3), 3: pytest.approx(0.5)}
+    assert "pass@1: 33.33 %" in report.text() and "pass@3: 50.00 %" in report.text()
+    report = grade(task, read_samples(str(path)), progress=False, ks=[2])
+    assert report.pass_at == {2: pytest.approx(0.5)}
+    with pytest.raises(ValueError, match="--k"):
+        grade(task, read_samples(str(path)), progress=False, ks=[4])
