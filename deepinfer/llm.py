@@ -128,6 +128,30 @@ class LLM:
             ids.append(self._add_request(text, token_ids, sp, prio, cache_salt, traffic_class))
         return self._run(ids, use_tqdm)
 
+    def generate_as_completed(self, prompts: PromptType | Sequence[PromptType],
+                              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                              traffic_class: str | None = None) -> Iterator[tuple[int, RequestOutput]]:
+        """generate(), yielding (index into prompts, output) as each request finishes, in the order
+        they finish: a caller keeps each result at once while the others run (`deepinfer eval`
+        appends each to its run file). Leaving the loop early aborts the requests not finished."""
+        traffic_class = traffic.resolve(traffic_class, self._facts.traffic_classes)
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for sp in _broadcast(sampling_params, len(prompts), "sampling_params")]
+        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
+        pending = {self._add_request(text, token_ids, sp, 0, None, traffic_class): index
+                   for index, (text, token_ids, sp) in enumerate(prepared)}
+        try:
+            while pending and self.engine.has_unfinished():
+                for out in self._step():
+                    if out.finished and out.request_id in pending:
+                        yield pending.pop(out.request_id), out
+        finally:  # the caller stopped early: free the unfinished requests' blocks
+            for request_id in pending:
+                self.engine.abort(self.output_processor.abort(request_id))
+
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
              use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,

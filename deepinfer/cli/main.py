@@ -1,4 +1,4 @@
-"""`deepinfer generate | chat | serve | router | kv stats|gc|clear | bench throughput | bench latency | bench serve`."""
+"""`deepinfer generate | chat | serve | router | kv stats|gc|clear | eval generate|grade | bench throughput | bench latency | bench serve`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_kv_args(kv)
 
+    evaluation = commands.add_parser("eval", allow_abbrev=False,
+                                     help="evaluate a model on a task: generate samples, then grade them apart")
+    from deepinfer.cli.eval import add_eval_args
+
+    add_eval_args(evaluation)
+
     bench = commands.add_parser("bench", allow_abbrev=False, help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     throughput = bench_commands.add_parser("throughput", allow_abbrev=False, help="offline throughput of synthetic requests")
@@ -86,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             from deepinfer.cli.kv import run_kv
 
             return run_kv(args)
+        if args.command == "eval":
+            from deepinfer.cli.eval import run_eval
+
+            return run_eval(args)
         if args.bench_command == "serve":
             from deepinfer.bench.serve import run_serve_bench
 
