@@ -12,6 +12,11 @@ the table and writes JSON (per-item pass/fail, completions agreeing across setup
 
     python benchmarks/eval_humaneval.py                        # all 164 items, all three
     python benchmarks/eval_humaneval.py --limit 8 --parts inprocess,transformers   # a quick look
+    python benchmarks/eval_humaneval.py --task humaneval_chat  # the instruct protocol: chat turn, code block
+
+--task humaneval_chat sends each item as one user turn of the model's chat template (the server's
+/v1/chat/completions, LLM.chat in process; transformers gets the ids the recipe renders for the
+same turn) and grades the answer's fenced code block (deepinfer/eval/tasks/humaneval_chat.json).
 
 On a shared CPU set OMP_NUM_THREADS=1: with torch's default threads per process the engine's
 threads spin against other processes (measured 2.6 generated tokens/s served; about 15x faster per
@@ -47,7 +52,8 @@ PARTS = ("server", "inprocess", "transformers")
 class TransformersClient:
     """The reference: transformers' forward over the prompt ids deepinfer's tokenizer gives, greedy."""
 
-    def __init__(self, gguf_path: str, tokenizer, eos_ids: list[int], dtype: str) -> None:
+    def __init__(self, gguf_path: str, tokenizer, eos_ids: list[int], dtype: str,
+                 chat_ids: dict[str, list[int]] | None = None) -> None:
         import torch
         import transformers
 
@@ -57,18 +63,22 @@ class TransformersClient:
             directory, gguf_file=name, dtype=getattr(torch, dtype)).eval()
         self.hf_tokenizer = transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
         self.tokenizer, self.eos_ids = tokenizer, set(eos_ids)
+        self.chat_ids = chat_ids or {}               # chat tasks: the recipe's prompt ids per item
         self.model = "SmolLM2-135M-Instruct"       # the name the run file records
         self.engine_version = f"transformers {transformers.__version__}"
         self.backend = "transformers (reference)"
         self.prompt_ids_differ = 0
 
     def run(self, jobs: list[Job], settings: Settings, chat: bool):
-        assert not chat and settings.temperature == 0
+        assert settings.temperature == 0
         for job in jobs:
             start = time.monotonic()
-            ids = self.tokenizer.encode(job.item.prompt)
-            if ids != self.hf_tokenizer.encode(job.item.prompt):
-                self.prompt_ids_differ += 1
+            if chat:
+                ids = self.chat_ids[job.item.id]
+            else:
+                ids = self.tokenizer.encode(job.item.prompt)
+                if ids != self.hf_tokenizer.encode(job.item.prompt):
+                    self.prompt_ids_differ += 1
             text, finish, n = self._greedy(ids, settings)
             yield job, Result(text, finish, n, time.monotonic() - start)
 
@@ -111,6 +121,7 @@ def main() -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated: " + ", ".join(PARTS))
     parser.add_argument("--limit", type=int, default=None, help="only the first N items (Pass@1 is then not "
                         "a HumanEval figure: coverage is partial and grading refuses it)")
+    parser.add_argument("--task", default="humaneval", choices=("humaneval", "humaneval_chat"))
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--concurrency", type=int, default=16, help="(a): requests in flight")
     parser.add_argument("--work-dir", default=None, help="where the run files go (default: a temp dir); "
@@ -127,7 +138,7 @@ def main() -> int:
 
     from deepinfer.models.bundled import default_model_path
 
-    task = load_task("humaneval")
+    task = load_task(args.task)
     settings = task_settings(task)
     work = args.work_dir or tempfile.mkdtemp(prefix="eval-humaneval-")
     os.makedirs(work, exist_ok=True)
@@ -157,16 +168,22 @@ def main() -> int:
             tokenizer, eos_ids = client.llm.tokenizer, list(client.llm.eos_token_ids)
             counts = generate(task, client, path, samples=1, settings=settings, limit=args.limit)
         else:
-            if tokenizer is None:
-                from deepinfer import LLM
+            chat_ids = None
+            if tokenizer is None or task.chat:
+                from deepinfer import LLM, SamplingParams
 
                 llm = LLM(gguf, dtype=args.dtype)
                 tokenizer, eos_ids = llm.tokenizer, list(llm.eos_token_ids)
+                if task.chat:   # the ids the recipe renders for each item's user turn
+                    items = task.head(args.limit).items
+                    outs = llm.chat([[{"role": "user", "content": item.prompt}] for item in items],
+                                    SamplingParams(max_tokens=1), use_tqdm=False)
+                    chat_ids = {item.id: list(out.prompt_token_ids) for item, out in zip(items, outs)}
                 del llm
             import torch
 
             torch.set_num_threads(args.reference_threads)
-            client = TransformersClient(gguf, tokenizer, eos_ids, args.dtype)
+            client = TransformersClient(gguf, tokenizer, eos_ids, args.dtype, chat_ids)
             counts = generate(task, client, path, samples=1, settings=settings, limit=args.limit)
         seconds = time.monotonic() - began
         engine_version = client.engine_version

@@ -150,10 +150,15 @@ def _grader(task: Task, limits: Limits | None):
         return exact
     limits = limits or Limits(timeout_s=float(spec.get("timeout_s", 10.0)), memory_mb=int(spec.get("memory_mb", 1024)))
     test_field, entry_field = spec.get("test_field", "test"), spec.get("entry_point_field", "entry_point")
+    fenced, head_field = spec.get("extract") == "fenced", spec.get("head_field")
 
     def execute(item: Item, completion: str) -> tuple[bool, str]:
-        outcome = run_program(program(item.prompt, completion, item.fields[test_field], item.fields[entry_field]),
-                              limits)
+        entry = item.fields[entry_field]
+        head = item.fields[head_field] if head_field else item.prompt
+        if fenced:   # an instruct model's answer: the code block, after the item's code prompt
+            code = fenced_code(completion, entry)
+            completion = f"\n{code}" if f"def {entry}(" in code else code
+        outcome = run_program(program(head, completion, item.fields[test_field], entry), limits)
         return outcome.passed, outcome.status if outcome.passed else f"{outcome.status}: {outcome.detail}"
 
     return execute
@@ -168,6 +173,21 @@ def extract_answer(completion: str, pattern: re.Pattern | None) -> str | None:
     return lines[0].strip().rstrip(".").strip() if lines else ""
 
 
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.S)
+
+
+def fenced_code(completion: str, entry_point: str) -> str:
+    """The code of a chat answer: its first fenced block that defines `entry_point`, else its first
+    fenced block, else the whole answer (a model that answered with bare code)."""
+    blocks = _FENCE.findall(completion)
+    for block in blocks:
+        if f"def {entry_point}(" in block:
+            return block
+    return blocks[0] if blocks else completion
+
+
 def program(prompt: str, completion: str, test: str, entry_point: str) -> str:
-    """HumanEval's program: the prompt, the model's continuation, the tests, then check(entry_point)."""
+    """HumanEval's program: the prompt, the model's continuation, the tests, then check(entry_point).
+    (An instruct answer's whole function comes after the prompt's, which it replaces: the
+    prompt still brings the imports the function's signature needs.)"""
     return f"{prompt}{completion}\n\n{test}\n\ncheck({entry_point})\n"

@@ -13,7 +13,9 @@ A task spec (`NAME.json`) says where the items are and how to prompt and grade t
       "generation": {"max_tokens": 16, "stop": ["\\n"], "temperature": 0},
       "grader": {"kind": "exact_match", "answer_field": "answer", "answer_regex": "^\\\\s*([A-D])"}
               # or {"kind": "python_tests", "test_field": "test", "entry_point_field": "entry_point",
-              #     "timeout_s": 10, "memory_mb": 1024}
+              #     "timeout_s": 10, "memory_mb": 1024,
+              #     "extract": "fenced", "head_field": "prompt"}   # an instruct model's answer: the
+              #     code of its fenced block runs after the item's field `head_field` (default: the prompt)
     }
 
 `--task` takes a shipped task's name (`humaneval`, `mc_basics`: the specs in eval/tasks/) or the
@@ -119,6 +121,8 @@ def load_task(task: str) -> Task:
     grader = spec.get("grader")
     if not isinstance(grader, dict) or grader.get("kind") not in GRADER_KINDS:
         raise TaskError(f"{spec_path}: field 'grader.kind' must be one of {', '.join(GRADER_KINDS)}")
+    if grader.get("extract", "continuation") not in ("continuation", "fenced"):
+        raise TaskError(f"{spec_path}: field 'grader.extract' must be 'continuation' or 'fenced'")
     chat = spec.get("chat", False)
     if not isinstance(chat, bool):
         raise TaskError(f"{spec_path}: field 'chat' must be true or false")
@@ -202,6 +206,7 @@ def _check_grader_fields(grader: dict, row: dict, where: str) -> None:
         needed = [grader.get("answer_field", "answer")]
     else:
         needed = [grader.get("test_field", "test"), grader.get("entry_point_field", "entry_point")]
+        needed += [grader["head_field"]] if grader.get("head_field") else []
     for name in needed:
         if not isinstance(row.get(name), str):
             raise TaskError(f"{where}: field {name!r} missing or not a string")

@@ -226,3 +226,24 @@ def test_pass_at_k_over_a_run_of_k_samples(tmp_path):
     assert report.pass_at == {2: pytest.approx(0.5)}
     with pytest.raises(ValueError, match="--k"):
         grade(task, read_samples(str(path)), progress=False, ks=[4])
+
+
+def test_the_chat_task_grades_the_answers_code_block():
+    """humaneval_chat: the item goes as a user turn; an answer's fenced function (after prose,
+    with or without the language tag, beside another block) runs after the item's prompt, which
+    brings its imports; a canonical body as a bare continuation still counts; no code fails."""
+    from deepinfer.eval.grade import _grader, fenced_code
+
+    task = load_task("humaneval_chat")
+    assert task.chat and len(task.items) == 164 and "```python" in task.items[0].prompt
+    item = task.items[0]
+    prompt, entry, body = item.fields["prompt"], item.fields["entry_point"], item.fields["canonical_solution"]
+    whole = prompt.split(f"def {entry}")[1]
+    function = f"def {entry}{whole}{body}"
+    grader = _grader(task, None)
+    assert grader(item, f"Here it is:\n```python\n{function}```\nIt loops over pairs.")[0]
+    assert grader(item, f"```\nprint('example')\n```\n```py\n{function}\n```")[0]
+    assert fenced_code(f"```python\nx = 1\n```\n```python\n{function}```", entry).startswith(f"def {entry}")
+    assert grader(item, body)[0]                       # bare code: a continuation of the prompt
+    assert not grader(item, "I cannot help with that.")[0]
+    assert not grader(item, f"```python\ndef {entry}(numbers, threshold):\n    return False\n```")[0]
