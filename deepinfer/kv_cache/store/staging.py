@@ -6,9 +6,9 @@ stream); the writer threads encode and write from those slots and free them. A l
 threads decode entries straight into slots; the step then copies slots -> device blocks. On CUDA
 the buffer is page-locked host memory mapped into the device (platforms/host_memory.py), so both
 copies are index kernels over a device view of it: nothing is allocated or page-locked per
-transfer, and the host never waits for the device. (Allocating pinned memory per save, as this
-tier first did, cost the step ~15 % of an H200's throughput at a 0 % hit rate, and loads pinned
-their whole payload on the step.)
+transfer, and the host never waits for the device. (The first worker allocated page-locked
+memory per save and dropped a save whole once 1 GiB was pending: on an H200 a 32k-token prefix
+reached the store only up to its first 8k tokens; docs/benchmarks.md, "KV store on the H200".)
 
 A slot holds one block of one group's payload, [layers, K/V, page bytes]. Slots are taken and
 freed under a lock by the step thread and the I/O threads. Saves and loads each have half of
