@@ -1,12 +1,13 @@
 """The persistent store's staging buffer: host memory, allocated once, that every block on its way
 between the device and the store passes through.
 
-A save copies its blocks device -> staging slots on the step (one gather per layer on a side
-stream); the writer threads encode and write from those slots and free them. A load's reader
-threads decode entries straight into slots; the step then copies slots -> device blocks. On CUDA
-the buffer is page-locked host memory mapped into the device (platforms/host_memory.py), so both
-copies are index kernels over a device view of it: nothing is allocated or page-locked per
-transfer, and the host never waits for the device. (The first worker allocated page-locked
+A save copies its blocks device -> staging slots on the step (a gather in device memory, then
+an asynchronous copy per run of consecutive slots, on a side stream); the writer threads encode
+and write from those slots and free them. A load's reader threads decode entries straight into
+slots; the step then copies slots -> device blocks the same way round. On CUDA the buffer is
+page-locked host memory (platforms/host_memory.py; shared with the I/O process when it has one),
+so those copies run on the copy engine: nothing is allocated or page-locked per transfer, and the
+host never waits for the device. (The first worker allocated page-locked
 memory per save and dropped a save whole once 1 GiB was pending: on an H200 a 32k-token prefix
 reached the store only up to its first 8k tokens; docs/benchmarks.md, "KV store on the H200".)
 
