@@ -41,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import (
     add_output_args,
     free_memory,
-    gemma3_1b_shape,
     machine_info,
     median,
     model_config,
@@ -55,11 +54,9 @@ from bench_common import (
     write_json,
     write_shape_dir,
 )
+from kv_store_serving import SHAPES, shape_config
 
 MODES = ("off", "on")
-
-
-SHAPES = ("llama3-8b", "gemma3-1b")
 
 
 def resolve_model(name: str) -> tuple[str, str]:
@@ -70,13 +67,7 @@ def resolve_model(name: str) -> tuple[str, str]:
 
         return default_model_path(), "auto"
     if name in SHAPES:
-        if name == "llama3-8b":
-            from gpu_reference_baseline import LLAMA3_8B
-
-            config = dict(LLAMA3_8B)
-        else:
-            config = gemma3_1b_shape()
-        return write_shape_dir(config), "dummy"
+        return write_shape_dir(shape_config(name)), "dummy"
     return name, "auto"
 
 

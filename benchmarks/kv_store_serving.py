@@ -62,17 +62,21 @@ class ServedModel:
         return int(self.config.get("sliding_window") or 0) if "sliding_attention" in layer_kinds(self.config) else 0
 
 
+def shape_config(name: str) -> dict:
+    """The HF config of a shape of SHAPES (random weights: load_format="dummy")."""
+    if name == "llama3-8b":
+        from gpu_reference_baseline import LLAMA3_8B
+
+        return dict(LLAMA3_8B)
+    return gemma3_1b_shape()
+
+
 def resolve_model(name: str, max_positions: int) -> ServedModel:
     """smollm2 | gemma3-270m | llama3-8b | gemma3-1b (shapes, random weights) | a path."""
     from deepinfer.models.loader import load_model_source
 
     if name in SHAPES:
-        if name == "llama3-8b":
-            from gpu_reference_baseline import LLAMA3_8B
-
-            config = dict(LLAMA3_8B)
-        else:
-            config = gemma3_1b_shape()
+        config = shape_config(name)
         config["max_position_embeddings"] = max(config["max_position_embeddings"], max_positions)
         return ServedModel(name, write_shape_dir(config), "dummy", PLAIN_TEMPLATE, config, None)
     template = None

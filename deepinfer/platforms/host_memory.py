@@ -49,22 +49,31 @@ class HostBuffer:
             _check_driver(driver.cuMemHostAlloc(ctypes.byref(pointer), ctypes.c_size_t(nbytes),
                                                 _CU_MEMHOSTALLOC_PORTABLE | _CU_MEMHOSTALLOC_DEVICEMAP),
                           f"cuMemHostAlloc of {nbytes} bytes for the host KV tier")
-            device_pointer = ctypes.c_uint64()
-            _check_driver(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device_pointer), pointer, 0),
-                          "cuMemHostGetDevicePointer")
             # Each view's storage holds its source object until the last tensor over it is gone
             # (frombuffer and the array interface both do): the memory is freed after both.
             owner = _Allocation(pointer.value, device)
             host_source = (ctypes.c_uint8 * nbytes).from_address(pointer.value)
-            device_source = _CudaArray(device_pointer.value, nbytes)
+            device_source, self.device_view = _device_alias(driver, pointer.value, nbytes, device)
             for source in (host_source, device_source):
                 weakref.finalize(source, owner.drop)
             self.host = torch.frombuffer(host_source, dtype=torch.uint8)
-            self.device_view = torch.as_tensor(device_source, device=device)
-        if self.device_view.data_ptr() != device_pointer.value:
-            # as_tensor copies when it places the memory on another device: that would be a copy
-            # of the tier, not the tier.
-            raise RuntimeError(f"the device view of the host KV tier is not an alias on {device}")
+
+
+def _device_alias(driver, host_pointer: int, nbytes: int, device: torch.device) -> tuple[_CudaArray, torch.Tensor]:
+    """Page-locked host memory mapped into the device, as a uint8 tensor on `device` that aliases
+    it (and the array-interface object that tensor's storage holds)."""
+    from deepinfer.platforms.nvrtc import _check_driver
+
+    device_pointer = ctypes.c_uint64()
+    _check_driver(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device_pointer), ctypes.c_void_p(host_pointer), 0),
+                  "cuMemHostGetDevicePointer")
+    source = _CudaArray(device_pointer.value, nbytes)
+    view = torch.as_tensor(source, device=device)
+    if view.data_ptr() != device_pointer.value:
+        # as_tensor copies when it places the memory on another device: that would be a copy of
+        # the host memory, not a view of it.
+        raise RuntimeError(f"the device view of {nbytes} bytes of host memory is not an alias on {device}")
+    return source, view
 
 
 class _Allocation:
@@ -124,14 +133,7 @@ class SharedHostBuffer:
                                                       _CU_MEMHOSTREGISTER_PORTABLE | _CU_MEMHOSTREGISTER_DEVICEMAP),
                           f"cuMemHostRegister of {nbytes} bytes")
             self._registered = True
-            device_pointer = ctypes.c_uint64()
-            _check_driver(driver.cuMemHostGetDevicePointer_v2(ctypes.byref(device_pointer),
-                                                              ctypes.c_void_p(self._pointer), 0),
-                          "cuMemHostGetDevicePointer")
-            self._source = _CudaArray(device_pointer.value, nbytes)
-            self.device_view = torch.as_tensor(self._source, device=device)
-        if self.device_view.data_ptr() != device_pointer.value:
-            raise RuntimeError(f"the device view of the shared host buffer is not an alias on {device}")
+            self._source, self.device_view = _device_alias(driver, self._pointer, nbytes, device)
 
     def close(self) -> None:
         """Unregister and unmap (every view of the buffer must be dropped by then)."""

@@ -30,15 +30,20 @@ CASES = [("r4_16", 0), ("r4_16", 1), ("r2_8", 0), ("r2_8", 2)]
 def checkpoint(request, tmp_path_factory):
     """(directory of a checkpoint in transformers' module names, the transformers model, config, seed)."""
     shape, seed = request.param
+    directory = tmp_path_factory.mktemp(f"v4-{shape}-{seed}")
+    return (str(directory), *write_checkpoint(str(directory), shape, seed), seed)
+
+
+def write_checkpoint(directory: str, shape: str, seed: int):
+    """A random transformers V4 model of a tiny shape, saved into `directory`: (model, config)."""
     cfg = make_config(shape)
     torch.manual_seed(seed)
     hf = DeepseekV4ForCausalLM(cfg).eval()
     randomize(hf, seed, cfg)
-    directory = tmp_path_factory.mktemp(f"v4-{shape}-{seed}")
     save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, os.path.join(directory, "model.safetensors"))
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump({**cfg.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}, f)
-    return str(directory), hf, cfg, seed
+    return hf, cfg
 
 
 @torch.no_grad()

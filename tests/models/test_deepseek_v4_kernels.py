@@ -8,19 +8,14 @@ on the CPU, under Triton's interpreter (TRITON_INTERPRET=1), the test turns it o
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
 
 from tests.triton_support import INTERPRETED  # skips this module without a way to run Triton
 
 pytest.importorskip("transformers")
-from safetensors.torch import save_file  # noqa: E402
-from test_deepseek_v4_engine import GREEDY, check, engine  # noqa: E402
-from test_deepseek_v4_layers import make_config, prompt, randomize  # noqa: E402
-from transformers import DeepseekV4ForCausalLM  # noqa: E402
+from test_deepseek_v4_engine import GREEDY, check, engine, write_checkpoint  # noqa: E402
+from test_deepseek_v4_layers import prompt  # noqa: E402
 
 from deepinfer.layers.attention.backends.cpu import CpuBackend  # noqa: E402
 from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend  # noqa: E402
@@ -32,15 +27,8 @@ CASES = [("r4_16", 0), ("r2_8", 2)]
 def model_dir(request, tmp_path_factory):
     """(checkpoint directory, the transformers model, config, seed), as test_deepseek_v4_engine.py."""
     shape, seed = request.param
-    cfg = make_config(shape)
-    torch.manual_seed(seed)
-    hf = DeepseekV4ForCausalLM(cfg).eval()
-    randomize(hf, seed, cfg)
     directory = tmp_path_factory.mktemp(f"v4k-{shape}-{seed}")
-    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, os.path.join(directory, "model.safetensors"))
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump({**cfg.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}, f)
-    return str(directory), hf, cfg, seed
+    return (str(directory), *write_checkpoint(str(directory), shape, seed), seed)
 
 
 @pytest.fixture
