@@ -262,6 +262,45 @@ def test_redis_down_never_stops_serving_and_is_used_again_when_back(redis_server
     worker.close()
 
 
+def test_a_steps_saves_of_several_groups_and_classes_are_written_together(tmp_path):
+    """One step's saves (three requests, two groups, chat and agent) are staged and written per
+    group and class in one batch: every block bit-identical in a fresh instance, each under its
+    own class (the agent entries are the ones gone after 3 days)."""
+    clock = Clock()
+    groups = [full(0, (0,)), full(1, (1,))]   # one pool: the groups share its slot, with their own block ids
+    src = random_caches(1, torch.bfloat16)
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION, clock=clock), groups)
+    worker.register_kv_caches(src, groups, BS)
+    saves = {"a": (chain(3, first=0), [1, 2, 3], "chat"), "b": (chain(2, first=100), [4, 5], "agent"),
+             "c": (chain(2, first=200), [6, 7], "chat")}
+    for name, (hashes, ids, cls) in saves.items():
+        for g in groups:   # group 1's blocks are group 0's + 8
+            sched.save_blocks(name, g.group_id, hashes, [i + 8 * g.group_id for i in ids], traffic_class=cls)
+    settle(sched, worker)
+    assert worker.stats().written_blocks == 14
+    worker.close()
+
+    def reload(name):
+        hashes, ids, _ = saves[name]
+        dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
+        sched, worker = connector(DirStore(str(tmp_path), RETENTION, clock=clock), groups)
+        worker.register_kv_caches(dst, groups, BS)
+        n = sched.get_num_new_matched_tokens(hashes, [0, 1], 0) // BS
+        if n:
+            sched.allocate_loads("reader", hashes[:n], {0: [9, 10, 11][:n], 1: [12, 13, 14][:n]})
+            settle(sched, worker)
+            for got, want in (([9, 10, 11][:n], ids), ([12, 13, 14][:n], [i + 8 for i in ids])):
+                for a, b in zip(block_bytes(src, 1, want), block_bytes(dst, 1, got)):
+                    assert torch.equal(a, b)
+        worker.close()
+        return n
+
+    assert [reload(name) for name in saves] == [3, 2, 2]
+    clock.t += 3 * DAY + 3600
+    DirStore(str(tmp_path), RETENTION, clock=clock).gc()
+    assert [reload(name) for name in saves] == [3, 0, 2]
+
+
 # --------------------------------------------------------------------------------- retention
 def test_dir_retention_per_class_counts_from_last_use(tmp_path):
     clock = Clock()
@@ -447,10 +486,10 @@ def test_shutdown_flushes_within_a_bounded_time(tmp_path):
     store = Slow(str(tmp_path), RETENTION)
     sched, worker = connector(store, groups)
     worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
-    for i in range(10):
+    for i in range(10):   # ten steps, one save each: ten writes of 0.3 s
         sched.save_blocks(f"r{i}", 0, chain(1, first=10 * i), [i])
-    worker.start_transfers(sched.build_connector_meta())
-    worker.after_forward()
+        worker.start_transfers(sched.build_connector_meta())
+        worker.after_forward()
     start = time.monotonic()
     worker.close(timeout_s=0.5)
     assert time.monotonic() - start < 2.5

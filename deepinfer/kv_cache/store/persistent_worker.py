@@ -84,12 +84,23 @@ class StoreWorkerStats:
 
 @dataclass
 class _Staged:
-    """The leading blocks of one save, copied into staging slots (slots[i]: block i)."""
+    """A step's saves of one group and traffic class, each save's leading blocks copied into
+    staging slots (parts[i] = (save, its slots), slots[j]: block j of that save)."""
 
-    transfer: KVTransfer
-    slots: list[int]
+    group_id: int
+    traffic_class: str
+    parts: list[tuple[KVTransfer, list[int]]]
     event: torch.cuda.Event | None
     staged_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def slots(self) -> list[int]:
+        return [slot for _, slots in self.parts for slot in slots]
+
+    def entries(self):
+        """(block hash, slot) of every staged block."""
+        for transfer, slots in self.parts:
+            yield from zip(transfer.block_hashes, slots)
 
 
 @dataclass
@@ -148,7 +159,7 @@ class StoreTierWorker(KVConnectorWorker):
         self._done: list[int] = []
         self._failed: list[int] = []
         self._idle = threading.Condition(self._lock)
-        self._unwritten = 0                    # staged saves queued or being written
+        self._unwritten = 0                    # staged batches (_Staged) queued or being written
         self._closed = False
         self._closing_deadline: float | None = None
         self._last_gc = time.monotonic()
@@ -219,35 +230,49 @@ class StoreTierWorker(KVConnectorWorker):
             queued = torch.cuda.Event()
             queued.record()
             self._stream.wait_event(queued)
+        # One gather, one copy off the device and one write call per group and class for the
+        # whole step, not per save: at a few dozen saves a step (a block completing in each of
+        # many decoding requests) the per-save kernel launches were the store's cost on the step.
+        batches: dict[tuple[int, str], list[KVTransfer]] = {}
         for transfer in saves:
-            self._stage(transfer)
+            batches.setdefault((transfer.group_id, transfer.traffic_class or DEFAULT_CLASS), []).append(transfer)
+        for (group_id, traffic_class), transfers in batches.items():
+            self._stage(group_id, traffic_class, transfers)
 
-    def _stage(self, transfer: KVTransfer) -> None:
-        """Copy a save's blocks device -> staging slots (the only part on the step). With too few
-        free slots the leading blocks are staged (a prefix hit needs them first), the rest dropped."""
-        n = len(transfer.device_block_ids)
-        slots = self.staging.take(n, "save", partial=True) if self.health.usable() else []
-        if len(slots) < n:
+    def _stage(self, group_id: int, traffic_class: str, transfers: list[KVTransfer]) -> None:
+        """Copy saves' blocks device -> staging slots (the only part on the step). With too few
+        free slots a save's leading blocks are staged (a prefix hit needs them first), the rest
+        dropped."""
+        parts: list[tuple[KVTransfer, list[int]]] = []
+        dropped = 0
+        for transfer in transfers:
+            n = len(transfer.device_block_ids)
+            slots = self.staging.take(n, "save", partial=True) if self.health.usable() else []
+            dropped += n - len(slots)
+            if slots:
+                parts.append((transfer, slots))
+            else:
+                with self._lock:   # reported finished (its device blocks are free), never written
+                    self._done.append(transfer.transfer_id)
+        if dropped:
             with self._lock:
-                self._stats.dropped_saves += n - len(slots)
-        if not slots:
-            with self._lock:   # reported finished (its device blocks are free), never written
-                self._done.append(transfer.transfer_id)
+                self._stats.dropped_saves += dropped
+        if not parts:
             return
-        pages = self._group_pages[transfer.group_id]
-        event = None
+        block_ids = [b for transfer, slots in parts for b in transfer.device_block_ids[:len(slots)]]
+        staged = _Staged(group_id, traffic_class, parts, None)
+        pages = self._group_pages[group_id]
         if self._cuda:
             with torch.cuda.stream(self._stream):
-                self._gather(transfer.group_id, pages, transfer.device_block_ids[:len(slots)], slots)
-                event = torch.cuda.Event()
-                event.record(self._stream)
+                self._gather(group_id, pages, block_ids, staged.slots)
+                staged.event = torch.cuda.Event()
+                staged.event.record(self._stream)
         else:
-            self._gather(transfer.group_id, pages, transfer.device_block_ids[:len(slots)], slots)
-        staged = _Staged(transfer, slots, event)
-        gk = self._layouts[transfer.group_id][0]
+            self._gather(group_id, pages, block_ids, staged.slots)
+        gk = self._layouts[group_id][0]
         with self._lock:
-            for block_hash, slot in zip(transfer.block_hashes, slots):
-                self._pending[(gk, block_hash)] = (slot, event)
+            for block_hash, slot in staged.entries():
+                self._pending[(gk, block_hash)] = (slot, staged.event)
             self._unwritten += 1
         if not self.durable_saves:
             self._staging.append(staged)
@@ -280,7 +305,7 @@ class StoreTierWorker(KVConnectorWorker):
         with self._lock:
             done, self._done = self._done, []
         while self._staging and (self._staging[0].event is None or self._staging[0].event.query()):
-            done.append(self._staging.popleft().transfer.transfer_id)
+            done.extend(transfer.transfer_id for transfer, _ in self._staging.popleft().parts)
         self._finish_loads()
         while self._copies and self._copies[0][2].query():
             transfer_id, slots, _ = self._copies.popleft()
@@ -461,39 +486,38 @@ class StoreTierWorker(KVConnectorWorker):
     def _write(self, staged: _Staged) -> None:
         if staged.event is not None:
             staged.event.synchronize()
-        transfer = staged.transfer
-        n = len(staged.slots)
+        slots = staged.slots
         if self._closing_deadline is not None and time.monotonic() > self._closing_deadline:
             with self._lock:
-                self._stats.dropped_saves += n
+                self._stats.dropped_saves += len(slots)
             return
-        gk, layout = self._layouts[transfer.group_id]
-        keys = [(gk, h) for h in transfer.block_hashes[:n]]
+        gk, layout = self._layouts[staged.group_id]
+        keys = [(gk, block_hash) for block_hash, _ in staged.entries()]
         if not self.health.usable():
             with self._lock:
-                self._stats.dropped_saves += n
+                self._stats.dropped_saves += len(slots)
             return
         try:
-            result = self._io.call("write", keys, staged.slots, layout, transfer.traffic_class or DEFAULT_CLASS)
+            result = self._io.call("write", keys, slots, layout, staged.traffic_class)
         except StoreUnavailable as exc:   # the I/O process is gone
-            result = OpResult(unavailable=str(exc), dropped=n, write_errors=1)
+            result = OpResult(unavailable=str(exc), dropped=len(slots), write_errors=1)
         self._apply(result, "write")
         if result.written:
             if self.events is not None:
-                self.events.stored([key[1] for key in result.written], self.backend.medium, transfer.group_id)
+                self.events.stored([key[1] for key in result.written], self.backend.medium, staged.group_id)
             with self._lock:
                 self._stats.write_latency.observe(time.monotonic() - staged.staged_at)
 
     def _written(self, staged: _Staged) -> None:
-        gk = self._layouts[staged.transfer.group_id][0]
+        gk = self._layouts[staged.group_id][0]
         with self._lock:
-            for block_hash, slot in zip(staged.transfer.block_hashes, staged.slots):
+            for block_hash, slot in staged.entries():
                 entry = self._pending.get((gk, block_hash))
                 if entry is not None and entry[0] == slot:
                     del self._pending[(gk, block_hash)]
             self._unwritten -= 1
             if self.durable_saves:   # written, or dropped (the decode side then recomputes)
-                self._done.append(staged.transfer.transfer_id)
+                self._done.extend(transfer.transfer_id for transfer, _ in staged.parts)
             self._idle.notify_all()
         self.staging.free(staged.slots, "save")
 
