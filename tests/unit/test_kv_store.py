@@ -72,7 +72,7 @@ def test_entry_round_trip_and_every_fault_is_detected():
     flipped[HEADER_SIZE + 5] ^= 0x10
     truncated = data[:-7]
     foreign = bytearray(data)
-    foreign[4:6] = (2).to_bytes(2, "little")
+    foreign[4:6] = (entry_format.FORMAT_VERSION + 1).to_bytes(2, "little")
     header_flip = bytearray(data)
     header_flip[30] ^= 1
     for bad, reason in ((bytes(flipped), "corrupt"), (truncated, "truncated"), (data[:10], "truncated"),

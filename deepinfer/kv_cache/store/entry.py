@@ -14,7 +14,7 @@ An entry is one block of one layer group, addressed by its TierKey (group key, b
       created          d    unix seconds at write
       group_key        16s  the TierKey, repeated: an entry under the wrong name is refused
       block_hash       16s
-      payload_blake2b  16s  blake2b-128 of the payload
+      payload_xxh3     16s  XXH3-128 of the payload
       header_crc       I    crc32 of every header byte before it
     payload            [layers, K/V, page bytes], the host tier's slot layout
 
@@ -26,13 +26,18 @@ never reach a forward.
 
 from __future__ import annotations
 
-import hashlib
 import struct
 import zlib
 from dataclasses import dataclass
 
+import xxhash
+
 MAGIC = b"DIKV"
-FORMAT_VERSION = 1
+# 2: the payload checksum is XXH3-128 (1 was blake2b-128, which at 2 MiB entries held every load
+# and save for seconds of CPU per 32k-token prefix; docs/benchmarks/design-measurements.md#kv-store-checksum).
+# The checksum guards against corruption (bit flips, torn or truncated writes), not against a
+# writer who means harm: no unkeyed hash would, anyone who can write the store can write a valid entry.
+FORMAT_VERSION = 2
 _FIXED = struct.Struct("<4sHHIQQ16s16sd16s16s16s")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _FIXED.size + _CRC.size
@@ -90,7 +95,7 @@ def _pad(text: str, field: str) -> bytes:
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(payload, digest_size=16).digest()
+    return xxhash.xxh3_128_digest(payload)
 
 
 def encode(group_key: bytes, block_hash: bytes, layout: EntryLayout, payload: bytes | memoryview,

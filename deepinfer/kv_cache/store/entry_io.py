@@ -12,7 +12,7 @@ runs in torch's kernels, which release the interpreter, so there the threads sta
 
 Both run the same EntryOps over their own backend instance (a store's URL, retention and
 capacity rebuild it in the child), spread ENTRIES_PER_TASK entries per task over a thread pool:
-blake2b and file I/O release the interpreter, so the tasks run in parallel. An op's result
+checksums (xxhash) and file I/O release the interpreter, so the tasks run in parallel. An op's result
 carries what the worker counts (written, skipped, missing, bad, errors) and the keys the backend
 removed on the way (capacity, corrupt entries, gc) for KV events.
 """
