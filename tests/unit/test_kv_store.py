@@ -61,6 +61,24 @@ def load_all(sched, worker, groups, hashes, block_ids):
     return n, settle(sched, worker)
 
 
+def test_the_io_process_outlives_a_ctrl_c_to_the_group_and_flushes(tmp_path):
+    """SIGINT to the server's process group reaches the I/O process too: it keeps going, so the
+    engine's flush at shutdown writes what is pending (a killed child dropped it: a server
+    stopped with Ctrl-C kept only its first writes)."""
+    import signal
+
+    groups = [full(0, (0,))]
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, io_process=True)
+    worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
+    os.kill(worker._io._proc.pid, signal.SIGINT)
+    os.kill(worker._io._proc.pid, signal.SIGTERM)
+    sched.save_blocks("r", 0, chain(3), [1, 2, 3])
+    worker.start_transfers(sched.build_connector_meta())
+    worker.after_forward()
+    worker.close()
+    assert worker.stats().written_blocks == 3 and worker.stats().write_errors == 0
+
+
 # ------------------------------------------------------------------------------------- entry
 def test_entry_round_trip_and_every_fault_is_detected():
     layout = EntryLayout(2, 64, "bfloat16")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -324,6 +325,12 @@ def _serve_child(conn_fd: int, staging_fd: int) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C (or a supervisor's SIGINT / SIGTERM to the process group) reaches this process as
+    # well as the engine's; the engine then flushes its pending writes through this process and
+    # sends "stop", so it must outlive the signal. If the engine dies instead, the socket's EOF
+    # ends this loop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s kv-store-io %(levelname)s %(name)s: %(message)s")
     # Through the module's own name, not __main__: the results pickle as entry_io's classes.
