@@ -232,7 +232,8 @@ class StoreTierWorker(KVConnectorWorker):
             self._stream.wait_event(queued)
         # One gather, one copy off the device and one write call per group and class for the
         # whole step, not per save: at a few dozen saves a step (a block completing in each of
-        # many decoding requests) the per-save kernel launches were the store's cost on the step.
+        # many decoding requests) the per-save kernel launches were the store's cost on the step
+        # (docs/benchmarks/design-measurements.md#kv-store-saves-batched-per-step).
         batches: dict[tuple[int, str], list[KVTransfer]] = {}
         for transfer in saves:
             batches.setdefault((transfer.group_id, transfer.traffic_class or DEFAULT_CLASS), []).append(transfer)
