@@ -16,7 +16,9 @@ Reported per policy: prefix hit rate = sum of usage cached_tokens / sum of promp
 P50/P99 (first content chunk), requests per replica. "single" is the same workload against one
 replica directly (every conversation's history is on it: the hit rate routing tries to reach).
 Overhead: --overhead-requests sequential 1-token completions, alternately direct and through a
-least_load router; the P50/P99 of each and their difference.
+least_load router; the P50/P99 of each and their difference. With --pin the replicas run on the
+last core and the router and client on the rest, so that on a small box the router's time is not
+a wait for a replica's threads (the overhead target is measured with one replica: --replicas 1).
 """
 
 from __future__ import annotations
@@ -184,6 +186,9 @@ def main() -> int:
     p.add_argument("--json", default=None, help="write the results here too")
     p.add_argument("--plot", default=None, help="a PNG of hit rate and TTFT per policy (needs matplotlib)")
     p.add_argument("--plot-from", default=None, help="only draw --plot from a saved --json result")
+    p.add_argument("--pin", action="store_true",
+                   help="replicas on the last CPU core, the router and this client on the others (Linux): "
+                        "on a small box the router then never waits for a replica's torch threads")
     args = p.parse_args()
     if args.plot_from:
         with open(args.plot_from) as f:
@@ -194,10 +199,17 @@ def main() -> int:
     model_args = ("--model", args.model) if args.model else ()
     ports = [free_port() for _ in range(args.replicas)]
     replicas = []
+    cores = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cores) < 2:
+        p.error("--pin needs at least two CPU cores")
     try:
+        if args.pin:   # children inherit the affinity they are started with
+            os.sched_setaffinity(0, cores[-1:])
         for i, port in enumerate(ports):
             replicas.append(start_server(os.path.join(workdir, f"replica{i}.log"), *model_args,
                                          "--kv-events-endpoint", f"tcp://*:{port}"))
+        if args.pin:
+            os.sched_setaffinity(0, cores[:-1])
         events = [f"tcp://127.0.0.1:{port}" for port in ports]
         model = httpx.get(replicas[0].base_url + "/v1/models", headers=HEADERS).json()["data"][0]["id"]
         results = {"single": asyncio.run(run_workload(replicas[0].base_url, model, args, "single"))}
