@@ -105,6 +105,35 @@ def test_entry_round_trip_and_every_fault_is_detected():
         entry_format.decode(data, b"g" * 16, b"h" * 16, EntryLayout(2, 64, "float8_e4m3fn"))
 
 
+def test_reads_in_place_match_whole_reads_for_any_entry_length(tmp_path):
+    """DirStore.get_into (one readv into the slot) and the backends' default (get, then copy)
+    fill heads and payloads alike and report the entry's true size, for whole, short (even
+    shorter than the header), truncated and overlong entries and absent ones."""
+    from deepinfer.kv_cache.store.backend import StoreBackend
+
+    store = DirStore(str(tmp_path), RETENTION)
+    layout = EntryLayout(2, 64, "bfloat16")
+    data = entry_format.encode(b"g" * 16, b"h" * 16, layout, os.urandom(layout.payload_bytes), "chat", 1.0)
+    lengths = [len(data), 10, HEADER_SIZE + 5, len(data) - 3, len(data) + 9]
+    keys = [(b"g" * 16, bytes([i]) * 16) for i in range(len(lengths) + 1)]   # the last one absent
+    for key, n in zip(keys, lengths):
+        store.put([(key, (data + b"x" * 9)[:n], "chat")])
+    results = []
+    for read in (store.get_into, lambda *a: StoreBackend.get_into(store, *a)):
+        heads = [bytearray(HEADER_SIZE) for _ in keys]
+        payloads = [memoryview(bytearray(layout.payload_bytes)) for _ in keys]
+        results.append((read(keys, heads, payloads), [bytes(h) for h in heads], [bytes(p) for p in payloads]))
+    assert results[0] == results[1]
+    sizes, heads, payloads = results[0]
+    assert sizes == lengths + [None]
+    assert heads[0] == data[:HEADER_SIZE] and payloads[0] == data[HEADER_SIZE:]
+    entry_format.check(heads[0], payloads[0], sizes[0], b"g" * 16, b"h" * 16, layout)
+    with pytest.raises(EntryError, match="truncated"):
+        entry_format.check(heads[3], payloads[3], sizes[3], b"g" * 16, b"h" * 16, layout)
+    with pytest.raises(EntryError, match="corrupt"):
+        entry_format.check(heads[4], payloads[4], sizes[4], b"g" * 16, b"h" * 16, layout)
+
+
 # ------------------------------------------------------------------------------ round trips
 def _round_trip(make_store, dtype, device="cpu", io_process=None):
     groups = [full(0, (0, 1), cache_dtype=dtype)]
@@ -178,7 +207,9 @@ def _file(store: DirStore, groups, hashes, i):
 
 @pytest.mark.parametrize("fault,io_process", [("bit_flip", False), ("truncate", False), ("delete", False),
                                               ("foreign_version", False), ("delete_after_lookup", False),
-                                              ("bit_flip", True), ("delete_after_lookup", True)])
+                                              ("truncate_after_lookup", False), ("extend_after_lookup", False),
+                                              ("bit_flip", True), ("delete_after_lookup", True),
+                                              ("truncate_after_lookup", True)])
 def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, fault, io_process):
     groups = [full(0, (0, 1))]
     hashes = chain(4)
@@ -212,6 +243,10 @@ def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, faul
     assert n == 4
     if fault == "delete_after_lookup":
         os.remove(path)
+    elif fault == "truncate_after_lookup":   # read short, into a slot: its length says so
+        os.truncate(path, os.path.getsize(path) - 10)
+    elif fault == "extend_after_lookup":
+        open(path, "ab").write(b"\0" * 7)
     sched.allocate_loads("reader", hashes, {0: [5, 6, 7, 8]})
     done = settle(sched, worker)
     assert done.failed == ["reader"] and done.loaded == []
@@ -221,6 +256,10 @@ def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, faul
         assert stats.bad_entries["corrupt"] == 1
     elif fault == "foreign_version":
         assert stats.bad_entries["version"] == 1
+    elif fault == "truncate_after_lookup":
+        assert stats.bad_entries["truncated"] == 1
+    elif fault == "extend_after_lookup":
+        assert stats.bad_entries["corrupt"] == 1
     else:
         assert stats.missing_entries == 1
     assert not os.path.exists(path)                 # dropped
@@ -237,9 +276,9 @@ def test_a_load_slower_than_the_timeout_fails(tmp_path):
     save_all(*connector(DirStore(str(tmp_path), RETENTION), groups), src, groups, hashes, [1, 2])
 
     class Slow(DirStore):
-        def get(self, keys):
+        def get_into(self, keys, heads, payloads):
             time.sleep(0.5)
-            return super().get(keys)
+            return super().get_into(keys, heads, payloads)
 
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
     sched, worker = connector(Slow(str(tmp_path), RETENTION), groups, load_timeout_s=0.1)

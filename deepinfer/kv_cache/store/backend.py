@@ -88,6 +88,26 @@ class StoreBackend(abc.ABC):
     def get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
         """The entries' bytes (None: absent)."""
 
+    def get_into(self, keys: Sequence[TierKey], heads: Sequence[bytearray],
+                 payloads: Sequence[memoryview]) -> list[int | None]:
+        """Read entries in place: entry i's first bytes into heads[i] (HEADER_SIZE long), the
+        bytes after them into payloads[i] (a staging slot: the payload size the reader expects),
+        as much of each as the entry has. Returns each entry's whole size in bytes (None: absent),
+        so that the caller sees a short or an overlong entry. This default reads whole entries
+        (get) and copies them; a backend that can read into memory directly overrides it."""
+        sizes: list[int | None] = []
+        for data, head, payload in zip(self.get(keys), heads, payloads):
+            if data is None:
+                sizes.append(None)
+                continue
+            data = memoryview(data)
+            n = min(len(data), len(head))
+            head[:n] = data[:n]
+            rest = data[len(head):len(head) + len(payload)]
+            payload[:len(rest)] = rest
+            sizes.append(len(data))
+        return sizes
+
     @abc.abstractmethod
     def put(self, items: Sequence[tuple[TierKey, bytes, str]]) -> None:
         """Write (key, entry bytes, traffic class) atomically each; last use = now."""

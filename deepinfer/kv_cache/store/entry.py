@@ -148,7 +148,16 @@ def decode(data: bytes | memoryview, group_key: bytes, block_hash: bytes, layout
            ) -> tuple[EntryHeader, memoryview]:
     """Check an entry completely and return its header and payload (a view into `data`)."""
     data = memoryview(data)
-    header = decode_header(data)
+    header = check(data[:HEADER_SIZE], data[HEADER_SIZE:], len(data), group_key, block_hash, layout)
+    return header, data[HEADER_SIZE:]
+
+
+def check(head: bytes | memoryview, payload: bytes | memoryview, length: int, group_key: bytes,
+          block_hash: bytes, layout: EntryLayout) -> EntryHeader:
+    """Check an entry read in two parts (a store read it straight into a staging slot): `head`,
+    its first min(length, HEADER_SIZE) bytes; `payload`, what followed them; `length`, the whole
+    entry's size in bytes."""
+    header = decode_header(head)
     if (header.group_key, header.block_hash) != (group_key, block_hash):
         raise EntryError("mismatch", "the entry's key is not the one asked for")
     if (header.num_layers, header.page_bytes, header.dtype) != (layout.num_layers, layout.page_bytes, layout.dtype):
@@ -157,10 +166,9 @@ def decode(data: bytes | memoryview, group_key: bytes, block_hash: bytes, layout
     if header.payload_bytes != layout.payload_bytes:
         raise EntryError("corrupt", f"payload size {header.payload_bytes} in the header, expected "
                                     f"{layout.payload_bytes}")
-    if len(data) != layout.entry_bytes:
-        reason = "truncated" if len(data) < layout.entry_bytes else "corrupt"
-        raise EntryError(reason, f"{len(data)} bytes, expected {layout.entry_bytes}")
-    payload = data[HEADER_SIZE:]
+    if length != layout.entry_bytes:
+        reason = "truncated" if length < layout.entry_bytes else "corrupt"
+        raise EntryError(reason, f"{length} bytes, expected {layout.entry_bytes}")
     if checksum(payload) != header.checksum:
         raise EntryError("corrupt", "payload checksum")
-    return header, payload
+    return header
