@@ -78,7 +78,8 @@ def summary(results: list[dict]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="replica model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="replica model: smollm2 (the default), gemma3-270m (its GGUF, "
+                   "with Gemma 3's turn template: the GGUF has none) or a path")
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-words", type=int, default=300)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -93,7 +94,14 @@ def main() -> int:
     texts = [f"Text {i}: " + " ".join(rng.choice(WORDS) for _ in range(args.prompt_words)) + " Summarize it."
              for i in range(args.requests)]
     workdir = tempfile.mkdtemp(prefix="router-pd-")
-    model_args = (("--model", args.model) if args.model else ()) + ("--dtype", args.dtype)
+    model_args = ("--dtype", args.dtype)
+    if args.model:
+        from benchmarks.kv_store_serving import resolve_model
+
+        served = resolve_model(args.model, 2048)
+        model_args += ("--model", served.path)
+        if served.chat_template is not None:
+            model_args += ("--chat-template", served.chat_template)
     store = ("--kv-store", f"dir://{os.path.join(workdir, 'store')}")
     results = {}
     servers = []
