@@ -22,6 +22,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 import zlib
 from typing import Any
 
@@ -319,6 +320,18 @@ def percentile(values: list[float], q: float) -> float:
 
 def median(values: list[float]) -> float:
     return percentile(values, 50)
+
+
+def best_of(fn, repeats: int, before=None) -> float:
+    """Seconds of the fastest of `repeats` calls of fn (`before()` runs untimed ahead of each)."""
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

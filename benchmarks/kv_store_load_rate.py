@@ -20,12 +20,14 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import best_of  # noqa: E402
+
 from deepinfer.config import parse_retention  # noqa: E402
 from deepinfer.kv_cache.store import entry as entry_format  # noqa: E402
 from deepinfer.kv_cache.store.dir import DirStore  # noqa: E402
@@ -37,16 +39,6 @@ def drop_caches(enabled: bool) -> None:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("1\n")
-
-
-def best(fn, repeats: int, cold: bool) -> float:
-    times = []
-    for _ in range(repeats):
-        drop_caches(cold)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -81,11 +73,12 @@ def main() -> None:
                         with open(store.path(key), "rb") as f:
                             return len(f.read())
                     list(pool.map(read, keys))
-                plain_s = best(plain, args.repeats, args.drop_caches)
+                plain_s = best_of(plain, args.repeats, lambda: drop_caches(args.drop_caches))
             ops = EntryOps(DirStore(root, store.retention), host, threads)   # closed with it
             result = ops.read(keys, slots, layout, "chat")
             assert result.error is None and bytes(host[-1]) == payload, result
-            ops_s = best(lambda: ops.read(keys, slots, layout, "chat"), args.repeats, args.drop_caches)
+            ops_s = best_of(lambda: ops.read(keys, slots, layout, "chat"), args.repeats,
+                            lambda: drop_caches(args.drop_caches))
             ops.close()
             print(f"  {threads} threads: plain reads {total / plain_s / 1e9:6.2f} GB/s; "
                   f"EntryOps.read {total / ops_s / 1e9:6.2f} GB/s ({ops_s * 1e3 / args.entries:.3f} ms an entry)")

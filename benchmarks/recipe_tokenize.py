@@ -13,9 +13,12 @@ import argparse
 import os
 import platform
 import random
-import time
+import sys
 
 from deepinfer_recipe import get_encoder, parse_request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import best_of  # noqa: E402
 
 
 def make_text(target_chars: int, seed: int = 0) -> str:
@@ -34,15 +37,6 @@ def make_text(target_chars: int, seed: int = 0) -> str:
         lines.append(line)
         size += len(line) + 1
     return "\n".join(lines)[:target_chars]
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
