@@ -46,9 +46,9 @@ def capture_decode_step(llm):
     captured = {}
     original = model.forward
 
-    def spy(input_ids, positions):
-        captured.update(input_ids=input_ids, positions=positions, meta=get_forward_context())
-        return original(input_ids, positions)
+    def spy(*args):   # (input_ids, positions[, the rows whose hidden states are kept])
+        captured.update(args=args, meta=get_forward_context())
+        return original(*args)
 
     model.forward = spy
     try:
@@ -92,7 +92,7 @@ def main() -> None:
 
         def forward():
             with forward_context(inputs["meta"]), torch.inference_mode():
-                return model(inputs["input_ids"], inputs["positions"])
+                return model(*inputs["args"])
 
         hidden = forward()
         forward_s = fastest(forward, args.steps, args.rounds)
