@@ -134,8 +134,8 @@ class DirStore(StoreBackend):
     def get_into(self, keys: Sequence[TierKey], heads: Sequence[bytearray],
                  payloads: Sequence[memoryview]) -> list[int | None]:
         # One readv per entry, straight into the staging slot: reading whole files into new
-        # bytes objects and copying them over took ~4x as long as the reads themselves
-        # (docs/benchmarks/design-measurements.md#kv-store-reads-in-place).
+        # bytes objects and copying them into the slots made a load several times slower than
+        # the plain reads of the same files (docs/benchmarks/design-measurements.md#kv-store-reads-in-place).
         sizes: list[int | None] = []
         try:
             for key, head, payload in zip(keys, heads, payloads):
