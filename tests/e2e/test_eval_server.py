@@ -113,7 +113,11 @@ def test_ctrl_c_then_the_same_command_resumes(server, mc_run, tmp_path):
                server.base_url, "--api-key", API_KEY, "--out", str(run), "--concurrency", "1", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.path.join(REPO, "recipe"),
                                                         os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child: a test run started in the background by a shell (`make
+    # test &`) ignores SIGINT, the child would inherit that, and Python then never raises
+    # KeyboardInterrupt (the run went on to its end, status 0).
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and process.poll() is None:
         if run.exists() and run.read_text().count("\n") >= 6:     # the header and five samples

@@ -328,6 +328,8 @@ def test_a_steps_saves_of_several_groups_and_classes_are_written_together(tmp_pa
     src = random_caches(1, torch.bfloat16)
     sched, worker = connector(DirStore(str(tmp_path), RETENTION, clock=clock), groups)
     worker.register_kv_caches(src, groups, BS)
+    calls, call = [], worker._io.call
+    worker._io.call = lambda op, *args: (calls.append(op), call(op, *args))[1]
     saves = {"a": (chain(3, first=0), [1, 2, 3], "chat"), "b": (chain(2, first=100), [4, 5], "agent"),
              "c": (chain(2, first=200), [6, 7], "chat")}
     for name, (hashes, ids, cls) in saves.items():
@@ -335,6 +337,7 @@ def test_a_steps_saves_of_several_groups_and_classes_are_written_together(tmp_pa
             sched.save_blocks(name, g.group_id, hashes, [i + 8 * g.group_id for i in ids], traffic_class=cls)
     settle(sched, worker)
     assert worker.stats().written_blocks == 14
+    assert calls.count("write") == 4   # (group 0, group 1) x (chat, agent), not one per save
     worker.close()
 
     def reload(name):
