@@ -123,7 +123,10 @@ def test_server_stays_responsive_while_huge_and_deep_bodies_are_rejected(server,
     attacker.join()
     assert results == {"huge": 413, "chunked": 413, "deep": 400}
     p99 = statistics.quantiles(latencies, n=100)[98]
-    assert p99 < 0.1, f"/health P99 {p99 * 1000:.0f} ms while the bad bodies were handled"
+    # The stall this guards against lasted 17-60 s. The probe shares this process's interpreter
+    # with the thread sending 20 MB bodies, and the 2-core box's full suite measured 110 ms twice
+    # (2026-12-02): a quarter second is far from both.
+    assert p99 < 0.25, f"/health P99 {p99 * 1000:.0f} ms while the bad bodies were handled"
 
 
 @pytest.mark.parametrize("raw", ["[" * 10_000 + "]" * 10_000,
