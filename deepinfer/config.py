@@ -21,7 +21,7 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 QUANTIZATIONS = ("auto", "none")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
-SPEC_METHODS = ("ngram", "draft_model", "mtp")
+SPEC_METHODS = ("ngram", "draft_model", "mtp", "replay")
 SPEC_VERIFICATION = ("adaptive", "fixed")
 # auto: the model's dtype; fp8 (= fp8_e4m3, vLLM's names): float8 e4m3 with a scale of 1.0
 # (deepinfer/kv_cache/dtypes.py).
@@ -342,7 +342,9 @@ class SpeculativeConfig:
     """Speculative decoding (DSpark): `speculative_config={...}` / `--speculative-config JSON`.
 
     method: ngram (prompt lookup, model-free) | draft_model (a second model sharing the
-        tokenizer, `model`) | mtp (the model's own multi-token-prediction head).
+        tokenizer, `model`) | mtp (the model's own multi-token-prediction head) | replay (a
+        recorded continuation with a set acceptance rate, `replay_path`: measures the
+        verification machinery at a controlled acceptance, spec_decode/replay.py).
     num_speculative_tokens: drafts proposed per request and step (k).
     verification: adaptive (each step admits the draft positions whose expected accepted tokens
         per unit of step cost pay off, across the batch) | fixed (every proposed draft, up to k).
@@ -354,6 +356,7 @@ class SpeculativeConfig:
     verification: str = "adaptive"
     prompt_lookup_max: int = 4             # ngram: longest suffix n-gram searched for
     prompt_lookup_min: int = 1             # ngram: shortest
+    replay_path: str | None = None         # replay: the JSON-lines recording (spec_decode/replay.py)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -370,6 +373,10 @@ class SpeculativeConfig:
             raise bad("model", "must name the draft model (a path) when method is 'draft_model'")
         if self.method != "draft_model" and self.model is not None:
             raise bad("model", f"is only used by method 'draft_model' (method is {self.method!r})")
+        if self.method == "replay" and not self.replay_path:
+            raise bad("replay_path", "must name the recording (a JSON-lines file) when method is 'replay'")
+        if self.method != "replay" and self.replay_path is not None:
+            raise bad("replay_path", f"is only used by method 'replay' (method is {self.method!r})")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
             raise bad("prompt_lookup_min", "must be an integer >= 1")
         if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:

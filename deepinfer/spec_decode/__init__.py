@@ -4,6 +4,7 @@
     ngram.py        prompt lookup (model-free)
     draft_model.py  a second model sharing the tokenizer, with its own executor and KV cache
     mtp.py          the hook for a model's own MTP head (run by the executor)
+    replay.py       a recorded continuation at a set acceptance rate (for measuring verification)
     calibration.py  confidence -> conditional acceptance, learned online
     cost_model.py   step time vs drafts per sequence, profiled at start-up
     policy.py       which draft positions to verify: fixed, or by expected tokens per second
@@ -44,6 +45,10 @@ def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource)
         from deepinfer.spec_decode.ngram import NgramDrafter
 
         return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "replay":
+        from deepinfer.spec_decode.replay import ReplayDrafter
+
+        return ReplayDrafter.load(spec.replay_path, source.hf_config["vocab_size"], config.model.seed)
     if spec.method == "mtp":
         from deepinfer.spec_decode.mtp import MTPDrafter
 

@@ -12,6 +12,12 @@ with the padding rows made harmless (for the Triton backend: length 0, which the
 skips, and writes into the null block). Per-request state (the KV cache, the requests' token
 lists, the sampler's RNGs) stays outside, where it already lives.
 
+Speculative decoding's verify steps replay the same graphs: a request verifying m drafts is laid
+out as 1 + m decode rows (input_batch.verify_rows_as_decodes), row j attending up to its own
+position, so the bucket is chosen by rows, not requests, and the graph returns every row's
+logits. (Run eagerly, a verify step of the 135M model cost 16-21 ms on the H200 whatever its
+shape, launch-bound; in a graph it costs a decode step of that many rows.)
+
 Prefill and mixed steps run eagerly: their shapes vary too much for graphs to pay.
 """
 
@@ -86,7 +92,8 @@ class DecodeGraphs:
         return None
 
     def run(self, inputs) -> torch.Tensor:
-        """Logits [batch, vocab] of a decode-only step (StepInputs built by the graphs' backend)."""
+        """Logits [rows, vocab] of a step of decode rows only (StepInputs built by the graphs'
+        backend; verifying chunks laid out as decode rows)."""
         meta: AttentionMetadata = inputs.attention
         batch = meta.num_tokens
         bucket = self.bucket_for(batch)

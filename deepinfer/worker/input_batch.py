@@ -5,9 +5,11 @@ into one attention call per layer; longer chunks (prefill, or prefill on top of 
 follow. A chunk verifying speculative drafts has its drafts (`spec_token_ids`, not yet known to
 the runner) as its last tokens, and takes the prefill path: its queries share one gather of the
 request's KV (as decode rows, each query would gather its own copy, which costs several times
-more at batch 64 on the CPU). This file lays the step out (ids, positions, each token's KV write
-row) the same way for every backend; the step's attention backend then builds its own metadata
-from that layout (layers/attention/backends/: gathered rows for the reference and CPU backends,
+more at batch 64 on the CPU). Only where a CUDA graph of decode steps replays the step
+(`verify_as_decodes`) is it laid out as one decode row per query instead, each row attending up
+to its own position: the graph's decode kernel then serves verification too. This file lays
+the step out (ids, positions, each token's KV write row) the same way for every backend; the
+step's attention backend then builds its own metadata from that layout (layers/attention/backends/: gathered rows for the reference and CPU backends,
 block tables for the Triton kernels). Index arithmetic is done in numpy on the host.
 
 SWA Bounded Replay (StepChunk.window_floor / write_floor): a one-token chunk whose sliding
@@ -55,6 +57,39 @@ def is_decode_row(chunk: StepChunk, window: int) -> bool:
             and not (chunk.window_floor and window and chunk.start - window + 1 < chunk.window_floor))
 
 
+def verify_rows_as_decodes(chunk: StepChunk, window: int) -> bool:
+    """Whether a chunk verifying drafts can be laid out as 1 + m decode rows (build_step_inputs'
+    `verify_as_decodes`): row j attends to the request's KV up to its own position, which the
+    same step's KV write of rows 0..j has put in the cache before attention reads it. Its first
+    row must itself be a decode row (no live window floor, no prompt logprobs); the later rows
+    only move further from the floor."""
+    return (bool(chunk.spec_token_ids) and chunk.num_tokens == 1 + len(chunk.spec_token_ids)
+            and is_decode_row(StepChunk(chunk.request_id, chunk.start, 1, chunk.block_ids, chunk.sample,
+                                        chunk.prompt_logprobs, [], chunk.window_floor, chunk.write_floor),
+                              window))
+
+
+def num_decode_rows(chunks: list[StepChunk], window: int) -> int | None:
+    """Rows of a step laid out with `verify_as_decodes`, or None when a chunk of it needs the
+    prefill path (then no CUDA graph can replay the step)."""
+    rows = 0
+    for c in chunks:
+        if is_decode_row(c, window):
+            rows += 1
+        elif verify_rows_as_decodes(c, window):
+            rows += c.num_tokens
+        else:
+            return None
+    return rows
+
+
+def _decode_rows(chunk: StepChunk) -> list[StepChunk]:
+    """A verifying chunk as one single-token row per query (verify_rows_as_decodes)."""
+    return [StepChunk(chunk.request_id, chunk.start + j, 1, chunk.block_ids, False, False, [],
+                      chunk.window_floor, chunk.write_floor, chunk.model_state)
+            for j in range(chunk.num_tokens)]
+
+
 def _slots(chunks: list[StepChunk], tables: list[list[int]], block_size: int, full: bool) -> np.ndarray:
     """The cache row of every token of the chunks, in order (tables: each chunk's block ids). A
     one-token chunk (a decode) is looked up directly: numpy per chunk costs more than the lookup,
@@ -91,26 +126,39 @@ def build_step_inputs(chunks: list[StepChunk], token_ids: dict[str, list[int]],
                       groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
                       layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       device: torch.device, backend: AttentionBackend | str, decode_splits: int = 1,
-                      fresh_sdpa_min_tokens: int | None = None) -> StepInputs:
+                      fresh_sdpa_min_tokens: int | None = None, verify_as_decodes: bool = False) -> StepInputs:
     """The step's inputs, its attention metadata built by `backend` (the runner's; a name builds
     one, as tests and benchmarks comparing backends do). `decode_splits` and
-    `fresh_sdpa_min_tokens`: see StepLayout."""
+    `fresh_sdpa_min_tokens`: see StepLayout. `verify_as_decodes`: chunks verifying drafts become
+    one decode row per query (verify_rows_as_decodes), so that a CUDA graph of decode steps can
+    replay the step; `chunks` of the result stay the scheduled chunks, and a verifying chunk's
+    rows are consecutive, its last at last_token_index."""
     if isinstance(backend, str):
         backend = backend_named(backend)
     window = max_sliding_window(groups)
     decodes, prefills = [], []
-    for c in chunks:
-        (decodes if is_decode_row(c, window) else prefills).append(c)
-    ordered = decodes + prefills
-
+    decode_rows: list[StepChunk] = []   # what the backend sees: one token each
     ids: list[int] = []
-    pos_parts: list[np.ndarray] = []
     last_index: list[int] = []
+    for c in chunks:
+        if is_decode_row(c, window):   # one token: its position is its start
+            decodes.append(c)
+            decode_rows.append(c)
+            ids.append(token_ids[c.request_id][c.start])
+        elif verify_as_decodes and verify_rows_as_decodes(c, window):
+            decodes.append(c)
+            decode_rows.extend(_decode_rows(c))
+            ids.append(token_ids[c.request_id][c.start])
+            ids.extend(c.spec_token_ids)
+        else:
+            prefills.append(c)
+            continue
+        last_index.append(len(ids) - 1)
+    ordered = decodes + prefills
+    rows = decode_rows + prefills
+
+    pos_parts: list[np.ndarray] = [np.array([c.start for c in decode_rows], dtype=np.int64)]
     prefill_ranges: list[tuple[int, int]] = []
-    for chunk in decodes:   # one token each: its position is its start
-        ids.append(token_ids[chunk.request_id][chunk.start])
-    last_index.extend(range(len(decodes)))
-    pos_parts.append(np.array([c.start for c in decodes], dtype=np.int64))
     for chunk in prefills:
         row_start = len(ids)
         num_known = chunk.num_tokens - len(chunk.spec_token_ids)
@@ -124,11 +172,11 @@ def build_step_inputs(chunks: list[StepChunk], token_ids: dict[str, list[int]],
     def to_dev(a: np.ndarray) -> torch.Tensor:
         return to_device(torch.from_numpy(a), device)   # queued: the device may be busy
 
-    block_tables = [[c.block_ids[group.group_id] for c in ordered] for group in groups]
+    block_tables = [[c.block_ids[group.group_id] for c in rows] for group in groups]
     step = StepLayout(
-        decodes=decodes, prefills=prefills, prefill_query_ranges=prefill_ranges, groups=groups,
+        decodes=decode_rows, prefills=prefills, prefill_query_ranges=prefill_ranges, groups=groups,
         block_tables=block_tables,
-        slot_mappings=[to_dev(_slots(ordered, tables, block_size, not sliding_window_of(group)))
+        slot_mappings=[to_dev(_slots(rows, tables, block_size, not sliding_window_of(group)))
                        for group, tables in zip(groups, block_tables)],
         block_size=block_size, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot, kv_caches=kv_caches,
         device=device, decode_splits=decode_splits, fresh_sdpa_min_tokens=fresh_sdpa_min_tokens)

@@ -59,7 +59,7 @@ from deepinfer.sample.logprobs import compute_prompt_logprobs, top_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
 from deepinfer.spec_decode.verifier import VerifyRequest, verify
-from deepinfer.worker.input_batch import StepInputs, build_step_inputs, is_decode_row, max_sliding_window
+from deepinfer.worker.input_batch import StepInputs, build_step_inputs, max_sliding_window, num_decode_rows
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
 
 if TYPE_CHECKING:
@@ -71,6 +71,8 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A sampled token whose value is still on the device (see the module docstring).
 PLACEHOLDER = -1
+# The most rows a captured decode graph takes; a step with more runs eagerly.
+MAX_GRAPH_ROWS = 512
 
 
 @dataclass
@@ -82,6 +84,9 @@ class _QueuedForward:
                                           # the sampled rows when no chunk needs the others (forward)
     sample_rows: list[int]                # rows of inputs.chunks sampled this step
     logits: torch.Tensor | None           # [len(sample_rows), vocab]
+    # A CUDA graph's logits of every row (the graph's own output buffer: read before the next
+    # replay); None when the step ran eagerly.
+    row_logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -184,9 +189,12 @@ class ModelRunner:
         if self.attention_backend.supports_decode_graphs and not config.model.enforce_eager:
             from deepinfer.worker.cuda_graphs import DecodeGraphs
 
+            # With speculative decoding a request verifying k drafts is 1 + k decode rows
+            # (input_batch.verify_rows_as_decodes), so the graphs cover that many rows a request.
+            rows_per_request = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
             self.decode_graphs = DecodeGraphs(
                 self.model, self.attention_backend, len(self.groups), spec.num_kv_heads,
-                min(config.scheduler.max_num_seqs, 512), self.max_blocks_per_seq, self.block_size,
+                min(config.scheduler.max_num_seqs * rows_per_request, MAX_GRAPH_ROWS), self.max_blocks_per_seq, self.block_size,
                 self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
             self.decode_graphs.capture()
         if group.size > 1:
@@ -313,26 +321,38 @@ class ModelRunner:
             return handle
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
-        chunks = step_chunks(self.requests, plan.chunks)
+        queued = self._queue_forward(step_chunks(self.requests, plan.chunks), token_ids)
+        if connector is not None:   # the saves read blocks this forward (or an earlier one) wrote
+            connector.after_forward()
+        self._forwards[handle.step_id] = queued
+        return handle
+
+    def _queue_forward(self, chunks: list[StepChunk], token_ids: dict[str, list[int]],
+                       fill_placeholders: bool = True) -> _QueuedForward:
+        """Queue one forward of `chunks`: replayed as a CUDA graph where every chunk is a decode
+        row or verifies drafts as decode rows (input_batch.num_decode_rows) and a captured
+        bucket holds its rows, else eagerly."""
         graphs = self.decode_graphs
         # Graphs replay decode rows only: a one-token chunk under a live window floor is a
         # prefill row (input_batch.is_decode_row), so its step runs eagerly.
-        window = max_sliding_window(self.groups)
-        use_graph = (graphs is not None
-                     and all(is_decode_row(c, window) and not c.spec_token_ids for c in chunks)
-                     and graphs.bucket_for(len(chunks)) is not None)
+        rows = num_decode_rows(chunks, max_sliding_window(self.groups)) if graphs is not None else None
+        bucket = graphs.bucket_for(rows) if rows is not None else None
         # A graph replays with its bucket's split count; eager steps pick theirs the same way.
-        decode_splits = self.decode_splits(graphs.bucket_for(len(chunks)) if use_graph else len(chunks))
+        decode_splits = self.decode_splits(bucket if bucket is not None else len(chunks))
         inputs = build_step_inputs(chunks, token_ids, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device,
-                                   backend=self.attention_backend, decode_splits=decode_splits)
-        self._fill_placeholders(inputs)
-        hidden = logits = None
+                                   backend=self.attention_backend, decode_splits=decode_splits,
+                                   verify_as_decodes=bucket is not None)
+        if fill_placeholders:
+            self._fill_placeholders(inputs)
+        hidden = logits = row_logits = None
         sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample and not c.spec_token_ids]
-        if use_graph:
-            all_logits = graphs.run(inputs)    # one-token rows only: logits for every row
+        if bucket is not None:
+            row_logits = graphs.run(inputs)    # every row's logits, drafts' rows included
             if sample_rows:   # keep the sampled rows'
-                logits = all_logits if len(sample_rows) == len(inputs.chunks) else all_logits[sample_rows]
+                last = [inputs.last_token_index[i] for i in sample_rows]
+                logits = (row_logits if len(last) == row_logits.shape[0]
+                          else row_logits[to_device(last, self.device, torch.long)])
         else:
             index = (to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
                      if sample_rows else None)
@@ -342,10 +362,7 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index)
             if sample_rows:
                 logits = self.model.compute_logits(hidden[index] if every_row else hidden)
-        if connector is not None:   # the saves read blocks this forward (or an earlier one) wrote
-            connector.after_forward()
-        self._forwards[handle.step_id] = _QueuedForward(inputs, hidden, sample_rows, logits)
-        return handle
+        return _QueuedForward(inputs, hidden, sample_rows, logits, row_logits)
 
     def _start_kv_transfers(self, plan: SchedulerPlan) -> KVConnectorWorker | None:
         """Start the plan's KV connector loads (its saves wait for the forward); returns the
@@ -394,7 +411,7 @@ class ModelRunner:
         verify_rows = [i for i, c in enumerate(inputs.chunks) if c.spec_token_ids]
         if verify_rows:   # speculative decoding: sample at every draft position, keep what passes
             self._verify_drafts([inputs.chunks[i] for i in verify_rows],
-                                [inputs.last_token_index[i] for i in verify_rows], step.hidden, result, grammar)
+                                [inputs.last_token_index[i] for i in verify_rows], step, result, grammar)
 
         for i, chunk in enumerate(inputs.chunks):
             if chunk.prompt_logprobs:
@@ -475,12 +492,12 @@ class ModelRunner:
         return entries
 
     # -------------------------------------------------------------------- speculative decoding
-    def _verify_drafts(self, chunks: list[StepChunk], last_indices: list[int], hidden: torch.Tensor,
+    def _verify_drafts(self, chunks: list[StepChunk], last_indices: list[int], step: _QueuedForward,
                        result: RunnerResult, grammar: GrammarOutput | None) -> None:
         """A chunk with drafts was run as 1 known token + m drafts (input_batch.py); its last
-        m + 1 hidden states give the target's logits after each draft prefix. The accepted
-        tokens go into the result and into the request's token lists, so the runner never holds
-        a rejected draft."""
+        m + 1 rows give the target's logits after each draft prefix (a graph's logits, or the
+        head over the eager forward's hidden states). The accepted tokens go into the result and
+        into the request's token lists, so the runner never holds a rejected draft."""
         index: list[int] = []
         requests = []
         for chunk, last in zip(chunks, last_indices):
@@ -488,7 +505,8 @@ class ModelRunner:
             index.extend(range(last - len(drafts), last + 1))
             state = self.requests[chunk.request_id]
             requests.append(VerifyRequest(drafts, _draft_rows(state, drafts), self._reseeded(state)))
-        logits = self.model.compute_logits(hidden[torch.tensor(index, device=self.device)])
+        rows = to_device(index, self.device, torch.long)
+        logits = step.row_logits[rows] if step.row_logits is not None else self.model.compute_logits(step.hidden[rows])
         if grammar is not None:   # structured output: row j masked as after drafts 1..j
             apply_grammar_bitmask(logits, grammar, [(c.request_id, j) for c in chunks
                                                     for j in range(len(c.spec_token_ids) + 1)])
@@ -527,12 +545,12 @@ class ModelRunner:
                             spec_token_ids=[0] * (num_query - 1)) for i in range(num_seqs)]
         token_ids = {c.request_id: [0] * (context + 1) for c in chunks}
         start = time.perf_counter()
-        inputs = build_step_inputs(chunks, token_ids, self.groups, bs, self.layer_to_group, self.layer_to_slot,
-                                   self.kv_caches, self.device, backend=self.attention_backend,
-                                   decode_splits=self.decode_splits(len(chunks)))
-        with forward_context(inputs.attention):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-        self.model.compute_logits(hidden).argmax(dim=-1).tolist()   # .tolist() waits for the device
+        # The path a real step of this shape takes (a graph where one holds it), so adaptive
+        # verification weighs what verification costs where it will run.
+        step = self._queue_forward(chunks, token_ids, fill_placeholders=False)
+        logits = (step.row_logits if step.row_logits is not None else step.logits if step.logits is not None
+                  else self.model.compute_logits(step.hidden))
+        logits.argmax(dim=-1).tolist()   # .tolist() waits for the device
         return time.perf_counter() - start
 
     def supports_mtp(self) -> bool:

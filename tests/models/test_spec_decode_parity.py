@@ -63,6 +63,30 @@ def test_greedy_is_identical_with_speculation(tiny, spec, budget):
     assert llm.engine.kv_manager.pool.blocks_in_use() == {}
 
 
+@pytest.mark.parametrize("verification", ["fixed", "adaptive"])
+def test_replayed_drafts_at_a_set_acceptance_are_verified_losslessly(tiny, tmp_path, verification):
+    """The replay drafter proposes the recorded greedy continuation, each draft kept with
+    probability 0.6: every kept one must be accepted, every changed one rejected, and the output
+    stays the reference's. Its acceptance per position is then about 0.6 (the only drafter whose
+    acceptance is known in advance, which is what the GPU benchmark measures verification at)."""
+    import json
+
+    directory, _, reference, _ = tiny
+    path = tmp_path / "replay.jsonl"
+    with open(path, "w") as f:
+        for prompt, out in zip(PROMPTS, reference):
+            f.write(json.dumps({"prompt_token_ids": prompt, "output_token_ids": out.outputs[0].token_ids,
+                                "acceptance": 0.6}) + "\n")
+    llm = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128,
+              speculative_config={"method": "replay", "replay_path": str(path), "verification": verification,
+                                  "num_speculative_tokens": 4})
+    assert_same(reference, llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    stats = llm.spec_decode_stats
+    assert llm.engine.spec.drafter.num_diverged == 0
+    assert 0.35 < stats.acceptance_rate_per_pos[0] < 0.85   # 0.6 over ~50-100 first drafts
+    assert llm.engine.kv_manager.pool.blocks_in_use() == {}
+
+
 def test_preemption_with_speculation_gives_identical_output(tiny):
     directory, _, reference, arch = tiny
     if arch != "llama":

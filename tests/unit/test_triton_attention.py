@@ -63,9 +63,11 @@ def random_batch(rng: random.Random, num_blocks: int):
 
 
 def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, decode_splits=1, num_blocks=80,
-                 cache_dtype=None):
+                 cache_dtype=None, verify_as_decodes=False):
     """The layer's output under the reference and the triton backend, and the triton step inputs.
-    `cache_dtype`: the caches' storage dtype (kv_cache_dtype), None: the model's."""
+    `cache_dtype`: the caches' storage dtype (kv_cache_dtype), None: the model's.
+    `verify_as_decodes`: the triton step lays verifying chunks out as decode rows (as a CUDA
+    graph replays them); the reference keeps them as prefill chunks."""
     torch.manual_seed(seed)
     cache_dtype = cache_dtype or dtype
     spec = (SlidingWindowSpec(kv_heads, head_dim, dtype, cache_dtype, sliding_window=window) if window
@@ -84,7 +86,8 @@ def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, decode_
     for backend in ("reference", "triton"):
         caches = [(kc.clone(), vc.clone()) for kc, vc in cache]
         inputs = build_step_inputs(chunks, token_ids, groups, BS, [0], [0], caches, DEVICE, backend=backend,
-                                   decode_splits=decode_splits, fresh_sdpa_min_tokens=MIN_FRESH)
+                                   decode_splits=decode_splits, fresh_sdpa_min_tokens=MIN_FRESH,
+                                   verify_as_decodes=verify_as_decodes and backend == "triton")
         with forward_context(inputs.attention):
             outs[backend] = layer(q, k, v).float()
     return outs["reference"], outs["triton"], inputs
@@ -123,6 +126,32 @@ def test_triton_matches_reference(case, seed):
                                     decode_splits=rng.choice([1, 3, 8]))
     group = inputs.attention.groups[0]
     assert (group.sdpa_prefill_ranges, kernel_rows(group)) == expected_split(inputs, window, dtype)
+    torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
+@pytest.mark.parametrize("seed", range(2))
+def test_verifications_as_decode_rows_match_reference(case, seed):
+    """A verify step as a CUDA graph runs it: each query of a chunk verifying drafts is its own
+    decode row, attending up to its own position, in the decode kernel."""
+    heads, kv_heads, head_dim, window, dtype = case
+    if INTERPRETED and dtype == torch.bfloat16:
+        dtype = torch.float16
+    rng = random.Random(100 + seed)
+    free = list(range(1, 80))
+    rng.shuffle(free)
+    chunks = []
+    for i in range(rng.randint(2, 6)):
+        context = rng.randint(1, 150 if not INTERPRETED else 60)
+        drafts = [7] * rng.randint(0, 5)
+        blocks = [free.pop() for _ in range(-(-(context + 1 + len(drafts)) // BS))]
+        chunks.append(StepChunk(f"r{i}", context, 1 + len(drafts), [blocks], sample=True, spec_token_ids=drafts))
+    # Plain decodes first: then both layouts put the rows in the same order (the reference's
+    # decodes, then its prefill chunks), so the same q/k/v rows are the same tokens in both.
+    chunks.sort(key=lambda c: bool(c.spec_token_ids))
+    ref, out, inputs = run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed,
+                                    decode_splits=rng.choice([1, 3, 8]), verify_as_decodes=True)
+    assert inputs.attention.num_decode_tokens == inputs.attention.num_tokens   # all rows decode rows
     torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
 
 
