@@ -120,7 +120,12 @@ class ModelRunner:
         self.dtype = platform.default_dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
 
-        # 1. Build the model directly on the device, in the target dtype.
+        # 1. Build the model directly on the device, in the target dtype. Without weights to load
+        # (random weights of a real shape) the init draws from the seed, so every engine of a
+        # shape built with one seed holds the same weights: a benchmark's engines then compute
+        # the same tokens (spec_replay.py replays one engine's outputs as another's drafts).
+        if source is None:
+            torch.manual_seed(config.model.seed)
         cls = model_class(hf_config)
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -539,7 +544,8 @@ class ModelRunner:
         drafts at `context` tokens of history, logits at every query token. Runs at start-up
         only: it writes garbage KV into the first blocks, which no request owns yet."""
         bs = self.block_size
-        context = max(min(context, (self.num_blocks - 1) * bs - num_query), 0)
+        # Inside the pool and inside max_model_len: a graph's block tables are that wide.
+        context = max(min(context, (self.num_blocks - 1) * bs - num_query, self._max_model_len() - num_query), 0)
         blocks = list(range(1, -(-(context + num_query) // bs) + 1))
         chunks = [StepChunk(f"profile-{i}", context, num_query, [blocks for _ in self.groups], True,
                             spec_token_ids=[0] * (num_query - 1)) for i in range(num_seqs)]
