@@ -13,11 +13,21 @@ or adaptive (the drafts that pay under the step-cost model). At acceptance alpha
 (1 - alpha^(k+1)) / (1 - alpha) tokens a request on average: 1.94 at 0.5, 2.94 at 0.7, 4.69 at
 0.9 with k = 5.
 
+Random weights have a flat output distribution: its top two logits are close enough that the
+rounding of another batch shape (a verify step's 1 + k rows a request against a decode step's
+one) flips the greedy token every few dozen tokens, and the request leaves its recording. So
+the weights are made to have one clear greedy continuation (stable_greedy: the head reads the
+embedding matrix and the layers' output projections are scaled down, so the model repeats its
+last token by a wide margin); every kernel runs as on any weights, so the step costs the same.
+The acceptance measured per position is printed beside alpha, and `diverged` counts requests
+that left their recording anyway (they get no more drafts).
+
+The anchor runs two ways: with overlapped scheduling (the engine's default on CUDA), and without
+it (`none-sync`), which is how every speculative step runs, since verifying needs the previous
+step's tokens on the host: the difference is the host time a synchronous step exposes.
+
 Throughput is generated tokens / wall time of LLM.generate over the batch (the 128-token prefill
-included), best of --rounds. The acceptance measured per position is printed beside alpha: a
-request whose greedy tokens under speculation differ from the recording (a near-tie of random
-weights broken otherwise by another batch shape) stops getting drafts, and `diverged` counts
-those requests.
+included), best of --rounds.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
 from bench_common import free_memory, machine_info, random_ids, shutdown, write_json  # noqa: E402
 from gpu_fast_path import SHAPES  # noqa: E402
 from gpu_reference_baseline import write_config_dir  # noqa: E402
@@ -42,15 +53,32 @@ def expected_emitted(alpha: float, k: int) -> float:
     return k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def stable_greedy(llm: LLM, scale: float = 0.05) -> None:
+    """Give random weights one clear greedy continuation (see the module docstring): the head
+    reads the embedding matrix, so the last token's own embedding wins by ~|e|^2 over any other
+    token's, and the layers' additions to the residual stream (attention and MLP output
+    projections) are scaled by `scale`. In place, so captured CUDA graphs see it."""
+    model = llm.engine.executor.runner.model
+    with torch.no_grad():
+        if hasattr(model, "lm_head"):   # else the head is tied to the embedding already
+            model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+
+
 def build(args, path: str, mode: str, replay_path: str | None) -> LLM:
     kwargs = dict(load_format="dummy", max_num_seqs=max(args.batch_sizes),
                   max_model_len=args.prompt_len + args.output_len + args.k + 16,
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)
-    if mode != "none":
+    if mode == "none-sync":
+        kwargs["async_scheduling"] = False
+    elif mode != "none":
         kwargs["speculative_config"] = {"method": "replay", "replay_path": replay_path, "verification": mode,
                                         "num_speculative_tokens": args.k}
     start = time.perf_counter()
     llm = LLM(path, **kwargs)
+    stable_greedy(llm)
     print(f"[{mode}] engine built in {time.perf_counter() - start:.1f} s", flush=True)
     return llm
 
@@ -92,6 +120,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=["fixed", "adaptive"], default=["fixed", "adaptive"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per engine (they share the GPU)")
+    parser.add_argument("--no-sync-anchor", action="store_true", help="skip the anchor without overlapped scheduling")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -123,6 +152,18 @@ def main() -> None:
     shutdown(llm)
     del llm
     free_memory()
+    if not args.no_sync_anchor:   # the anchor as a speculative engine runs its steps: synchronously
+        llm = build(args, path, "none-sync", None)
+        llm.generate(warm_up, params, use_tqdm=False)
+        for cell in cells:
+            seconds, outputs, _ = timed(llm, prompts[cell], params, args.rounds)
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            rows.append({"alpha": cell[0], "batch": cell[1], "mode": "none-sync", "seconds": seconds,
+                         "tokens": tokens, "tok_s": tokens / seconds, "spec": None})
+            print(json.dumps(rows[-1]), flush=True)
+        shutdown(llm)
+        del llm
+        free_memory()
 
     # 2. The replay drafter at each alpha, fixed and adaptive verification.
     costs = {}
