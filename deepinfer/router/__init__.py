@@ -13,6 +13,7 @@ The files, one responsibility each:
     admission.py  the KV-headroom / queue-delay gate that answers 429 instead of queueing
     proxy.py      forwarding one request: retries before the first byte, SSE passed through
                   chunk by chunk, a cut stream ended with an error event
+    upstream.py   the aiohttp session toward the replicas (timeouts, pooling) and how its errors read
     metrics.py    the router's own Prometheus series
     app.py        the FastAPI app, its routes, and `run_router`
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -33,6 +32,7 @@ from deepinfer.router.options import RouterOptions
 from deepinfer.router.policy import make_policy
 from deepinfer.router.proxy import Proxy
 from deepinfer.router.replica import Replica
+from deepinfer.router.upstream import make_session
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,8 @@ def build_app(options: RouterOptions) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # One pooled client for every replica: keep-alive connections are most of the overhead saved.
-        timeout = httpx.Timeout(options.request_timeout_s, connect=options.connect_timeout_s)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        # One pooled aiohttp session for every replica and every loop (upstream.py says how it is set).
+        client = make_session(options)
         monitor = Monitor(replicas, index, metrics, options, client)
         # Prefill replicas are probed and scraped alike, but never routed to by the policy.
         prefill_monitor = Monitor(prefill_replicas, KVIndex(len(prefill_replicas)), metrics, options, client)
@@ -77,7 +75,7 @@ def build_app(options: RouterOptions) -> FastAPI:
             await monitor.stop()
             await prefill_monitor.stop()
             await subscriber.stop()
-            await client.aclose()
+            await client.close()
 
     app = FastAPI(title="deepinfer router", version=deepinfer.__version__, lifespan=lifespan)
     app.state.router = state

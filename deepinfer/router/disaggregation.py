@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import logging
 
-import httpx
+import aiohttp
 
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.monitor import Monitor
 from deepinfer.router.options import RouterOptions
 from deepinfer.router.replica import Replica
+from deepinfer.router.upstream import TRANSPORT_ERRORS, broke_connection
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +53,14 @@ class PrefillStage:
     """Sends a request's prompt to the least busy healthy prefill replica and waits for it."""
 
     def __init__(self, replicas: list[Replica], monitor: Monitor, metrics: RouterMetrics,
-                 options: RouterOptions, client: httpx.AsyncClient) -> None:
+                 options: RouterOptions, client: aiohttp.ClientSession) -> None:
         self.replicas = replicas
         self.monitor = monitor
         self.metrics = metrics
         self.options = options
         self.client = client
+        # The prefill answers once the prompt's blocks are stored: bounded as a whole.
+        self.timeout = aiohttp.ClientTimeout(total=options.prefill_timeout_s)
 
     async def run(self, path: str, body: dict | None, headers: dict[str, str]) -> str:
         """The hand-over's outcome (ok, skipped, failed, http_<status>), also counted in /metrics."""
@@ -72,17 +75,18 @@ class PrefillStage:
         replica = min(healthy, key=lambda r: (r.in_flight, r.index))
         replica.in_flight += 1
         try:
-            response = await self.client.post(replica.url + path, json=prefill_body(path, body), headers=headers,
-                                              timeout=self.options.prefill_timeout_s)
-            if response.status_code != 200:
+            async with self.client.post(replica.url + path, json=prefill_body(path, body), headers=headers,
+                                        timeout=self.timeout) as response:
+                await response.read()   # the one-token answer; read so the connection is reused
+            if response.status != 200:
                 logger.warning("prefill on %s answered %d; the decode replica computes the prompt",
-                               replica.url, response.status_code)
-                return f"http_{response.status_code}"
+                               replica.url, response.status)
+                return f"http_{response.status}"
             return "ok"
-        except httpx.HTTPError as exc:
+        except TRANSPORT_ERRORS as exc:
             logger.warning("prefill on %s failed (%s: %s); the decode replica computes the prompt",
                            replica.url, type(exc).__name__, exc)
-            if isinstance(exc, (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            if broke_connection(exc):   # a timeout only means a slow prefill: the replica stays in
                 self.monitor.mark_failed(replica, f"prefill: {type(exc).__name__}")
             return "failed"
         finally:

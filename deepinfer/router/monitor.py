@@ -17,24 +17,27 @@ import asyncio
 import logging
 import time
 
-import httpx
+import aiohttp
 
 from deepinfer.router.kv_index import KVIndex
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.options import RouterOptions
 from deepinfer.router.replica import Replica, parse_metrics
+from deepinfer.router.upstream import TRANSPORT_ERRORS
 
 logger = logging.getLogger(__name__)
 
 
 class Monitor:
     def __init__(self, replicas: list[Replica], index: KVIndex, metrics: RouterMetrics, options: RouterOptions,
-                 client: httpx.AsyncClient) -> None:
+                 client: aiohttp.ClientSession) -> None:
         self.replicas = replicas
         self.index = index
         self.metrics = metrics
         self.options = options
         self.client = client
+        # A probe, a scrape or a model read is bounded as a whole (connect included).
+        self.timeout = aiohttp.ClientTimeout(total=options.health_timeout_s)
         self._tasks: list[asyncio.Task] = []
         self.headers = {"Authorization": f"Bearer {options.backend_api_key or options.api_key}"} \
             if (options.backend_api_key or options.api_key) else {}
@@ -59,9 +62,10 @@ class Monitor:
 
     async def probe_once(self, replica: Replica) -> None:
         try:
-            response = await self.client.get(replica.url + "/health", timeout=self.options.health_timeout_s)
-            ok, reason = response.status_code == 200, f"/health answered {response.status_code}"
-        except httpx.HTTPError as exc:
+            async with self.client.get(replica.url + "/health", timeout=self.timeout) as response:
+                await response.read()   # the connection goes back to the pool only once read
+                ok, reason = response.status == 200, f"/health answered {response.status}"
+        except TRANSPORT_ERRORS as exc:
             ok, reason = False, f"/health failed: {type(exc).__name__}: {exc}"
         if not ok:
             self.mark_failed(replica, reason)
@@ -75,21 +79,21 @@ class Monitor:
 
     async def _read_model(self, replica: Replica) -> None:
         try:
-            response = await self.client.get(replica.url + "/v1/models", headers=self.headers,
-                                             timeout=self.options.health_timeout_s)
-            cards = response.json().get("data") or []
+            async with self.client.get(replica.url + "/v1/models", headers=self.headers,
+                                       timeout=self.timeout) as response:
+                cards = (await response.json(content_type=None)).get("data") or []
             if cards:
                 replica.model_id = cards[0].get("root") or cards[0].get("id")
-        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        except (*TRANSPORT_ERRORS, ValueError, AttributeError) as exc:
             logger.warning("replica %s: /v1/models unreadable (%s); cache policies skip it", replica.url, exc)
 
     async def scrape_once(self, replica: Replica) -> None:
         try:
-            response = await self.client.get(replica.url + "/metrics", timeout=self.options.health_timeout_s)
-            if response.status_code == 200:
-                replica.scraped = parse_metrics(response.text)
-                replica.scraped_at = time.monotonic()
-        except httpx.HTTPError:
+            async with self.client.get(replica.url + "/metrics", timeout=self.timeout) as response:
+                if response.status == 200:
+                    replica.scraped = parse_metrics(await response.text())
+                    replica.scraped_at = time.monotonic()
+        except TRANSPORT_ERRORS:
             pass   # the probe decides about health; stale gauges stay until the next scrape
 
     async def _probe_loop(self, replica: Replica) -> None:

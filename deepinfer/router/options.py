@@ -45,7 +45,7 @@ class RouterOptions:
     retry_after_s: int = 1
     max_attempts: int = 3                 # replicas tried per request before its first byte
     connect_timeout_s: float = 5.0
-    request_timeout_s: float | None = None   # whole-request limit toward a replica (None: none)
+    request_timeout_s: float | None = None   # longest wait for a replica's next bytes (None: none)
     uvicorn_log_level: str = "info"
     # Prefill/decode disaggregation (disaggregation.py): replicas started with --kv-role prefill that
     # compute each generation request's prompt before a --backend (decode) replica generates.
@@ -95,7 +95,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     a("--min-free-kv-blocks", type=int, default=None, help="429 when no replica has this many free KV blocks")
     a("--retry-after-s", type=int, default=d.retry_after_s)
     a("--max-attempts", type=int, default=d.max_attempts)
-    a("--request-timeout-s", type=float, default=None)
+    a("--request-timeout-s", type=float, default=None,
+      help="the longest wait for a replica's next bytes (its first answer, the next chunk of a stream); "
+           "a slow replica is a 504 before the first byte, an error event after it (default: no limit)")
     a("--uvicorn-log-level", default=d.uvicorn_log_level)
     a("--prefill", dest="prefill_backends", nargs="+", default=(), metavar="URL",
       help="prefill replicas (deepinfer serve --kv-role prefill, sharing --kv-store with the --backend "

@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -40,11 +40,13 @@ from deepinfer.router.monitor import Monitor
 from deepinfer.router.options import RouterOptions
 from deepinfer.router.policy import Choice, Policy, by_load
 from deepinfer.router.replica import Replica
+from deepinfer.router.upstream import TRANSPORT_ERRORS, broke_connection, read_timed_out
 
 logger = logging.getLogger(__name__)
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-# Hop-by-hop headers and those httpx/uvicorn recompute; never copied across.
+# Hop-by-hop headers and those aiohttp/uvicorn recompute (the body's length and framing, the
+# host); never copied across. Content-Encoding is copied: the bytes pass through undecoded.
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
                  "proxy-connection", "te", "trailer"}
 _DROP_RESPONSE = _DROP_REQUEST | {"date", "server"}
@@ -74,7 +76,7 @@ def _error_events(path: str, error: APIError) -> list[bytes]:
 
 class Proxy:
     def __init__(self, replicas: list[Replica], index: KVIndex, policy: Policy, metrics: RouterMetrics,
-                 monitor: Monitor, options: RouterOptions, client: httpx.AsyncClient,
+                 monitor: Monitor, options: RouterOptions, client: aiohttp.ClientSession,
                  prefill: PrefillStage | None = None) -> None:
         self.replicas = replicas
         self.prefill = prefill   # P/D: the prompt computed on a prefill replica first (disaggregation.py)
@@ -84,6 +86,8 @@ class Proxy:
         self.monitor = monitor
         self.options = options
         self.client = client
+        # The router's own look-up before routing: short, and bounded as a whole.
+        self.tokenize_timeout = aiohttp.ClientTimeout(total=options.health_timeout_s)
 
     # ------------------------------------------------------------------------------ headers
     def _upstream_headers(self, request: Request) -> dict[str, str]:
@@ -92,6 +96,17 @@ class Proxy:
             headers = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "x-api-key")}
             headers["authorization"] = f"Bearer {self.options.backend_api_key}"
         return headers
+
+    @staticmethod
+    def _downstream_headers(response: aiohttp.ClientResponse, replica: Replica) -> dict[str, str]:
+        # A header the replica sent more than once is folded into one comma-joined value.
+        out: dict[str, str] = {}
+        for name, value in response.headers.items():
+            key = name.lower()
+            if key not in _DROP_RESPONSE:
+                out[key] = f"{out[key]}, {value}" if key in out else value
+        out[REPLICA_HEADER] = replica.url
+        return out
 
     # ------------------------------------------------------------------------------ routing
     def healthy(self) -> list[Replica]:
@@ -108,13 +123,15 @@ class Proxy:
         else:
             payload = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
             payload["protocol"] = _TOKENIZE_PROTOCOL[path]
+        # The router reads this answer itself, and the session does not decompress.
+        own = {k: v for k, v in headers.items() if k != "accept-encoding"}
         try:
-            response = await self.client.post(replica.url + "/tokenize", json=payload, headers=headers,
-                                               timeout=self.options.health_timeout_s)
-            if response.status_code != 200:
-                return None   # the route itself will say what is wrong with the body
-            return response.json().get("tokens")
-        except (httpx.HTTPError, ValueError):
+            async with self.client.post(replica.url + "/tokenize", json=payload, headers=own,
+                                        timeout=self.tokenize_timeout) as response:
+                if response.status != 200:
+                    return None   # the route itself will say what is wrong with the body
+                return (await response.json(content_type=None)).get("tokens")
+        except (*TRANSPORT_ERRORS, ValueError):
             return None
 
     async def _hashes(self, path: str, body: dict | None, healthy: list[Replica],
@@ -176,8 +193,6 @@ class Proxy:
         errors: list[str] = []
         url_path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         for attempt, replica in enumerate(routed.choice.order[:self.options.max_attempts]):
-            upstream = self.client.build_request(request.method, replica.url + url_path, content=raw or None,
-                                                 headers=headers)
             replica.in_flight += 1
             blocks = routed.prompt_blocks + 1
             replica.in_flight_blocks += blocks
@@ -197,57 +212,57 @@ class Proxy:
             self.metrics.requests.labels(replica.url, route).inc()
             replica.routed += 1
             try:
-                response = await self.client.send(upstream, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.ReadError,
-                    httpx.WriteError) as exc:
+                # Returns once the status line and headers are in; the body is read below.
+                # A redirect is the replica's answer to the client, not the router's to follow.
+                response = await self.client.request(request.method, replica.url + url_path, data=raw or None,
+                                                     headers=headers, allow_redirects=False)
+            except TRANSPORT_ERRORS as exc:
                 release(False)
+                if read_timed_out(exc):   # reached but slow: another replica would be no faster
+                    raise APIError(504, f"replica {replica.url} did not answer in time: "
+                                        f"{type(exc).__name__}") from None
                 self._failed_before_first_byte(replica, exc, errors, passive=True)
                 continue
-            except httpx.TimeoutException as exc:
+            if response.status in _RETRY_STATUS and attempt + 1 < min(len(routed.choice.order),
+                                                                       self.options.max_attempts):
+                response.release()   # closes the connection unless the (short) body was already in
                 release(False)
-                raise APIError(504, f"replica {replica.url} did not answer in time: {type(exc).__name__}") from None
-            if response.status_code in _RETRY_STATUS and attempt + 1 < min(len(routed.choice.order),
-                                                                            self.options.max_attempts):
-                await response.aclose()
-                release(False)
-                self._failed_before_first_byte(replica, f"HTTP {response.status_code}", errors, passive=False)
+                self._failed_before_first_byte(replica, f"HTTP {response.status}", errors, passive=False)
                 continue
-            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_RESPONSE}
-            out_headers[REPLICA_HEADER] = replica.url
+            out_headers = self._downstream_headers(response, replica)
             is_sse = response.headers.get("content-type", "").startswith("text/event-stream")
             if not (stream and is_sse):
                 try:
-                    content = await response.aread()
-                except httpx.HTTPError as exc:
+                    content = await response.read()   # then the connection is back in the pool
+                except TRANSPORT_ERRORS as exc:
                     release(False)
-                    await response.aclose()
+                    response.close()
                     self._failed_before_first_byte(replica, exc, errors, passive=True)
                     continue
-                release(response.status_code < 500)
+                release(response.status < 500)
                 now = time.perf_counter()
                 self.metrics.first_byte.labels(route).observe(now - start)
                 self.metrics.duration.labels(route).observe(now - start)
-                # aread() decoded any content-encoding; Response sets the length of what it sends.
-                out_headers.pop("content-encoding", None)
-                out_headers.pop("content-length", None)
+                # The bytes are the replica's, still in its Content-Encoding if any; Response sets
+                # the length of what it sends.
                 self._count_cached(replica, routed, content, route)
-                return Response(content, status_code=response.status_code, headers=out_headers)
+                return Response(content, status_code=response.status, headers=out_headers)
             # A stream: wait for its first chunk here, so a replica that fails before it can
-            # still be replaced by another (invariant 3).
-            chunks = response.aiter_raw()
+            # still be replaced by another (invariant 3). iter_any yields what has arrived, as
+            # it arrives: no buffering up to a size or a line.
+            chunks = response.content.iter_any()
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
                 first = b""
-            except httpx.HTTPError as exc:
+            except TRANSPORT_ERRORS as exc:
                 release(False)
-                await response.aclose()
+                response.close()
                 self._failed_before_first_byte(replica, exc, errors, passive=True)
                 continue
             self.metrics.first_byte.labels(route).observe(time.perf_counter() - start)
-            out_headers.pop("content-length", None)
             return StreamingResponse(self._relay(path, route, replica, response, first, chunks, release, start),
-                                     status_code=response.status_code, headers=out_headers,
+                                     status_code=response.status, headers=out_headers,
                                      media_type=response.headers.get("content-type"))
         self.metrics.rejected.labels("replicas_failed").inc()
         raise APIError(502, "no replica could answer: " + "; ".join(errors) if errors else "no replica to try",
@@ -261,8 +276,8 @@ class Proxy:
         if passive:
             self.monitor.mark_failed(replica, str(reason))
 
-    async def _relay(self, path: str, route: str, replica: Replica, response: httpx.Response, first: bytes,
-                     chunks: AsyncIterator[bytes], release, start: float) -> AsyncIterator[bytes]:
+    async def _relay(self, path: str, route: str, replica: Replica, response: aiohttp.ClientResponse,
+                     first: bytes, chunks: AsyncIterator[bytes], release, start: float) -> AsyncIterator[bytes]:
         ok = False
         try:
             if first:
@@ -271,11 +286,12 @@ class Proxy:
                 async for chunk in chunks:
                     yield chunk
                 ok = True
-            except httpx.HTTPError as exc:
+            except TRANSPORT_ERRORS as exc:
                 # Invariant 4: the status went out with the first chunk; end with an error event.
                 self.metrics.stream_errors.labels(replica.url).inc()
-                logger.warning("stream from %s cut after its first byte: %s", replica.url, exc)
-                if isinstance(exc, (httpx.ReadError, httpx.RemoteProtocolError)):
+                logger.warning("stream from %s cut after its first byte: %s: %s", replica.url,
+                               type(exc).__name__, exc)
+                if broke_connection(exc):   # a read timeout leaves a slow replica in routing
                     self.monitor.mark_failed(replica, f"stream cut: {type(exc).__name__}")
                 error = APIError(502, f"the replica serving this stream failed mid-way ({type(exc).__name__}); "
                                       "the answer is incomplete")
@@ -283,7 +299,10 @@ class Proxy:
                     yield frame
         finally:
             release(ok)
-            await response.aclose()
+            # After the last chunk the connection is already back in the pool; a stream left
+            # early (the client went away, or the cut) has its connection closed, so the
+            # replica sees the disconnect and aborts the request.
+            response.close()
             self.metrics.duration.labels(route).observe(time.perf_counter() - start)
 
     def _count_cached(self, replica: Replica, routed: Routed, content: bytes, route: str) -> None:
