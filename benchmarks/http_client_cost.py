@@ -1,5 +1,6 @@
 """What an HTTP client library costs per request, against one real replica on loopback: httpx
-(the router's client to its replicas) beside aiohttp (`deepinfer bench serve`'s client).
+(the router's client to its replicas until this measure moved it to aiohttp) beside aiohttp (the
+router's client now, and `deepinfer bench serve`'s).
 
     python benchmarks/http_client_cost.py [--requests 300] [--warmup 20]
 
