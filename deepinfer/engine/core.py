@@ -30,8 +30,14 @@ next step() instead, right after it schedules N+2, so the masks fill while the c
 Without grammar rows it is queued at once.
 
 Both loops give identical tokens. The overlapped one finds a stop one step late: a request
-that stopped on N's token has its N+1 chunk computed and that result ignored. Speculative
-decoding runs the plain loop: which drafts to verify depends on the previous step's tokens.
+that stopped on N's token has its N+1 chunk computed and that result ignored.
+
+Speculative decoding: a step that verifies drafts runs as in the plain loop (which drafts, and
+where they start, depend on the previous step's tokens), after collecting the step in flight.
+With overlapped scheduling on and adaptive verification, each step first chooses between that
+and a plain overlapped step without drafts, by which delivered more tokens a second at this
+batch size (spec_decode/overlap.py); fixed verification, MTP drafts, or async_scheduling=False
+speculate at every step.
 
 The offline `LLM` drives it in-process; the server runs it in its own process.
 """
@@ -59,6 +65,7 @@ from deepinfer.platforms import current_platform
 from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.sample.structured.bitmask import BitmaskFill
 from deepinfer.spec_decode import build_speculative_decoder
+from deepinfer.spec_decode.overlap import LoopChooser
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +129,13 @@ class EngineCore:
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s,
             unpack_on_host=self.platform.name == "cpu")
         self.async_scheduling = resolve_async_scheduling(config, self.platform.name)
+        # Speculative steps run synchronously; the chooser decides, per step, whether to take one
+        # or an overlapped step without drafts (None: every step speculates, if speculation is on).
+        # MTP drafts read what the target's last forward kept per request, and have not been
+        # run behind overlapped steps: an MTP engine speculates at every step.
+        self.loop_chooser = (LoopChooser() if self.spec is not None and self.async_scheduling
+                             and config.speculative.verification == "adaptive"
+                             and config.speculative.method != "mtp" else None)
         self.platform.settle_host_threads()
         self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
         # Overlapped loop, a step with grammar rows: its forward is queued, its sampling waits for
@@ -164,9 +178,24 @@ class EngineCore:
             self.kv_events.flush()   # one batch per step
         return outputs
 
+    def _speculates(self) -> bool:
+        """Whether this step verifies drafts (synchronously) rather than run without them."""
+        if self.spec is None:
+            return False
+        if self.loop_chooser is None:
+            return True
+        return self.loop_chooser.choose(self.scheduler.num_running)
+
     def _step(self) -> list[EngineCoreOutput]:
         failed = self.scheduler.poll_grammars()
-        plan = self.scheduler.schedule()
+        start = time.perf_counter()
+        speculate = self._speculates()
+        if speculate and self.async_scheduling:
+            # Drafts follow the tokens of the step in flight: collect it before planning.
+            self._launch_deferred_sample()
+            if self._in_flight is not None:
+                failed += self._apply_in_flight()
+        plan = self.scheduler.schedule(speculate=speculate)
         # A sampling deferred by the last step goes first on the device: its masks had the
         # caller's output processing and this schedule to fill in.
         self._launch_deferred_sample()
@@ -178,6 +207,8 @@ class EngineCore:
         if plan.is_empty and polling and not connector_work and self._in_flight is None:
             time.sleep(KV_POLL_IDLE_WAIT_S)   # nothing to compute: do not spin on the copies
         if plan.is_empty and not plan.finished_request_ids and not connector_work and not polling:
+            if self.loop_chooser is not None:
+                self.loop_chooser.idle()   # an idle stretch is no step's cost
             if self._in_flight is not None:
                 return failed + self._apply_in_flight()
             if self.scheduler.num_waiting and not self.scheduler.num_running:
@@ -189,15 +220,22 @@ class EngineCore:
                 self.scheduler.waiting_for_grammar[0].grammar.wait(GRAMMAR_IDLE_WAIT_S)
             return failed
         outputs = failed
-        if not self.async_scheduling:
+        decode_shaped = bool(plan.chunks) and all(c.sample and c.num_tokens == 1 + len(c.spec_token_ids)
+                                                  for c in plan.chunks)
+        if not self.async_scheduling or speculate:
             fill = self._start_bitmask(plan)   # fills in a worker while the forward runs
-            start = time.perf_counter()
+            forward_start = time.perf_counter()
             forward = self.executor.execute_model(plan)
             launched = self.executor.sample_tokens(forward, None if fill is None else fill.result())
             result = self.executor.collect(launched)
             if self.spec is not None:   # the result is on the host: the step has finished
-                self.spec.observe_step(plan.chunks, time.perf_counter() - start)
+                self.spec.observe_step(plan.chunks, time.perf_counter() - forward_start)
+            if self.loop_chooser is not None:
+                emitted = sum(len(t) for t in result.sampled_token_ids.values())
+                self.loop_chooser.observe(start, len(plan.chunks), True, emitted if decode_shaped else None)
             return outputs + self.scheduler.update(plan, result)
+        if self.loop_chooser is not None:
+            self.loop_chooser.observe(start, len(plan.chunks), False, len(plan.chunks) if decode_shaped else None)
         forward = self.executor.execute_model(plan)
         if self._in_flight is not None:
             outputs += self._apply_in_flight()   # the device runs `forward` meanwhile
@@ -271,13 +309,11 @@ class EngineCore:
 
 def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:
     """None (the default): overlapped on CUDA, where the host has a device to run ahead of; plain
-    on the CPU, where the forward runs on the host and nothing overlaps."""
+    on the CPU, where the forward runs on the host and nothing overlaps. With speculative
+    decoding, overlapped steps are those without drafts (see the module docstring)."""
     wanted = config.scheduler.async_scheduling
-    if wanted and config.speculative is not None:
-        raise ValueError("async_scheduling does not combine with speculative_config: verifying drafts "
-                         "needs the previous step's tokens on the host (set async_scheduling=False)")
     if wanted is None:
-        return platform_name == "cuda" and config.speculative is None
+        return platform_name == "cuda"
     return wanted
 
 

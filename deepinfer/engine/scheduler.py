@@ -135,14 +135,16 @@ class Scheduler:
             self.waiting.append(request)
 
     # ------------------------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerPlan:
+    def schedule(self, speculate: bool = True) -> SchedulerPlan:
+        """The next step's plan. speculate=False: no drafts this step (the engine overlaps it
+        with the step in flight, whose tokens the drafts would follow)."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         new_requests: list[NewRequestData] = []
         cached_requests: list[CachedRequestData] = []
         scheduled: set[str] = set()
         drafts: dict[str, list[int]] = {}
-        if self.spec is not None and self.running:
+        if self.spec is not None and self.running and speculate:
             base = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
             drafts = self.spec.plan(self.running, budget - base, base)
 

@@ -87,6 +87,30 @@ def test_replayed_drafts_at_a_set_acceptance_are_verified_losslessly(tiny, tmp_p
     assert llm.engine.kv_manager.pool.blocks_in_use() == {}
 
 
+@pytest.mark.parametrize("spec", [{"method": "ngram"}, {"method": "draft_model", "model": "self"},
+                                  {"method": "ngram", "verification": "fixed"}], ids=["ngram", "draft", "fixed"])
+def test_speculation_beside_overlapped_steps_is_identical(tiny, spec):
+    """async_scheduling with adaptive verification: steps with drafts run synchronously after
+    collecting the step in flight, steps without overlap; here the loop chooser's picks are
+    forced to alternate (one speculative step, two overlapped), and greedy output stays the
+    reference's. Fixed verification speculates at every step."""
+    import itertools
+
+    directory, _, reference, _ = tiny
+    spec = dict(spec, model=directory) if "model" in spec else spec
+    llm = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128,
+              async_scheduling=True, speculative_config=spec)
+    chooser = llm.engine.loop_chooser
+    if spec.get("verification") == "fixed":
+        assert chooser is None
+    else:
+        picks = itertools.cycle([True, False, False])
+        chooser.choose = lambda batch: next(picks)
+    assert_same(reference, llm.generate(PROMPTS, greedy(), use_tqdm=False))
+    assert llm.spec_decode_stats.num_accepted_tokens > 0
+    assert llm.engine.kv_manager.pool.blocks_in_use() == {}
+
+
 def test_preemption_with_speculation_gives_identical_output(tiny):
     directory, _, reference, arch = tiny
     if arch != "llama":

@@ -43,11 +43,10 @@ def test_engine_resolves_the_flag():
     assert resolve_async_scheduling(EngineConfig.from_kwargs(), "cuda") is True
     assert resolve_async_scheduling(EngineConfig.from_kwargs(), "cpu") is False
     assert resolve_async_scheduling(EngineConfig.from_kwargs(async_scheduling=True), "cpu") is True
+    # With speculation, the overlapped loop runs the steps without drafts (engine/core.py).
     spec = EngineConfig.from_kwargs(speculative_config={"method": "ngram"})
-    assert resolve_async_scheduling(spec, "cuda") is False
-    with pytest.raises(ValueError, match="async_scheduling does not combine with speculative_config"):
-        resolve_async_scheduling(EngineConfig.from_kwargs(async_scheduling=True,
-                                                          speculative_config={"method": "ngram"}), "cuda")
+    assert resolve_async_scheduling(spec, "cuda") is True
+    assert resolve_async_scheduling(spec, "cpu") is False
 
 
 def test_overlapped_loop_launches_before_collecting(engines):

@@ -336,3 +336,46 @@ def test_spec_stats_cross_the_engine_process_boundary():
     plain = msgspec.msgpack.Decoder(OutputMessage).decode(msgspec.msgpack.Encoder().encode(
         StepOutputs([], EngineStats(1, 0, 0.5, 0, [1], [0], [0]))))
     assert plain.stats.spec_decode is None
+
+
+# ---------------------------------------------------------------------------- loop chooser
+def run_chooser(chooser, batch: int, steps: int, step_s: dict[bool, float], tokens: dict[bool, float],
+                clock: list[float]) -> list[bool]:
+    """Drive a LoopChooser as the engine does: choose, run (advance the clock by that loop's
+    step time), observe with the step's start."""
+    picks = []
+    for _ in range(steps):
+        speculative = chooser.choose(batch)
+        start = clock[0]
+        clock[0] += step_s[speculative]
+        chooser.observe(start, batch, speculative, tokens[speculative] * batch)
+        picks.append(speculative)
+    return picks
+
+
+def test_loop_chooser_takes_the_faster_loop_per_batch_size_and_keeps_exploring():
+    from deepinfer.spec_decode.overlap import EXPLORE_EVERY, LoopChooser
+
+    chooser, clock = LoopChooser(), [0.0]
+    # Batch 1: a speculative step takes 6 ms for 2.7 tokens, an overlapped one 4.1 ms for 1.
+    picks = run_chooser(chooser, 1, 300, {True: 0.006, False: 0.0041}, {True: 2.7, False: 1.0}, clock)
+    assert picks[0] is True                              # unmeasured: speculation first
+    assert sum(picks[50:]) > 0.9 * len(picks[50:])       # then mostly speculative
+    # Batch 64: speculating costs more than it emits beyond the overlapped loop.
+    picks = run_chooser(chooser, 64, 300, {True: 0.012, False: 0.0067}, {True: 1.6, False: 1.0}, clock)
+    late = picks[50:]
+    assert sum(late) < 0.1 * len(late) and any(late)     # mostly overlapped, still exploring
+    assert sum(late) <= (len(late) // EXPLORE_EVERY + 1) * 4
+    assert "batch<=1:" in chooser.describe() and "batch<=64:" in chooser.describe()
+
+
+def test_loop_chooser_ignores_idle_time_and_unshaped_steps():
+    from deepinfer.spec_decode.overlap import LoopChooser
+
+    chooser = LoopChooser()
+    chooser.observe(0.0, 4, True, 8.0)
+    chooser.idle()                                       # the engine idled: no interval closes
+    chooser.observe(100.0, 4, True, None)                # a prefill step: not measured
+    chooser.observe(100.5, 4, True, 8.0)
+    chooser.observe(100.51, 4, True, 8.0)                # closes the 8-token step: 800 tok/s
+    assert chooser.describe() == "batch<=4: speculative 800, overlapped - tok/s"

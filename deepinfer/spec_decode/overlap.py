@@ -1,0 +1,109 @@
+"""When to speculate under overlapped scheduling: pick, per batch size, the loop that emits more.
+
+A step that verifies drafts needs the previous step's tokens on the host (the drafts follow
+them, and the verdict decides the next step's), so it runs synchronously: the host schedules,
+the device computes, the host waits, then applies. A step without drafts can overlap instead
+(engine/core.py): the host plans step N+1 while the device runs step N, hiding the host's time.
+On the H200 that hidden time is 15-25 % of a decode step (benchmarks/spec_replay.py's anchor
+with and without overlap), so speculating pays only where it gains more than that, which
+depends on the acceptance and on the batch: the adaptive policy's cost model prices a draft
+against a synchronous step only.
+
+So the engine measures both: per batch-size bucket, the tokens a second that speculative steps
+(synchronous, drafts verified) and plain overlapped steps delivered, as exponentially weighted
+averages of decode-shaped steps, timed from one step's start to the next one's (so the host
+work between steps, the caller's included, is counted for both). It takes the better one, and
+every EXPLORE_EVERY steps in a bucket it runs a short stretch of the other, so a change in
+acceptance (another workload) is noticed. An unmeasured bucket tries speculation first.
+
+Only adaptive verification is chosen for: fixed verification is the user asking for every draft
+to be verified, so that engine speculates at every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# A stretch of the loop not currently preferred, every this many steps of a bucket.
+EXPLORE_EVERY = 64
+# Steps in an exploring stretch; the first of a stretch of overlapped steps is not measured
+# (the loop is filling: its interval holds the previous synchronous step's drain).
+EXPLORE_RUN = 4
+EMA_WEIGHT = 0.2   # of the newest measurement
+
+
+def _bucket(batch: int) -> int:
+    """Batch sizes by powers of two: 1, 2, 3-4, 5-8, ..."""
+    return max(batch - 1, 0).bit_length()
+
+
+@dataclass
+class _Rates:
+    speculative: float | None = None   # tokens per second, EMA
+    overlapped: float | None = None
+    steps: int = 0
+    exploring: str | None = None       # "speculative" | "overlapped" while a stretch runs
+    explore_left: int = 0
+
+
+class LoopChooser:
+    def __init__(self) -> None:
+        self._buckets: dict[int, _Rates] = {}
+        self._last: tuple[str, int, float] | None = None   # the measured step: (loop, bucket, tokens)
+        self._last_start: float | None = None
+        self._skip_next = False
+        self.counts = {"speculative": 0, "overlapped": 0}
+
+    def choose(self, batch: int) -> bool:
+        """Whether the next step speculates (synchronous) rather than overlaps."""
+        rates = self._buckets.setdefault(_bucket(batch), _Rates())
+        rates.steps += 1
+        if rates.exploring is not None:
+            loop = rates.exploring
+            rates.explore_left -= 1
+            if rates.explore_left <= 0:
+                rates.exploring = None
+        elif rates.speculative is None:
+            loop = "speculative"
+        elif rates.overlapped is None:
+            loop = self._explore(rates, "overlapped")
+        else:
+            best = "speculative" if rates.speculative >= rates.overlapped else "overlapped"
+            other = "overlapped" if best == "speculative" else "speculative"
+            loop = self._explore(rates, other) if rates.steps % EXPLORE_EVERY == 0 else best
+        self.counts[loop] += 1
+        return loop == "speculative"
+
+    @staticmethod
+    def _explore(rates: _Rates, loop: str) -> str:
+        rates.exploring, rates.explore_left = loop, EXPLORE_RUN - 1
+        return loop
+
+    def observe(self, start: float, batch: int, speculative: bool, tokens: float | None) -> None:
+        """A step started at `start` (perf_counter; called once its tokens are known): close the
+        previous step's interval at `start`, and remember this one. tokens: what this step
+        emits (None: not decode-shaped, so not measured)."""
+        loop = "speculative" if speculative else "overlapped"
+        if self._last is not None and self._last_start is not None and start > self._last_start:
+            last_loop, bucket, last_tokens = self._last
+            rate = last_tokens / (start - self._last_start)
+            rates = self._buckets.setdefault(bucket, _Rates())
+            old = getattr(rates, last_loop)
+            setattr(rates, last_loop, rate if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate)
+        # The first overlapped step after a synchronous one is not measured (see EXPLORE_RUN).
+        switched = self._last is not None and self._last[0] != loop
+        measured = tokens is not None and not (switched and loop == "overlapped")
+        self._last = (loop, _bucket(batch), tokens) if measured else None
+        self._last_start = start
+
+    def idle(self) -> None:
+        """The engine had nothing to compute: the interval running now measures no step."""
+        self._last = None
+
+    def describe(self) -> str:
+        parts = []
+        for bucket in sorted(self._buckets):
+            r = self._buckets[bucket]
+            fmt = lambda v: "-" if v is None else f"{v:.0f}"   # noqa: E731
+            parts.append(f"batch<={1 << bucket}: speculative {fmt(r.speculative)}, overlapped {fmt(r.overlapped)} tok/s")
+        return "; ".join(parts) or "no decode steps yet"
