@@ -180,6 +180,9 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
         if mode == "adaptive":
             costs["after the run"] = llm.engine.spec.cost_model.describe()
+            if llm.engine.loop_chooser is not None:   # overlapped steps without drafts (spec_decode/overlap.py)
+                costs["loop chooser, tokens a second by loop"] = llm.engine.loop_chooser.describe()
+                costs["loop chooser, steps by loop"] = str(llm.engine.loop_chooser.counts)
         shutdown(llm)
         del llm
         free_memory()
@@ -204,7 +207,7 @@ def main() -> None:
         print(f"| {r['alpha']} | {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['tok_s'] / base[key]:.2f}x "
               f"| {vs_fixed} | {emitted} | {curve} | {diverged} |")
     for when, description in costs.items():
-        print(f"\nadaptive step-cost table, {when}: {description}")
+        print(f"\nadaptive, {when}: {description}")
     write_json(args.out, {"machine": machine_info(), "args": vars(args), "rows": rows, "costs": costs})
 
 
