@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A stretch of the loop not currently preferred, every this many steps of a bucket.
-EXPLORE_EVERY = 64
+# A stretch of the loop not currently preferred, every this many steps of a bucket: often
+# enough to notice within one short answer (SmolLM2's copy prompts on the H200, 64 tokens, went
+# unnoticed at 64) that drafts started to pay; a stretch costs at most a few lost overlaps.
+EXPLORE_EVERY = 16
 # Steps in an exploring stretch; the first of a stretch of overlapped steps is not measured
 # (the loop is filling: its interval holds the previous synchronous step's drain).
-EXPLORE_RUN = 4
-EMA_WEIGHT = 0.2   # of the newest measurement
+EXPLORE_RUN = 3
+EMA_WEIGHT = 0.3   # of the newest measurement
 
 
 def _bucket(batch: int) -> int:

@@ -49,8 +49,10 @@ def test_greedy_is_identical_with_speculation(tiny, spec, budget):
     spec = dict(spec)
     if "model" in spec:
         spec["model"] = {"self": directory, "other": other}[spec["model"]]
+    # Speculating at every step (no overlapped steps between, which the loop chooser would pick
+    # where they are faster): this test checks verification and rollback.
     llm = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128, max_num_batched_tokens=budget,
-              speculative_config=spec)
+              speculative_config=spec, async_scheduling=False)
     assert_same(reference, llm.generate(PROMPTS, greedy(), use_tqdm=False))
     stats = llm.spec_decode_stats
     assert stats.num_draft_tokens > 0
@@ -159,7 +161,10 @@ def test_draft_model_must_share_the_tokenizer(tiny, tmp_path):
             speculative_config={"method": "draft_model", "model": other})
 
 
-DEFAULT_KWARGS = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 160, "max_num_seqs": 4}
+# async_scheduling=False: every step speculates (the tests below count accepted drafts; the loop
+# chooser would take overlapped steps instead where they are faster, as on a GPU at this size).
+DEFAULT_KWARGS = {"dtype": "float32", "max_model_len": 512, "num_kv_blocks": 160, "max_num_seqs": 4,
+                  "async_scheduling": False}
 
 
 @pytest.fixture(scope="module")
