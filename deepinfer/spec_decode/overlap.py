@@ -24,14 +24,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A stretch of the loop not currently preferred, every this many steps of a bucket: often
-# enough to notice within one short answer (SmolLM2's copy prompts on the H200, 64 tokens, went
-# unnoticed at 64) that drafts started to pay; a stretch costs at most a few lost overlaps.
-EXPLORE_EVERY = 16
+# A stretch of the loop not currently preferred, every this many steps of a bucket. Measured on
+# the H200 (benchmarks/spec_decode.py, SmolLM2, and spec_replay.py, 8B shape), exploring every
+# 16 steps (3 a stretch, weight 0.3) noticed SmolLM2's copy prompts paying within a 64-token
+# answer (batch 1: 1.45x against 1.05x) but cost more where speculating loses (batch 16: 0.59x
+# and 0.69x against 0.97x and 1.21x; the 8B shape at batch 64: 0.87-0.91x against 0.95-0.97x),
+# so the slower, steadier setting stays.
+EXPLORE_EVERY = 64
 # Steps in an exploring stretch; the first of a stretch of overlapped steps is not measured
 # (the loop is filling: its interval holds the previous synchronous step's drain).
-EXPLORE_RUN = 3
-EMA_WEIGHT = 0.3   # of the newest measurement
+EXPLORE_RUN = 4
+EMA_WEIGHT = 0.2   # of the newest measurement
 
 
 def _bucket(batch: int) -> int:
