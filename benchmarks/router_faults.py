@@ -205,18 +205,29 @@ def main() -> int:
     p.add_argument("--admission", nargs="+", default=["--max-requests-per-replica", "1"],
                    help="the router's admission flags in the overload part")
     p.add_argument("--parts", default="overload,kill", help="comma-separated: overload, kill")
+    p.add_argument("--pin", action="store_true",
+                   help="replicas on the last CPU core, the router and this client on the others, so the "
+                        "router's share is not taken from the replicas (overload part only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
+    cores = sorted(os.sched_getaffinity(0))
+    if args.pin and (len(cores) < 2 or "kill" in args.parts.split(",")):
+        p.error("--pin needs at least two CPU cores and --parts overload (a restarted replica would "
+                "land on the router's cores)")
     workdir = tempfile.mkdtemp(prefix="router-faults-")
     model_args = ("--model", args.model) if args.model else ()
     ports = [free_port() for _ in range(args.replicas)]
     replicas, results = [], {}
     parts = args.parts.split(",")
     try:
+        if args.pin:   # children inherit the affinity they are started with
+            os.sched_setaffinity(0, cores[-1:])
         for i, port in enumerate(ports):
             replicas.append(start_server(os.path.join(workdir, f"replica{i}.log"), *model_args, port=port))
+        if args.pin:
+            os.sched_setaffinity(0, cores[:-1])
         model = httpx.get(replicas[0].base_url + "/v1/models", headers=HEADERS).json()["data"][0]["id"]
         if "overload" in parts:   # first, on healthy replicas
             results["overload"] = overload(workdir, replicas, model, args)
