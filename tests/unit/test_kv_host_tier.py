@@ -345,9 +345,9 @@ def test_runner_starts_transfers_around_its_step_and_reports_them(tiny_llama):
         assert torch.equal(x, y)
     # The engine core hands such a plan to the executor instead of idling.
     calls = []
-    engine.scheduler.schedule = lambda: SchedulerPlan([], [], [], [], 0, KVConnectorMetadata(saves=[]))
+    engine.scheduler.schedule = lambda **_: SchedulerPlan([], [], [], [], 0, KVConnectorMetadata(saves=[]))
     assert engine.step() == []
-    engine.scheduler.schedule = lambda: SchedulerPlan(
+    engine.scheduler.schedule = lambda **_: SchedulerPlan(
         [], [], [], [], 0, KVConnectorMetadata(saves=[sched.save_blocks("c", 0, chain(1, first=90), [5])[0]]))
     execute_model = engine.executor.execute_model
     engine.executor.execute_model = lambda plan: (calls.append(plan), execute_model(plan))[1]
