@@ -29,6 +29,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 EXPERT_PARALLEL_DISPATCH = ("all_to_all", "all_reduce")
 KV_ROLES = ("both", "prefill", "decode")
+KV_STORE_LOAD_POLICIES = ("auto", "always")
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,11 @@ class CacheConfig:
     on a GPU, allocated at start): saves waiting to be written, loads read and not yet copied in.
     It bounds both: a save finding it full writes only its leading blocks, and one request loads
     at most half of it (the rest of its prefix is computed)."""
+    kv_store_load_policy: str = "auto"
+    """auto: a prefix found in kv_store is loaded only while loading it is measured faster than
+    computing it (on a fast GPU a long prefix can compute faster than it reads), else computed;
+    one hit in 16 is still loaded to follow the store's speed. always: every hit is loaded. A
+    decode instance (kv_role=decode) always loads."""
     kv_role: str = "both"
     """prefill | decode | both: this instance's part in prefill/decode disaggregation, KV handed
     over through kv_store (`deepinfer router --prefill URL`). prefill: a request is answered only
@@ -199,6 +205,9 @@ class CacheConfig:
         if self.kv_role != "both" and self.kv_store is None:
             raise ValueError(f"kv_role={self.kv_role!r} hands KV over through a store: set kv_store "
                              "(dir://PATH or redis://HOST:PORT/DB), the same on the prefill and decode instances")
+        if self.kv_store_load_policy not in KV_STORE_LOAD_POLICIES:
+            raise ValueError(f"kv_store_load_policy must be one of {', '.join(KV_STORE_LOAD_POLICIES)}, "
+                             f"got {self.kv_store_load_policy!r}")
         if not (isinstance(self.kv_store_load_timeout_s, (int, float)) and self.kv_store_load_timeout_s > 0):
             raise ValueError(f"kv_store_load_timeout_s must be > 0, got {self.kv_store_load_timeout_s!r}")
         if not (isinstance(self.kv_store_buffer_size, (int, float)) and self.kv_store_buffer_size > 0):

@@ -19,6 +19,7 @@ from deepinfer.config import (
     EXPERT_PARALLEL_DISPATCH,
     KV_CACHE_DTYPES,
     KV_ROLES,
+    KV_STORE_LOAD_POLICIES,
     POLICIES,
     QUANTIZATIONS,
     CacheConfig,
@@ -40,6 +41,7 @@ _CHOICES = {
     "distributed_executor_backend": EXECUTOR_BACKENDS,
     "expert_parallel_dispatch": EXPERT_PARALLEL_DISPATCH,
     "kv_role": KV_ROLES,
+    "kv_store_load_policy": KV_STORE_LOAD_POLICIES,
 }
 # Not generated: `model` gets its own help below, and `served_model_name` is the server's flag
 # (`serve --served-model-name a b`, ServerOptions), one flag for both.

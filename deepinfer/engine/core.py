@@ -117,7 +117,8 @@ class EngineCore:
             # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
             self.spec = build_speculative_decoder(config, self.executor, source, self.max_model_len)
         connector = make_kv_connector_scheduler(config, kv.groups, kv.block_size)
-        self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager, config.cache.kv_role)
+        self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager, config.cache.kv_role,
+                                                                 config.cache.kv_store_load_policy)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier)
         self.kv_events = open_kv_events(config.cache, kv.block_size, data_parallel_rank)   # None: no endpoint
         if self.kv_events is not None:
@@ -137,10 +138,11 @@ class EngineCore:
                              and config.speculative.verification == "adaptive"
                              and config.speculative.method != "mtp" else None)
         self.platform.settle_host_threads()
-        self._in_flight: tuple[SchedulerPlan, LaunchedStep] | None = None
+        # The step in flight, and when its forward was queued (perf_counter).
+        self._in_flight: tuple[SchedulerPlan, LaunchedStep, float] | None = None
         # Overlapped loop, a step with grammar rows: its forward is queued, its sampling waits for
         # the bitmask fill and is queued by the next step(), after that step's schedule.
-        self._deferred_sample: tuple[SchedulerPlan, ForwardStep, BitmaskFill | None] | None = None
+        self._deferred_sample: tuple[SchedulerPlan, ForwardStep, BitmaskFill | None, float] | None = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -230,17 +232,20 @@ class EngineCore:
             result = self.executor.collect(launched)
             if self.spec is not None:   # the result is on the host: the step has finished
                 self.spec.observe_step(plan.chunks, time.perf_counter() - forward_start)
+            if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
+                self.kv_tier.observe_step(plan, forward_start)
             if self.loop_chooser is not None:
                 emitted = sum(len(t) for t in result.sampled_token_ids.values())
                 self.loop_chooser.observe(start, len(plan.chunks), True, emitted if decode_shaped else None)
             return outputs + self.scheduler.update(plan, result)
         if self.loop_chooser is not None:
             self.loop_chooser.observe(start, len(plan.chunks), False, len(plan.chunks) if decode_shaped else None)
+        queued_at = time.perf_counter()
         forward = self.executor.execute_model(plan)
         if self._in_flight is not None:
             outputs += self._apply_in_flight()   # the device runs `forward` meanwhile
         fill = self._start_bitmask(plan)
-        self._deferred_sample = (plan, forward, fill)
+        self._deferred_sample = (plan, forward, fill, queued_at)
         if fill is None:
             self._launch_deferred_sample()
         # else: the masks fill while the caller processes `outputs`; the next step() queues the
@@ -249,10 +254,10 @@ class EngineCore:
 
     def _launch_deferred_sample(self) -> None:
         if self._deferred_sample is not None:
-            plan, forward, fill = self._deferred_sample
+            plan, forward, fill, queued_at = self._deferred_sample
             self._deferred_sample = None
             grammar = None if fill is None else fill.result()   # waits for the fill, if still running
-            self._in_flight = (plan, self.executor.sample_tokens(forward, grammar))
+            self._in_flight = (plan, self.executor.sample_tokens(forward, grammar), queued_at)
 
     def _start_bitmask(self, plan: SchedulerPlan) -> BitmaskFill | None:
         """Start filling the structured-output masks of the plan's sampled, constrained requests
@@ -266,9 +271,12 @@ class EngineCore:
                                              {c.request_id: c.spec_token_ids for c in constrained if c.spec_token_ids})
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
-        plan, launched = self._in_flight
+        plan, launched, queued_at = self._in_flight
         self._in_flight = None
-        return self.scheduler.update(plan, self.executor.collect(launched))
+        result = self.executor.collect(launched)
+        if self.kv_tier is not None:
+            self.kv_tier.observe_step(plan, queued_at)
+        return self.scheduler.update(plan, result)
 
     def check_idle(self) -> None:
         """With no request left, every KV block must be free: log any that is not (a leak)."""
@@ -278,7 +286,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         counters = self.kv_manager.counters
-        tier_stats = self.kv_tier.connector.stats() if self.kv_tier is not None else None
+        tier_stats = self.kv_tier.stats() if self.kv_tier is not None else None
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.kv_manager.usage(),
                            self.scheduler.num_preemptions, [c.queries for c in counters],
                            [c.hits for c in counters], [c.evictions for c in counters],

@@ -4,6 +4,8 @@ and the delayed free of blocks a transfer still reads or writes.
 
 The scheduler calls it at five points:
   lookup(request)             inside the prefix look-up: blocks the tier holds past the device's
+                              (a persistent store's hit may be declined: recomputing it is faster,
+                              engine/kv_load_policy.py)
   start_loads(request, hit)   after allocation: queue the loads; the request waits outside the queue
   save(request, published)    after a step published blocks: queue their saves
   release(request)            a request finishes, is preempted or aborted: free its blocks now,
@@ -15,17 +17,20 @@ The scheduler calls it at five points:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
-from deepinfer.engine.plan import KVConnectorMetadata, RunnerResult
+from deepinfer.engine.kv_load_policy import KVLoadPolicy
+from deepinfer.engine.plan import KVConnectorMetadata, RunnerResult, SchedulerPlan
 from deepinfer.engine.request import Request
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
-from deepinfer.kv_cache.connector import KVConnectorScheduler
+from deepinfer.kv_cache.connector import KVConnectorScheduler, KVConnectorStats
 from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
 
 
 class KVTierLink:
-    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager, kv_role: str = "both") -> None:
+    def __init__(self, connector: KVConnectorScheduler, kv: KVCacheManager, kv_role: str = "both",
+                 load_policy: str = "always") -> None:
         self.connector = connector
         self.kv = kv
         # Prefill/decode disaggregation (CacheConfig.kv_role): a decode instance writes nothing to
@@ -37,11 +42,27 @@ class KVTierLink:
         self._persisted_ids = [g.group_id for g in self._persisted]
         # Block tables kept past their request's end (or preemption) while transfers use them.
         self._parked: dict[str, list[list[list[int]]]] = {}
+        # CacheConfig.kv_store_load_policy. Only a persistent store's hits may be declined: the host
+        # tier copies from RAM, always faster than computing. A decode instance always loads: the
+        # store is how its prompts' KV arrives, and computing prompts is the prefill instances' job.
+        self.load_policy = (KVLoadPolicy(kv.block_size) if load_policy == "auto" and connector.tier_name == "store"
+                            and kv_role != "decode" else None)
+        # (request id, blocks, load?) of the last hit decided: the scheduler asks again for a
+        # request it could not admit yet, and that hit keeps its answer, counted once.
+        self._decided: tuple[str, int, bool] | None = None
 
     # ---------------------------------------------------------------------------- admission
-    def lookup(self, hashes: list[bytes], num_device_blocks: int) -> int:
+    def lookup(self, hashes: list[bytes], num_device_blocks: int, request_id: str | None = None) -> int:
         bs = self.kv.block_size
-        return self.connector.get_num_new_matched_tokens(hashes, self._persisted_ids, num_device_blocks * bs) // bs
+        n = self.connector.get_num_new_matched_tokens(hashes, self._persisted_ids, num_device_blocks * bs) // bs
+        if not n or self.load_policy is None:
+            return n
+        decided = self._decided
+        if request_id is not None and decided is not None and decided[:2] == (request_id, n):
+            return n if decided[2] else 0
+        load = self.load_policy.should_load(n)
+        self._decided = None if request_id is None else (request_id, n, load)
+        return n if load else 0   # 0: the scheduler computes the prefix
 
     def record_query(self, request: Request, hit: PrefixHit) -> None:
         """Once, at a request's first admission: the tokens asked of the tier and those it held."""
@@ -58,6 +79,19 @@ class KVTierLink:
         self.connector.allocate_loads(request.request_id, request.block_hashes[start:end],
                                       {g.group_id: request.block_ids[g.group_id][start:end] for g in self._persisted},
                                       traffic_class=request.traffic_class)
+        if self.load_policy is not None:
+            self.load_policy.load_started(request.request_id, hit.num_load_blocks, time.perf_counter())
+
+    def observe_step(self, plan: SchedulerPlan, queued_at: float) -> None:
+        """A step's result arrived (the engine core; perf_counter times): a prefill cost sample."""
+        if self.load_policy is not None:
+            self.load_policy.observe_step(plan, queued_at, time.perf_counter())
+
+    def stats(self) -> KVConnectorStats:
+        stats = self.connector.stats()
+        if self.load_policy is not None:
+            stats.declined_loads = self.load_policy.declined_blocks
+        return stats
 
     # -------------------------------------------------------------------------------- saves
     def save(self, request: Request, published: range) -> None:
@@ -78,6 +112,8 @@ class KVTierLink:
     def release(self, request: Request, *, loading: bool = False) -> None:
         """Free the request's blocks, or park them while a transfer still uses them. `loading`:
         the request is parked in WAITING_FOR_KV (its loads are cancelled)."""
+        if loading and self.load_policy is not None:
+            self.load_policy.load_dropped(request.request_id)
         in_flight = (self.connector.abort_loads(request.request_id) if loading
                      else self.connector.request_finished(request.request_id))
         if in_flight:
@@ -92,6 +128,12 @@ class KVTierLink:
         loads completed, those whose loads failed (no transfer writes their blocks any more:
         they are recomputed), and those whose parked blocks were freed (their transfers done)."""
         done = self.connector.on_transfers_finished(result.finished_kv_transfers, result.failed_kv_transfers)
+        if self.load_policy is not None and (done.loaded or done.failed):
+            now = time.perf_counter()
+            for request_id in done.loaded:
+                self.load_policy.load_finished(request_id, True, now)
+            for request_id in done.failed:
+                self.load_policy.load_finished(request_id, False, now)
         released = []
         for request_id in done.released:
             tables_list = self._parked.pop(request_id, [])

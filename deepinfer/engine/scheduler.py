@@ -29,6 +29,7 @@ record), and `schedule()` returns the plan final: nothing is added to it afterwa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterable
@@ -195,7 +196,8 @@ class Scheduler:
                 if not self.kv.allocate(request, num_new):
                     break
             else:
-                tier = self.kv_tier.lookup if self.kv_tier is not None and not request.skip_kv_tier else None
+                tier = (functools.partial(self.kv_tier.lookup, request_id=request.request_id)
+                        if self.kv_tier is not None and not request.skip_kv_tier else None)
                 hit = self.kv.find_prefix_hit(request, tier)
                 num_new = request.num_tokens - hit.num_computed_tokens
                 if num_new > budget and not self.config.enable_chunked_prefill:

@@ -101,6 +101,8 @@ class KVConnectorStats:
     failed_loads: int = 0     # blocks whose load failed (the request recomputed them)
     corrupt_entries: int = 0  # entries found bad by a look-up (wrong size) and dropped
     store_errors: int = 0     # calls to a persistent store that failed (down, full)
+    declined_loads: int = 0   # blocks a store held that were recomputed, faster than loading them
+                              # (kv_store_load_policy=auto; counted by KVTierLink)
 
     def copy(self) -> KVConnectorStats:
         return KVConnectorStats(**vars(self))

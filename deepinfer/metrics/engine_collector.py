@@ -71,6 +71,8 @@ COUNTERS = {
     "kv_tier_corrupt_entries": "KV store entries found damaged and dropped, by reason (size: seen by a look-up; "
                                "truncated, version, corrupt, mismatch: by a load).",
     "kv_tier_store_errors": "Calls to the KV store that failed (down, full, unreachable).",
+    "kv_tier_declined_loads": "Blocks the KV store held that were recomputed instead, measured faster than "
+                              "loading them (kv_store_load_policy=auto).",
 }
 TIER = (("tier", "host"),)
 # Families built from KVTierMetrics (kv_cache/tier_stats.py), not from the flat kv_tier counters.

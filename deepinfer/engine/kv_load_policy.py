@@ -1,0 +1,145 @@
+"""Load a persistent store's prefix, or recompute it: whichever this engine measured faster.
+
+A store hit is worth loading only while reading it is quicker than computing it. On a CPU it
+nearly always is; on a fast GPU a long prefix of a small model computes faster than it reads
+(an 8B model's 32k-token prefix on an H200: 1.54 s to compute, 2.3 s to load from a directory).
+Both costs depend on the hardware, the model, the store and the load on it, so both are
+measured online, from this engine's own loads and prefill steps:
+
+  load time(n blocks)  = overhead + n * per_block, fitted to each finished load: queued
+                         (KVTierLink.start_loads) to reported loaded (poll); it includes the
+                         wait for the step that hands the load over and the poll that sees it
+  recompute time(n)    = n * block_size * prefill seconds per token, from prefill steps
+
+A hit is loaded when the first is smaller, or while either is unmeasured (a fresh engine loads,
+as it always did). Used by KVTierLink for the persistent store only: the host tier (RAM) is
+always cheaper than recomputing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from deepinfer.engine.plan import SchedulerPlan
+
+logger = logging.getLogger(__name__)
+
+# A new sample's weight: the estimates follow a store whose speed changes (a cold page cache, a
+# busy Redis) within a few loads, and a noisy single step moves them little.
+LOAD_WEIGHT = 0.3
+PREFILL_WEIGHT = 0.2
+# Steps measured for the prefill estimate: enough prefill tokens that the per-step fixed costs
+# (launch, sampling) do not dominate, and few decode rows beside them (they cost time too).
+MIN_PREFILL_TOKENS = 256
+MAX_DECODE_ROWS_PER_PREFILL_TOKEN = 1 / 16
+# While recomputing, one hit in EXPLORE_EVERY is still loaded: a declined load is never measured,
+# so without it an estimate taken on a slow moment (a cold cache, a busy store) would stay
+# forever, and the engine would keep recomputing a store that has since become fast.
+EXPLORE_EVERY = 16
+# The load sizes must spread this much (std / mean) to tell the fixed overhead from the per-block
+# cost; otherwise the overhead is folded into the per-block cost (seconds / blocks).
+MIN_SIZE_SPREAD = 0.25
+
+
+class KVLoadPolicy:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.prefill_s_per_token: float | None = None
+        # Exponentially weighted sums over finished loads (n: blocks, t: seconds) for the
+        # straight-line fit t = overhead + n * per_block.
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._started: dict[str, tuple[int, float]] = {}   # request id -> (blocks, queued at)
+        self._last_done: float | None = None               # when the last measured step ended
+        self._since_load = 0          # hits declined since the last one loaded
+        self._loading = True          # the last decision that was not an exploration
+        self.loaded = self.declined = self.explored = 0     # hits (requests)
+        self.declined_blocks = 0
+
+    # -------------------------------------------------------------------------- estimates
+    def load_estimate(self) -> tuple[float, float] | None:
+        """(overhead seconds, seconds per block) of a load, None until a load finished."""
+        if self._w <= 0:
+            return None
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var_n = self._nn / self._w - mean_n * mean_n
+        if var_n > (MIN_SIZE_SPREAD * mean_n) ** 2:
+            per_block = (self._nt / self._w - mean_n * mean_t) / var_n
+            overhead = mean_t - per_block * mean_n
+            if per_block > 0 and overhead >= 0:   # else noise: use the plain ratio
+                return overhead, per_block
+        return 0.0, mean_t / mean_n
+
+    def load_seconds(self, num_blocks: int) -> float | None:
+        est = self.load_estimate()
+        return None if est is None else est[0] + num_blocks * est[1]
+
+    def recompute_seconds(self, num_blocks: int) -> float | None:
+        s = self.prefill_s_per_token
+        return None if s is None else num_blocks * self.block_size * s
+
+    # ----------------------------------------------------------------------------- samples
+    def load_started(self, request_id: str, num_blocks: int, now: float) -> None:
+        if num_blocks > 0:
+            self._started[request_id] = (num_blocks, now)
+
+    def load_finished(self, request_id: str, ok: bool, now: float) -> None:
+        """A load reported done; a failed one (bad entry, store down, timeout) says nothing of
+        the store's speed (a timeout would only say that it is at most the timeout)."""
+        started = self._started.pop(request_id, None)
+        if started is None or not ok:
+            return
+        n, t = started[0], max(now - started[1], 0.0)
+        keep = 1 - LOAD_WEIGHT
+        self._w = keep * self._w + 1
+        self._n = keep * self._n + n
+        self._t = keep * self._t + t
+        self._nn = keep * self._nn + n * n
+        self._nt = keep * self._nt + n * t
+
+    def load_dropped(self, request_id: str) -> None:
+        """The load was aborted (its request went away): no sample."""
+        self._started.pop(request_id, None)
+
+    def observe_step(self, plan: SchedulerPlan, queued_at: float, done_at: float) -> None:
+        """A step queued at `queued_at` whose result arrived at `done_at`. Overlapped steps queue
+        the next forward before the previous one ends: the device started this step no earlier
+        than the previous step's end, so that is its start when later than `queued_at`."""
+        start = queued_at if self._last_done is None else max(queued_at, self._last_done)
+        self._last_done = done_at
+        if plan.num_scheduled_tokens < MIN_PREFILL_TOKENS:
+            return   # most steps (decode): not a prefill sample, and nothing to count
+        decode = [c for c in plan.chunks if c.sample and c.num_tokens == 1 + len(c.spec_token_ids)]
+        prefill = sum(c.num_tokens for c in plan.chunks) - sum(c.num_tokens for c in decode)
+        if prefill < MIN_PREFILL_TOKENS or len(decode) > prefill * MAX_DECODE_ROWS_PER_PREFILL_TOKEN:
+            return
+        rate = max(done_at - start, 0.0) / prefill
+        old = self.prefill_s_per_token
+        self.prefill_s_per_token = rate if old is None else (1 - PREFILL_WEIGHT) * old + PREFILL_WEIGHT * rate
+
+    # ----------------------------------------------------------------------------- decision
+    def should_load(self, num_blocks: int) -> bool:
+        """Whether to load a hit of `num_blocks` blocks (else it is recomputed). Counts the
+        decision: ask once per hit."""
+        load_s, compute_s = self.load_seconds(num_blocks), self.recompute_seconds(num_blocks)
+        cheaper = load_s is None or compute_s is None or load_s < compute_s
+        if cheaper != self._loading:
+            self._loading = cheaper
+            logger.info("KV store: %s prefixes from now on (a load of %d blocks: %s s measured, recomputing "
+                        "them: %s s)", "loading" if cheaper else "recomputing", num_blocks,
+                        _fmt(load_s), _fmt(compute_s))
+        if cheaper:
+            self.loaded += 1
+            self._since_load = 0
+            return True
+        self._since_load += 1
+        if self._since_load >= EXPLORE_EVERY:
+            self.explored += 1
+            self._since_load = 0
+            return True
+        self.declined += 1
+        self.declined_blocks += num_blocks
+        return False
+
+
+def _fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3g}"

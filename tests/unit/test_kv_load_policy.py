@@ -1,0 +1,113 @@
+"""The persistent store's load-or-recompute policy (engine/kv_load_policy.py) with injected
+timings: it loads while unmeasured, recomputes when loading measured slower, still loads one hit
+in EXPLORE_EVERY, follows a store that became faster, ignores failed loads, and times prefill
+steps of either loop."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from deepinfer.engine.kv_load_policy import EXPLORE_EVERY, MIN_PREFILL_TOKENS, KVLoadPolicy
+from deepinfer.engine.plan import ScheduledChunk, SchedulerPlan
+
+BS = 16
+
+
+def plan(prefill: int = 0, decode_rows: int = 0) -> SchedulerPlan:
+    chunks = [ScheduledChunk(f"d{i}", 100, 1, True) for i in range(decode_rows)]
+    if prefill:
+        chunks.append(ScheduledChunk("p", 0, prefill, False))
+    return SchedulerPlan([], [], chunks, [], prefill + decode_rows)
+
+
+def load(policy: KVLoadPolicy, blocks: int, seconds: float, ok: bool = True, request_id: str = "r") -> None:
+    policy.load_started(request_id, blocks, 100.0)
+    policy.load_finished(request_id, ok, 100.0 + seconds)
+
+
+def measured(load_s_per_block: float, prefill_s_per_token: float) -> KVLoadPolicy:
+    policy = KVLoadPolicy(BS)
+    load(policy, 10, 10 * load_s_per_block)
+    policy.observe_step(plan(prefill=1000), 0.0, 1000 * prefill_s_per_token)
+    return policy
+
+
+def test_loads_until_both_costs_are_measured():
+    policy = KVLoadPolicy(BS)
+    assert policy.should_load(8)
+    load(policy, 10, 100.0)                 # a very slow store, but no prefill measured yet
+    assert policy.load_seconds(10) == pytest.approx(100.0) and policy.recompute_seconds(10) is None
+    assert policy.should_load(8)
+    policy = KVLoadPolicy(BS)
+    policy.observe_step(plan(prefill=1000), 0.0, 0.001)
+    assert policy.should_load(8) and policy.loaded == 1 and policy.declined == 0
+
+
+def test_declines_when_loading_is_slower_and_logs_the_flip_once(caplog):
+    policy = measured(load_s_per_block=0.01, prefill_s_per_token=1e-4)   # a block: 10 ms vs 1.6 ms
+    with caplog.at_level(logging.INFO, logger="deepinfer.engine.kv_load_policy"):
+        assert not policy.should_load(6)
+        assert not policy.should_load(6)
+    assert policy.declined == 2 and policy.declined_blocks == 12
+    assert [r.message for r in caplog.records if "recomputing" in r.message][:1] and len(caplog.records) == 1
+    fast = measured(load_s_per_block=1e-4, prefill_s_per_token=1e-4)    # 0.1 ms vs 1.6 ms a block
+    assert fast.should_load(6)
+
+
+def test_explores_one_hit_in_every_n_while_recomputing():
+    policy = measured(load_s_per_block=0.01, prefill_s_per_token=1e-4)
+    answers = [policy.should_load(4) for _ in range(3 * EXPLORE_EVERY)]
+    assert answers.count(True) == 3 and policy.explored == 3
+    assert [i for i, a in enumerate(answers) if a] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1]
+
+
+def test_resumes_loading_when_the_store_gets_faster():
+    policy = measured(load_s_per_block=0.01, prefill_s_per_token=1e-4)
+    assert not policy.should_load(10)
+    for i in range(5):   # the explored loads now read fast (a warm cache)
+        load(policy, 10, 10 * 1e-5, request_id=f"explore{i}")
+    assert policy.should_load(10)
+    assert policy.load_seconds(10) < policy.recompute_seconds(10)
+
+
+def test_failed_and_aborted_loads_are_not_rate_samples():
+    policy = KVLoadPolicy(BS)
+    load(policy, 10, 100.0, ok=False)
+    policy.load_started("aborted", 10, 0.0)
+    policy.load_dropped("aborted")
+    policy.load_finished("aborted", True, 50.0)
+    policy.load_finished("never-started", True, 50.0)
+    assert policy.load_estimate() is None
+    fast = measured(load_s_per_block=1e-5, prefill_s_per_token=1e-4)
+    load(fast, 10, 100.0, ok=False, request_id="timed-out")
+    assert fast.should_load(10)
+
+
+def test_a_fixed_overhead_is_told_from_the_per_block_cost():
+    policy = KVLoadPolicy(BS)
+    for i, n in enumerate([4, 64, 8, 32, 16, 64, 4]):
+        load(policy, n, 0.05 + n * 0.001, request_id=str(i))
+    overhead, per_block = policy.load_estimate()
+    assert overhead == pytest.approx(0.05) and per_block == pytest.approx(0.001)
+    policy.observe_step(plan(prefill=1000), 0.0, 1000 * 1e-4)   # a block recomputes in 1.6 ms
+    assert not policy.should_load(2)      # 52 ms to load vs 3.2 ms to compute
+    assert policy.should_load(200)        # 250 ms vs 320 ms
+    same = KVLoadPolicy(BS)               # sizes that do not spread: seconds / blocks
+    for i in range(3):
+        load(same, 10, 0.1, request_id=str(i))
+    assert same.load_estimate() == (0.0, pytest.approx(0.01))
+
+
+def test_prefill_steps_are_timed_in_either_loop_and_others_are_not():
+    policy = KVLoadPolicy(BS)
+    policy.observe_step(plan(decode_rows=64), 0.0, 1.0)                               # decode
+    policy.observe_step(plan(prefill=MIN_PREFILL_TOKENS - 1), 1.0, 2.0)               # too small
+    policy.observe_step(plan(prefill=300, decode_rows=200), 2.0, 3.0)                 # mostly decode
+    assert policy.prefill_s_per_token is None
+    policy.observe_step(plan(prefill=1000), 10.0, 10.5)                               # plain loop
+    assert policy.prefill_s_per_token == pytest.approx(0.5 / 1000)
+    # Overlapped: queued at 10.2, while the step above ran until 10.5; its result came at 11.0.
+    policy.observe_step(plan(prefill=1000, decode_rows=2), 10.2, 11.0)
+    assert policy.prefill_s_per_token == pytest.approx(0.5 / 1000)
