@@ -68,8 +68,8 @@ def test_the_plan_is_final_when_schedule_returns(tiny_llama, overlapped):
     plans, grammars = [], []
     schedule, sample_tokens = engine.scheduler.schedule, engine.executor.sample_tokens
 
-    def recording_schedule():
-        plan = schedule()
+    def recording_schedule(**kwargs):
+        plan = schedule(**kwargs)
         plans.append((plan, pickle.dumps(plan)))
         return plan
 
