@@ -108,6 +108,20 @@ def timed(llm: LLM, prompts, params: SamplingParams, rounds: int):
     return best
 
 
+def run_cells(llm: LLM, mode: str, cells, prompts, params: SamplingParams, rounds: int,
+              rows: list[dict]) -> dict:
+    """Every cell's prompts through `llm`, a row each into `rows`; returns the outputs by cell."""
+    outputs_by_cell = {}
+    for cell in cells:
+        seconds, outputs, spec = timed(llm, prompts[cell], params, rounds)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rows.append({"alpha": cell[0], "batch": cell[1], "mode": mode, "seconds": seconds,
+                     "tokens": tokens, "tok_s": tokens / seconds, "spec": spec})
+        print(json.dumps(rows[-1]), flush=True)
+        outputs_by_cell[cell] = outputs
+    return outputs_by_cell
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
@@ -135,49 +149,30 @@ def main() -> None:
     warm_up = [random_ids(args.prompt_len, vocab, seed=999_999)]
 
     # 1. No speculation: the anchor, and the recording of every cell's greedy continuations.
-    rows = []
+    rows: list[dict] = []
     llm = build(args, path, "none", None)
     llm.generate(warm_up, params, use_tqdm=False)
+    recorded = run_cells(llm, "none", cells, prompts, params, args.rounds, rows)
     replay_path = os.path.join(tempfile.mkdtemp(prefix="deepinfer-replay-"), "replay.jsonl")
     with open(replay_path, "w") as f:
         for cell in cells:
-            seconds, outputs, _ = timed(llm, prompts[cell], params, args.rounds)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            rows.append({"alpha": cell[0], "batch": cell[1], "mode": "none", "seconds": seconds,
-                         "tokens": tokens, "tok_s": tokens / seconds, "spec": None})
-            print(json.dumps(rows[-1]), flush=True)
-            for prompt, out in zip(prompts[cell], outputs):
+            for prompt, out in zip(prompts[cell], recorded[cell]):
                 f.write(json.dumps({"prompt_token_ids": prompt, "output_token_ids": out.outputs[0].token_ids,
                                     "acceptance": cell[0]}) + "\n")
     shutdown(llm)
     del llm
     free_memory()
-    if not args.no_sync_anchor:   # the anchor as a speculative engine runs its steps: synchronously
-        llm = build(args, path, "none-sync", None)
-        llm.generate(warm_up, params, use_tqdm=False)
-        for cell in cells:
-            seconds, outputs, _ = timed(llm, prompts[cell], params, args.rounds)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            rows.append({"alpha": cell[0], "batch": cell[1], "mode": "none-sync", "seconds": seconds,
-                         "tokens": tokens, "tok_s": tokens / seconds, "spec": None})
-            print(json.dumps(rows[-1]), flush=True)
-        shutdown(llm)
-        del llm
-        free_memory()
 
-    # 2. The replay drafter at each alpha, fixed and adaptive verification.
+    # 2. The anchor as a speculative engine runs its steps (synchronously), then the replay
+    # drafter at each alpha, fixed and adaptive verification.
     costs = {}
-    for mode in args.modes:
-        llm = build(args, path, mode, replay_path)
+    modes = ([] if args.no_sync_anchor else ["none-sync"]) + args.modes
+    for mode in modes:
+        llm = build(args, path, mode, None if mode == "none-sync" else replay_path)
         if mode == "adaptive":
             costs["start-up profile"] = llm.engine.spec.cost_model.describe()
         llm.generate(warm_up, params, use_tqdm=False)
-        for cell in cells:
-            seconds, outputs, spec = timed(llm, prompts[cell], params, args.rounds)
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            rows.append({"alpha": cell[0], "batch": cell[1], "mode": mode, "seconds": seconds,
-                         "tokens": tokens, "tok_s": tokens / seconds, "spec": spec})
-            print(json.dumps(rows[-1]), flush=True)
+        run_cells(llm, mode, cells, prompts, params, args.rounds, rows)
         if mode == "adaptive":
             costs["after the run"] = llm.engine.spec.cost_model.describe()
             if llm.engine.loop_chooser is not None:   # overlapped steps without drafts (spec_decode/overlap.py)
