@@ -199,7 +199,8 @@ class ModelRunner:
             rows_per_request = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
             self.decode_graphs = DecodeGraphs(
                 self.model, self.attention_backend, len(self.groups), spec.num_kv_heads,
-                min(config.scheduler.max_num_seqs * rows_per_request, MAX_GRAPH_ROWS), self.max_blocks_per_seq, self.block_size,
+                min(config.scheduler.max_num_seqs * rows_per_request, MAX_GRAPH_ROWS),
+                self.max_blocks_per_seq, self.block_size,
                 self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
             self.decode_graphs.capture()
         if group.size > 1:
