@@ -222,8 +222,6 @@ class EngineCore:
                 self.scheduler.waiting_for_grammar[0].grammar.wait(GRAMMAR_IDLE_WAIT_S)
             return failed
         outputs = failed
-        decode_shaped = bool(plan.chunks) and all(c.sample and c.num_tokens == 1 + len(c.spec_token_ids)
-                                                  for c in plan.chunks)
         if not self.async_scheduling or speculate:
             fill = self._start_bitmask(plan)   # fills in a worker while the forward runs
             forward_start = time.perf_counter()
@@ -231,15 +229,16 @@ class EngineCore:
             launched = self.executor.sample_tokens(forward, None if fill is None else fill.result())
             result = self.executor.collect(launched)
             if self.spec is not None:   # the result is on the host: the step has finished
-                self.spec.observe_step(plan.chunks, time.perf_counter() - forward_start)
+                self.spec.observe_step(plan, time.perf_counter() - forward_start)
             if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
                 self.kv_tier.observe_step(plan, forward_start)
             if self.loop_chooser is not None:
                 emitted = sum(len(t) for t in result.sampled_token_ids.values())
-                self.loop_chooser.observe(start, len(plan.chunks), True, emitted if decode_shaped else None)
+                self.loop_chooser.observe(start, len(plan.chunks), True, emitted if plan.is_decode_only else None)
             return outputs + self.scheduler.update(plan, result)
         if self.loop_chooser is not None:
-            self.loop_chooser.observe(start, len(plan.chunks), False, len(plan.chunks) if decode_shaped else None)
+            self.loop_chooser.observe(start, len(plan.chunks), False,
+                                      len(plan.chunks) if plan.is_decode_only else None)
         queued_at = time.perf_counter()
         forward = self.executor.execute_model(plan)
         if self._in_flight is not None:

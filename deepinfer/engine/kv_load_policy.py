@@ -108,7 +108,7 @@ class KVLoadPolicy:
         self._last_done = done_at
         if plan.num_scheduled_tokens < MIN_PREFILL_TOKENS:
             return   # most steps (decode): not a prefill sample, and nothing to count
-        decode = [c for c in plan.chunks if c.sample and c.num_tokens == 1 + len(c.spec_token_ids)]
+        decode = [c for c in plan.chunks if c.is_generating]
         prefill = sum(c.num_tokens for c in plan.chunks) - sum(c.num_tokens for c in decode)
         if prefill < MIN_PREFILL_TOKENS or len(decode) > prefill * MAX_DECODE_ROWS_PER_PREFILL_TOKEN:
             return

@@ -114,6 +114,11 @@ class ScheduledChunk:
     prompt_logprobs: bool = False  # also return logprobs of the prompt tokens in this chunk
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify (DSpark issue)
 
+    @property
+    def is_generating(self) -> bool:
+        """One known token (plus any drafts), sampled: a request generating, not prefilling."""
+        return self.sample and self.num_tokens == 1 + len(self.spec_token_ids)
+
 
 @dataclass
 class KVTransfer:
@@ -162,6 +167,11 @@ class SchedulerPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every chunk a generating request's (decode-shaped: step-time models are fitted to those)."""
+        return bool(self.chunks) and all(c.is_generating for c in self.chunks)
 
 
 # A grammar mask row is keyed by request id, or by (request id, j) for a request verifying

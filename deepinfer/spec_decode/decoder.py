@@ -123,13 +123,11 @@ class SpeculativeDecoder:
             self.calibrator.observe(confidences[:num_verified], num_accepted)
         self.stats.record(num_verified, num_accepted)
 
-    def observe_step(self, chunks, seconds: float) -> None:
+    def observe_step(self, plan, seconds: float) -> None:
         """A finished step's wall time, for the step-cost model when the step was decode-shaped
         (every chunk one known token plus its drafts; prefill chunks cost differently)."""
-        if self.cost_model is None or not chunks:
-            return
-        if all(c.sample and c.num_tokens == 1 + len(c.spec_token_ids) for c in chunks):
-            self.cost_model.observe(len(chunks), sum(c.num_tokens for c in chunks), seconds)
+        if self.cost_model is not None and plan.is_decode_only:
+            self.cost_model.observe(len(plan.chunks), plan.num_scheduled_tokens, seconds)
 
     def forget(self, request_id: str) -> None:
         """The request's verification did not happen (aborted or preempted in between)."""

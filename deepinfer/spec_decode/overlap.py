@@ -106,9 +106,8 @@ class LoopChooser:
         self._last = None
 
     def describe(self) -> str:
-        parts = []
-        for bucket in sorted(self._buckets):
-            r = self._buckets[bucket]
-            fmt = lambda v: "-" if v is None else f"{v:.0f}"   # noqa: E731
-            parts.append(f"batch<={1 << bucket}: speculative {fmt(r.speculative)}, overlapped {fmt(r.overlapped)} tok/s")
-        return "; ".join(parts) or "no decode steps yet"
+        def rate(v: float | None) -> str:
+            return "-" if v is None else f"{v:.0f}"
+
+        return "; ".join(f"batch<={1 << b}: speculative {rate(r.speculative)}, overlapped {rate(r.overlapped)} tok/s"
+                         for b, r in sorted(self._buckets.items())) or "no decode steps yet"

@@ -49,24 +49,26 @@ def max_sliding_window(groups: list[KVCacheGroup]) -> int:
     return max((sliding_window_of(g) or 0 for g in groups), default=0)
 
 
+def _floor_cuts(chunk: StepChunk, window: int) -> bool:
+    """Whether the request's window floor still cuts the window of the chunk's first query (only
+    the prefill paths apply a floor); later queries only move further from it."""
+    return bool(chunk.window_floor and window and chunk.start - window + 1 < chunk.window_floor)
+
+
 def is_decode_row(chunk: StepChunk, window: int) -> bool:
     """Whether a chunk takes the decode path: one token, no prompt logprobs, and no window floor
     above its query's window (`window`: max_sliding_window), which only the prefill paths apply.
     A replayed request's decodes become plain decodes once the window has moved past the floor."""
-    return (chunk.num_tokens == 1 and not chunk.prompt_logprobs
-            and not (chunk.window_floor and window and chunk.start - window + 1 < chunk.window_floor))
+    return chunk.num_tokens == 1 and not chunk.prompt_logprobs and not _floor_cuts(chunk, window)
 
 
 def verify_rows_as_decodes(chunk: StepChunk, window: int) -> bool:
     """Whether a chunk verifying drafts can be laid out as 1 + m decode rows (build_step_inputs'
     `verify_as_decodes`): row j attends to the request's KV up to its own position, which the
     same step's KV write of rows 0..j has put in the cache before attention reads it. Its first
-    row must itself be a decode row (no live window floor, no prompt logprobs); the later rows
-    only move further from the floor."""
+    row must itself be a decode row (no live window floor, no prompt logprobs)."""
     return (bool(chunk.spec_token_ids) and chunk.num_tokens == 1 + len(chunk.spec_token_ids)
-            and is_decode_row(StepChunk(chunk.request_id, chunk.start, 1, chunk.block_ids, chunk.sample,
-                                        chunk.prompt_logprobs, [], chunk.window_floor, chunk.write_floor),
-                              window))
+            and not chunk.prompt_logprobs and not _floor_cuts(chunk, window))
 
 
 def num_decode_rows(chunks: list[StepChunk], window: int) -> int | None:
