@@ -32,8 +32,11 @@ Without grammar rows it is queued at once.
 Both loops give identical tokens. The overlapped one finds a stop one step late: a request
 that stopped on N's token has its N+1 chunk computed and that result ignored.
 
-Speculative decoding: a step that verifies drafts runs as in the plain loop (which drafts, and
-where they start, depend on the previous step's tokens), after collecting the step in flight.
+Speculative decoding: a step that verifies drafts is planned after collecting the step in
+flight (which drafts, and where they start, depend on its tokens); with overlapped scheduling
+it is itself left in flight, so the caller's work on this step()'s outputs overlaps it, and the
+next step() collects it before planning (greedy verdicts are taken at collect,
+worker/draft_verification.py).
 With overlapped scheduling on and adaptive verification, each step first chooses between that
 and a plain overlapped step without drafts, by which delivered more tokens a second at this
 batch size (spec_decode/overlap.py); fixed verification, MTP drafts, or async_scheduling=False
@@ -47,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig, fit_block_size, resolve_max_model_len
 from deepinfer.engine.kv_tier import KVTierLink
@@ -138,8 +142,8 @@ class EngineCore:
                              and config.speculative.verification == "adaptive"
                              and config.speculative.method != "mtp" else None)
         self.platform.settle_host_threads()
-        # The step in flight, and when its forward was queued (perf_counter).
-        self._in_flight: tuple[SchedulerPlan, LaunchedStep, float] | None = None
+        # The step launched and not collected yet (overlapped scheduling).
+        self._in_flight: _InFlight | None = None
         # Overlapped loop, a step with grammar rows: its forward is queued, its sampling waits for
         # the bitmask fill and is queued by the next step(), after that step's schedule.
         self._deferred_sample: tuple[SchedulerPlan, ForwardStep, BitmaskFill | None, float] | None = None
@@ -192,8 +196,9 @@ class EngineCore:
         failed = self.scheduler.poll_grammars()
         start = time.perf_counter()
         speculate = self._speculates()
-        if speculate and self.async_scheduling:
-            # Drafts follow the tokens of the step in flight: collect it before planning.
+        if self.async_scheduling and (speculate or (self._in_flight is not None and self._in_flight.speculative)):
+            # Drafts follow the tokens of the step in flight, and a verify step emits a number of
+            # tokens a request the plan must know: collect it before planning.
             self._launch_deferred_sample()
             if self._in_flight is not None:
                 failed += self._apply_in_flight()
@@ -209,10 +214,13 @@ class EngineCore:
         if plan.is_empty and polling and not connector_work and self._in_flight is None:
             time.sleep(KV_POLL_IDLE_WAIT_S)   # nothing to compute: do not spin on the copies
         if plan.is_empty and not plan.finished_request_ids and not connector_work and not polling:
+            was_in_flight = self._in_flight is not None
+            if was_in_flight:
+                failed += self._apply_in_flight()
             if self.loop_chooser is not None:
-                self.loop_chooser.idle()   # an idle stretch is no step's cost
-            if self._in_flight is not None:
-                return failed + self._apply_in_flight()
+                self.loop_chooser.idle()   # an idle stretch is no step's cost (after the last step's observe)
+            if was_in_flight:
+                return failed
             if self.scheduler.num_waiting and not self.scheduler.num_running:
                 # Capacity is checked at start-up, so this means a bug, not a busy engine: fail
                 # loudly rather than spin.
@@ -226,16 +234,14 @@ class EngineCore:
             fill = self._start_bitmask(plan)   # fills in a worker while the forward runs
             forward_start = time.perf_counter()
             forward = self.executor.execute_model(plan)
-            launched = self.executor.sample_tokens(forward, None if fill is None else fill.result())
-            result = self.executor.collect(launched)
-            if self.spec is not None:   # the result is on the host: the step has finished
-                self.spec.observe_step(plan, time.perf_counter() - forward_start)
-            if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
-                self.kv_tier.observe_step(plan, forward_start)
-            if self.loop_chooser is not None:
-                emitted = sum(len(t) for t in result.sampled_token_ids.values())
-                self.loop_chooser.observe(start, len(plan.chunks), True, emitted if plan.is_decode_only else None)
-            return outputs + self.scheduler.update(plan, result)
+            step = _InFlight(plan, self.executor.sample_tokens(forward, None if fill is None else fill.result()),
+                             forward_start, speculative=True, started_at=start)
+            if self.async_scheduling:
+                # Collected by the next step before it plans: the caller turns this step()'s
+                # outputs into text (the server sends them) while the device runs the step.
+                self._in_flight = step
+                return outputs
+            return outputs + self._finish(step)
         if self.loop_chooser is not None:
             self.loop_chooser.observe(start, len(plan.chunks), False,
                                       len(plan.chunks) if plan.is_decode_only else None)
@@ -256,7 +262,7 @@ class EngineCore:
             plan, forward, fill, queued_at = self._deferred_sample
             self._deferred_sample = None
             grammar = None if fill is None else fill.result()   # waits for the fill, if still running
-            self._in_flight = (plan, self.executor.sample_tokens(forward, grammar), queued_at)
+            self._in_flight = _InFlight(plan, self.executor.sample_tokens(forward, grammar), queued_at)
 
     def _start_bitmask(self, plan: SchedulerPlan) -> BitmaskFill | None:
         """Start filling the structured-output masks of the plan's sampled, constrained requests
@@ -270,11 +276,22 @@ class EngineCore:
                                              {c.request_id: c.spec_token_ids for c in constrained if c.spec_token_ids})
 
     def _apply_in_flight(self) -> list[EngineCoreOutput]:
-        plan, launched, queued_at = self._in_flight
-        self._in_flight = None
-        result = self.executor.collect(launched)
-        if self.kv_tier is not None:
-            self.kv_tier.observe_step(plan, queued_at)
+        step, self._in_flight = self._in_flight, None
+        return self._finish(step)
+
+    def _finish(self, step: _InFlight) -> list[EngineCoreOutput]:
+        """Collect a launched step (waits for it), let the step's observers time it, apply it."""
+        plan = step.plan
+        result = self.executor.collect(step.launched)
+        if step.speculative:
+            if self.spec is not None:   # the result is on the host: the step has finished
+                self.spec.observe_step(plan, time.perf_counter() - step.queued_at)
+            if self.loop_chooser is not None:
+                emitted = sum(len(t) for t in result.sampled_token_ids.values())
+                self.loop_chooser.observe(step.started_at, len(plan.chunks), True,
+                                          emitted if plan.is_decode_only else None)
+        if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
+            self.kv_tier.observe_step(plan, step.queued_at)
         return self.scheduler.update(plan, result)
 
     def check_idle(self) -> None:
@@ -312,6 +329,19 @@ class EngineCore:
             self.kv_events.close()
         if self.structured is not None:
             self.structured.shutdown()
+
+
+@dataclass
+class _InFlight:
+    """A step launched on the device and not collected yet."""
+
+    plan: SchedulerPlan
+    launched: LaunchedStep
+    queued_at: float                  # when its forward was queued (perf_counter)
+    # A step of the synchronous kind (speculation on: drafts verified): the next plan needs its
+    # tokens, so the next step collects it before planning.
+    speculative: bool = False
+    started_at: float = 0.0           # when its step() began (the loop chooser's intervals)
 
 
 def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:

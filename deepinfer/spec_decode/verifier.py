@@ -48,14 +48,10 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[Veri
     for r in requests:
         if len(r.rows) != len(r.drafts) + 1:
             raise ValueError(f"a request with {len(r.drafts)} drafts needs {len(r.drafts) + 1} rows, got {len(r.rows)}")
-    offsets = [0]
-    for r in requests:
-        offsets.append(offsets[-1] + len(r.rows))
-
-    if all(row.params.temperature == 0 and not _needs_edit(row.params, row) for row in rows):
-        # Hot path: greedy without edits, one argmax over every row (no float32 copy).
-        argmax = logits.argmax(dim=-1).tolist()
-        return [_accept_greedy(r.drafts, argmax[offsets[i]:offsets[i + 1]]) for i, r in enumerate(requests)]
+    offsets = _offsets(requests)
+    argmax_rows = greedy_argmax(logits, requests)
+    if argmax_rows is not None:
+        return accept_greedy(requests, argmax_rows.tolist())
 
     x = logits.to(torch.float32, copy=True)
     Sampler._edit_logits(x, rows)
@@ -74,6 +70,28 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[Veri
         for i, result in zip(random_ids, _accept_random(probs, [requests[i] for i in random_ids])):
             results[i] = result
     return results  # type: ignore[return-value]
+
+
+def greedy_argmax(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> torch.Tensor | None:
+    """The hot path's only device work: when every row is greedy without edits, each row's argmax
+    (no float32 copy), still on the device; None otherwise. A caller that wants the verdicts
+    later (the runner, at collect) copies it to the host and hands it to accept_greedy."""
+    if all(row.params.temperature == 0 and not _needs_edit(row.params, row) for r in requests for row in r.rows):
+        return logits.argmax(dim=-1)
+    return None
+
+
+def accept_greedy(requests: Sequence[VerifyRequest], argmax: list[int]) -> list[VerifyResult]:
+    """Verdicts from every row's argmax (the requests' rows back to back)."""
+    offsets = _offsets(requests)
+    return [_accept_greedy(r.drafts, argmax[offsets[i]:offsets[i + 1]]) for i, r in enumerate(requests)]
+
+
+def _offsets(requests: Sequence[VerifyRequest]) -> list[int]:
+    offsets = [0]
+    for r in requests:
+        offsets.append(offsets[-1] + len(r.rows))
+    return offsets
 
 
 def _accept_greedy(drafts: list[int], argmax: list[int]) -> VerifyResult:

@@ -55,10 +55,10 @@ from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
 from deepinfer.platforms.transfer import to_device
-from deepinfer.sample.logprobs import compute_prompt_logprobs, top_logprobs
+from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
-from deepinfer.spec_decode.verifier import VerifyRequest, verify
+from deepinfer.worker.draft_verification import PendingVerdicts, verify_chunks
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, max_sliding_window, num_decode_rows
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
 
@@ -97,6 +97,7 @@ class _QueuedSample:
     sampled_request_ids: list[str] = field(default_factory=list)   # one per sampled row
     sample: DeviceSample | None = None    # host copies under way
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already done
+    verdicts: PendingVerdicts | None = None   # greedy draft verification, taken at collect
 
 
 class ModelRunner:
@@ -317,6 +318,9 @@ class ModelRunner:
     def forward(self, plan: SchedulerPlan) -> ForwardStep:
         """Apply the plan's request changes, then queue the step's forward and the logits of
         its sampled rows."""
+        if any(s.verdicts is not None for s in self._samples.values()):
+            # Its requests' token lists lack that step's tokens until then (draft_verification.py).
+            raise RuntimeError("a forward was queued before the verify step in flight was collected")
         update_states(self.requests, plan, self.device)
         handle = ForwardStep(next(self._step_ids))
         connector = self._start_kv_transfers(plan)
@@ -416,8 +420,9 @@ class ModelRunner:
 
         verify_rows = [i for i, c in enumerate(inputs.chunks) if c.spec_token_ids]
         if verify_rows:   # speculative decoding: sample at every draft position, keep what passes
-            self._verify_drafts([inputs.chunks[i] for i in verify_rows],
-                                [inputs.last_token_index[i] for i in verify_rows], step, result, grammar)
+            launched.verdicts = self._verify_drafts([inputs.chunks[i] for i in verify_rows],
+                                                    [inputs.last_token_index[i] for i in verify_rows],
+                                                    step, result, grammar)
 
         for i, chunk in enumerate(inputs.chunks):
             if chunk.prompt_logprobs:
@@ -435,6 +440,10 @@ class ModelRunner:
         result = launched.result
         if launched.sample is not None:
             self._apply_sampled(launched)
+        if launched.verdicts is not None:
+            if launched.done is not None:
+                launched.done.synchronize()
+            launched.verdicts.finish(self.requests, result)
         if self.kv_connector is not None:   # a poll: what finished by now, whichever step started it
             result.finished_kv_transfers = self.kv_connector.finished_transfers()
             result.failed_kv_transfers = self.kv_connector.failed_transfers()
@@ -499,36 +508,15 @@ class ModelRunner:
 
     # -------------------------------------------------------------------- speculative decoding
     def _verify_drafts(self, chunks: list[StepChunk], last_indices: list[int], step: _QueuedForward,
-                       result: RunnerResult, grammar: GrammarOutput | None) -> None:
-        """A chunk with drafts was run as 1 known token + m drafts (input_batch.py); its last
-        m + 1 rows give the target's logits after each draft prefix (a graph's logits, or the
-        head over the eager forward's hidden states). The accepted tokens go into the result and
-        into the request's token lists, so the runner never holds a rejected draft."""
-        index: list[int] = []
-        requests = []
-        for chunk, last in zip(chunks, last_indices):
-            drafts = list(chunk.spec_token_ids)
-            index.extend(range(last - len(drafts), last + 1))
-            state = self.requests[chunk.request_id]
-            requests.append(VerifyRequest(drafts, _draft_rows(state, drafts), self._reseeded(state)))
+                       result: RunnerResult, grammar: GrammarOutput | None) -> PendingVerdicts | None:
+        """Verify the chunks' drafts from their last m + 1 rows (a graph's logits, or the head
+        over the eager forward's hidden states); draft_verification.py says when the verdicts
+        are taken."""
+        index = [j for chunk, last in zip(chunks, last_indices) for j in range(last - len(chunk.spec_token_ids), last + 1)]
         rows = to_device(index, self.device, torch.long)
         logits = step.row_logits[rows] if step.row_logits is not None else self.model.compute_logits(step.hidden[rows])
-        if grammar is not None:   # structured output: row j masked as after drafts 1..j
-            apply_grammar_bitmask(logits, grammar, [(c.request_id, j) for c in chunks
-                                                    for j in range(len(c.spec_token_ids) + 1)])
-        offset = 0
-        for chunk, request, verdict in zip(chunks, requests, verify(logits, requests)):
-            state = self.requests[chunk.request_id]
-            state.token_ids.extend(verdict.token_ids)
-            state.output_token_ids.extend(verdict.token_ids)
-            result.sampled_token_ids[chunk.request_id] = verdict.token_ids
-            if state.params.logprobs is not None:
-                # Row j's raw logits are the target's at the position of the j-th emitted token.
-                n = len(verdict.token_ids)
-                entries = top_logprobs(logits[offset:offset + n], torch.tensor(verdict.token_ids),
-                                       [state.params.logprobs] * n)
-                result.logprobs[chunk.request_id] = [e.to_dict() for e in entries]
-            offset += len(request.rows)
+        generators = [self._reseeded(self.requests[c.request_id]) for c in chunks]
+        return verify_chunks(self.requests, chunks, logits, generators, grammar, result)
 
     @staticmethod
     def _reseeded(state: RunnerRequestState) -> torch.Generator | None:
@@ -569,15 +557,3 @@ class ModelRunner:
         states = {r.request_id: self.requests[r.request_id].model_state for r in requests if r.request_id in self.requests}
         return self.model.propose_mtp(requests, states)
 
-
-def _draft_rows(state: RunnerRequestState, drafts: list[int]) -> list[SamplingRow]:
-    """The m + 1 sampling rows of a request verifying m drafts."""
-    params = state.params
-    outputs = state.output_token_ids
-    rows = []
-    for j in range(len(drafts) + 1):
-        # Penalties and min_tokens see the drafts before row j as generated output; other rows
-        # only need the length, so they share the list instead of copying it per row.
-        seen = outputs + drafts[:j] if j and (params.has_penalties or params.min_tokens) else outputs
-        rows.append(SamplingRow(params, state.prompt_token_ids, seen, None, state.eos_token_ids))
-    return rows
