@@ -103,7 +103,7 @@ class DeviceSample:
         return SamplerOutput(self.token_ids.tolist(), logprobs)
 
 
-def _needs_edit(params: SamplingParams, row: SamplingRow) -> bool:
+def needs_edit(params: SamplingParams, row: SamplingRow) -> bool:
     """True when steps 1-3 change this row's logits."""
     return (params.logit_bias is not None or params.allowed_token_ids is not None
             or params.has_penalties
@@ -122,7 +122,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], "
                              f"got {tuple(logits.shape)}")
-        fast = all(row.params.temperature == 0 and not _needs_edit(row.params, row)
+        fast = all(row.params.temperature == 0 and not needs_edit(row.params, row)
                    for row in rows)
         if fast:
             # Hot path: one argmax for the whole batch, in the model's dtype (upcasting to

@@ -29,6 +29,10 @@ class AcceptanceCalibrator:
         self.num_buckets = num_buckets
         self._accepted = [[0.0] * num_buckets for _ in range(num_positions)]
         self._trials = [[0.0] * num_buckets for _ in range(num_positions)]
+        # estimate(p, c) = offset[p][b] + scale[p][b] * c for c's bucket b (the chain below is
+        # affine in the raw confidence it starts from); rebuilt after observations, so a step's
+        # many estimates cost a lookup each rather than a walk down the positions.
+        self._affine: tuple[list[list[float]], list[list[float]]] | None = None
 
     def _bucket(self, confidence: float) -> int:
         return min(max(int(confidence * self.num_buckets), 0), self.num_buckets - 1)
@@ -40,11 +44,25 @@ class AcceptanceCalibrator:
         confidence at position 0). Without that chain a position the policy never admits would
         never be observed, and a pessimistic first guess there would never be corrected.
         """
-        b = self._bucket(confidence)
-        value = min(max(confidence, 0.0), 1.0)
-        for p in range(min(position, self.num_positions - 1) + 1):
-            value = (self._accepted[p][b] + PRIOR_WEIGHT * value) / (self._trials[p][b] + PRIOR_WEIGHT)
-        return value
+        if self._affine is None:
+            self._affine = self._chains()
+        offset, scale = self._affine
+        b, p = self._bucket(confidence), min(position, self.num_positions - 1)
+        return offset[p][b] + scale[p][b] * min(max(confidence, 0.0), 1.0)
+
+    def _chains(self) -> tuple[list[list[float]], list[list[float]]]:
+        """Per position and bucket, the chain value = (accepted + W value) / (trials + W) from
+        position 0 to there, as offset + scale * (the starting value)."""
+        offset = [[0.0] * self.num_buckets for _ in range(self.num_positions)]
+        scale = [[0.0] * self.num_buckets for _ in range(self.num_positions)]
+        for b in range(self.num_buckets):
+            a, s = 0.0, 1.0
+            for p in range(self.num_positions):
+                denominator = self._trials[p][b] + PRIOR_WEIGHT
+                a = (self._accepted[p][b] + PRIOR_WEIGHT * a) / denominator
+                s = PRIOR_WEIGHT * s / denominator
+                offset[p][b], scale[p][b] = a, s
+        return offset, scale
 
     def evidence(self, position: int, confidence: float) -> float:
         """How many (decayed) observations the cell holds."""
@@ -60,6 +78,7 @@ class AcceptanceCalibrator:
 
     def observe(self, confidences: list[float], num_accepted: int) -> None:
         """`confidences` of the drafts that were verified, of which the first num_accepted passed."""
+        self._affine = None
         reached = min(len(confidences), num_accepted + 1)
         for position in range(min(reached, self.num_positions)):
             b = self._bucket(confidences[position])

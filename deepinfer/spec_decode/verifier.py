@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.sample.sampler import Sampler, SamplingRow, _needs_edit, sampling_probs
+from deepinfer.sample.sampler import Sampler, SamplingRow, needs_edit, sampling_probs
 
 
 @dataclass
@@ -76,13 +76,14 @@ def greedy_argmax(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> to
     """The hot path's only device work: when every row is greedy without edits, each row's argmax
     (no float32 copy), still on the device; None otherwise. A caller that wants the verdicts
     later (the runner, at collect) copies it to the host and hands it to accept_greedy."""
-    if all(row.params.temperature == 0 and not _needs_edit(row.params, row) for r in requests for row in r.rows):
+    if all(row.params.temperature == 0 and not needs_edit(row.params, row) for r in requests for row in r.rows):
         return logits.argmax(dim=-1)
     return None
 
 
 def accept_greedy(requests: Sequence[VerifyRequest], argmax: list[int]) -> list[VerifyResult]:
-    """Verdicts from every row's argmax (the requests' rows back to back)."""
+    """Verdicts from every row's argmax (the requests' m + 1 rows back to back; only their
+    drafts are read, so a caller that knows the rows are plain greedy may leave `rows` empty)."""
     offsets = _offsets(requests)
     return [_accept_greedy(r.drafts, argmax[offsets[i]:offsets[i + 1]]) for i, r in enumerate(requests)]
 
@@ -90,7 +91,7 @@ def accept_greedy(requests: Sequence[VerifyRequest], argmax: list[int]) -> list[
 def _offsets(requests: Sequence[VerifyRequest]) -> list[int]:
     offsets = [0]
     for r in requests:
-        offsets.append(offsets[-1] + len(r.rows))
+        offsets.append(offsets[-1] + len(r.drafts) + 1)
     return offsets
 
 

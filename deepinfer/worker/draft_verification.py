@@ -23,9 +23,9 @@ import torch
 from deepinfer.engine.plan import GrammarOutput, RunnerResult
 from deepinfer.platforms.transfer import to_host_async
 from deepinfer.sample.logprobs import top_logprobs
-from deepinfer.sample.sampler import SamplingRow
+from deepinfer.sample.sampler import SamplingRow, needs_edit
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
-from deepinfer.spec_decode.verifier import VerifyRequest, VerifyResult, accept_greedy, greedy_argmax, verify
+from deepinfer.spec_decode.verifier import VerifyRequest, VerifyResult, accept_greedy, verify
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
 
 
@@ -49,15 +49,15 @@ def verify_chunks(states: dict[str, RunnerRequestState], chunks: list[StepChunk]
     """Verify the chunks' drafts from `logits` (the chunks' m + 1 rows each, back to back);
     generators: each chunk's request's, reseeded for this step. Returns the greedy verdicts
     still to take (None: every verdict is in `result` already)."""
-    requests = [VerifyRequest(list(c.spec_token_ids), draft_rows(states[c.request_id], list(c.spec_token_ids)), g)
-                for c, g in zip(chunks, generators)]
     if grammar is not None:   # structured output: row j masked as after drafts 1..j
         apply_grammar_bitmask(logits, grammar, [(c.request_id, j) for c in chunks
                                                 for j in range(len(c.spec_token_ids) + 1)])
-    wants_logprobs = any(states[c.request_id].params.logprobs is not None for c in chunks)
-    argmax = None if wants_logprobs else greedy_argmax(logits, requests)
-    if argmax is not None:
-        return PendingVerdicts([c.request_id for c in chunks], requests, to_host_async(argmax))
+    if all(_plain_greedy(states[c.request_id]) for c in chunks):
+        # Every row's argmax is the verdict's only input: no sampling rows to build.
+        requests = [VerifyRequest(list(c.spec_token_ids), []) for c in chunks]
+        return PendingVerdicts([c.request_id for c in chunks], requests, to_host_async(logits.argmax(dim=-1)))
+    requests = [VerifyRequest(list(c.spec_token_ids), draft_rows(states[c.request_id], list(c.spec_token_ids)), g)
+                for c, g in zip(chunks, generators)]
     offset = 0
     for chunk, request, verdict in zip(chunks, requests, verify(logits, requests)):
         state = states[chunk.request_id]
@@ -69,6 +69,14 @@ def verify_chunks(states: dict[str, RunnerRequestState], chunks: list[StepChunk]
             result.logprobs[chunk.request_id] = [e.to_dict() for e in entries]
         offset += len(request.rows)
     return None
+
+
+def _plain_greedy(state: RunnerRequestState) -> bool:
+    """Greedy, no logprobs, and no logit edits at any of the request's rows (its first row has
+    the fewest outputs, so min_tokens ends there first)."""
+    params = state.params
+    return (params.temperature == 0 and params.logprobs is None
+            and not needs_edit(params, SamplingRow(params, state.prompt_token_ids, state.output_token_ids)))
 
 
 def _apply(state: RunnerRequestState | None, request_id: str, verdict: VerifyResult, result: RunnerResult) -> None:

@@ -197,6 +197,23 @@ def test_calibration_chains_the_prior_to_unobserved_positions():
     assert cal.estimate(1, 0.1) > 0.8 and cal.estimate(2, 0.1) > 0.8
 
 
+def test_calibration_estimates_equal_the_chain_walked_position_by_position():
+    """estimate() reads a table rebuilt after observations; the definition walks the chain."""
+    from deepinfer.spec_decode.calibration import PRIOR_WEIGHT
+
+    cal = AcceptanceCalibrator(num_positions=4)
+    rng = random.Random(3)
+    for _ in range(200):
+        confidences = [rng.random() for _ in range(rng.randrange(1, 5))]
+        cal.observe(confidences, rng.randrange(0, len(confidences) + 1))
+        for _ in range(3):
+            position, confidence = rng.randrange(0, 6), rng.random()
+            b, value = cal._bucket(confidence), confidence
+            for p in range(min(position, 3) + 1):
+                value = (cal._accepted[p][b] + PRIOR_WEIGHT * value) / (cal._trials[p][b] + PRIOR_WEIGHT)
+            assert cal.estimate(position, confidence) == pytest.approx(value, rel=1e-12)
+
+
 # ---------------------------------------------------------------------------------- ngram
 def test_ngram_proposes_what_followed_the_latest_match_with_confidence_by_match_length():
     drafter = NgramDrafter(4, min_n=1, max_n=3)
