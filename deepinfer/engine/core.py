@@ -196,7 +196,7 @@ class EngineCore:
         failed = self.scheduler.poll_grammars()
         start = time.perf_counter()
         speculate = self._speculates()
-        if self.async_scheduling and (speculate or (self._in_flight is not None and self._in_flight.speculative)):
+        if self.async_scheduling and (speculate or (self._in_flight is not None and self._in_flight.verifies)):
             # Drafts follow the tokens of the step in flight, and a verify step emits a number of
             # tokens a request the plan must know: collect it before planning.
             self._launch_deferred_sample()
@@ -235,7 +235,8 @@ class EngineCore:
             forward_start = time.perf_counter()
             forward = self.executor.execute_model(plan)
             step = _InFlight(plan, self.executor.sample_tokens(forward, None if fill is None else fill.result()),
-                             forward_start, speculative=True, started_at=start)
+                             forward_start, speculative=True, started_at=start,
+                             verifies=any(c.spec_token_ids for c in plan.chunks))
             if self.async_scheduling:
                 # Collected by the next step before it plans: the caller turns this step()'s
                 # outputs into text (the server sends them) while the device runs the step.
@@ -338,10 +339,12 @@ class _InFlight:
     plan: SchedulerPlan
     launched: LaunchedStep
     queued_at: float                  # when its forward was queued (perf_counter)
-    # A step of the synchronous kind (speculation on: drafts verified): the next plan needs its
-    # tokens, so the next step collects it before planning.
-    speculative: bool = False
+    speculative: bool = False         # the loop chooser's kind: planned after collecting the step before
     started_at: float = 0.0           # when its step() began (the loop chooser's intervals)
+    # It verifies drafts, so it emits a number of tokens a request that the next plan must know:
+    # the next step collects it before planning. (A speculative step whose requests had no
+    # drafts is a plain step: the next one may plan ahead of it.)
+    verifies: bool = False
 
 
 def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:
