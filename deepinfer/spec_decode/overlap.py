@@ -14,7 +14,9 @@ So the engine measures both: per batch-size bucket, the tokens a second that spe
 averages of decode-shaped steps, timed from one step's start to the next one's (so the host
 work between steps, the caller's included, is counted for both). It takes the better one, and
 every EXPLORE_EVERY steps in a bucket it runs a short stretch of the other, so a change in
-acceptance (another workload) is noticed. An unmeasured bucket tries speculation first.
+acceptance (another workload) is noticed; where the other loop was measured clearly slower
+(CLEAR_GAP), every EXPLORE_EVERY_CLEAR steps, since each stretch of it costs its whole gap. An
+unmeasured bucket tries speculation first.
 
 Only adaptive verification is chosen for: fixed verification is the user asking for every draft
 to be verified, so that engine speculates at every step.
@@ -31,9 +33,16 @@ from dataclasses import dataclass
 # and 0.69x against 0.97x and 1.21x; the 8B shape at batch 64: 0.87-0.91x against 0.95-0.97x),
 # so the slower, steadier setting stays.
 EXPLORE_EVERY = 64
-# Steps in an exploring stretch; the first of a stretch of overlapped steps is not measured
-# (the loop is filling: its interval holds the previous synchronous step's drain).
-EXPLORE_RUN = 4
+# The other loop slower than the preferred one by this fraction or more: explore it every
+# EXPLORE_EVERY_CLEAR steps. Measured on the H200 (spec_replay.py, 8B shape, batch 64, alpha 0.5,
+# where speculating delivers 0.74x): exploring every 64 steps left the adaptive engine at 0.97x
+# of no speculation.
+CLEAR_GAP = 0.1
+EXPLORE_EVERY_CLEAR = 256
+# Steps in an exploring stretch. The first of a stretch of overlapped steps is not measured (the
+# loop is filling: its interval holds the previous synchronous step's drain), so theirs is
+# longer; every speculative step is measured.
+EXPLORE_RUN = {"speculative": 2, "overlapped": 4}
 EMA_WEIGHT = 0.2   # of the newest measurement
 
 
@@ -75,13 +84,15 @@ class LoopChooser:
         else:
             best = "speculative" if rates.speculative >= rates.overlapped else "overlapped"
             other = "overlapped" if best == "speculative" else "speculative"
-            loop = self._explore(rates, other) if rates.steps % EXPLORE_EVERY == 0 else best
+            clear = getattr(rates, other) < (1 - CLEAR_GAP) * getattr(rates, best)
+            every = EXPLORE_EVERY_CLEAR if clear else EXPLORE_EVERY
+            loop = self._explore(rates, other) if rates.steps % every == 0 else best
         self.counts[loop] += 1
         return loop == "speculative"
 
     @staticmethod
     def _explore(rates: _Rates, loop: str) -> str:
-        rates.exploring, rates.explore_left = loop, EXPLORE_RUN - 1
+        rates.exploring, rates.explore_left = loop, EXPLORE_RUN[loop] - 1
         return loop
 
     def observe(self, start: float, batch: int, speculative: bool, tokens: float | None) -> None:
