@@ -15,8 +15,8 @@ averages of decode-shaped steps, timed from one step's start to the next one's (
 work between steps, the caller's included, is counted for both). It takes the better one, and
 every EXPLORE_EVERY steps in a bucket it runs a short stretch of the other, so a change in
 acceptance (another workload) is noticed; where the other loop was measured clearly slower
-(CLEAR_GAP), every EXPLORE_EVERY_CLEAR steps, since each stretch of it costs its whole gap. An
-unmeasured bucket tries speculation first.
+(CLEAR_GAP) over enough steps of each (CLEAR_EVIDENCE), every EXPLORE_EVERY_CLEAR steps, since
+each stretch of it costs its whole gap. An unmeasured bucket tries speculation first.
 
 Only adaptive verification is chosen for: fixed verification is the user asking for every draft
 to be verified, so that engine speculates at every step.
@@ -24,7 +24,7 @@ to be verified, so that engine speculates at every step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # A stretch of the loop not currently preferred, every this many steps of a bucket. Measured on
 # the H200 (benchmarks/spec_decode.py, SmolLM2, and spec_replay.py, 8B shape), exploring every
@@ -39,6 +39,10 @@ EXPLORE_EVERY = 64
 # of no speculation.
 CLEAR_GAP = 0.1
 EXPLORE_EVERY_CLEAR = 256
+# Measured steps of each loop before a gap counts as clear: a bucket's first few measurements
+# are noisy (the steps around a prefill), and a wrong call would stand for EXPLORE_EVERY_CLEAR
+# steps (on the H200, batch 16 at alpha 0.5 then never speculated: 0.87x fixed verification).
+CLEAR_EVIDENCE = 8
 # Steps in an exploring stretch. The first of a stretch of overlapped steps is not measured (the
 # loop is filling: its interval holds the previous synchronous step's drain), so theirs is
 # longer; every speculative step is measured.
@@ -56,6 +60,7 @@ class _Rates:
     speculative: float | None = None   # tokens per second, EMA
     overlapped: float | None = None
     steps: int = 0
+    measured: dict[str, int] = field(default_factory=lambda: {"speculative": 0, "overlapped": 0})
     exploring: str | None = None       # "speculative" | "overlapped" while a stretch runs
     explore_left: int = 0
 
@@ -84,7 +89,8 @@ class LoopChooser:
         else:
             best = "speculative" if rates.speculative >= rates.overlapped else "overlapped"
             other = "overlapped" if best == "speculative" else "speculative"
-            clear = getattr(rates, other) < (1 - CLEAR_GAP) * getattr(rates, best)
+            clear = (min(rates.measured.values()) >= CLEAR_EVIDENCE
+                     and getattr(rates, other) < (1 - CLEAR_GAP) * getattr(rates, best))
             every = EXPLORE_EVERY_CLEAR if clear else EXPLORE_EVERY
             loop = self._explore(rates, other) if rates.steps % every == 0 else best
         self.counts[loop] += 1
@@ -106,6 +112,7 @@ class LoopChooser:
             rates = self._buckets.setdefault(bucket, _Rates())
             old = getattr(rates, last_loop)
             setattr(rates, last_loop, rate if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate)
+            rates.measured[last_loop] += 1
         # The first overlapped step after a synchronous one is not measured (see EXPLORE_RUN).
         switched = self._last is not None and self._last[0] != loop
         measured = tokens is not None and not (switched and loop == "overlapped")
