@@ -68,7 +68,8 @@ class _Rates:
 class LoopChooser:
     def __init__(self) -> None:
         self._buckets: dict[int, _Rates] = {}
-        self._last: tuple[str, int, float] | None = None   # the measured step: (loop, bucket, tokens)
+        # The measured step: (loop, bucket, tokens, counts as evidence).
+        self._last: tuple[str, int, float, bool] | None = None
         self._last_start: float | None = None
         self._skip_next = False
         self.counts = {"speculative": 0, "overlapped": 0}
@@ -101,22 +102,26 @@ class LoopChooser:
         rates.exploring, rates.explore_left = loop, EXPLORE_RUN[loop] - 1
         return loop
 
-    def observe(self, start: float, batch: int, speculative: bool, tokens: float | None) -> None:
+    def observe(self, start: float, batch: int, speculative: bool, tokens: float | None,
+                evidence: bool = True) -> None:
         """A step started at `start` (perf_counter; called once its tokens are known): close the
         previous step's interval at `start`, and remember this one. tokens: what this step
-        emits (None: not decode-shaped, so not measured)."""
+        emits (None: not decode-shaped, so not measured). evidence=False: a speculative step
+        that found no drafts; its rate is what speculating cost then, but it says nothing of
+        what verifying delivers, so it does not count towards CLEAR_EVIDENCE (a warm-up
+        without drafts would otherwise settle the bucket against speculation for 256 steps)."""
         loop = "speculative" if speculative else "overlapped"
         if self._last is not None and self._last_start is not None and start > self._last_start:
-            last_loop, bucket, last_tokens = self._last
+            last_loop, bucket, last_tokens, last_evidence = self._last
             rate = last_tokens / (start - self._last_start)
             rates = self._buckets.setdefault(bucket, _Rates())
             old = getattr(rates, last_loop)
             setattr(rates, last_loop, rate if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate)
-            rates.measured[last_loop] += 1
+            rates.measured[last_loop] += last_evidence
         # The first overlapped step after a synchronous one is not measured (see EXPLORE_RUN).
         switched = self._last is not None and self._last[0] != loop
         measured = tokens is not None and not (switched and loop == "overlapped")
-        self._last = (loop, _bucket(batch), tokens) if measured else None
+        self._last = (loop, _bucket(batch), tokens, evidence) if measured else None
         self._last_start = start
 
     def idle(self) -> None:
