@@ -290,7 +290,7 @@ class EngineCore:
             if self.loop_chooser is not None:
                 emitted = sum(len(t) for t in result.sampled_token_ids.values())
                 self.loop_chooser.observe(step.started_at, len(plan.chunks), True,
-                                          emitted if plan.is_decode_only else None, evidence=step.verifies)
+                                          emitted if plan.is_decode_only else None, drafted=step.verifies)
         if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
             self.kv_tier.observe_step(plan, step.queued_at)
         return self.scheduler.update(plan, result)

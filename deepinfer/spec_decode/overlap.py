@@ -16,7 +16,9 @@ work between steps, the caller's included, is counted for both). It takes the be
 every EXPLORE_EVERY steps in a bucket it runs a short stretch of the other, so a change in
 acceptance (another workload) is noticed; where the other loop was measured clearly slower
 (CLEAR_GAP) over enough steps of each (CLEAR_EVIDENCE), every EXPLORE_EVERY_CLEAR steps, since
-each stretch of it costs its whole gap. An unmeasured bucket tries speculation first.
+each stretch of it costs its whole gap. An unmeasured bucket tries speculation first. A
+speculative step whose requests had no drafts measures nothing about verifying: it is left out,
+and the bucket overlaps for a few steps before trying again (NO_DRAFT_BACKOFF).
 
 Only adaptive verification is chosen for: fixed verification is the user asking for every draft
 to be verified, so that engine speculates at every step.
@@ -43,10 +45,13 @@ EXPLORE_EVERY_CLEAR = 256
 # are noisy (the steps around a prefill), and a wrong call would stand for EXPLORE_EVERY_CLEAR
 # steps (on the H200, batch 16 at alpha 0.5 then never speculated: 0.87x fixed verification).
 CLEAR_EVIDENCE = 8
-# Steps in an exploring stretch. The first of a stretch of overlapped steps is not measured (the
-# loop is filling: its interval holds the previous synchronous step's drain), so theirs is
-# longer; every speculative step is measured.
-EXPLORE_RUN = {"speculative": 2, "overlapped": 4}
+# Steps in an exploring stretch (the first of a stretch of overlapped steps is not measured: the
+# loop is filling, its interval holds the previous synchronous step's drain). Measured on the
+# H200, 2-step speculative stretches recovered too slowly from a low estimate (batch 1, alpha
+# 0.5: adaptive 0.79x fixed verification, against 0.99x with 4).
+EXPLORE_RUN = {"speculative": 4, "overlapped": 4}
+# Overlapped steps a bucket runs after a speculative step that found no drafts.
+NO_DRAFT_BACKOFF = 4
 EMA_WEIGHT = 0.2   # of the newest measurement
 
 
@@ -68,8 +73,7 @@ class _Rates:
 class LoopChooser:
     def __init__(self) -> None:
         self._buckets: dict[int, _Rates] = {}
-        # The measured step: (loop, bucket, tokens, counts as evidence).
-        self._last: tuple[str, int, float, bool] | None = None
+        self._last: tuple[str, int, float] | None = None   # the measured step: (loop, bucket, tokens)
         self._last_start: float | None = None
         self._skip_next = False
         self.counts = {"speculative": 0, "overlapped": 0}
@@ -103,25 +107,30 @@ class LoopChooser:
         return loop
 
     def observe(self, start: float, batch: int, speculative: bool, tokens: float | None,
-                evidence: bool = True) -> None:
+                drafted: bool = True) -> None:
         """A step started at `start` (perf_counter; called once its tokens are known): close the
         previous step's interval at `start`, and remember this one. tokens: what this step
-        emits (None: not decode-shaped, so not measured). evidence=False: a speculative step
-        that found no drafts; its rate is what speculating cost then, but it says nothing of
-        what verifying delivers, so it does not count towards CLEAR_EVIDENCE (a warm-up
-        without drafts would otherwise settle the bucket against speculation for 256 steps)."""
+        emits (None: not decode-shaped, so not measured). drafted=False: a speculative step
+        whose requests had no drafts. It says nothing of what verifying delivers (measured, a
+        warm-up without drafts settled batch 1 against speculating for the whole benchmark),
+        so it is not measured; the bucket runs NO_DRAFT_BACKOFF overlapped steps before it
+        speculates again, so a workload without drafts mostly overlaps."""
         loop = "speculative" if speculative else "overlapped"
         if self._last is not None and self._last_start is not None and start > self._last_start:
-            last_loop, bucket, last_tokens, last_evidence = self._last
+            last_loop, bucket, last_tokens = self._last
             rate = last_tokens / (start - self._last_start)
             rates = self._buckets.setdefault(bucket, _Rates())
             old = getattr(rates, last_loop)
             setattr(rates, last_loop, rate if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate)
-            rates.measured[last_loop] += last_evidence
+            rates.measured[last_loop] += 1
         # The first overlapped step after a synchronous one is not measured (see EXPLORE_RUN).
         switched = self._last is not None and self._last[0] != loop
-        measured = tokens is not None and not (switched and loop == "overlapped")
-        self._last = (loop, _bucket(batch), tokens, evidence) if measured else None
+        measured = tokens is not None and not (switched and loop == "overlapped") and drafted
+        self._last = (loop, _bucket(batch), tokens) if measured else None
+        if speculative and not drafted:
+            rates = self._buckets.setdefault(_bucket(batch), _Rates())
+            if rates.exploring is None:
+                rates.exploring, rates.explore_left = "overlapped", NO_DRAFT_BACKOFF
         self._last_start = start
 
     def idle(self) -> None:

@@ -394,10 +394,11 @@ def test_loop_chooser_takes_the_faster_loop_per_batch_size_and_keeps_exploring()
     assert "batch<=1:" in chooser.describe() and "batch<=64:" in chooser.describe()
 
 
-def test_loop_chooser_speculative_steps_without_drafts_are_no_evidence_against_speculating():
-    """A warm-up without drafts makes speculating look slow; once drafts come, speculation is
-    explored every EXPLORE_EVERY steps (not EXPLORE_EVERY_CLEAR) and wins the bucket back."""
-    from deepinfer.spec_decode.overlap import EXPLORE_EVERY, LoopChooser
+def test_loop_chooser_speculative_steps_without_drafts_back_off_and_are_not_measured():
+    """A stretch without drafts mostly overlaps (a speculative step that found none is followed
+    by NO_DRAFT_BACKOFF overlapped steps) and leaves speculation unjudged: once drafts come,
+    speculating wins the bucket."""
+    from deepinfer.spec_decode.overlap import EXPLORE_EVERY, NO_DRAFT_BACKOFF, LoopChooser
 
     chooser, clock = LoopChooser(), [0.0]
     for drafts in (False, True):
@@ -408,8 +409,10 @@ def test_loop_chooser_speculative_steps_without_drafts_are_no_evidence_against_s
             # Without drafts a speculative step is a synchronous one: slower, one token.
             step_s, tokens = (0.005, (2.7 if drafts else 1.0)) if speculative else (0.0041, 1.0)
             clock[0] += step_s
-            chooser.observe(start, 1, speculative, tokens, evidence=drafts or not speculative)
+            chooser.observe(start, 1, speculative, tokens, drafted=drafts or not speculative)
             picks.append(speculative)
+        if not drafts:
+            assert sum(picks) <= len(picks) / NO_DRAFT_BACKOFF + 2
     assert sum(picks[2 * EXPLORE_EVERY:]) > 0.9 * len(picks[2 * EXPLORE_EVERY:])
 
 
