@@ -285,7 +285,10 @@ class EngineCore:
         plan = step.plan
         result = self.executor.collect(step.launched)
         if step.speculative:
-            if self.spec is not None:   # the result is on the host: the step has finished
+            if self.spec is not None:
+                # The result is on the host: the step has finished. Left in flight, it is
+                # collected by the next step(): its time then holds the caller's work where that
+                # outlasted the device, the step's real period.
                 self.spec.observe_step(plan, time.perf_counter() - step.queued_at)
             if self.loop_chooser is not None:
                 emitted = sum(len(t) for t in result.sampled_token_ids.values())

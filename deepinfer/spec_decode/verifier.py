@@ -49,9 +49,9 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[Veri
         if len(r.rows) != len(r.drafts) + 1:
             raise ValueError(f"a request with {len(r.drafts)} drafts needs {len(r.drafts) + 1} rows, got {len(r.rows)}")
     offsets = _offsets(requests)
-    argmax_rows = greedy_argmax(logits, requests)
-    if argmax_rows is not None:
-        return accept_greedy(requests, argmax_rows.tolist())
+    if all(row.params.temperature == 0 and not needs_edit(row.params, row) for row in rows):
+        # Hot path: greedy without edits, one argmax over every row (no float32 copy).
+        return accept_greedy(requests, logits.argmax(dim=-1).tolist())
 
     x = logits.to(torch.float32, copy=True)
     Sampler._edit_logits(x, rows)
@@ -72,18 +72,10 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[Veri
     return results  # type: ignore[return-value]
 
 
-def greedy_argmax(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> torch.Tensor | None:
-    """The hot path's only device work: when every row is greedy without edits, each row's argmax
-    (no float32 copy), still on the device; None otherwise. A caller that wants the verdicts
-    later (the runner, at collect) copies it to the host and hands it to accept_greedy."""
-    if all(row.params.temperature == 0 and not needs_edit(row.params, row) for r in requests for row in r.rows):
-        return logits.argmax(dim=-1)
-    return None
-
-
 def accept_greedy(requests: Sequence[VerifyRequest], argmax: list[int]) -> list[VerifyResult]:
     """Verdicts from every row's argmax (the requests' m + 1 rows back to back; only their
-    drafts are read, so a caller that knows the rows are plain greedy may leave `rows` empty)."""
+    drafts are read, so a caller that knows the rows are plain greedy may leave `rows` empty:
+    the runner, which takes the argmax to the host and the verdicts at collect)."""
     offsets = _offsets(requests)
     return [_accept_greedy(r.drafts, argmax[offsets[i]:offsets[i + 1]]) for i, r in enumerate(requests)]
 
