@@ -1,7 +1,7 @@
 """Speculative decoding's verification machinery at a controlled acceptance rate (GPU).
 
     python benchmarks/spec_replay.py [--shape llama3-8b|smollm2-135m] [--alphas 0.5 0.7 0.9] [--batch-sizes 1 16 64]
-        [--k 5] [--prompt-len 128] [--output-len 128] [--modes fixed adaptive] [--out JSON]
+        [--k 5] [--prompt-len 128] [--output-len 128] [--modes fixed adaptive] [--phases] [--out JSON]
 
 A drafter's quality and the engine's verification cost are two things; this measures the second.
 The model is the Llama-3-8B shape (or SmolLM2-135M's) with random weights. First an engine without speculation runs
@@ -44,6 +44,7 @@ import torch  # noqa: E402
 from bench_common import free_memory, machine_info, random_ids, shutdown, write_json  # noqa: E402
 from gpu_fast_path import SHAPES  # noqa: E402
 from gpu_reference_baseline import write_config_dir  # noqa: E402
+from step_phases import StepPhases  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 
@@ -83,10 +84,13 @@ def build(args, path: str, mode: str, replay_path: str | None) -> LLM:
     return llm
 
 
-def timed(llm: LLM, prompts, params: SamplingParams, rounds: int):
-    """(seconds of the fastest round, its outputs, spec counters of that round or None)."""
+def timed(llm: LLM, prompts, params: SamplingParams, rounds: int, phases: StepPhases | None = None):
+    """(seconds of the fastest round, its outputs, spec counters of that round or None, host
+    time by phase of that round or None)."""
     best = None
     for _ in range(rounds):
+        if phases is not None:
+            phases.take()   # from this round's first step
         before = llm.spec_decode_stats
         diverged = llm.engine.spec.drafter.num_diverged if llm.engine.spec is not None else 0
         start = time.perf_counter()
@@ -104,19 +108,23 @@ def timed(llm: LLM, prompts, params: SamplingParams, rounds: int):
                         after.verified_per_pos)],
                     "diverged": llm.engine.spec.drafter.num_diverged - diverged}
         if best is None or seconds < best[0]:
-            best = (seconds, outputs, spec)
+            best = (seconds, outputs, spec, None if phases is None else phases.take())
     return best
 
 
 def run_cells(llm: LLM, mode: str, cells, prompts, params: SamplingParams, rounds: int,
-              rows: list[dict]) -> dict:
-    """Every cell's prompts through `llm`, a row each into `rows`; returns the outputs by cell."""
+              rows: list[dict], phases: bool = False) -> dict:
+    """Every cell's prompts through `llm`, a row each into `rows`; returns the outputs by cell.
+    phases: also time the host's work by phase (step_phases.py) into each row."""
     outputs_by_cell = {}
+    timer = StepPhases(llm.engine) if phases else None
     for cell in cells:
-        seconds, outputs, spec = timed(llm, prompts[cell], params, rounds)
+        seconds, outputs, spec, by_phase = timed(llm, prompts[cell], params, rounds, timer)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rows.append({"alpha": cell[0], "batch": cell[1], "mode": mode, "seconds": seconds,
                      "tokens": tokens, "tok_s": tokens / seconds, "spec": spec})
+        if by_phase is not None:
+            rows[-1]["host_ms_per_step"] = by_phase
         print(json.dumps(rows[-1]), flush=True)
         outputs_by_cell[cell] = outputs
     return outputs_by_cell
@@ -135,6 +143,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per engine (they share the GPU)")
     parser.add_argument("--no-sync-anchor", action="store_true", help="skip the anchor without overlapped scheduling")
+    parser.add_argument("--phases", action="store_true",
+                        help="also report the host's time per step by phase (step_phases.py; the timers cost a little)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -152,7 +162,7 @@ def main() -> None:
     rows: list[dict] = []
     llm = build(args, path, "none", None)
     llm.generate(warm_up, params, use_tqdm=False)
-    recorded = run_cells(llm, "none", cells, prompts, params, args.rounds, rows)
+    recorded = run_cells(llm, "none", cells, prompts, params, args.rounds, rows, args.phases)
     replay_path = os.path.join(tempfile.mkdtemp(prefix="deepinfer-replay-"), "replay.jsonl")
     with open(replay_path, "w") as f:
         for cell in cells:
@@ -172,7 +182,7 @@ def main() -> None:
         if mode == "adaptive":
             costs["start-up profile"] = llm.engine.spec.cost_model.describe()
         llm.generate(warm_up, params, use_tqdm=False)
-        run_cells(llm, mode, cells, prompts, params, args.rounds, rows)
+        run_cells(llm, mode, cells, prompts, params, args.rounds, rows, args.phases)
         if mode == "adaptive":
             costs["after the run"] = llm.engine.spec.cost_model.describe()
             if llm.engine.loop_chooser is not None:   # overlapped steps without drafts (spec_decode/overlap.py)
@@ -201,6 +211,15 @@ def main() -> None:
             emitted, curve, diverged = "1.00", "-", "-"
         print(f"| {r['alpha']} | {r['batch']} | {r['mode']} | {r['tok_s']:.1f} | {r['tok_s'] / base[key]:.2f}x "
               f"| {vs_fixed} | {emitted} | {curve} | {diverged} |")
+    if args.phases:
+        names = ["schedule", "update", "forward", "sample", "collect", "core", "caller"]
+        print("\nhost time per step by phase, ms (step_phases.py; collect waits for the device)\n")
+        print("| alpha | batch | mode | steps | " + " | ".join(names) + " |")
+        print("|---|---|---|---|" + "---|" * len(names))
+        for r in rows:
+            ms = r["host_ms_per_step"]
+            print(f"| {r['alpha']} | {r['batch']} | {r['mode']} | {ms['steps']} | "
+                  + " | ".join(f"{ms.get(n, 0.0):.3f}" for n in names) + " |")
     for when, description in costs.items():
         print(f"\nadaptive, {when}: {description}")
     write_json(args.out, {"machine": machine_info(), "args": vars(args), "rows": rows, "costs": costs})
