@@ -151,3 +151,41 @@ def test_packed_dense_weight_matches_plain_linear():
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         # The same oneDNN product on a pre-packed weight: equal bit for bit.
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_cpu_with_residual_matches_reference(dtype):
+    from deepinfer.layers.norm import rms_norm_cpu
+
+    x, residual = torch.randn(5, 576, dtype=dtype) * 3, torch.randn(5, 576, dtype=dtype)
+    weight = torch.randn(576, dtype=dtype)
+    total = residual + x
+    hf = weight * (total.float() * torch.rsqrt(total.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out, new_residual = rms_norm_cpu(x, weight, 1e-5, residual)
+    assert out.dtype == dtype and out.is_contiguous() and torch.equal(new_residual, total)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, hf, atol=tol, rtol=tol)
+    torch.testing.assert_close(rms_norm_cpu(x, weight, 1e-5), rms_norm_cpu(x.clone(), weight, 1e-5, None))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_flat_cpu_layers_match_module_path(dtype, monkeypatch):
+    """The CPU backend's flat layers (llama.CpuLayerPlan) run the module path's ops: the same
+    tokens and the same logprobs, bit for bit, over mixed prefill/decode steps."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.layers.attention.backends.cpu import CpuBackend
+    from deepinfer.models.llama import CpuLayerPlan
+
+    # No prefix cache: the second pass must run the same steps as the first.
+    llm = LLM(dtype=dtype, attention_backend="cpu", max_model_len=256, num_kv_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time, in a small village"]
+    flat = llm.generate(texts, params, use_tqdm=False)
+    plans = llm.engine.executor.runner.model.model.__dict__.get("_cpu_plans")
+    assert plans and all(isinstance(p, CpuLayerPlan) for p in plans)
+    monkeypatch.setattr(CpuBackend, "flat_cpu_layers", False)
+    modules = llm.generate(texts, params, use_tqdm=False)
+    for a, b in zip(flat, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}

@@ -20,6 +20,7 @@ class CpuBackend(ReferenceBackend):
     name = "cpu"
     short_cpu_norm = True
     short_cpu_rotary = True
+    flat_cpu_layers = True
 
     @classmethod
     def check_supported(cls, platform, kv_cache_dtype) -> None:
