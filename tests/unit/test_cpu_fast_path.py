@@ -43,7 +43,8 @@ def random_batch(rng: random.Random, num_blocks: int, num_decodes: int) -> list[
     return chunks
 
 
-def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blocks=200):
+def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blocks=200, paired=False):
+    """`paired`: K and V as the two halves of one tensor, as KVLayout.allocate lays them on the CPU."""
     torch.manual_seed(seed)
     spec = (SlidingWindowSpec(kv_heads, head_dim, dtype, sliding_window=window) if window
             else FullAttentionSpec(kv_heads, head_dim, dtype))
@@ -56,7 +57,8 @@ def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blo
     q, k, v = (torch.randn(n, h, head_dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
     outs = {}
     for backend in ("reference", "cpu"):
-        caches = [(cache[0].clone(), cache[1].clone())]
+        pair = torch.stack(cache)
+        caches = [(pair[0], pair[1])] if paired else [(cache[0].clone(), cache[1].clone())]
         inputs = build_step_inputs(chunks, token_ids, groups, BS, [0], [0], caches, torch.device("cpu"),
                                    backend=backend)
         with forward_context(inputs.attention):
@@ -67,13 +69,15 @@ def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blo
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
 @pytest.mark.parametrize("num_decodes", [1, FP32_MAX_ROWS, FP32_MAX_ROWS + 7])   # float32 products, and bf16 ones
 @pytest.mark.parametrize("seed", range(2))
-def test_cpu_decode_matches_reference(case, num_decodes, seed):
+@pytest.mark.parametrize("paired", [False, True], ids=["kv_apart", "kv_paired"])
+def test_cpu_decode_matches_reference(case, num_decodes, seed, paired):
     heads, kv_heads, head_dim, window, dtype = case
     rng = random.Random(seed * 100 + num_decodes)
     ref, out, inputs = run_backends(random_batch(rng, 200, num_decodes), heads, kv_heads, head_dim,
-                                    window, dtype, seed)
+                                    window, dtype, seed, paired=paired)
     group = inputs.attention.groups[0]
     assert group.decode_gather is None and group.decode_head_rows is not None
+    assert group.decode_kv_paired == paired
     # float32 caches compute in float32 at every batch size; bf16 ones above FP32_MAX_ROWS in bf16.
     tol = 1e-5 if dtype == torch.float32 else (1e-2 if num_decodes <= FP32_MAX_ROWS else 3e-2)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
