@@ -158,10 +158,11 @@ def test_packed_dense_weight_matches_plain_linear():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_cpu_with_residual_matches_reference(dtype):
+@pytest.mark.parametrize("rows", [1, 5, 40])   # 40: above LAYER_NORM_MAX_ROWS, the six-op norm
+def test_rms_norm_cpu_with_residual_matches_reference(dtype, rows):
     from deepinfer.layers.norm import rms_norm_cpu
 
-    x, residual = torch.randn(5, 576, dtype=dtype) * 3, torch.randn(5, 576, dtype=dtype)
+    x, residual = torch.randn(rows, 576, dtype=dtype) * 3, torch.randn(rows, 576, dtype=dtype)
     weight = torch.randn(576, dtype=dtype)
     total = residual + x
     hf = weight * (total.float() * torch.rsqrt(total.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
