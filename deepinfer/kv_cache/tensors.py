@@ -95,6 +95,15 @@ class KVLayout:
             spec = self.pool_spec(pool)
             for _ in range(num_slots(self.groups, pool)):
                 shape = (counts[pool] * spec.rows_per_block(self.block_size), spec.num_kv_heads, spec.head_size)
-                k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
-                caches.append((k, k) if share_kv or spec.shared_kv else (k, torch.zeros_like(k)))
+                if share_kv or spec.shared_kv:
+                    k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+                    caches.append((k, k))
+                elif device.type == "cpu":
+                    # K then V in one allocation: the CPU decode attention gathers both rows of a
+                    # position in one index_select (attention/cpu_decode.py, kv_paired).
+                    pair = torch.zeros((2, *shape), dtype=spec.storage_dtype, device=device)
+                    caches.append((pair[0], pair[1]))
+                else:
+                    k = torch.zeros(shape, dtype=spec.storage_dtype, device=device)
+                    caches.append((k, torch.zeros_like(k)))
         return caches

@@ -13,7 +13,7 @@ from deepinfer.distributed import current_tp_group
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.attention.metadata import current_backend
-from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.norm import RMSNorm, rms_norm_cpu
 from deepinfer.layers.parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -158,6 +158,57 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class CpuLayerPlan:
+    """One plain Llama decoder layer as the CPU fast path runs it (AttentionBackend.flat_cpu_layers):
+    the same ops as LlamaDecoderLayer.forward on that path (rms_norm_cpu, the fused qkv with q and
+    k rotated together, the backend's attention, SiLU * up), called on tensors and modules held
+    here in plain attributes. A one-row decode step is a few hundred small ops whose dispatch is
+    most of its cost, and the module path adds about thirty Python-level calls a layer on top
+    (nn.Module.__call__, nn.Module.__getattr__ for every submodule and parameter, a backend look-up
+    per op): this is that layer without them. The module forward stays the reference, and
+    tests/unit/test_cpu_fast_path.py checks the two give the same logits.
+
+    Only layers without q/k norms, tensor parallelism or other activations than SiLU get a plan
+    (plan_of); the weights are the modules' own tensors, updated in place by load_weights, so a
+    plan built after loading stays valid."""
+
+    def __init__(self, layer: LlamaDecoderLayer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm = (layer.input_layernorm.weight, layer.input_layernorm.eps)
+        self.post_norm = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+        self.qkv, self.qkv_bias = attn.qkv_proj, attn.qkv_proj.bias
+        self.o, self.o_bias = attn.o_proj, attn.o_proj.bias
+        self.gate_up, self.gate_up_bias = mlp.gate_up_proj, mlp.gate_up_proj.bias
+        self.down, self.down_bias = mlp.down_proj, mlp.down_proj.bias
+        self.rotary, self.attn = attn.rotary, attn.attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+    @staticmethod
+    def plan_of(layer: LlamaDecoderLayer) -> CpuLayerPlan | None:
+        attn = layer.self_attn
+        plain = (type(layer) is LlamaDecoderLayer and not attn.has_qk_norm and layer.mlp.act == "silu"
+                 and attn.qkv_proj.group.size == 1 and type(layer.input_layernorm) is RMSNorm
+                 and type(layer.post_attention_layernorm) is RMSNorm)
+        return CpuLayerPlan(layer) if plain else None
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 keep_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, rms_norm_cpu(hidden, *self.input_norm)
+        else:
+            hidden, residual = rms_norm_cpu(hidden, *self.input_norm, residual)
+        qkv = self.qkv.matmul(hidden, self.qkv_bias)
+        heads, dim = self.num_heads + self.num_kv_heads, self.head_dim
+        qk = self.rotary.rotate(positions, qkv[:, :heads * dim].view(-1, heads, dim))
+        v = qkv[:, heads * dim:].view(-1, self.num_kv_heads, dim)
+        hidden = self.o.matmul(self.attn.forward(qk[:, :self.num_heads], qk[:, self.num_heads:], v), self.o_bias)
+        if keep_rows is not None:
+            hidden, residual = hidden[keep_rows], residual[keep_rows]
+        hidden, residual = rms_norm_cpu(hidden, *self.post_norm, residual)
+        gate, up = self.gate_up.matmul(hidden, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down.matmul(F.silu(gate).mul_(up), self.down_bias), residual
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
@@ -171,9 +222,19 @@ class LlamaModel(nn.Module):
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
+        layers = self.cpu_plans() if current_backend().flat_cpu_layers else self.layers
+        for i, layer in enumerate(layers):
             hidden, residual = layer(positions, hidden, residual, logits_rows if i == last else None)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+    def cpu_plans(self) -> list[CpuLayerPlan] | nn.ModuleList:
+        """The layers as CpuLayerPlans, built on the first forward that asks (after loading);
+        the modules themselves if any layer has no plan."""
+        plans = self.__dict__.get("_cpu_plans")
+        if plans is None:
+            plans = [CpuLayerPlan.plan_of(layer) for layer in self.layers]
+            plans = self.__dict__["_cpu_plans"] = plans if all(plans) else self.layers
+        return plans
 
 
 class LlamaForCausalLM(CausalLM):

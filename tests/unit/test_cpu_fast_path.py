@@ -43,7 +43,8 @@ def random_batch(rng: random.Random, num_blocks: int, num_decodes: int) -> list[
     return chunks
 
 
-def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blocks=200):
+def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blocks=200, paired=False):
+    """`paired`: K and V as the two halves of one tensor, as KVLayout.allocate lays them on the CPU."""
     torch.manual_seed(seed)
     spec = (SlidingWindowSpec(kv_heads, head_dim, dtype, sliding_window=window) if window
             else FullAttentionSpec(kv_heads, head_dim, dtype))
@@ -56,7 +57,8 @@ def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blo
     q, k, v = (torch.randn(n, h, head_dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
     outs = {}
     for backend in ("reference", "cpu"):
-        caches = [(cache[0].clone(), cache[1].clone())]
+        pair = torch.stack(cache)
+        caches = [(pair[0], pair[1])] if paired else [(cache[0].clone(), cache[1].clone())]
         inputs = build_step_inputs(chunks, token_ids, groups, BS, [0], [0], caches, torch.device("cpu"),
                                    backend=backend)
         with forward_context(inputs.attention):
@@ -67,13 +69,15 @@ def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, num_blo
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
 @pytest.mark.parametrize("num_decodes", [1, FP32_MAX_ROWS, FP32_MAX_ROWS + 7])   # float32 products, and bf16 ones
 @pytest.mark.parametrize("seed", range(2))
-def test_cpu_decode_matches_reference(case, num_decodes, seed):
+@pytest.mark.parametrize("paired", [False, True], ids=["kv_apart", "kv_paired"])
+def test_cpu_decode_matches_reference(case, num_decodes, seed, paired):
     heads, kv_heads, head_dim, window, dtype = case
     rng = random.Random(seed * 100 + num_decodes)
     ref, out, inputs = run_backends(random_batch(rng, 200, num_decodes), heads, kv_heads, head_dim,
-                                    window, dtype, seed)
+                                    window, dtype, seed, paired=paired)
     group = inputs.attention.groups[0]
     assert group.decode_gather is None and group.decode_head_rows is not None
+    assert group.decode_kv_paired == paired
     # float32 caches compute in float32 at every batch size; bf16 ones above FP32_MAX_ROWS in bf16.
     tol = 1e-5 if dtype == torch.float32 else (1e-2 if num_decodes <= FP32_MAX_ROWS else 3e-2)
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
@@ -151,3 +155,42 @@ def test_packed_dense_weight_matches_plain_linear():
         x = torch.randn(rows, 64, dtype=torch.bfloat16)
         # The same oneDNN product on a pre-packed weight: equal bit for bit.
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])   # 40: above LAYER_NORM_MAX_ROWS, the six-op norm
+def test_rms_norm_cpu_with_residual_matches_reference(dtype, rows):
+    from deepinfer.layers.norm import rms_norm_cpu
+
+    x, residual = torch.randn(rows, 576, dtype=dtype) * 3, torch.randn(rows, 576, dtype=dtype)
+    weight = torch.randn(576, dtype=dtype)
+    total = residual + x
+    hf = weight * (total.float() * torch.rsqrt(total.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    out, new_residual = rms_norm_cpu(x, weight, 1e-5, residual)
+    assert out.dtype == dtype and out.is_contiguous() and torch.equal(new_residual, total)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, hf, atol=tol, rtol=tol)
+    torch.testing.assert_close(rms_norm_cpu(x, weight, 1e-5), rms_norm_cpu(x.clone(), weight, 1e-5, None))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_flat_cpu_layers_match_module_path(dtype, monkeypatch):
+    """The CPU backend's flat layers (llama.CpuLayerPlan) run the module path's ops: the same
+    tokens and the same logprobs, bit for bit, over mixed prefill/decode steps."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.layers.attention.backends.cpu import CpuBackend
+    from deepinfer.models.llama import CpuLayerPlan
+
+    # No prefix cache: the second pass must run the same steps as the first.
+    llm = LLM(dtype=dtype, attention_backend="cpu", max_model_len=256, num_kv_blocks=64, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    texts = ["The capital of France is", "def add(a, b):", "Once upon a time, in a small village"]
+    flat = llm.generate(texts, params, use_tqdm=False)
+    plans = llm.engine.executor.runner.model.model.__dict__.get("_cpu_plans")
+    assert plans and all(isinstance(p, CpuLayerPlan) for p in plans)
+    monkeypatch.setattr(CpuBackend, "flat_cpu_layers", False)
+    modules = llm.generate(texts, params, use_tqdm=False)
+    for a, b in zip(flat, modules):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: p.logprob for t, p in la.items()} == {t: p.logprob for t, p in lb.items()}

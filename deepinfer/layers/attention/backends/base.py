@@ -151,6 +151,7 @@ class AttentionBackend(ABC):
     short_cpu_norm: ClassVar[bool] = False     # RMSNorm as six eager ops (norm._rms_norm_cpu)
     short_cpu_rotary: ClassVar[bool] = False   # rotary in three eager ops, q and k rotated together
                                                # where they lie side by side (RotaryEmbedding.rotate)
+    flat_cpu_layers: ClassVar[bool] = False    # plain Llama layers without module calls (llama.CpuLayerPlan)
     # Whether its kernels compile on first use, so the runner runs one step of every kind at start.
     needs_warm_up: ClassVar[bool] = False
     # Whether decode steps can replay as CUDA graphs (decode_graph_buffers).
@@ -172,7 +173,8 @@ class AttentionBackend(ABC):
         """What this backend turns on, for the start-up log line."""
         fused = [name for name, on in (("norm", self.fused_norm), ("rotary + KV write", self.fused_rotary),
                                        ("activation", self.fused_activation), ("GEMV", self.fused_gemv)) if on]
-        short = [name for name, on in (("norm", self.short_cpu_norm), ("rotary", self.short_cpu_rotary)) if on]
+        short = [name for name, on in (("norm", self.short_cpu_norm), ("rotary", self.short_cpu_rotary),
+                                       ("flat layers", self.flat_cpu_layers)) if on]
         parts = [f"fused kernels: {', '.join(fused) or 'none'}"]
         if short:
             parts.append(f"shorter eager ops: {', '.join(short)}")

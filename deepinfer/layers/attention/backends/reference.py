@@ -41,6 +41,9 @@ class GatherGroupMetadata(GroupMetadata):
     # index_select then yields K as [num_decodes * kv_heads, max_kv_len, head_dim], the layout
     # one batched matmul takes without a copy. decode_gather itself is None then.
     decode_head_rows: torch.Tensor | None = None
+    # CPU backend, where every layer's V cache directly follows its K cache in memory (kv_paired):
+    # decode_head_rows lists the K rows, then the same rows of V (offset by the K cache's size).
+    decode_kv_paired: bool = False
     # Prefill/extend rows, one entry per request: (flat rows to read [kv_len], mask [q_len, kv_len]).
     prefill: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
