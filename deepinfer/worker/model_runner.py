@@ -15,8 +15,9 @@ behind them stay here. Overlapped scheduling (engine/core.py) interleaves the ca
 steps. Until collected, each sampled token is a PLACEHOLDER in the request's token list; a
 forward that needs it as input takes it from the device tensor of the step before.
 
-Speculative decoding's runner side is here too: a chunk with drafts is verified in `sample`
-(the target's logits at every draft position, spec_decode/verifier.py), `profile_verify_step`
+Speculative decoding's runner side is here too: a chunk with drafts is verified from `sample`
+(the target's logits at every draft position; worker/draft_verification.py, whose greedy verdicts
+are taken at `collect`), `profile_verify_step`
 times verify-shaped steps for the adaptive policy's cost model, and `propose_mtp` runs a
 model's own multi-token-prediction head.
 """
