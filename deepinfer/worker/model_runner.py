@@ -17,9 +17,8 @@ forward that needs it as input takes it from the device tensor of the step befor
 
 Speculative decoding's runner side is here too: a chunk with drafts is verified from `sample`
 (the target's logits at every draft position; worker/draft_verification.py, whose greedy verdicts
-are taken at `collect`), `profile_verify_step`
-times verify-shaped steps for the adaptive policy's cost model, and `propose_mtp` runs a
-model's own multi-token-prediction head.
+are taken at `collect`), `profile_verify_step` times verify-shaped steps for the adaptive
+policy's cost model, and `propose_mtp` runs a model's own multi-token-prediction head.
 """
 
 from __future__ import annotations
