@@ -235,8 +235,11 @@ class EngineCore:
             forward_start = time.perf_counter()
             forward = self.executor.execute_model(plan)
             step = _InFlight(plan, self.executor.sample_tokens(forward, None if fill is None else fill.result()),
-                             forward_start, speculative=True, started_at=start,
-                             verifies=any(c.spec_token_ids for c in plan.chunks))
+                             forward_start, verifies=any(c.spec_token_ids for c in plan.chunks), started_at=start)
+            if self.loop_chooser is not None and not step.verifies:
+                # No drafts found: nothing of verifying to measure. Said now, in step order: left
+                # in flight, this step may be collected after the next one has been observed.
+                self.loop_chooser.observe(start, len(plan.chunks), True, None, drafted=False)
             if self.async_scheduling:
                 # Collected by the next step before it plans: the caller turns this step()'s
                 # outputs into text (the server sends them) while the device runs the step.
@@ -284,16 +287,15 @@ class EngineCore:
         """Collect a launched step (waits for it), let the step's observers time it, apply it."""
         plan = step.plan
         result = self.executor.collect(step.launched)
-        if step.speculative:
-            if self.spec is not None:
-                # The result is on the host: the step has finished. Left in flight, it is
-                # collected by the next step(): its time then holds the caller's work where that
-                # outlasted the device, the step's real period.
-                self.spec.observe_step(plan, time.perf_counter() - step.queued_at)
-            if self.loop_chooser is not None:
-                emitted = sum(len(t) for t in result.sampled_token_ids.values())
-                self.loop_chooser.observe(step.started_at, len(plan.chunks), True,
-                                          emitted if plan.is_decode_only else None, drafted=step.verifies)
+        if self.spec is not None and (step.verifies or not self.async_scheduling):
+            # The step's own time, collected before any later step was queued. A verify step left
+            # in flight is collected by the next step(): its time then holds the caller's work
+            # where that outlasted the device, the step's real period.
+            self.spec.observe_step(plan, time.perf_counter() - step.queued_at)
+        if self.loop_chooser is not None and step.verifies:
+            emitted = sum(len(t) for t in result.sampled_token_ids.values())
+            self.loop_chooser.observe(step.started_at, len(plan.chunks), True,
+                                      emitted if plan.is_decode_only else None)
         if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
             self.kv_tier.observe_step(plan, step.queued_at)
         return self.scheduler.update(plan, result)
@@ -342,12 +344,11 @@ class _InFlight:
     plan: SchedulerPlan
     launched: LaunchedStep
     queued_at: float                  # when its forward was queued (perf_counter)
-    speculative: bool = False         # the loop chooser's kind: planned after collecting the step before
-    started_at: float = 0.0           # when its step() began (the loop chooser's intervals)
     # It verifies drafts, so it emits a number of tokens a request that the next plan must know:
     # the next step collects it before planning. (A speculative step whose requests had no
     # drafts is a plain step: the next one may plan ahead of it.)
     verifies: bool = False
+    started_at: float = 0.0           # when its step() began (the loop chooser's intervals)
 
 
 def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:

@@ -48,11 +48,11 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[Veri
     for r in requests:
         if len(r.rows) != len(r.drafts) + 1:
             raise ValueError(f"a request with {len(r.drafts)} drafts needs {len(r.drafts) + 1} rows, got {len(r.rows)}")
-    offsets = _offsets(requests)
     if all(row.params.temperature == 0 and not needs_edit(row.params, row) for row in rows):
         # Hot path: greedy without edits, one argmax over every row (no float32 copy).
         return accept_greedy(requests, logits.argmax(dim=-1).tolist())
 
+    offsets = _offsets(requests)
     x = logits.to(torch.float32, copy=True)
     Sampler._edit_logits(x, rows)
     argmax = x.argmax(dim=-1).tolist()
