@@ -1,7 +1,8 @@
 """Speculative decoding's verification machinery at a controlled acceptance rate (GPU).
 
     python benchmarks/spec_replay.py [--shape llama3-8b|smollm2-135m] [--alphas 0.5 0.7 0.9] [--batch-sizes 1 16 64]
-        [--k 5] [--prompt-len 128] [--output-len 128] [--modes fixed adaptive] [--phases] [--out JSON]
+        [--k 5] [--prompt-len 128] [--output-len 128] [--modes fixed adaptive fixed-chain adaptive-chain]
+        [--verify-chain 4] [--phases] [--out JSON]
 
 A drafter's quality and the engine's verification cost are two things; this measures the second.
 The model is the Llama-3-8B shape (or SmolLM2-135M's) with random weights. First an engine without speculation runs
@@ -21,6 +22,10 @@ embedding matrix and the layers' output projections are scaled down, so the mode
 last token by a wide margin); every kernel runs as on any weights, so the step costs the same.
 The acceptance measured per position is printed beside alpha, and `diverged` counts requests
 that left their recording anyway (they get no more drafts).
+
+Modes `fixed-chain` and `adaptive-chain` run verify chains (`verify_chain`, worker/verify_chain.py):
+up to --verify-chain verify steps per plan back to back on the device, the later ones drafted on
+the device from the same replay table.
 
 The anchor runs two ways: with overlapped scheduling (the engine's default on CUDA), and without
 it (`none-sync`), which is how every speculative step runs, since verifying needs the previous
@@ -75,8 +80,10 @@ def build(args, path: str, mode: str, replay_path: str | None) -> LLM:
     if mode == "none-sync":
         kwargs["async_scheduling"] = False
     elif mode != "none":
-        kwargs["speculative_config"] = {"method": "replay", "replay_path": replay_path, "verification": mode,
-                                        "num_speculative_tokens": args.k}
+        verification, chained = mode.removesuffix("-chain"), mode.endswith("-chain")
+        kwargs["speculative_config"] = {"method": "replay", "replay_path": replay_path, "verification": verification,
+                                        "num_speculative_tokens": args.k,
+                                        "verify_chain": args.verify_chain if chained else 1}
     start = time.perf_counter()
     llm = LLM(path, **kwargs)
     stable_greedy(llm)
@@ -139,7 +146,10 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--modes", nargs="+", choices=["fixed", "adaptive"], default=["fixed", "adaptive"])
+    parser.add_argument("--modes", nargs="+", choices=["fixed", "adaptive", "fixed-chain", "adaptive-chain"],
+                        default=["fixed", "adaptive"],
+                        help="*-chain: verify chains of up to --verify-chain steps (worker/verify_chain.py)")
+    parser.add_argument("--verify-chain", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per engine (they share the GPU)")
     parser.add_argument("--no-sync-anchor", action="store_true", help="skip the anchor without overlapped scheduling")
@@ -179,15 +189,18 @@ def main() -> None:
     modes = ([] if args.no_sync_anchor else ["none-sync"]) + args.modes
     for mode in modes:
         llm = build(args, path, mode, None if mode == "none-sync" else replay_path)
-        if mode == "adaptive":
-            costs["start-up profile"] = llm.engine.spec.cost_model.describe()
+        if mode.startswith("adaptive"):
+            costs[f"{mode}, start-up profile"] = llm.engine.spec.cost_model.describe()
         llm.generate(warm_up, params, use_tqdm=False)
         run_cells(llm, mode, cells, prompts, params, args.rounds, rows, args.phases)
-        if mode == "adaptive":
-            costs["after the run"] = llm.engine.spec.cost_model.describe()
+        chain = llm.engine.executor.runner.verify_chain
+        if chain is not None:
+            costs[f"{mode}: verify chains run, their steps"] = f"{chain.num_chains}, {chain.num_steps}"
+        if mode.startswith("adaptive"):
+            costs[f"{mode}, after the run"] = llm.engine.spec.cost_model.describe()
             if llm.engine.loop_chooser is not None:   # overlapped steps without drafts (spec_decode/overlap.py)
-                costs["loop chooser, tokens a second by loop"] = llm.engine.loop_chooser.describe()
-                costs["loop chooser, steps by loop"] = str(llm.engine.loop_chooser.counts)
+                costs[f"{mode}, loop chooser, tokens a second by loop"] = llm.engine.loop_chooser.describe()
+                costs[f"{mode}, loop chooser, steps by loop"] = str(llm.engine.loop_chooser.counts)
         shutdown(llm)
         del llm
         free_memory()
@@ -202,7 +215,7 @@ def main() -> None:
     for r in rows:
         key = (r["alpha"], r["batch"])
         spec = r["spec"]
-        vs_fixed = f"{r['tok_s'] / fixed[key]:.2f}x" if r["mode"] == "adaptive" and key in fixed else "-"
+        vs_fixed = f"{r['tok_s'] / fixed[key]:.2f}x" if r["mode"] not in ("none", "none-sync", "fixed") and key in fixed else "-"
         if spec:
             emitted = f"{spec['mean_emitted']:.2f} ({expected_emitted(r['alpha'], args.k):.2f})"
             curve = " ".join("-" if p is None else f"{p:.2f}" for p in spec["acceptance_per_pos"])
@@ -221,7 +234,7 @@ def main() -> None:
             print(f"| {r['alpha']} | {r['batch']} | {r['mode']} | {ms['steps']} | "
                   + " | ".join(f"{ms.get(n, 0.0):.3f}" for n in names) + " |")
     for when, description in costs.items():
-        print(f"\nadaptive, {when}: {description}")
+        print(f"\n{when}: {description}")
     write_json(args.out, {"machine": machine_info(), "args": vars(args), "rows": rows, "costs": costs})
 
 

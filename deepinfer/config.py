@@ -23,6 +23,9 @@ ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "draft_model", "mtp", "replay")
 SPEC_VERIFICATION = ("adaptive", "fixed")
+# Methods whose drafts can be made on the device, from tokens the host has not seen yet.
+CHAIN_METHODS = ("ngram", "replay")
+MAX_VERIFY_CHAIN = 16
 # auto: the model's dtype; fp8 (= fp8_e4m3, vLLM's names): float8 e4m3 with a scale of 1.0
 # (deepinfer/kv_cache/dtypes.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -357,6 +360,11 @@ class SpeculativeConfig:
     num_speculative_tokens: drafts proposed per request and step (k).
     verification: adaptive (each step admits the draft positions whose expected accepted tokens
         per unit of step cost pay off, across the batch) | fixed (every proposed draft, up to k).
+    verify_chain: the most verify steps one plan runs back to back on the device (1: off). The
+        second and later steps draft on the device from the tokens the one before accepted
+        (ngram and replay only), so the host plans once per chain instead of once per step
+        (worker/verify_chain.py says when a plan qualifies); their tokens reach the caller
+        together, when the chain is collected.
     """
 
     method: str = "ngram"
@@ -366,6 +374,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4             # ngram: longest suffix n-gram searched for
     prompt_lookup_min: int = 1             # ngram: shortest
     replay_path: str | None = None         # replay: the JSON-lines recording (spec_decode/replay.py)
+    verify_chain: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -386,6 +395,12 @@ class SpeculativeConfig:
             raise bad("replay_path", "must name the recording (a JSON-lines file) when method is 'replay'")
         if self.method != "replay" and self.replay_path is not None:
             raise bad("replay_path", f"is only used by method 'replay' (method is {self.method!r})")
+        if (isinstance(self.verify_chain, bool) or not isinstance(self.verify_chain, int)
+                or not 1 <= self.verify_chain <= MAX_VERIFY_CHAIN):
+            raise bad("verify_chain", f"must be an integer in [1, {MAX_VERIFY_CHAIN}]")
+        if self.verify_chain > 1 and self.method not in CHAIN_METHODS:
+            raise bad("verify_chain", f"above 1 needs a method that drafts on the device "
+                      f"({', '.join(CHAIN_METHODS)}; method is {self.method!r})")
         if not isinstance(self.prompt_lookup_min, int) or self.prompt_lookup_min < 1:
             raise bad("prompt_lookup_min", "must be an integer >= 1")
         if not isinstance(self.prompt_lookup_max, int) or self.prompt_lookup_max < self.prompt_lookup_min:

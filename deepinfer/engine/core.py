@@ -235,7 +235,8 @@ class EngineCore:
             forward_start = time.perf_counter()
             forward = self.executor.execute_model(plan)
             step = _InFlight(plan, self.executor.sample_tokens(forward, None if fill is None else fill.result()),
-                             forward_start, verifies=any(c.spec_token_ids for c in plan.chunks), started_at=start)
+                             forward_start, verifies=plan.verify_chain > 1 or any(c.spec_token_ids for c in plan.chunks),
+                             started_at=start)
             if self.loop_chooser is not None and not step.verifies:
                 # No drafts found: nothing of verifying to measure. Said now, in step order: left
                 # in flight, this step may be collected after the next one has been observed.
@@ -291,7 +292,8 @@ class EngineCore:
             # The step's own time, collected before any later step was queued. A verify step left
             # in flight is collected by the next step(): its time then holds the caller's work
             # where that outlasted the device, the step's real period.
-            self.spec.observe_step(plan, time.perf_counter() - step.queued_at)
+            # A verify chain ran its steps back to back: each is one step of the plan's shape.
+            self.spec.observe_step(plan, (time.perf_counter() - step.queued_at) / result.num_verify_steps)
         if self.loop_chooser is not None and step.verifies:
             emitted = sum(len(t) for t in result.sampled_token_ids.values())
             self.loop_chooser.observe(step.started_at, len(plan.chunks), True,

@@ -163,6 +163,9 @@ class SchedulerPlan:
     finished_request_ids: list[str]
     num_scheduled_tokens: int
     kv_connector_metadata: KVConnectorMetadata | None = None   # None: no KV connector configured
+    # Verify steps the runner may run back to back for this plan (worker/verify_chain.py): every
+    # chunk's request generates and holds KV blocks for verify_chain * (k + 1) tokens. 1: one step.
+    verify_chain: int = 1
 
     @property
     def is_empty(self) -> bool:
@@ -225,6 +228,10 @@ class RunnerResult:
     # Loads that ended without filling their blocks (KVConnectorWorker.failed_transfers): never
     # also in finished_kv_transfers; the scheduler recomputes their requests.
     failed_kv_transfers: list[int] = field(default_factory=list)
+    # A verify chain (SchedulerPlan.verify_chain): per request, (drafts verified, accepted) of
+    # each of its steps, whose tokens sampled_token_ids holds back to back; and how many ran.
+    verify_steps: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    num_verify_steps: int = 1
 
 
 # --------------------------------------------------------------------- core -> front end

@@ -59,6 +59,8 @@ class Scheduler:
                              "(EngineCore fills unset ones from the platform)")
         self.config = config
         self.spec = spec
+        # Requests whose KV was allocated ahead for a verify chain by a plan not yet applied.
+        self._allocated_ahead: set[str] = set()
         self.kv = kv_manager
         self.kv_tier = kv_tier               # a KV tier behind the connector, or None
         self.kv_events = None                # a kv_cache.events.KVEventSink, or None (no events)
@@ -148,6 +150,9 @@ class Scheduler:
         if self.spec is not None and self.running and speculate:
             base = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
             drafts = self.spec.plan(self.running, budget - base, base)
+        # Verify steps this plan may run back to back (worker/verify_chain.py): lowered to what
+        # every chunk allows, 1 (none) as soon as one does not qualify.
+        chain = self.spec.config.verify_chain if drafts else 1
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
         i = 0
@@ -160,14 +165,22 @@ class Scheduler:
                 i += 1
                 continue
             spec = drafts.get(request.request_id, [])[:budget - num_new]
-            # Drafts are optional: with no room for them, verify none rather than preempt for them.
-            if not spec or not self.kv.allocate(request, num_new + len(spec)):
-                spec = []
-                while not self.kv.allocate(request, num_new):
-                    victim = self._pick_victim(exclude=scheduled)
-                    self._preempt(victim)
-                    if victim is request:
-                        break
+            # A chain's later steps write KV into blocks allocated now, for the worst case (every
+            # draft accepted at every step); the blocks past the accepted tokens go back in update.
+            steps = self._chain_steps(request, num_new, chain)
+            if steps > 1 and self.kv.allocate(request, steps * (self.spec.k + 1)):
+                chain = steps
+                self._allocated_ahead.add(request.request_id)   # trimmed in update, chained or not
+            else:
+                chain = 1
+                # Drafts are optional: with no room for them, verify none rather than preempt for them.
+                if not spec or not self.kv.allocate(request, num_new + len(spec)):
+                    spec = []
+                    while not self.kv.allocate(request, num_new):
+                        victim = self._pick_victim(exclude=scheduled)
+                        self._preempt(victim)
+                        if victim is request:
+                            break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the list shrank, same index is the next request
             # Never preempted later in this schedule (victims exclude scheduled requests), so the
@@ -237,9 +250,26 @@ class Scheduler:
             budget -= num_new
 
         finished, self._finished_ids = self._finished_ids, []
+        if new_requests or not any(c.spec_token_ids for c in chunks):
+            chain = 1   # a prefill chunk needs the plain path; without drafts there is nothing to verify
+        elif self.spec.config.verification == "adaptive" and any(len(c.spec_token_ids) < self.spec.k for c in chunks):
+            # The chain verifies k drafts a request at every step: only where the policy found
+            # that worth it for every request at this step.
+            chain = 1
         return SchedulerPlan(new_requests, cached_requests, chunks, finished,
                              self.config.max_num_batched_tokens - budget,
-                             self.kv_tier.build_meta() if self.kv_tier is not None else None)
+                             self.kv_tier.build_meta() if self.kv_tier is not None else None,
+                             verify_chain=chain)
+
+    def _chain_steps(self, request: Request, num_new: int, chain: int) -> int:
+        """Verify steps of a chain this request can join, at most `chain` (1: none): it is
+        generating, greedy without logprobs or a grammar (the runner checks the rest of plain
+        greedy), and every step's k + 1 positions fit inside max_model_len."""
+        params = request.sampling_params
+        if (chain < 2 or num_new != 1 or request.grammar is not None or params.temperature != 0
+                or params.logprobs is not None or request.num_tokens - request.num_computed_tokens != 1):
+            return 1
+        return min(chain, (self.max_model_len - request.num_computed_tokens) // (self.spec.k + 1))
 
     @staticmethod
     def _target(request: Request) -> int:
@@ -309,6 +339,8 @@ class Scheduler:
         # (nothing in the loop reads a matcher); a request verifying drafts advances in order.
         grammars, grammar_tokens = [], []
         for chunk in plan.chunks:
+            ahead = chunk.request_id in self._allocated_ahead   # blocks for a chain (schedule)
+            self._allocated_ahead.discard(chunk.request_id)
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue  # finished or aborted while the step ran
@@ -317,7 +349,10 @@ class Scheduler:
             request.num_samples_in_flight -= chunk.sample
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted after this step was scheduled: it recomputes instead
-            if not num_spec:
+            # In a chained plan even a request without drafts of its own may have verified some
+            # (the chain's later steps draft on the device), and it holds blocks allocated ahead.
+            verifies = bool(num_spec) or plan.verify_chain > 1
+            if not verifies:
                 self._publish(request)
             prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
             if not chunk.sample:
@@ -339,18 +374,25 @@ class Scheduler:
                 finish = self._check_stop(request, token_id)
                 if finish is not None:
                     break
-            if num_spec:
+            if verifies:
                 # The runner returns the accepted drafts then one token of its own: the KV of
                 # exactly those drafts is valid (same tokens at the same positions); the rest
-                # was computed for rejected tokens and is dropped.
+                # was computed for rejected tokens and is dropped. A chain returns that of each
+                # of its steps back to back: every token but the last has its KV computed.
                 num_accepted = max(len(sampled) - 1, 0)
-                self.spec.observe(request.request_id, num_spec, num_accepted)
+                steps = result.verify_steps.get(chunk.request_id) or [(num_spec, num_accepted)]
+                for num_verified, num_step_accepted in steps:
+                    if num_verified:
+                        self.spec.observe(request.request_id, num_verified, num_step_accepted)
                 request.spec_token_ids = []
                 if finish is None:
                     request.num_computed_tokens += num_accepted
                     self._publish(request)
                     self.kv.free_tail(request)
                     self.runner_tables.cut(request.request_id, request.block_ids)
+            elif ahead and finish is None:   # allocated for a chain that the plan did not run
+                self.kv.free_tail(request)
+                self.runner_tables.cut(request.request_id, request.block_ids)
             if request.times.first_token is None and new_tokens:
                 request.times.first_token = now
             logprobs = result.logprobs.get(chunk.request_id)

@@ -91,15 +91,18 @@ class ReplayDrafter(Drafter):
             raise ValueError(f"speculative_config.replay_path {path!r} holds no recording")
         return cls(recordings, vocab_size, seed)
 
+    def recording_for(self, token_ids: Sequence[int]) -> _Drafts | None:
+        """The recording whose prompt the tokens start with (the longest such), or None."""
+        found = None
+        for length in self._prompt_lengths:   # the request's prompt is one of these long
+            if length < len(token_ids):
+                found = self._by_prompt.get(tuple(token_ids[:length])) or found
+        return found
+
     def _follow(self, request: DraftRequest) -> _Follow:
         follow = self._follows.get(request.request_id)
         if follow is None:
-            tokens = request.token_ids
-            found = None
-            for length in self._prompt_lengths:   # the request's prompt is one of these long
-                if length < len(tokens):
-                    found = self._by_prompt.get(tuple(tokens[:length])) or found
-            follow = self._follows[request.request_id] = _Follow(found)
+            follow = self._follows[request.request_id] = _Follow(self.recording_for(request.token_ids))
         return follow
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, Draft]:

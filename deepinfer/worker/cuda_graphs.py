@@ -91,6 +91,23 @@ class DecodeGraphs:
                 return bucket
         return None
 
+    def can_advance(self) -> bool:
+        """Whether the backend's buffers can move a step's rows forward on the device (verify chains)."""
+        return hasattr(self.attention_buffers, "advance")
+
+    def replay_advanced(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Replay the last run's bucket for the same rows of the same requests, at new token ids
+        and positions (device tensors, [rows]): a verify chain's next step
+        (worker/verify_chain.py). Returns the rows' logits."""
+        rows = input_ids.shape[0]
+        bucket = self.bucket_for(rows)
+        self.input_ids[:rows].copy_(input_ids)
+        self.positions[:rows].copy_(positions)
+        self.attention_buffers.advance(positions)
+        entry = self.graphs[bucket]
+        entry.graph.replay()
+        return entry.logits[:rows]
+
     def run(self, inputs) -> torch.Tensor:
         """Logits [rows, vocab] of a step of decode rows only (StepInputs built by the graphs'
         backend; verifying chunks laid out as decode rows)."""

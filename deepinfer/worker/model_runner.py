@@ -61,6 +61,7 @@ from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
 from deepinfer.worker.draft_verification import PendingVerdicts, verify_chunks
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, max_sliding_window, num_decode_rows
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
+from deepinfer.worker.verify_chain import ChainStart, ChainVerdicts, build_verify_chain
 
 if TYPE_CHECKING:
     from deepinfer.spec_decode.drafter import Draft, DraftRequest
@@ -87,6 +88,7 @@ class _QueuedForward:
     # A CUDA graph's logits of every row (the graph's own output buffer: read before the next
     # replay); None when the step ran eagerly.
     row_logits: torch.Tensor | None = None
+    chain: ChainStart | None = None       # the step runs a verify chain (worker/verify_chain.py)
 
 
 @dataclass
@@ -97,7 +99,8 @@ class _QueuedSample:
     sampled_request_ids: list[str] = field(default_factory=list)   # one per sampled row
     sample: DeviceSample | None = None    # host copies under way
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already done
-    verdicts: PendingVerdicts | None = None   # greedy draft verification, taken at collect
+    # Greedy draft verification (or a verify chain's, ChainVerdicts), taken at collect.
+    verdicts: PendingVerdicts | ChainVerdicts | None = None
 
 
 class ModelRunner:
@@ -204,6 +207,9 @@ class ModelRunner:
                 self.max_blocks_per_seq, self.block_size,
                 self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
             self.decode_graphs.capture()
+        # Verify chains: several verify steps of one plan, back to back on the device.
+        self.verify_chain = build_verify_chain(config, self.decode_graphs, max_sliding_window(self.groups),
+                                               hf_config["vocab_size"], self.device)
         if group.size > 1:
             # Unseeded requests draw from the global generator: the same seed on every rank, and
             # the same draws in the same order (every rank runs every plan), keep the ranks'
@@ -331,7 +337,12 @@ class ModelRunner:
             return handle
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
-        queued = self._queue_forward(step_chunks(self.requests, plan.chunks), token_ids)
+        chunks, chain = step_chunks(self.requests, plan.chunks), None
+        if self.verify_chain is not None:   # drafts padded to k where the step chains
+            chunks, chain = self.verify_chain.prepare(plan.verify_chain, chunks, self.requests)
+        queued = self._queue_forward(chunks, token_ids)
+        queued.chain = chain
+        assert chain is None or queued.row_logits is not None, "a verify chain outside a CUDA graph"
         if connector is not None:   # the saves read blocks this forward (or an earlier one) wrote
             connector.after_forward()
         self._forwards[handle.step_id] = queued
@@ -419,7 +430,10 @@ class ModelRunner:
             launched.sample = sample.to_host()
 
         verify_rows = [i for i, c in enumerate(inputs.chunks) if c.spec_token_ids]
-        if verify_rows:   # speculative decoding: sample at every draft position, keep what passes
+        if verify_rows and step.chain is not None:   # this step and the chain's next, on the device
+            launched.verdicts = self.verify_chain.run(step.chain, inputs.chunks, inputs.positions,
+                                                      step.row_logits, self.requests)
+        elif verify_rows:   # speculative decoding: sample at every draft position, keep what passes
             launched.verdicts = self._verify_drafts([inputs.chunks[i] for i in verify_rows],
                                                     [inputs.last_token_index[i] for i in verify_rows],
                                                     step, result, grammar)

@@ -229,3 +229,36 @@ def test_structured_output_with_speculation_is_identical_and_valid(default_pair)
     if got[0].outputs[0].finish_reason == "stop":
         assert len(json.loads(got[0].outputs[0].text)["items"]) >= 3
     assert ngram.spec_decode_stats.num_accepted_tokens > before   # drafts ran under the grammar
+
+
+@pytest.mark.parametrize("method", ["ngram", "replay"])
+def test_verify_chains_are_identical(tiny, tmp_path, method):
+    """verify_chain=4 (worker/verify_chain.py): on CUDA, for the full-attention model, plans of
+    greedy requests run up to 4 verify steps back to back on the device, drafting on the device
+    from the tokens each step accepted; the output stays the reference's. Elsewhere (the CPU,
+    sliding-window models) every plan runs one step, while the scheduler still allocates KV for
+    the chain and gives it back: nothing may leak either way."""
+    import json
+
+    import torch
+
+    directory, _, reference, arch = tiny
+    spec = {"method": method, "verification": "fixed", "verify_chain": 4, "num_speculative_tokens": 3}
+    if method == "replay":
+        path = tmp_path / "replay.jsonl"
+        with open(path, "w") as f:
+            for prompt, out in zip(PROMPTS, reference):
+                f.write(json.dumps({"prompt_token_ids": prompt, "output_token_ids": out.outputs[0].token_ids,
+                                    "acceptance": 0.7}) + "\n")
+        spec["replay_path"] = str(path)
+    llm = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128, speculative_config=spec)
+    outputs = llm.generate(PROMPTS, greedy(logprobs=None), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    chain = llm.engine.executor.runner.verify_chain
+    if torch.cuda.is_available() and arch == "llama":
+        assert chain is not None and chain.num_chains > 0 and chain.num_steps > chain.num_chains
+    stats = llm.spec_decode_stats
+    assert stats.num_accepted_tokens > 0
+    if method == "replay":
+        assert llm.engine.spec.drafter.num_diverged == 0
+    assert llm.engine.kv_manager.pool.blocks_in_use() == {}

@@ -258,6 +258,16 @@ class TritonGraphBuffers(DecodeGraphBuffers):
     def clear_after_capture(self) -> None:
         self.seq_lens.zero_()
 
+    def advance(self, positions: torch.Tensor) -> None:
+        """The next step of a verify chain (worker/verify_chain.py), for the rows the last load
+        filled: each row now at `positions` [rows] (device), over the block tables it already
+        holds. Device ops only, so the host queues it without waiting for the step before."""
+        rows = positions.shape[0]
+        self.seq_lens[:rows].copy_(positions + 1)
+        block, offset = positions // self.block_size, positions % self.block_size
+        for slots, table in zip(self.slot_mappings, self.block_tables):
+            slots[:rows].copy_(table[:rows].gather(1, block[:, None]).squeeze(1).long() * self.block_size + offset)
+
     def load(self, meta: TritonMetadata, bucket: int) -> None:
         batch = meta.num_tokens
         self.seq_lens[:batch].copy_(meta.seq_lens, non_blocking=True)

@@ -1,0 +1,241 @@
+"""Verify chains: several verify steps of one plan, run back to back on the device.
+
+A verify step's verdict decides the next step's inputs (how many drafts each request kept, so
+where its next tokens start, the token the target chose, the drafts that follow it). Planned on
+the host, that costs a step's host work while the device waits: collect the verdict, schedule,
+draft, build the inputs, launch (0.6-0.9 ms of a 5 ms step at batch 1 on the 8B shape). A chain
+does it on the device instead. After step s's argmax, a few tensor ops take the verdict (the
+leading drafts equal to the target's argmax), append the emitted tokens to a device copy of each
+request's tokens, draft from it (`ChainDrafter`: n-gram lookup, or the replay drafter's table),
+move the rows' token ids, positions, KV lengths and KV write rows in the decode CUDA graph's
+buffers, and replay the graph. The host queues the whole chain without waiting, and at collect
+`ChainVerdicts` takes the same verdicts again from host copies of every step's argmax and drafts.
+
+When a plan may chain (the scheduler's SchedulerPlan.verify_chain > 1, which also means it
+allocated KV for verify_chain * (k + 1) tokens from each chunk's start: every draft accepted at
+every step), the runner still runs one step unless (`VerifyChain.prepare`):
+- every chunk is a generating request (one known token + up to k drafts), plain greedy (the
+  verdict is an argmax match: draft_verification._plain_greedy), with no window or write floor
+  and no per-request model state;
+- the step replays a captured graph whose buffers can advance (the Triton backend's), and the
+  model has no sliding-window layer.
+Every request verifies k drafts at every step: one with fewer (an n-gram miss, the end of a
+recording, none at all in the plan) is padded with token-0 rows that the verdict does not read
+(`valid` counts the real ones); a padded row's KV lands past the accepted tokens, which the
+scheduler frees. A request that stops inside the chain (EOS, max_tokens, a stop string) is
+computed to its end; the scheduler drops the tokens after its stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.engine.plan import RunnerResult
+from deepinfer.platforms.transfer import to_device, to_host_async
+from deepinfer.worker.draft_verification import _plain_greedy
+from deepinfer.worker.request_states import RunnerRequestState, StepChunk
+
+# Pads a drafts row past its real drafts (any id the embedding takes; the verdict never reads it).
+PAD_TOKEN = 0
+
+
+@dataclass
+class ChainStart:
+    """A step that will be chained: how many steps, and each chunk's real drafts in the first."""
+
+    steps: int
+    valid: list[int]
+
+
+class ChainDrafter:
+    """Drafts for a chain's later steps, on the device, from the tokens emitted so far.
+
+    ngram: the n-gram lookup of spec_decode/ngram.py over a device copy of each request's
+    tokens (spec_decode/device_ngram.py). replay: the replay drafter's table of drafts by output
+    position (spec_decode/replay.py), the same one the scheduler's drafter reads; a request that
+    leaves its recording gets no more drafts, as there.
+    """
+
+    def __init__(self, method: str, k: int, min_n: int = 1, max_n: int = 4, replay=None) -> None:
+        self.method, self.k, self.min_n, self.max_n = method, k, min_n, max_n
+        self.replay = replay   # a ReplayDrafter (method "replay")
+
+    def begin(self, chunks: list[StepChunk], states: dict[str, RunnerRequestState], extra: int,
+              device: torch.device) -> dict[str, torch.Tensor]:
+        """Device state for a chain over `chunks` that will append at most `extra` tokens a row."""
+        token_lists = [states[c.request_id].token_ids for c in chunks]
+        lengths = np.fromiter((len(t) for t in token_lists), dtype=np.int64, count=len(token_lists))
+        state = {"lengths": to_device(torch.from_numpy(lengths), device)}
+        if self.method == "ngram":
+            history = np.zeros((len(token_lists), int(lengths.max()) + extra), dtype=np.int64)
+            for row, tokens in enumerate(token_lists):
+                history[row, :len(tokens)] = tokens
+            state["history"] = to_device(torch.from_numpy(history), device)
+            return state
+        tables = [self._recording(states[c.request_id]) for c in chunks]
+        width = max(len(recorded) for recorded, _, _ in tables) + extra + self.k + 1
+        recorded = np.full((len(tables), width), -1, dtype=np.int64)   # -1: past the recording
+        changed = np.full((len(tables), width), PAD_TOKEN, dtype=np.int64)
+        for row, (rec, chg, follows) in enumerate(tables):
+            if follows:
+                recorded[row, :len(rec)] = rec
+                changed[row, :len(chg)] = chg
+        done = [len(states[c.request_id].output_token_ids) for c in chunks]
+        state.update(recorded=to_device(torch.from_numpy(recorded), device),
+                     changed=to_device(torch.from_numpy(changed), device),
+                     recorded_len=to_device([len(rec) if follows else 0 for rec, _, follows in tables], device, torch.long),
+                     done=to_device(done, device, torch.long))
+        return state
+
+    def _recording(self, state: RunnerRequestState) -> tuple[list[int], list[int], bool]:
+        """(recorded outputs, drafts by output position, whether the request still follows them)."""
+        drafts = self.replay.recording_for(state.token_ids)
+        if drafts is None:
+            return [], [], False
+        recorded = drafts.recording.output_token_ids
+        outputs = state.output_token_ids
+        return recorded, drafts.token_ids, recorded[:len(outputs)] == outputs
+
+    def propose(self, state: dict[str, torch.Tensor], emitted: torch.Tensor,
+                accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record a step's emitted tokens (each row's first accepted + 1 of `emitted` [B, R]) and
+        return the next drafts [B, k] and how many of each row are real [B]."""
+        rows, width = emitted.shape
+        offsets = torch.arange(width, device=emitted.device)
+        if self.method == "ngram":
+            from deepinfer.spec_decode.device_ngram import ngram_drafts
+
+            history = state["history"]
+            # Every emitted row goes in; only the first accepted + 1 count (lengths says so).
+            history.scatter_(1, state["lengths"][:, None] + offsets, emitted)
+            state["lengths"] = state["lengths"] + accepted + 1
+            return ngram_drafts(history, state["lengths"], self.k, self.min_n, self.max_n)
+        recorded, done = state["recorded"], state["done"]
+        last = recorded.shape[1] - 1
+        expected = recorded.gather(1, (done[:, None] + offsets).clamp(max=last))
+        kept = (emitted == expected) | (offsets[None, :] > accepted[:, None])
+        follows = kept.all(dim=1)
+        # A row that left its recording keeps no recording from here on (recorded_len 0).
+        state["recorded_len"] = torch.where(follows, state["recorded_len"], 0)
+        state["done"] = done = done + accepted + 1
+        state["lengths"] = state["lengths"] + accepted + 1
+        index = (done[:, None] + torch.arange(self.k, device=done.device)).clamp(max=last)
+        valid = (state["recorded_len"] - done).clamp(min=0, max=self.k)
+        drafts = state["changed"].gather(1, index)
+        return drafts, valid
+
+
+@dataclass
+class ChainVerdicts:
+    """The verdicts of a chain, taken at collect from host copies of every step's argmax [S, B, R],
+    drafts [S, B, k] and real-draft counts [S, B] (the same rule as the device applied)."""
+
+    request_ids: list[str]
+    argmax: torch.Tensor
+    drafts: torch.Tensor
+    valid: torch.Tensor
+
+    def finish(self, states: dict[str, RunnerRequestState], result: RunnerResult) -> None:
+        argmax, drafts, valid = self.argmax.tolist(), self.drafts.tolist(), self.valid.tolist()
+        result.num_verify_steps = len(argmax)
+        for row, request_id in enumerate(self.request_ids):
+            tokens, steps = [], []
+            for step_argmax, step_drafts, step_valid in zip(argmax, drafts, valid):
+                target, draft, n = step_argmax[row], step_drafts[row], step_valid[row]
+                accepted = 0
+                while accepted < n and draft[accepted] == target[accepted]:
+                    accepted += 1
+                tokens += target[:accepted + 1]
+                steps.append((n, accepted))
+            result.sampled_token_ids[request_id] = tokens
+            result.verify_steps[request_id] = steps
+            state = states.get(request_id)
+            if state is not None:   # else dropped since (aborted): nothing to extend
+                state.token_ids.extend(tokens)
+                state.output_token_ids.extend(tokens)
+
+
+def accepted_drafts(argmax: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Per row, how many leading drafts (of its `valid` real ones) equal the target's argmax."""
+    k = drafts.shape[1]
+    match = (argmax[:, :k] == drafts) & (torch.arange(k, device=drafts.device)[None, :] < valid[:, None])
+    return match.long().cumprod(dim=1).sum(dim=1)
+
+
+class VerifyChain:
+    """The runner's chain: decides whether a step chains (`prepare`) and queues it (`run`)."""
+
+    def __init__(self, drafter: ChainDrafter, graphs, k: int, device: torch.device) -> None:
+        self.drafter, self.graphs, self.k, self.device = drafter, graphs, k, device
+        self.num_chains = self.num_steps = 0   # chains run, and their verify steps
+
+    def prepare(self, steps: int, chunks: list[StepChunk],
+                states: dict[str, RunnerRequestState]) -> tuple[list[StepChunk], ChainStart | None]:
+        """The chunks to lay out (drafts padded to k) and the chain, or the chunks as they are
+        and None when this step runs alone."""
+        k = self.k
+        if steps < 2 or len(chunks) * (k + 1) > self.graphs.max_batch:
+            return chunks, None
+        for c in chunks:
+            state = states[c.request_id]
+            if (not c.sample or c.num_tokens != 1 + len(c.spec_token_ids) or len(c.spec_token_ids) > k
+                    or c.prompt_logprobs or c.window_floor or c.write_floor or c.model_state
+                    or state.num_placeholders or not _plain_greedy(state)):
+                return chunks, None
+        padded = [dataclasses.replace(c, num_tokens=1 + k, spec_token_ids=c.spec_token_ids
+                                      + [PAD_TOKEN] * (k - len(c.spec_token_ids))) for c in chunks]
+        return padded, ChainStart(steps, [len(c.spec_token_ids) for c in chunks])
+
+    def run(self, start: ChainStart, chunks: list[StepChunk], positions: torch.Tensor, logits: torch.Tensor,
+            states: dict[str, RunnerRequestState]) -> ChainVerdicts:
+        """Queue the chain's later steps behind its first (already queued: `logits`, every row's,
+        and `positions`, every row's, laid out request by request, k + 1 rows each)."""
+        k, device = self.k, self.device
+        rows, width = len(chunks), k + 1
+        offsets = torch.arange(width, device=device)
+        drafts = to_device([c.spec_token_ids for c in chunks], device, torch.long)
+        valid = to_device(start.valid, device, torch.long)
+        first = positions.view(rows, width)[:, 0]
+        state = self.drafter.begin(chunks, states, start.steps * width, device)
+        self.num_chains += 1
+        self.num_steps += start.steps
+        argmaxes, all_drafts, all_valid = [], [drafts], [valid]
+        for step in range(start.steps):
+            argmax = logits.view(rows, width, -1).argmax(dim=-1)
+            argmaxes.append(argmax)
+            if step == start.steps - 1:
+                break
+            accepted = accepted_drafts(argmax, drafts, valid)
+            # The next step starts at the token the target chose after the accepted drafts.
+            first = first + accepted + 1
+            bonus = argmax.gather(1, accepted[:, None])
+            drafts, valid = self.drafter.propose(state, argmax, accepted)
+            drafts = torch.where(torch.arange(k, device=device)[None, :] < valid[:, None], drafts, PAD_TOKEN)
+            all_drafts.append(drafts)
+            all_valid.append(valid)
+            logits = self.graphs.replay_advanced(torch.cat([bonus, drafts], dim=1).flatten(),
+                                                 (first[:, None] + offsets).flatten())
+        return ChainVerdicts([c.request_id for c in chunks], to_host_async(torch.stack(argmaxes)),
+                             to_host_async(torch.stack(all_drafts)), to_host_async(torch.stack(all_valid)))
+
+
+def build_verify_chain(config, graphs, sliding_window: int, vocab_size: int,
+                       device: torch.device) -> VerifyChain | None:
+    """The runner's chain where the config asks for one and this runner can run it (decode CUDA
+    graphs whose buffers advance, no sliding-window layer); None: every plan runs one step."""
+    spec = config.speculative
+    if spec is None or spec.verify_chain < 2 or graphs is None or not graphs.can_advance() or sliding_window:
+        return None
+    replay = None
+    if spec.method == "replay":
+        from deepinfer.spec_decode.replay import ReplayDrafter
+
+        # The scheduler's drafter is built from the same file and seed: the same table.
+        replay = ReplayDrafter.load(spec.replay_path, vocab_size, config.model.seed)
+    drafter = ChainDrafter(spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min,
+                           spec.prompt_lookup_max, replay)
+    return VerifyChain(drafter, graphs, spec.num_speculative_tokens, device)
