@@ -264,12 +264,17 @@ class Scheduler:
     def _chain_steps(self, request: Request, num_new: int, chain: int) -> int:
         """Verify steps of a chain this request can join, at most `chain` (1: none): it is
         generating, greedy without logprobs or a grammar (the runner checks the rest of plain
-        greedy), and every step's k + 1 positions fit inside max_model_len."""
+        greedy), and every step's k + 1 positions fit inside max_model_len. No more steps than
+        its remaining max_tokens take at the mean tokens a verify step has emitted: steps past
+        its end are computed for nothing."""
         params = request.sampling_params
         if (chain < 2 or num_new != 1 or request.grammar is not None or params.temperature != 0
                 or params.logprobs is not None or request.num_tokens - request.num_computed_tokens != 1):
             return 1
-        return min(chain, (self.max_model_len - request.num_computed_tokens) // (self.spec.k + 1))
+        remaining = request.max_tokens - request.num_output_tokens
+        per_step = max(self.spec.stats.mean_accepted_length, 1.0)
+        return min(chain, -int(-remaining // per_step),
+                   (self.max_model_len - request.num_computed_tokens) // (self.spec.k + 1))
 
     @staticmethod
     def _target(request: Request) -> int:
