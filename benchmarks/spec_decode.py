@@ -2,6 +2,7 @@
 
     python benchmarks/spec_decode.py [--model PATH] [--load-format dummy] [--batch-sizes 1 16 64]
         [--method ngram] [--num-speculative-tokens 5] [--output-len 64] [--workloads copy chat]
+        [--modes none fixed adaptive fixed-chain adaptive-chain] [--verify-chain 8]
 
 Workloads (chat-templated, greedy, EOS ends a request, at most --output-len tokens):
   copy  prompts that ask to repeat or lightly edit a given paragraph: the answer quotes the
@@ -79,7 +80,9 @@ def build(args: argparse.Namespace, mode: str) -> LLM:
         kwargs["num_kv_blocks"] = args.num_kv_blocks
     if mode != "none":
         spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
-                "verification": mode}
+                "verification": mode.removesuffix("-chain")}
+        if mode.endswith("-chain"):   # verify chains (worker/verify_chain.py)
+            spec["verify_chain"] = args.verify_chain
         if args.method == "draft_model":
             spec["model"] = args.draft_model
         kwargs["speculative_config"] = spec
@@ -118,8 +121,10 @@ def main() -> None:
                         help="KV blocks per engine (default: the memory budget; one engine per mode is built)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--workloads", nargs="+", choices=["copy", "chat"], default=["copy", "chat"])
-    parser.add_argument("--modes", nargs="+", choices=["none", "fixed", "adaptive"],
-                        default=["none", "fixed", "adaptive"])
+    parser.add_argument("--modes", nargs="+", choices=["none", "fixed", "adaptive", "fixed-chain", "adaptive-chain"],
+                        default=["none", "fixed", "adaptive"],
+                        help="*-chain: verify chains of up to --verify-chain steps (n-gram drafts on the device)")
+    parser.add_argument("--verify-chain", type=int, default=8)
     parser.add_argument("--method", choices=["ngram", "draft_model"], default="ngram")
     parser.add_argument("--draft-model", default=None, help="draft model path (method draft_model)")
     parser.add_argument("--num-speculative-tokens", type=int, default=5)

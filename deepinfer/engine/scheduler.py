@@ -252,9 +252,9 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         if new_requests or not any(c.spec_token_ids for c in chunks):
             chain = 1   # a prefill chunk needs the plain path; without drafts there is nothing to verify
-        elif self.spec.config.verification == "adaptive" and any(len(c.spec_token_ids) < self.spec.k for c in chunks):
-            # The chain verifies k drafts a request at every step: only where the policy found
-            # that worth it for every request at this step.
+        elif self.spec.config.verification == "adaptive" and not all(c.spec_token_ids for c in chunks):
+            # Every request of a chain verifies as many drafts as the one with most: only where
+            # the policy found drafts worth verifying for every request at this step.
             chain = 1
         return SchedulerPlan(new_requests, cached_requests, chunks, finished,
                              self.config.max_num_batched_tokens - budget,

@@ -19,10 +19,11 @@ every step), the runner still runs one step unless (`VerifyChain.prepare`):
   and no per-request model state;
 - the step replays a captured graph whose buffers can advance (the Triton backend's), and the
   model has no sliding-window layer.
-Every request verifies k drafts at every step: one with fewer (an n-gram miss, the end of a
-recording, none at all in the plan) is padded with token-0 rows that the verdict does not read
-(`valid` counts the real ones); a padded row's KV lands past the accepted tokens, which the
-scheduler frees. A request that stops inside the chain (EOS, max_tokens, a stop string) is
+Every request verifies m drafts at every step, m the most any chunk of the plan has (k under
+fixed verification; what the adaptive policy admitted at this batch size otherwise): one with
+fewer (an n-gram miss, the end of a recording, none at all in the plan) is padded with token-0
+rows that the verdict does not read (`valid` counts the real ones); a padded row's KV lands past
+the accepted tokens, which the scheduler frees. A request that stops inside the chain (EOS, max_tokens, a stop string) is
 computed to its end; the scheduler drops the tokens after its stop.
 """
 
@@ -49,6 +50,7 @@ class ChainStart:
 
     steps: int
     valid: list[int]
+    num_drafts: int       # m: drafts a request verifies at every step of the chain (<= k)
 
 
 class ChainDrafter:
@@ -100,10 +102,11 @@ class ChainDrafter:
         outputs = state.output_token_ids
         return recorded, drafts.token_ids, recorded[:len(outputs)] == outputs
 
-    def propose(self, state: dict[str, torch.Tensor], emitted: torch.Tensor,
-                accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def propose(self, state: dict[str, torch.Tensor], emitted: torch.Tensor, accepted: torch.Tensor,
+                num_drafts: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Record a step's emitted tokens (each row's first accepted + 1 of `emitted` [B, R]) and
-        return the next drafts [B, k] and how many of each row are real [B]."""
+        return the next drafts [B, num_drafts] (default k) and how many of each row are real [B]."""
+        m = self.k if num_drafts is None else num_drafts
         rows, width = emitted.shape
         offsets = torch.arange(width, device=emitted.device)
         if self.method == "ngram":
@@ -113,7 +116,7 @@ class ChainDrafter:
             # Every emitted row goes in; only the first accepted + 1 count (lengths says so).
             history.scatter_(1, state["lengths"][:, None] + offsets, emitted)
             state["lengths"] = state["lengths"] + accepted + 1
-            return ngram_drafts(history, state["lengths"], self.k, self.min_n, self.max_n)
+            return ngram_drafts(history, state["lengths"], m, self.min_n, self.max_n)
         recorded, done = state["recorded"], state["done"]
         last = recorded.shape[1] - 1
         expected = recorded.gather(1, (done[:, None] + offsets).clamp(max=last))
@@ -123,8 +126,8 @@ class ChainDrafter:
         state["recorded_len"] = torch.where(follows, state["recorded_len"], 0)
         state["done"] = done = done + accepted + 1
         state["lengths"] = state["lengths"] + accepted + 1
-        index = (done[:, None] + torch.arange(self.k, device=done.device)).clamp(max=last)
-        valid = (state["recorded_len"] - done).clamp(min=0, max=self.k)
+        index = (done[:, None] + torch.arange(m, device=done.device)).clamp(max=last)
+        valid = (state["recorded_len"] - done).clamp(min=0, max=m)
         drafts = state["changed"].gather(1, index)
         return drafts, valid
 
@@ -175,27 +178,28 @@ class VerifyChain:
 
     def prepare(self, steps: int, chunks: list[StepChunk],
                 states: dict[str, RunnerRequestState]) -> tuple[list[StepChunk], ChainStart | None]:
-        """The chunks to lay out (drafts padded to k) and the chain, or the chunks as they are
-        and None when this step runs alone."""
-        k = self.k
-        if steps < 2 or len(chunks) * (k + 1) > self.graphs.max_batch:
+        """The chunks to lay out (drafts padded to the most any chunk has: m, which every step of
+        the chain then verifies) and the chain, or the chunks as they are and None when this
+        step runs alone."""
+        m = max((len(c.spec_token_ids) for c in chunks), default=0)
+        if steps < 2 or not m or m > self.k or len(chunks) * (m + 1) > self.graphs.max_batch:
             return chunks, None
         for c in chunks:
             state = states[c.request_id]
-            if (not c.sample or c.num_tokens != 1 + len(c.spec_token_ids) or len(c.spec_token_ids) > k
+            if (not c.sample or c.num_tokens != 1 + len(c.spec_token_ids)
                     or c.prompt_logprobs or c.window_floor or c.write_floor or c.model_state
                     or state.num_placeholders or not _plain_greedy(state)):
                 return chunks, None
-        padded = [dataclasses.replace(c, num_tokens=1 + k, spec_token_ids=c.spec_token_ids
-                                      + [PAD_TOKEN] * (k - len(c.spec_token_ids))) for c in chunks]
-        return padded, ChainStart(steps, [len(c.spec_token_ids) for c in chunks])
+        padded = [dataclasses.replace(c, num_tokens=1 + m, spec_token_ids=c.spec_token_ids
+                                      + [PAD_TOKEN] * (m - len(c.spec_token_ids))) for c in chunks]
+        return padded, ChainStart(steps, [len(c.spec_token_ids) for c in chunks], m)
 
     def run(self, start: ChainStart, chunks: list[StepChunk], positions: torch.Tensor, logits: torch.Tensor,
             states: dict[str, RunnerRequestState]) -> ChainVerdicts:
         """Queue the chain's later steps behind its first (already queued: `logits`, every row's,
-        and `positions`, every row's, laid out request by request, k + 1 rows each)."""
-        k, device = self.k, self.device
-        rows, width = len(chunks), k + 1
+        and `positions`, every row's, laid out request by request, m + 1 rows each)."""
+        m, device = start.num_drafts, self.device
+        rows, width = len(chunks), m + 1
         offsets = torch.arange(width, device=device)
         drafts = to_device([c.spec_token_ids for c in chunks], device, torch.long)
         valid = to_device(start.valid, device, torch.long)
@@ -213,8 +217,8 @@ class VerifyChain:
             # The next step starts at the token the target chose after the accepted drafts.
             first = first + accepted + 1
             bonus = argmax.gather(1, accepted[:, None])
-            drafts, valid = self.drafter.propose(state, argmax, accepted)
-            drafts = torch.where(torch.arange(k, device=device)[None, :] < valid[:, None], drafts, PAD_TOKEN)
+            drafts, valid = self.drafter.propose(state, argmax, accepted, m)
+            drafts = torch.where(torch.arange(m, device=device)[None, :] < valid[:, None], drafts, PAD_TOKEN)
             all_drafts.append(drafts)
             all_valid.append(valid)
             logits = self.graphs.replay_advanced(torch.cat([bonus, drafts], dim=1).flatten(),

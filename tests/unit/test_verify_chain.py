@@ -195,3 +195,20 @@ def test_bad_verify_chain_names_the_field(value):
 def test_verify_chain_needs_a_device_drafter():
     with pytest.raises(ValueError, match="verify_chain.*ngram, replay"):
         SpeculativeConfig("draft_model", 3, model="/x", verify_chain=2)
+
+
+def test_a_chain_pads_every_request_to_the_most_drafts_and_refuses_what_it_cannot_run():
+    from types import SimpleNamespace
+
+    from deepinfer.worker.verify_chain import VerifyChain
+
+    chain = VerifyChain(ChainDrafter("ngram", 5), SimpleNamespace(max_batch=16), k=5, device=torch.device("cpu"))
+    states = {r: state_of([1, 2], [3]) for r in "abc"}
+    chunks = [StepChunk(r, 2, 1 + n, [[]], True, spec_token_ids=[9] * n) for r, n in zip("abc", [2, 0, 1])]
+    padded, start = chain.prepare(4, chunks, states)
+    assert (start.steps, start.valid, start.num_drafts) == (4, [2, 0, 1], 2)
+    assert [c.spec_token_ids for c in padded] == [[9, 9], [0, 0], [9, 0]] and all(c.num_tokens == 3 for c in padded)
+    assert chain.prepare(1, chunks, states) == (chunks, None)                     # the plan does not chain
+    assert chain.prepare(4, chunks * 6, {**states})[1] is None                      # 18 x 3 rows > 16
+    states["b"].params = SamplingParams(temperature=0.7)
+    assert chain.prepare(4, chunks, states) == (chunks, None)                     # not plain greedy
