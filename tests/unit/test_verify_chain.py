@@ -212,3 +212,24 @@ def test_a_chain_pads_every_request_to_the_most_drafts_and_refuses_what_it_canno
     assert chain.prepare(4, chunks * 6, {**states})[1] is None                      # 18 x 3 rows > 16
     states["b"].params = SamplingParams(temperature=0.7)
     assert chain.prepare(4, chunks, states) == (chunks, None)                     # not plain greedy
+
+
+def test_a_chain_is_no_longer_than_the_remaining_tokens_take():
+    """Steps past a request's max_tokens are computed for nothing: with 6 tokens left and 3
+    emitted a verify step so far, a chain of 8 asked for runs 2 steps; with 1 left, none."""
+    k = 3
+    manager = KVCacheManager(group_layers([FullAttentionSpec(1, 4, torch.float32)]), 80, 4)
+    spec = SpeculativeDecoder(SpeculativeConfig("ngram", k, verification="fixed", verify_chain=8),
+                              SometimesDrafter(random.Random(0)), max_model_len=96)
+    spec.stats.record(3, 2)   # one verify step so far, 3 tokens emitted
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), manager, max_model_len=96, spec=spec)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    request = Request("r", [5] * 8, params, frozenset({0}), 10, block_size=4)
+    for _ in range(4):   # 6 tokens left
+        request.append_output_token(7)
+    request.num_computed_tokens = request.num_tokens - 1
+    assert scheduler._chain_steps(request, 1, 8) == 2
+    for _ in range(5):   # 1 left
+        request.append_output_token(7)
+    request.num_computed_tokens = request.num_tokens - 1
+    assert scheduler._chain_steps(request, 1, 8) == 1
