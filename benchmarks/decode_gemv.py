@@ -84,6 +84,17 @@ def tune(n: int, k: int, weights: list[torch.Tensor], x: torch.Tensor) -> tuple[
     return best
 
 
+def step_matmuls(config: dict, rows: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], int]:
+    """One decode step's weights (every layer's four projections and the head), an input of
+    `rows` rows per K, and the weights' bytes."""
+    shapes = projections(config)
+    mats = [torch.randn(*shapes[p], dtype=torch.bfloat16, device="cuda") * 0.02
+            for _ in range(config["num_hidden_layers"]) for p in ("qkv", "o", "gate_up", "down")]
+    mats.append(torch.randn(*shapes["head"], dtype=torch.bfloat16, device="cuda") * 0.02)
+    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {m.shape[1] for m in mats}}
+    return mats, xs, sum(m.numel() * 2 for m in mats)
+
+
 FEW_ROWS_SEARCH = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4, 5)))
 
 
@@ -128,13 +139,7 @@ def few_rows(config: dict, row_counts: list[int], search_rows: int, step_rows: i
         torch.cuda.empty_cache()
     print("FEW_ROWS_TUNED =", tuned, flush=True)
 
-    shapes = projections(config)
-    layers = config["num_hidden_layers"]
-    mats = [torch.randn(*shapes[p], dtype=torch.bfloat16, device="cuda") * 0.02
-            for _ in range(layers) for p in ("qkv", "o", "gate_up", "down")]
-    mats.append(torch.randn(*shapes["head"], dtype=torch.bfloat16, device="cuda") * 0.02)
-    total = sum(m.numel() * 2 for m in mats)
-    xs = {k: torch.randn(step_rows, k, dtype=torch.bfloat16, device="cuda") for k in {m.shape[1] for m in mats}}
+    mats, xs, total = step_matmuls(config, step_rows)
     ours = lambda x, m: few_rows_matmul(x, m, config=tuned.get(tuple(m.shape))) if tuple(m.shape) in tuned else F.linear(x, m)  # noqa: E731
     for label, fn in (("cuBLAS", F.linear), ("few-rows where tuned", ours)):
         t = graph_time([lambda m=m: fn(xs[m.shape[1]], m) for m in mats]) * len(mats)
@@ -177,14 +182,8 @@ def main() -> None:
     if tuned:
         print("TUNED =", {key: value for key, value in tuned.items()}, flush=True)
 
-    # One decode step's matmuls, one row: every layer's four projections and the head.
-    shapes = projections(config)
-    layers = config["num_hidden_layers"]
-    mats = [torch.randn(*shapes[p], dtype=torch.bfloat16, device="cuda") * 0.02
-            for _ in range(layers) for p in ("qkv", "o", "gate_up", "down")]
-    mats.append(torch.randn(*shapes["head"], dtype=torch.bfloat16, device="cuda") * 0.02)
-    total = sum(m.numel() * 2 for m in mats)
-    xs = {k: torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for k in {m.shape[1] for m in mats}}
+    # One decode step's matmuls, one row.
+    mats, xs, total = step_matmuls(config, 1)
     for label, fn in (("cuBLAS", F.linear), ("gemv", gemv)):
         t = graph_time([lambda m=m: fn(xs[m.shape[1]], m) for m in mats]) * len(mats)
         print(f"all decode matmuls ({len(mats)} products, {total / 1e9:.2f} GB) with {label}: {t * 1e3:.3f} ms = "

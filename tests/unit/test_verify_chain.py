@@ -16,7 +16,7 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec_decode import Draft, Drafter, SpeculativeDecoder
+from deepinfer.spec_decode import Draft, SpeculativeDecoder
 from deepinfer.spec_decode.drafter import DraftRequest
 from deepinfer.spec_decode.ngram import NgramDrafter
 from deepinfer.spec_decode.replay import Recording, ReplayDrafter
@@ -24,6 +24,7 @@ from deepinfer.spec_decode.verifier import _accept_greedy
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
 from deepinfer.worker.verify_chain import ChainDrafter, ChainVerdicts, accepted_drafts
 from tests.unit.test_scheduler_fuzz import check_references
+from tests.unit.test_spec_decode import RandomDrafter  # drafts 7s for 80 % of the requests
 
 
 def test_accepted_drafts_is_the_host_greedy_rule():
@@ -127,15 +128,6 @@ def test_chain_verdicts_join_every_steps_tokens():
     assert states["x"].output_token_ids == [7, 7, 8, 10, 11, 12]
 
 
-class SometimesDrafter(Drafter):
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def propose(self, requests):
-        return {r.request_id: Draft([7] * r.max_drafts, [0.9] * r.max_drafts)
-                for r in requests if self.rng.random() < 0.8}
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_chained_plans_hold_kv_for_the_whole_chain_and_give_it_back(seed):
     """A simulated runner runs each chained plan's steps (random verdicts, a device drafter that
@@ -146,7 +138,7 @@ def test_chained_plans_hold_kv_for_the_whole_chain_and_give_it_back(seed):
     bs, k = 4, 3
     manager = KVCacheManager(group_layers([FullAttentionSpec(1, 4, torch.float32)]), 80, bs)
     config = SpeculativeConfig("ngram", k, verification="fixed", verify_chain=rng.choice([2, 3, 4]))
-    spec = SpeculativeDecoder(config, SometimesDrafter(rng), max_model_len=96)
+    spec = SpeculativeDecoder(config, RandomDrafter(rng), max_model_len=96)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), manager, max_model_len=96, spec=spec)
     for i in range(8):
         params = SamplingParams(temperature=0 if i % 4 else 1.0, max_tokens=rng.randint(1, 40), ignore_eos=True)
@@ -220,7 +212,7 @@ def test_a_chain_is_no_longer_than_the_remaining_tokens_take():
     k = 3
     manager = KVCacheManager(group_layers([FullAttentionSpec(1, 4, torch.float32)]), 80, 4)
     spec = SpeculativeDecoder(SpeculativeConfig("ngram", k, verification="fixed", verify_chain=8),
-                              SometimesDrafter(random.Random(0)), max_model_len=96)
+                              RandomDrafter(random.Random(0)), max_model_len=96)
     spec.stats.record(3, 2)   # one verify step so far, 3 tokens emitted
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), manager, max_model_len=96, spec=spec)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
