@@ -30,6 +30,7 @@ computed to its end; the scheduler drops the tokens after its stop.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,8 @@ from deepinfer.engine.plan import RunnerResult
 from deepinfer.platforms.transfer import to_device, to_host_async
 from deepinfer.worker.draft_verification import _plain_greedy
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
+
+logger = logging.getLogger(__name__)
 
 # Pads a drafts row past its real drafts (any id the embedding takes; the verdict never reads it).
 PAD_TOKEN = 0
@@ -232,7 +235,12 @@ def build_verify_chain(config, graphs, sliding_window: int, vocab_size: int,
     """The runner's chain where the config asks for one and this runner can run it (decode CUDA
     graphs whose buffers advance, no sliding-window layer); None: every plan runs one step."""
     spec = config.speculative
-    if spec is None or spec.verify_chain < 2 or graphs is None or not graphs.can_advance() or sliding_window:
+    if spec is None or spec.verify_chain < 2:
+        return None
+    if graphs is None or not graphs.can_advance() or sliding_window:
+        logger.warning("speculative_config.verify_chain=%d has no effect here: verify chains need decode CUDA "
+                       "graphs on the Triton backend and a model without sliding-window layers; every plan "
+                       "runs one verify step", spec.verify_chain)
         return None
     replay = None
     if spec.method == "replay":
