@@ -36,7 +36,8 @@ Speculative decoding: a step that verifies drafts is planned after collecting th
 flight (which drafts, and where they start, depend on its tokens); with overlapped scheduling
 it is itself left in flight, so the caller's work on this step()'s outputs overlaps it, and the
 next step() collects it before planning (greedy verdicts are taken at collect,
-worker/draft_verification.py).
+worker/draft_verification.py). With `verify_chain`, such a plan may run several verify steps back
+to back on the device (worker/verify_chain.py); the core sees one step that emitted more tokens.
 With overlapped scheduling on and adaptive verification, each step first chooses between that
 and a plain overlapped step without drafts, by which delivered more tokens a second at this
 batch size (spec_decode/overlap.py); fixed verification, MTP drafts, or async_scheduling=False

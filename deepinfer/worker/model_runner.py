@@ -338,7 +338,7 @@ class ModelRunner:
 
         token_ids = {c.request_id: self.requests[c.request_id].token_ids for c in plan.chunks}
         chunks, chain = step_chunks(self.requests, plan.chunks), None
-        if self.verify_chain is not None:   # drafts padded to k where the step chains
+        if self.verify_chain is not None:   # drafts padded to the plan's most where the step chains
             chunks, chain = self.verify_chain.prepare(plan.verify_chain, chunks, self.requests)
         queued = self._queue_forward(chunks, token_ids)
         queued.chain = chain
