@@ -26,6 +26,8 @@ import logging
 import math
 import time
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 ONLINE_RATE = 0.05     # weight of one observed step in its table point
@@ -52,6 +54,8 @@ class StepCostModel:
                 curve.append((e, floor))
                 previous[e] = floor
             self.curves[b] = curve
+        # The curves' x values apart: cost() runs a few hundred times a step at batch 64.
+        self._xs = {b: [e for e, _ in curve] for b, curve in self.curves.items()}
 
     def cost(self, num_seqs: int, num_tokens: int) -> float:
         """Seconds for a step of num_seqs sequences and num_tokens query tokens in all."""
@@ -59,12 +63,27 @@ class StepCostModel:
         per_seq = max(num_tokens / num_seqs - 1.0, 0.0)
         sizes = self.batch_sizes
         if num_seqs >= sizes[-1]:
-            return _interp(self.curves[sizes[-1]], per_seq) * num_seqs / sizes[-1]
+            return _interp(self.curves[sizes[-1]], self._xs[sizes[-1]], per_seq) * num_seqs / sizes[-1]
         if num_seqs <= sizes[0]:
-            return _interp(self.curves[sizes[0]], per_seq)
+            return _interp(self.curves[sizes[0]], self._xs[sizes[0]], per_seq)
         hi = bisect.bisect_left(sizes, num_seqs)
         b0, b1 = sizes[hi - 1], sizes[hi]
-        c0, c1 = _interp(self.curves[b0], per_seq), _interp(self.curves[b1], per_seq)
+        c0, c1 = _interp(self.curves[b0], self._xs[b0], per_seq), _interp(self.curves[b1], self._xs[b1], per_seq)
+        return c0 + (c1 - c0) * (num_seqs - b0) / (b1 - b0)
+
+    def costs(self, num_seqs: int, num_tokens: np.ndarray) -> np.ndarray:
+        """`cost` at many token counts of one batch size at once (the adaptive policy weighs a
+        few hundred a step at batch 64)."""
+        num_seqs = max(num_seqs, 1)
+        per_seq = np.maximum(np.asarray(num_tokens, dtype=np.float64) / num_seqs - 1.0, 0.0)
+        sizes = self.batch_sizes
+        if num_seqs >= sizes[-1]:
+            return _interp_many(self.curves[sizes[-1]], per_seq) * num_seqs / sizes[-1]
+        if num_seqs <= sizes[0]:
+            return _interp_many(self.curves[sizes[0]], per_seq)
+        hi = bisect.bisect_left(sizes, num_seqs)
+        b0, b1 = sizes[hi - 1], sizes[hi]
+        c0, c1 = _interp_many(self.curves[b0], per_seq), _interp_many(self.curves[b1], per_seq)
         return c0 + (c1 - c0) * (num_seqs - b0) / (b1 - b0)
 
     def observe(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
@@ -89,14 +108,26 @@ class StepCostModel:
                          for b in self.batch_sizes)
 
 
-def _interp(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear through the points, extended linearly past the last (flat if one point)."""
+def _interp(points: list[tuple[float, float]], xs: list[float], x: float) -> float:
+    """Piecewise-linear through the points (xs: their x values), extended linearly past the last
+    (flat if one point)."""
     if len(points) == 1:
         return points[0][1]
-    xs = [p[0] for p in points]
     i = min(max(bisect.bisect_right(xs, x), 1), len(points) - 1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0) if x1 != x0 else y1
+
+
+def _interp_many(points: list[tuple[float, float]], x: np.ndarray) -> np.ndarray:
+    """_interp at every x (the same segments, the same extension past the last point)."""
+    if len(points) == 1:
+        return np.full(x.shape, points[0][1])
+    xs = np.array([p[0] for p in points])
+    ys = np.array([p[1] for p in points])
+    i = np.clip(np.searchsorted(xs, x, side="right"), 1, len(points) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    span = np.where(x1 != x0, x1 - x0, 1.0)
+    return np.where(x1 != x0, np.maximum(y0 + (y1 - y0) * (x - x0) / span, 0.0), y1)
 
 
 def profile_step_cost(time_forward, k: int, max_num_seqs: int, max_num_batched_tokens: int,

@@ -89,19 +89,23 @@ class SpeculativeDecoder:
             if draft is not None and draft.token_ids:
                 n = _grammar_prefix(grammar, draft.token_ids)
                 drafts[request_id] = Draft(draft.token_ids[:n], draft.confidences[:n])
+        fixed = self.config.verification == "fixed"
         candidates = []
         for w in wanted:
             draft = drafts.get(w.request_id)
             if draft is None or not draft.token_ids:
                 continue
             self.stats.num_proposed_tokens += len(draft.token_ids)
-            candidates.append(Candidate(w.request_id, self.calibrator.survival(draft.confidences[:w.max_drafts])))
-        if self.config.verification == "fixed":
+            # Fixed verification reads only the drafts' lengths: no survival to estimate (at batch
+            # 64 that was a few hundred calibrator lookups a step).
+            candidates.append(Candidate(w.request_id, [] if fixed else self.calibrator.survival(
+                draft.confidences[:w.max_drafts]), min(len(draft.token_ids), w.max_drafts)))
+        if fixed:
             admitted = admit_fixed(candidates, budget)
         else:
             cost, num_seqs = self.cost_model, len(running)
             admitted = admit_adaptive(candidates, budget, len(wanted), base_tokens,
-                                      lambda num_tokens: cost.cost(num_seqs, num_tokens))
+                                      lambda num_tokens: cost.costs(num_seqs, num_tokens))
             spare = budget - sum(admitted.values())
             for c in candidates:
                 if spare <= 0:
@@ -114,7 +118,8 @@ class SpeculativeDecoder:
         for request_id, n in admitted.items():
             draft = drafts[request_id]
             out[request_id] = draft.token_ids[:n]
-            self._confidences[request_id] = draft.confidences[:n]
+            if not fixed:   # what calibration learns from (only adaptive verification reads it)
+                self._confidences[request_id] = draft.confidences[:n]
         return out
 
     def observe(self, request_id: str, num_verified: int, num_accepted: int) -> None:

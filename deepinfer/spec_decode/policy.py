@@ -21,17 +21,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass
 class Candidate:
     request_id: str
-    survival: list[float]     # q_1 >= q_2 >= ...: P(the first j drafts all accepted)
+    survival: list[float]     # q_1 >= q_2 >= ...: P(the first j drafts all accepted) (adaptive)
+    num_drafts: int = -1      # drafts proposed (fixed reads only this); -1: len(survival)
+
+    def __post_init__(self) -> None:
+        if self.num_drafts < 0:
+            self.num_drafts = len(self.survival)
 
 
 def admit_fixed(candidates: list[Candidate], budget: int) -> dict[str, int]:
     out = {}
     for c in candidates:
-        n = min(len(c.survival), budget)
+        n = min(c.num_drafts, budget)
         if n <= 0:
             break
         out[c.request_id] = n
@@ -40,18 +47,17 @@ def admit_fixed(candidates: list[Candidate], budget: int) -> dict[str, int]:
 
 
 def admit_adaptive(candidates: list[Candidate], budget: int, num_generating: int, base_tokens: int,
-                   step_cost: Callable[[int], float]) -> dict[str, int]:
-    """step_cost(num_tokens) -> seconds for this step's batch with num_tokens query tokens."""
+                   step_costs: Callable[[np.ndarray], np.ndarray]) -> dict[str, int]:
+    """step_costs(num_tokens) -> seconds for this step's batch at each of the query token counts
+    (an array; StepCostModel.costs). Every prefix is weighed at once, in numpy: a few hundred
+    slots at batch 64."""
     slots = sorted(((q, j, c.request_id) for c in candidates for j, q in enumerate(c.survival)),
                    key=lambda s: (-s[0], s[1]))
     slots = slots[:max(budget, 0)]
-    expected = float(num_generating)
-    best_p, best_rate = 0, expected / max(step_cost(base_tokens), 1e-12)
-    for p, (q, _, _) in enumerate(slots, start=1):
-        expected += q
-        rate = expected / max(step_cost(base_tokens + p), 1e-12)
-        if rate > best_rate:
-            best_p, best_rate = p, rate
+    # expected[p] = num_generating + the first p slots' q; the first best rate wins (p = 0 on ties).
+    expected = num_generating + np.concatenate([[0.0], np.cumsum([q for q, _, _ in slots])])
+    seconds = np.broadcast_to(step_costs(base_tokens + np.arange(len(slots) + 1)), expected.shape)
+    best_p = int(np.argmax(expected / np.maximum(seconds, 1e-12)))
     out: dict[str, int] = {}
     for _, j, request_id in slots[:best_p]:
         out[request_id] = max(out.get(request_id, 0), j + 1)

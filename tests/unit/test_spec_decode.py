@@ -7,6 +7,7 @@ import math
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -157,9 +158,9 @@ def test_adaptive_never_takes_a_later_draft_without_the_earlier_ones_and_respect
 def test_adaptive_verifies_less_per_request_at_large_batch_on_a_compute_bound_curve():
     # GPU-like: a flat step until 64 tokens, then linear.
     cost = StepCostModel({1: [(0.0, 1.0), (5.0, 1.0)], 64: [(0.0, 1.0), (2.0, 2.0), (5.0, 4.0)]})
-    one = admit_adaptive([Candidate("x", [0.8, 0.6, 0.45, 0.3, 0.2])], 100, 1, 1, lambda t: cost.cost(1, t))
+    one = admit_adaptive([Candidate("x", [0.8, 0.6, 0.45, 0.3, 0.2])], 100, 1, 1, lambda t: cost.costs(1, t))
     many = [Candidate(f"r{i}", [0.8, 0.6, 0.45, 0.3, 0.2]) for i in range(64)]
-    big = admit_adaptive(many, 10_000, 64, 64, lambda t: cost.cost(64, t))
+    big = admit_adaptive(many, 10_000, 64, 64, lambda t: cost.costs(64, t))
     assert one == {"x": 5}
     assert 0 < sum(big.values()) / 64 < 5
 
@@ -172,6 +173,16 @@ def test_cost_model_interpolates_and_is_monotone():
     assert cost.cost(4, 24) >= cost.cost(4, 4) == pytest.approx(3.0)   # never cheaper with drafts
     assert cost.cost(8, 8) == pytest.approx(6.0)                       # scaled past the largest b
     assert cost.cost(2, 2) == pytest.approx(1.0 + (3.0 - 1.0) / 3)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 3, 4, 16, 64, 100])
+def test_cost_model_costs_at_many_token_counts_equal_cost_at_each(num_seqs):
+    """The vectorised costs() the adaptive policy reads: cost() at every count, inside the
+    measured points, past them (extended), between and past the measured batch sizes."""
+    cost = StepCostModel({1: [(0.0, 1.0), (2.0, 1.1), (5.0, 2.0)], 4: [(0.0, 3.0), (5.0, 2.5)],
+                          16: [(0.0, 4.0)], 64: [(0.0, 5.0), (2.0, 6.5), (5.0, 9.0)]})
+    tokens = np.arange(0, num_seqs * 9)
+    assert cost.costs(num_seqs, tokens).tolist() == pytest.approx([cost.cost(num_seqs, int(t)) for t in tokens])
 
 
 # ----------------------------------------------------------------------------- calibration
