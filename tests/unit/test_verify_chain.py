@@ -225,3 +225,27 @@ def test_a_chain_is_no_longer_than_the_remaining_tokens_take():
         request.append_output_token(7)
     request.num_computed_tokens = request.num_tokens - 1
     assert scheduler._chain_steps(request, 1, 8) == 1
+
+
+def test_ngram_history_kept_on_the_device_across_chains_is_the_runners():
+    """The n-gram chain keeps each request's tokens on the device between chains and uploads only
+    what was added since; across chains that join, leave and come back (a finished request's row
+    reused by a new one), every chain drafts what the host drafter does."""
+    pytest.importorskip("deepinfer.spec_decode.device_ngram")
+    rng = random.Random(2)
+    k = 3
+    host = NgramDrafter(k, 1, 3)
+    chain = ChainDrafter("ngram", k, 1, 3)
+    states = {r: state_of([rng.randrange(5) for _ in range(rng.randint(2, 12))], []) for r in "abcd"}
+    for members in ("ab", "abc", "bc", "cd", "bcd"):
+        live = {r: states[r] for r in members}
+        device_state = chain.begin([chunk_of(r) for r in members], live, extra=4 * (k + 1), device=torch.device("cpu"))
+        for _ in range(4):
+            emitted = [[rng.randrange(5) for _ in range(k + 1)] for _ in members]
+            accepted = [rng.randint(0, k) for _ in members]
+            for row, r in enumerate(members):
+                states[r].token_ids.extend(emitted[row][:accepted[row] + 1])
+            got, got_valid = chain.propose(device_state, torch.tensor(emitted), torch.tensor(accepted))
+            for row, r in enumerate(members):
+                assert got[row, :int(got_valid[row])].tolist() == host.lookup(states[r].token_ids, k).token_ids
+    assert len(chain.history.rows) == 3 and chain.history.table.shape[0] <= 4   # "a" left, its row reused
