@@ -23,8 +23,8 @@ Every request verifies m drafts at every step, m the most any chunk of the plan 
 fixed verification; what the adaptive policy admitted at this batch size otherwise): one with
 fewer (an n-gram miss, the end of a recording, none at all in the plan) is padded with token-0
 rows that the verdict does not read (`valid` counts the real ones); a padded row's KV lands past
-the accepted tokens, which the scheduler frees. A request that stops inside the chain (EOS, max_tokens, a stop string) is
-computed to its end; the scheduler drops the tokens after its stop.
+the accepted tokens, which the scheduler frees. A request that stops inside the chain (EOS,
+max_tokens, a stop string) is computed to its end; the scheduler drops the tokens after its stop.
 """
 
 from __future__ import annotations
