@@ -60,7 +60,7 @@ def verify(logits: torch.Tensor, requests: Sequence[VerifyRequest]) -> list[Veri
     random_ids = []
     for i, r in enumerate(requests):
         if r.rows[0].params.temperature == 0:
-            results[i] = _accept_greedy(r.drafts, argmax[offsets[i]:offsets[i + 1]])
+            results[i] = greedy_verdict(r.drafts, argmax[offsets[i]:offsets[i + 1]])
         else:
             random_ids.append(i)
     if random_ids:
@@ -77,7 +77,7 @@ def accept_greedy(requests: Sequence[VerifyRequest], argmax: list[int]) -> list[
     drafts are read, so a caller that knows the rows are plain greedy may leave `rows` empty:
     the runner, which takes the argmax to the host and the verdicts at collect)."""
     offsets = _offsets(requests)
-    return [_accept_greedy(r.drafts, argmax[offsets[i]:offsets[i + 1]]) for i, r in enumerate(requests)]
+    return [greedy_verdict(r.drafts, argmax[offsets[i]:offsets[i + 1]]) for i, r in enumerate(requests)]
 
 
 def _offsets(requests: Sequence[VerifyRequest]) -> list[int]:
@@ -87,7 +87,9 @@ def _offsets(requests: Sequence[VerifyRequest]) -> list[int]:
     return offsets
 
 
-def _accept_greedy(drafts: list[int], argmax: list[int]) -> VerifyResult:
+def greedy_verdict(drafts: list[int], argmax: list[int]) -> VerifyResult:
+    """One request's greedy verdict: the leading drafts equal to the argmax of the rows before
+    them, then the argmax after the last of those (argmax: the request's m + 1 rows)."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
         accepted += 1

@@ -52,7 +52,7 @@ def verify_chunks(states: dict[str, RunnerRequestState], chunks: list[StepChunk]
     if grammar is not None:   # structured output: row j masked as after drafts 1..j
         apply_grammar_bitmask(logits, grammar, [(c.request_id, j) for c in chunks
                                                 for j in range(len(c.spec_token_ids) + 1)])
-    if all(_plain_greedy(states[c.request_id]) for c in chunks):
+    if all(plain_greedy(states[c.request_id]) for c in chunks):
         # Every row's argmax is the verdict's only input: no sampling rows to build.
         requests = [VerifyRequest(list(c.spec_token_ids), []) for c in chunks]
         return PendingVerdicts([c.request_id for c in chunks], requests, to_host_async(logits.argmax(dim=-1)))
@@ -71,7 +71,7 @@ def verify_chunks(states: dict[str, RunnerRequestState], chunks: list[StepChunk]
     return None
 
 
-def _plain_greedy(state: RunnerRequestState) -> bool:
+def plain_greedy(state: RunnerRequestState) -> bool:
     """Greedy, no logprobs, and no logit edits at any of the request's rows (its first row has
     the fewest outputs, so min_tokens ends there first)."""
     params = state.params

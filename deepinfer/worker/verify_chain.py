@@ -15,7 +15,7 @@ When a plan may chain (the scheduler's SchedulerPlan.verify_chain > 1, which als
 allocated KV for verify_chain * (k + 1) tokens from each chunk's start: every draft accepted at
 every step), the runner still runs one step unless (`VerifyChain.prepare`):
 - every chunk is a generating request (one known token + up to k drafts), plain greedy (the
-  verdict is an argmax match: draft_verification._plain_greedy), with no window or write floor
+  verdict is an argmax match: draft_verification.plain_greedy), with no window or write floor
   and no per-request model state;
 - the step replays a captured graph whose buffers can advance (the Triton backend's), and the
   model has no sliding-window layer.
@@ -38,7 +38,8 @@ import torch
 
 from deepinfer.engine.plan import RunnerResult
 from deepinfer.platforms.transfer import to_device, to_host_async
-from deepinfer.worker.draft_verification import _plain_greedy
+from deepinfer.spec_decode.verifier import greedy_verdict
+from deepinfer.worker.draft_verification import plain_greedy
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
 
 logger = logging.getLogger(__name__)
@@ -203,12 +204,10 @@ class ChainVerdicts:
         for row, request_id in enumerate(self.request_ids):
             tokens, steps = [], []
             for step_argmax, step_drafts, step_valid in zip(argmax, drafts, valid):
-                target, draft, n = step_argmax[row], step_drafts[row], step_valid[row]
-                accepted = 0
-                while accepted < n and draft[accepted] == target[accepted]:
-                    accepted += 1
-                tokens += target[:accepted + 1]
-                steps.append((n, accepted))
+                n = step_valid[row]
+                verdict = greedy_verdict(step_drafts[row][:n], step_argmax[row])
+                tokens += verdict.token_ids
+                steps.append((n, verdict.num_accepted))
             result.sampled_token_ids[request_id] = tokens
             result.verify_steps[request_id] = steps
             state = states.get(request_id)
@@ -243,7 +242,7 @@ class VerifyChain:
             state = states[c.request_id]
             if (not c.sample or c.num_tokens != 1 + len(c.spec_token_ids)
                     or c.prompt_logprobs or c.window_floor or c.write_floor or c.model_state
-                    or state.num_placeholders or not _plain_greedy(state)):
+                    or state.num_placeholders or not plain_greedy(state)):
                 return chunks, None
         padded = [dataclasses.replace(c, num_tokens=1 + m, spec_token_ids=c.spec_token_ids
                                       + [PAD_TOKEN] * (m - len(c.spec_token_ids))) for c in chunks]

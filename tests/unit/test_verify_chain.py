@@ -20,7 +20,7 @@ from deepinfer.spec_decode import Draft, SpeculativeDecoder
 from deepinfer.spec_decode.drafter import DraftRequest
 from deepinfer.spec_decode.ngram import NgramDrafter
 from deepinfer.spec_decode.replay import Recording, ReplayDrafter
-from deepinfer.spec_decode.verifier import _accept_greedy
+from deepinfer.spec_decode.verifier import greedy_verdict
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
 from deepinfer.worker.verify_chain import ChainDrafter, ChainVerdicts, accepted_drafts
 from tests.unit.test_scheduler_fuzz import check_references
@@ -36,7 +36,7 @@ def test_accepted_drafts_is_the_host_greedy_rule():
     got = accepted_drafts(argmax, drafts, valid).tolist()
     for row in range(rows):
         n = int(valid[row])
-        assert got[row] == _accept_greedy(drafts[row, :n].tolist(), argmax[row].tolist()).num_accepted
+        assert got[row] == greedy_verdict(drafts[row, :n].tolist(), argmax[row].tolist()).num_accepted
 
 
 def state_of(prompt: list[int], outputs: list[int]) -> RunnerRequestState:
