@@ -2,7 +2,7 @@
 
     python benchmarks/spec_replay.py [--shape llama3-8b|smollm2-135m] [--alphas 0.5 0.7 0.9] [--batch-sizes 1 16 64]
         [--k 5] [--prompt-len 128] [--output-len 128] [--modes fixed adaptive fixed-chain adaptive-chain]
-        [--verify-chain 4] [--phases] [--out JSON]
+        [--verify-chain 4] [--phases] [--trace] [--out JSON]
 
 A drafter's quality and the engine's verification cost are two things; this measures the second.
 The model is the Llama-3-8B shape (or SmolLM2-135M's) with random weights. First an engine without speculation runs
@@ -120,16 +120,33 @@ def timed(llm: LLM, prompts, params: SamplingParams, rounds: int, phases: StepPh
 
 
 def run_cells(llm: LLM, mode: str, cells, prompts, params: SamplingParams, rounds: int,
-              rows: list[dict], phases: bool = False) -> dict:
+              rows: list[dict], phases: bool = False, trace: bool = False) -> dict:
     """Every cell's prompts through `llm`, a row each into `rows`; returns the outputs by cell.
-    phases: also time the host's work by phase (step_phases.py) into each row."""
+    phases: also time the host's work by phase (step_phases.py) into each row. trace: the loop
+    chooser's every measured step (all rounds of the cell) into each row."""
     outputs_by_cell = {}
     timer = StepPhases(llm.engine) if phases else None
+    chooser = llm.engine.loop_chooser
+    steps: list = []
+    if trace and chooser is not None:   # every step the chooser measured: (start, batch, speculative, tokens, drafted)
+        observe = chooser.observe
+
+        def traced(start, batch, speculative, tokens, drafted=True):
+            steps.append((round(start, 6), batch, speculative, tokens, drafted))
+            return observe(start, batch, speculative, tokens, drafted)
+
+        chooser.observe = traced
     for cell in cells:
+        loops_before = dict(chooser.counts) if chooser is not None else None
+        steps.clear()
         seconds, outputs, spec, by_phase = timed(llm, prompts[cell], params, rounds, timer)
         tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         rows.append({"alpha": cell[0], "batch": cell[1], "mode": mode, "seconds": seconds,
                      "tokens": tokens, "tok_s": tokens / seconds, "spec": spec})
+        if chooser is not None:   # steps each loop took over the cell's rounds (spec_decode/overlap.py)
+            rows[-1]["loop_steps"] = {loop: n - loops_before[loop] for loop, n in chooser.counts.items()}
+            if trace:
+                rows[-1]["trace"] = list(steps)
         if by_phase is not None:
             rows[-1]["host_ms_per_step"] = by_phase
         print(json.dumps(rows[-1]), flush=True)
@@ -155,6 +172,8 @@ def main() -> None:
     parser.add_argument("--no-sync-anchor", action="store_true", help="skip the anchor without overlapped scheduling")
     parser.add_argument("--phases", action="store_true",
                         help="also report the host's time per step by phase (step_phases.py; the timers cost a little)")
+    parser.add_argument("--trace", action="store_true",
+                        help="record the loop chooser's every step (adaptive modes; spec_decode/overlap.py) in the JSON")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -192,7 +211,7 @@ def main() -> None:
         if mode.startswith("adaptive"):
             costs[f"{mode}, start-up profile"] = llm.engine.spec.cost_model.describe()
         llm.generate(warm_up, params, use_tqdm=False)
-        run_cells(llm, mode, cells, prompts, params, args.rounds, rows, args.phases)
+        run_cells(llm, mode, cells, prompts, params, args.rounds, rows, args.phases, args.trace)
         chain = llm.engine.executor.runner.verify_chain
         if chain is not None:
             costs[f"{mode}: verify chains run, their steps"] = f"{chain.num_chains}, {chain.num_steps}"

@@ -195,7 +195,6 @@ class EngineCore:
 
     def _step(self) -> list[EngineCoreOutput]:
         failed = self.scheduler.poll_grammars()
-        start = time.perf_counter()
         speculate = self._speculates()
         if self.async_scheduling and (speculate or (self._in_flight is not None and self._in_flight.verifies)):
             # Drafts follow the tokens of the step in flight, and a verify step emits a number of
@@ -237,20 +236,16 @@ class EngineCore:
             forward = self.executor.execute_model(plan)
             step = _InFlight(plan, self.executor.sample_tokens(forward, None if fill is None else fill.result()),
                              forward_start, verifies=plan.verify_chain > 1 or any(c.spec_token_ids for c in plan.chunks),
-                             started_at=start)
+                             speculative=True)
             if self.loop_chooser is not None and not step.verifies:
-                # No drafts found: nothing of verifying to measure. Said now, in step order: left
-                # in flight, this step may be collected after the next one has been observed.
-                self.loop_chooser.observe(start, len(plan.chunks), True, None, drafted=False)
+                # No drafts found: said now, so that the next choice already backs off.
+                self.loop_chooser.no_drafts(len(plan.chunks))
             if self.async_scheduling:
                 # Collected by the next step before it plans: the caller turns this step()'s
                 # outputs into text (the server sends them) while the device runs the step.
                 self._in_flight = step
                 return outputs
             return outputs + self._finish(step)
-        if self.loop_chooser is not None:
-            self.loop_chooser.observe(start, len(plan.chunks), False,
-                                      len(plan.chunks) if plan.is_decode_only else None)
         queued_at = time.perf_counter()
         forward = self.executor.execute_model(plan)
         if self._in_flight is not None:
@@ -295,10 +290,11 @@ class EngineCore:
             # where that outlasted the device, the step's real period.
             # A verify chain ran its steps back to back: each is one step of the plan's shape.
             self.spec.observe_step(plan, (time.perf_counter() - step.queued_at) / result.num_verify_steps)
-        if self.loop_chooser is not None and step.verifies:
+        if self.loop_chooser is not None:   # the step is charged the time since the last one's results
             emitted = sum(len(t) for t in result.sampled_token_ids.values())
-            self.loop_chooser.observe(step.started_at, len(plan.chunks), True,
-                                      emitted if plan.is_decode_only else None)
+            self.loop_chooser.observe(time.perf_counter(), len(plan.chunks), step.speculative,
+                                      emitted if plan.is_decode_only else None,
+                                      drafted=step.verifies or not step.speculative)
         if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
             self.kv_tier.observe_step(plan, step.queued_at)
         return self.scheduler.update(plan, result)
@@ -351,7 +347,7 @@ class _InFlight:
     # the next step collects it before planning. (A speculative step whose requests had no
     # drafts is a plain step: the next one may plan ahead of it.)
     verifies: bool = False
-    started_at: float = 0.0           # when its step() began (the loop chooser's intervals)
+    speculative: bool = False         # the loop chooser chose speculation for it
 
 
 def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:

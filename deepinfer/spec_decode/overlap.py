@@ -11,14 +11,18 @@ against a synchronous step only.
 
 So the engine measures both: per batch-size bucket, the tokens a second that speculative steps
 (synchronous, drafts verified) and plain overlapped steps delivered, as exponentially weighted
-averages of decode-shaped steps, timed from one step's start to the next one's (so the host
-work between steps, the caller's included, is counted for both). It takes the better one, and
-every EXPLORE_EVERY steps in a bucket it runs a short stretch of the other, so a change in
-acceptance (another workload) is noticed; where the other loop was measured clearly slower
-(CLEAR_GAP) over enough steps of each (CLEAR_EVIDENCE), every EXPLORE_EVERY_CLEAR steps, since
-each stretch of it costs its whole gap. An unmeasured bucket tries speculation first. A
-speculative step whose requests had no drafts measures nothing about verifying: it is left out,
-and the bucket overlaps for a few steps before trying again (NO_DRAFT_BACKOFF).
+averages of decode-shaped steps. A step is timed from the moment the previous step's results
+arrived (its collect returned) to the moment its own did: that spacing holds the device's time
+and whatever host work the loop left exposed, the caller's included, for both loops alike, and a
+step left in flight (a verify step, or a verify chain of several) is charged its own device time,
+not its successor's. It takes the better loop, and now and then runs a short stretch of the other
+(EXPLORE_RUN steps), so a change in acceptance (another workload) is noticed: every
+EXPLORE_EVERY steps of the bucket until both loops have CLEAR_EVIDENCE measured steps, then as
+often as keeps the stretches' expected cost (their shortfall against the better loop, and the
+refill of the better loop after them) within EXPLORE_BUDGET of the bucket's time. An unmeasured
+bucket tries speculation first. A speculative step whose requests had no drafts measures
+nothing about verifying: it is left out, and the bucket overlaps for a few steps before trying
+again (NO_DRAFT_BACKOFF).
 
 Only adaptive verification is chosen for: fixed verification is the user asking for every draft
 to be verified, so that engine speculates at every step.
@@ -26,33 +30,36 @@ to be verified, so that engine speculates at every step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-# A stretch of the loop not currently preferred, every this many steps of a bucket. Measured on
-# the H200 (benchmarks/spec_decode.py, SmolLM2, and spec_replay.py, 8B shape), exploring every
-# 16 steps (3 a stretch, weight 0.3) noticed SmolLM2's copy prompts paying within a 64-token
-# answer (batch 1: 1.45x against 1.05x) but cost more where speculating loses (batch 16: 0.59x
-# and 0.69x against 0.97x and 1.21x; the 8B shape at batch 64: 0.87-0.91x against 0.95-0.97x),
-# so the slower, steadier setting stays.
+# A stretch of the loop not currently preferred, every this many steps of a bucket until both
+# loops are measured (CLEAR_EVIDENCE), and never more often. Measured on the H200
+# (benchmarks/spec_decode.py, SmolLM2, and spec_replay.py, 8B shape), exploring every 16 steps
+# (3 a stretch, weight 0.3) noticed SmolLM2's copy prompts paying within a 64-token answer
+# (batch 1: 1.45x against 1.05x) but cost more where speculating loses (batch 16: 0.59x and
+# 0.69x against 0.97x and 1.21x; the 8B shape at batch 64: 0.87-0.91x against 0.95-0.97x).
 EXPLORE_EVERY = 64
-# The other loop slower than the preferred one by this fraction or more: explore it every
-# EXPLORE_EVERY_CLEAR steps. Measured on the H200 (spec_replay.py, 8B shape, batch 64, alpha 0.5,
-# where speculating delivers 0.74x): exploring every 64 steps left the adaptive engine at 0.97x
-# of no speculation.
-CLEAR_GAP = 0.1
-EXPLORE_EVERY_CLEAR = 256
-# Measured steps of each loop before a gap counts as clear: a bucket's first few measurements
-# are noisy (the steps around a prefill), and a wrong call would stand for EXPLORE_EVERY_CLEAR
-# steps (on the H200, batch 16 at alpha 0.5 then never speculated: 0.87x fixed verification).
+# Measured steps of each loop before the stretches are spaced by their cost: a bucket's first few
+# measurements are noisy (the steps around a prefill), and a wrong call would stand for a long
+# while (on the H200, batch 16 at alpha 0.5 then never speculated: 0.87x fixed verification).
 CLEAR_EVIDENCE = 8
+# The share of a bucket's time the stretches of the slower loop may cost, once measured. On the
+# H200 (spec_replay.py --trace, 8B shape, batch 64, alpha 0.5) a 4-step speculative stretch cost
+# ~20 ms against the overlapped loop (4 steps of 12 ms at 0.7x its rate, and ~5.5 ms refilling
+# it), which every 64 steps (~350 ms) left the adaptive engine at 0.97-0.98x of no speculation;
+# at 1 % it comes every ~370 steps (~2 s of that batch), the time a change of workload may go
+# unnoticed.
+EXPLORE_BUDGET = 0.01
 # Steps in an exploring stretch (the first of a stretch of overlapped steps is not measured: the
-# loop is filling, its interval holds the previous synchronous step's drain). Measured on the
-# H200, 2-step speculative stretches recovered too slowly from a low estimate (batch 1, alpha
-# 0.5: adaptive 0.79x fixed verification, against 0.99x with 4).
+# loop is filling, the host planned it with the device idle). Measured on the H200, 2-step
+# speculative stretches recovered too slowly from a low estimate (batch 1, alpha 0.5: adaptive
+# 0.79x fixed verification, against 0.99x with 4).
 EXPLORE_RUN = {"speculative": 4, "overlapped": 4}
 # Overlapped steps a bucket runs after a speculative step that found no drafts.
 NO_DRAFT_BACKOFF = 4
 EMA_WEIGHT = 0.2   # of the newest measurement
+LOOPS = ("speculative", "overlapped")
 
 
 def _bucket(batch: int) -> int:
@@ -61,85 +68,101 @@ def _bucket(batch: int) -> int:
 
 
 @dataclass
-class _Rates:
-    speculative: float | None = None   # tokens per second, EMA
-    overlapped: float | None = None
-    steps: int = 0
-    measured: dict[str, int] = field(default_factory=lambda: {"speculative": 0, "overlapped": 0})
-    exploring: str | None = None       # "speculative" | "overlapped" while a stretch runs
+class _Loop:
+    rate: float | None = None       # tokens per second, EMA
+    seconds: float | None = None    # seconds a step, EMA
+    measured: int = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        rate = tokens / seconds
+        self.rate = rate if self.rate is None else (1 - EMA_WEIGHT) * self.rate + EMA_WEIGHT * rate
+        self.seconds = seconds if self.seconds is None else (1 - EMA_WEIGHT) * self.seconds + EMA_WEIGHT * seconds
+        self.measured += 1
+
+
+@dataclass
+class _Bucket:
+    loops: dict[str, _Loop] = field(default_factory=lambda: {loop: _Loop() for loop in LOOPS})
+    since_stretch: int = 0             # steps since the last exploring stretch began
+    exploring: str | None = None       # the loop of the stretch running now
     explore_left: int = 0
+
+    def explore(self, loop: str) -> str:
+        self.exploring, self.explore_left, self.since_stretch = loop, EXPLORE_RUN[loop] - 1, 0
+        return loop
+
+    def period(self, best: str, other: str) -> int:
+        """Steps between stretches of `other` (see the module docstring)."""
+        if min(loop.measured for loop in self.loops.values()) < CLEAR_EVIDENCE:
+            return EXPLORE_EVERY
+        hi, lo = self.loops[best], self.loops[other]
+        # A stretch emits lo.rate where hi.rate was to be had, then the better loop refills
+        # (about one of its steps: the host plans it with the device idle, or drains the pipe).
+        cost = EXPLORE_RUN[other] * lo.seconds * max(1.0 - lo.rate / hi.rate, 0.0) + hi.seconds
+        return max(EXPLORE_EVERY, math.ceil(cost / (EXPLORE_BUDGET * hi.seconds)))
 
 
 class LoopChooser:
     def __init__(self) -> None:
-        self._buckets: dict[int, _Rates] = {}
-        self._last: tuple[str, int, float] | None = None   # the measured step: (loop, bucket, tokens)
-        self._last_start: float | None = None
-        self._skip_next = False
-        self.counts = {"speculative": 0, "overlapped": 0}
+        self._buckets: dict[int, _Bucket] = {}
+        self._last_done: float | None = None   # when the last collected step's results arrived
+        self._last_loop: str | None = None
+        self.counts = {loop: 0 for loop in LOOPS}
 
     def choose(self, batch: int) -> bool:
         """Whether the next step speculates (synchronous) rather than overlaps."""
-        rates = self._buckets.setdefault(_bucket(batch), _Rates())
-        rates.steps += 1
-        if rates.exploring is not None:
-            loop = rates.exploring
-            rates.explore_left -= 1
-            if rates.explore_left <= 0:
-                rates.exploring = None
-        elif rates.speculative is None:
+        bucket = self._buckets.setdefault(_bucket(batch), _Bucket())
+        bucket.since_stretch += 1
+        spec, overlapped = bucket.loops["speculative"], bucket.loops["overlapped"]
+        if bucket.exploring is not None:
+            loop = bucket.exploring
+            bucket.explore_left -= 1
+            if bucket.explore_left <= 0:
+                bucket.exploring = None
+        elif spec.rate is None:
             loop = "speculative"
-        elif rates.overlapped is None:
-            loop = self._explore(rates, "overlapped")
+        elif overlapped.rate is None:
+            loop = bucket.explore("overlapped")
         else:
-            best = "speculative" if rates.speculative >= rates.overlapped else "overlapped"
+            best = "speculative" if spec.rate >= overlapped.rate else "overlapped"
             other = "overlapped" if best == "speculative" else "speculative"
-            clear = (min(rates.measured.values()) >= CLEAR_EVIDENCE
-                     and getattr(rates, other) < (1 - CLEAR_GAP) * getattr(rates, best))
-            every = EXPLORE_EVERY_CLEAR if clear else EXPLORE_EVERY
-            loop = self._explore(rates, other) if rates.steps % every == 0 else best
+            loop = bucket.explore(other) if bucket.since_stretch >= bucket.period(best, other) else best
         self.counts[loop] += 1
         return loop == "speculative"
 
-    @staticmethod
-    def _explore(rates: _Rates, loop: str) -> str:
-        rates.exploring, rates.explore_left = loop, EXPLORE_RUN[loop] - 1
-        return loop
+    def no_drafts(self, batch: int) -> None:
+        """A speculative step found no drafts for its requests (said when it is launched): the
+        bucket overlaps NO_DRAFT_BACKOFF steps before speculating again, so a workload without
+        drafts mostly overlaps."""
+        bucket = self._buckets.setdefault(_bucket(batch), _Bucket())
+        if bucket.exploring is None:
+            bucket.exploring, bucket.explore_left = "overlapped", NO_DRAFT_BACKOFF
 
-    def observe(self, start: float, batch: int, speculative: bool, tokens: float | None,
+    def observe(self, done: float, batch: int, speculative: bool, tokens: float | None,
                 drafted: bool = True) -> None:
-        """A step started at `start` (perf_counter; called once its tokens are known): close the
-        previous step's interval at `start`, and remember this one. tokens: what this step
-        emits (None: not decode-shaped, so not measured). drafted=False: a speculative step
-        whose requests had no drafts. It says nothing of what verifying delivers (measured, a
-        warm-up without drafts settled batch 1 against speculating for the whole benchmark),
-        so it is not measured; the bucket runs NO_DRAFT_BACKOFF overlapped steps before it
-        speculates again, so a workload without drafts mostly overlaps."""
+        """A step's results arrived at `done` (perf_counter, once its collect returned; steps are
+        collected in launch order). It is charged the time since the previous step's results
+        arrived. Not measured: tokens None (not decode-shaped), the first step after idle(),
+        the first overlapped step after a speculative one (the loop refilling), and drafted=False
+        (a speculative step whose requests had no drafts: it says nothing of what verifying
+        delivers; measured, a warm-up without drafts settled batch 1 against speculating for the
+        whole benchmark)."""
         loop = "speculative" if speculative else "overlapped"
-        if self._last is not None and self._last_start is not None and start > self._last_start:
-            last_loop, bucket, last_tokens = self._last
-            rate = last_tokens / (start - self._last_start)
-            rates = self._buckets.setdefault(bucket, _Rates())
-            old = getattr(rates, last_loop)
-            setattr(rates, last_loop, rate if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate)
-            rates.measured[last_loop] += 1
-        # The first overlapped step after a synchronous one is not measured (see EXPLORE_RUN).
-        switched = self._last is not None and self._last[0] != loop
-        measured = tokens is not None and not (switched and loop == "overlapped") and drafted
-        self._last = (loop, _bucket(batch), tokens) if measured else None
-        if speculative and not drafted:
-            rates = self._buckets.setdefault(_bucket(batch), _Rates())
-            if rates.exploring is None:
-                rates.exploring, rates.explore_left = "overlapped", NO_DRAFT_BACKOFF
-        self._last_start = start
+        refill = loop == "overlapped" and self._last_loop == "speculative"
+        if (self._last_done is not None and done > self._last_done and tokens is not None
+                and drafted and not refill):
+            bucket = self._buckets.setdefault(_bucket(batch), _Bucket())
+            bucket.loops[loop].add(tokens, done - self._last_done)
+        self._last_done, self._last_loop = done, loop
 
     def idle(self) -> None:
-        """The engine had nothing to compute: the interval running now measures no step."""
-        self._last = None
+        """The engine had nothing to compute: the next step's interval would hold the idle time."""
+        self._last_done = None
 
     def describe(self) -> str:
         def rate(v: float | None) -> str:
             return "-" if v is None else f"{v:.0f}"
 
-        return "; ".join(f"batch<={1 << b}: speculative {rate(r.speculative)}, overlapped {rate(r.overlapped)} tok/s"
+        return "; ".join(f"batch<={1 << b}: speculative {rate(r.loops['speculative'].rate)}, "
+                         f"overlapped {rate(r.loops['overlapped'].rate)} tok/s"
                          for b, r in sorted(self._buckets.items())) or "no decode steps yet"
