@@ -72,12 +72,17 @@ class _Loop:
     rate: float | None = None       # tokens per second, EMA
     seconds: float | None = None    # seconds a step, EMA
     measured: int = 0
+    # A stretch of this loop began after hundreds of steps of the other: its estimate is that
+    # old, so the stretch's first measurement replaces it rather than move it by EMA_WEIGHT
+    # (else a workload whose acceptance rose would need several stretches to be noticed).
+    stale: bool = False
 
     def add(self, tokens: float, seconds: float) -> None:
-        rate = tokens / seconds
-        self.rate = rate if self.rate is None else (1 - EMA_WEIGHT) * self.rate + EMA_WEIGHT * rate
-        self.seconds = seconds if self.seconds is None else (1 - EMA_WEIGHT) * self.seconds + EMA_WEIGHT * seconds
+        rate, fresh = tokens / seconds, self.rate is None or self.stale
+        self.rate = rate if fresh else (1 - EMA_WEIGHT) * self.rate + EMA_WEIGHT * rate
+        self.seconds = seconds if fresh else (1 - EMA_WEIGHT) * self.seconds + EMA_WEIGHT * seconds
         self.measured += 1
+        self.stale = False
 
 
 @dataclass
@@ -89,6 +94,8 @@ class _Bucket:
 
     def explore(self, loop: str) -> str:
         self.exploring, self.explore_left, self.since_stretch = loop, EXPLORE_RUN[loop] - 1, 0
+        # Spaced by its cost, a stretch comes long after the loop's last measurement.
+        self.loops[loop].stale = min(x.measured for x in self.loops.values()) >= CLEAR_EVIDENCE
         return loop
 
     def period(self, best: str, other: str) -> int:

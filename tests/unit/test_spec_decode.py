@@ -426,6 +426,19 @@ def test_loop_chooser_exploring_costs_about_its_budget_where_speculating_loses()
     assert (clock[0] - start) / always_overlapped - 1 < 1.5 * EXPLORE_BUDGET
 
 
+def test_loop_chooser_notices_speculation_paying_after_a_workload_change():
+    """Batch 64: speculating loses (0.7x) for 1000 steps, then acceptance rises and it wins
+    (1.1x): the next stretch of it, however stale the estimate it found, switches the bucket."""
+    from deepinfer.spec_decode.overlap import LoopChooser
+
+    chooser, clock = LoopChooser(), [0.0]
+    run_chooser(chooser, 64, 1000, {True: 0.012, False: 0.0054}, {True: 1.52, False: 1.0}, clock, 0.0055)
+    picks = run_chooser(chooser, 64, 1000, {True: 0.012, False: 0.0054}, {True: 2.45, False: 1.0}, clock, 0.0055)
+    first = picks.index(True)
+    assert first < 500                                   # the stretch came within its period
+    assert sum(picks[first:]) > 0.9 * len(picks[first:])  # and the bucket speculates from then on
+
+
 def test_loop_chooser_charges_a_step_its_own_time():
     """Steps are charged the spacing of their results, whatever their loop: a verify chain left in
     flight (one step, 8 verify steps' tokens) is charged its own device time, and the first
