@@ -1,8 +1,9 @@
 """Speculative decoding's verification machinery at a controlled acceptance rate (GPU).
 
     python benchmarks/spec_replay.py [--shape llama3-8b|smollm2-135m] [--alphas 0.5 0.7 0.9] [--batch-sizes 1 16 64]
-        [--k 5] [--prompt-len 128] [--output-len 128] [--modes fixed adaptive fixed-chain adaptive-chain]
-        [--verify-chain 4] [--phases] [--trace] [--out JSON]
+        [--k 5] [--prompt-len 128] [--output-len 128] [--modes fixed adaptive fixed-chain adaptive-chain
+        draft-fixed draft-adaptive draft-fixed-eager] [--verify-chain 4] [--draft-shape llama3.2-1b]
+        [--phases] [--trace] [--out JSON]
 
 A drafter's quality and the engine's verification cost are two things; this measures the second.
 The model is the Llama-3-8B shape (or SmolLM2-135M's) with random weights. First an engine without speculation runs
@@ -22,6 +23,13 @@ embedding matrix and the layers' output projections are scaled down, so the mode
 last token by a wide margin); every kernel runs as on any weights, so the step costs the same.
 The acceptance measured per position is printed beside alpha, and `diverged` counts requests
 that left their recording anyway (they get no more drafts).
+
+Modes `draft-fixed`, `draft-adaptive` and `draft-fixed-eager` draft with a second model instead
+(method draft_model, spec_decode/draft_model.py): a random-weight model of --draft-shape (Llama
+3.2 1B's, the target's vocabulary) made to repeat its last token as the target is (stable_greedy),
+so its drafts are the target's continuation and every one is accepted: what they measure is the
+cost of drafting with a model and verifying, its decode steps in CUDA graphs or (`-eager`) not.
+They run the first alpha's prompts only (their acceptance is the draft model's own).
 
 Modes `fixed-chain` and `adaptive-chain` run verify chains (`verify_chain`, worker/verify_chain.py):
 up to --verify-chain verify steps per plan back to back on the device, the later ones drafted on
@@ -48,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from bench_common import free_memory, machine_info, random_ids, shutdown, write_json  # noqa: E402
 from gpu_fast_path import SHAPES  # noqa: E402
-from gpu_reference_baseline import write_config_dir  # noqa: E402
+from gpu_reference_baseline import LLAMA3_8B, write_config_dir  # noqa: E402
 from step_phases import StepPhases  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
@@ -59,12 +67,24 @@ def expected_emitted(alpha: float, k: int) -> float:
     return k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+# Draft models for the draft-* modes: the target's vocabulary, a smaller body.
+DRAFT_SHAPES = {"llama3.2-1b": dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                    num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)}
+
+
 def stable_greedy(llm: LLM, scale: float = 0.05) -> None:
     """Give random weights one clear greedy continuation (see the module docstring): the head
     reads the embedding matrix, so the last token's own embedding wins by ~|e|^2 over any other
     token's, and the layers' additions to the residual stream (attention and MLP output
-    projections) are scaled by `scale`. In place, so captured CUDA graphs see it."""
-    model = llm.engine.executor.runner.model
+    projections) are scaled by `scale`. In place, so captured CUDA graphs see it. A draft
+    model, if any, gets the same treatment: its greedy continuation is then the target's."""
+    stable_greedy_model(llm.engine.executor.runner.model, scale)
+    drafter = llm.engine.spec.drafter if llm.engine.spec is not None else None
+    if hasattr(drafter, "executor"):   # a draft model (spec_decode/draft_model.py)
+        stable_greedy_model(drafter.executor.runner.model, scale)
+
+
+def stable_greedy_model(model, scale: float) -> None:
     with torch.no_grad():
         if hasattr(model, "lm_head"):   # else the head is tied to the embedding already
             model.lm_head.weight.copy_(model.model.embed_tokens.weight)
@@ -79,6 +99,10 @@ def build(args, path: str, mode: str, replay_path: str | None) -> LLM:
                   num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)
     if mode == "none-sync":
         kwargs["async_scheduling"] = False
+    elif mode.startswith("draft-"):
+        kwargs["speculative_config"] = {"method": "draft_model", "model": args.draft_path,
+                                        "verification": mode.split("-")[1], "num_speculative_tokens": args.k,
+                                        "enforce_eager": mode.endswith("-eager")}
     elif mode != "none":
         verification, chained = mode.removesuffix("-chain"), mode.endswith("-chain")
         kwargs["speculative_config"] = {"method": "replay", "replay_path": replay_path, "verification": verification,
@@ -99,7 +123,8 @@ def timed(llm: LLM, prompts, params: SamplingParams, rounds: int, phases: StepPh
         if phases is not None:
             phases.take()   # from this round's first step
         before = llm.spec_decode_stats
-        diverged = llm.engine.spec.drafter.num_diverged if llm.engine.spec is not None else 0
+        # Requests that left their recording (the replay drafter's count; a draft model has none).
+        diverged = getattr(llm.engine.spec.drafter, "num_diverged", 0) if llm.engine.spec is not None else 0
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
@@ -113,7 +138,7 @@ def timed(llm: LLM, prompts, params: SamplingParams, rounds: int, phases: StepPh
                     "acceptance_per_pos": [(a1 - a0) / (v1 - v0) if v1 > v0 else None for a0, a1, v0, v1 in zip(
                         before.accepted_per_pos, after.accepted_per_pos, before.verified_per_pos,
                         after.verified_per_pos)],
-                    "diverged": llm.engine.spec.drafter.num_diverged - diverged}
+                    "diverged": getattr(llm.engine.spec.drafter, "num_diverged", 0) - diverged}
         if best is None or seconds < best[0]:
             best = (seconds, outputs, spec, None if phases is None else phases.take())
     return best
@@ -163,9 +188,12 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--modes", nargs="+", choices=["fixed", "adaptive", "fixed-chain", "adaptive-chain"],
+    parser.add_argument("--modes", nargs="+", choices=["fixed", "adaptive", "fixed-chain", "adaptive-chain",
+                                                       "draft-fixed", "draft-adaptive", "draft-fixed-eager"],
                         default=["fixed", "adaptive"],
-                        help="*-chain: verify chains of up to --verify-chain steps (worker/verify_chain.py)")
+                        help="*-chain: verify chains of up to --verify-chain steps (worker/verify_chain.py); "
+                             "draft-*: a draft model of --draft-shape (see the module docstring)")
+    parser.add_argument("--draft-shape", choices=list(DRAFT_SHAPES), default="llama3.2-1b")
     parser.add_argument("--verify-chain", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per engine (they share the GPU)")
@@ -180,6 +208,7 @@ def main() -> None:
     config = dict(SHAPES[args.shape])
     config["num_hidden_layers"] = args.layers = args.layers or config["num_hidden_layers"]
     path = write_config_dir(config)
+    args.draft_path = write_config_dir(dict(DRAFT_SHAPES[args.draft_shape], vocab_size=config["vocab_size"]))
     vocab = config["vocab_size"]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     cells = [(alpha, batch) for alpha in args.alphas for batch in args.batch_sizes]
@@ -208,14 +237,15 @@ def main() -> None:
     modes = ([] if args.no_sync_anchor else ["none-sync"]) + args.modes
     for mode in modes:
         llm = build(args, path, mode, None if mode == "none-sync" else replay_path)
-        if mode.startswith("adaptive"):
+        if "adaptive" in mode:
             costs[f"{mode}, start-up profile"] = llm.engine.spec.cost_model.describe()
         llm.generate(warm_up, params, use_tqdm=False)
-        run_cells(llm, mode, cells, prompts, params, args.rounds, rows, args.phases, args.trace)
+        mode_cells = [c for c in cells if c[0] == args.alphas[0]] if mode.startswith("draft-") else cells
+        run_cells(llm, mode, mode_cells, prompts, params, args.rounds, rows, args.phases, args.trace)
         chain = llm.engine.executor.runner.verify_chain
         if chain is not None:
             costs[f"{mode}: verify chains run, their steps"] = f"{chain.num_chains}, {chain.num_steps}"
-        if mode.startswith("adaptive"):
+        if "adaptive" in mode:
             costs[f"{mode}, after the run"] = llm.engine.spec.cost_model.describe()
             if llm.engine.loop_chooser is not None:   # overlapped steps without drafts (spec_decode/overlap.py)
                 costs[f"{mode}, loop chooser, tokens a second by loop"] = llm.engine.loop_chooser.describe()

@@ -66,6 +66,9 @@ class ModelConfig:
     layers/attention/backends/selection.py."""
     enforce_eager: bool = False
     """Run every step eagerly (no CUDA graphs for decode steps)."""
+    max_cudagraph_capture_size: int | None = None
+    """The most rows (query tokens) a captured decode graph takes; a step with more runs
+    eagerly. Unset: max_num_seqs x (1 + num_speculative_tokens), at most 512."""
     trust_remote_code: bool = False
     """Accepted for vLLM launch lines; deepinfer never runs code from a model repository, so it
     has no effect."""
@@ -84,6 +87,9 @@ class ModelConfig:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join([*DTYPES, *DTYPE_ALIASES])}, got {self.dtype!r}")
+        size = self.max_cudagraph_capture_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 8192):
+            raise ValueError(f"max_cudagraph_capture_size must be an integer in [1, 8192], got {size!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -365,6 +371,8 @@ class SpeculativeConfig:
         (ngram and replay only), so the host plans once per chain instead of once per step
         (worker/verify_chain.py says when a plan qualifies); their tokens reach the caller
         together, when the chain is collected.
+    enforce_eager: draft_model only: run the draft model eagerly (True) or replay its decode
+        steps in CUDA graphs (False); unset: as the target model does.
     """
 
     method: str = "ngram"
@@ -375,6 +383,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1             # ngram: shortest
     replay_path: str | None = None         # replay: the JSON-lines recording (spec_decode/replay.py)
     verify_chain: int = 1
+    enforce_eager: bool | None = None      # draft_model: None follows the target's enforce_eager
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -391,6 +400,8 @@ class SpeculativeConfig:
             raise bad("model", "must name the draft model (a path) when method is 'draft_model'")
         if self.method != "draft_model" and self.model is not None:
             raise bad("model", f"is only used by method 'draft_model' (method is {self.method!r})")
+        if self.enforce_eager is not None and (not isinstance(self.enforce_eager, bool) or self.method != "draft_model"):
+            raise bad("enforce_eager", "must be true or false, and is only used by method 'draft_model'")
         if self.method == "replay" and not self.replay_path:
             raise bad("replay_path", "must name the recording (a JSON-lines file) when method is 'replay'")
         if self.method != "replay" and self.replay_path is not None:

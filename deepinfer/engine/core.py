@@ -120,7 +120,8 @@ class EngineCore:
         self.spec = None
         if config.speculative is not None:
             # Built before the scheduler: the step-cost profile runs forwards on an empty KV pool.
-            self.spec = build_speculative_decoder(config, self.executor, source, self.max_model_len)
+            self.spec = build_speculative_decoder(config, self.executor, source, self.max_model_len,
+                                                  load_weights=load_weights)
         connector = make_kv_connector_scheduler(config, kv.groups, kv.block_size)
         self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager, config.cache.kv_role,
                                                                  config.cache.kv_store_load_policy)

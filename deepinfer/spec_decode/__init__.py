@@ -37,9 +37,9 @@ __all__ = ["Draft", "DraftRequest", "Drafter", "SpecDecodeStats", "SpeculativeDe
            "build_speculative_decoder"]
 
 
-def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource) -> Drafter:
+def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool = True) -> Drafter:
     """`executor` runs the target model (MTP drafts with its head; a draft model gets as many
-    KV blocks as it has)."""
+    KV blocks as it has, and random weights where the target has them: load_weights=False)."""
     spec = config.speculative
     if spec.method == "ngram":
         from deepinfer.spec_decode.ngram import NgramDrafter
@@ -56,15 +56,16 @@ def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource)
     from deepinfer.spec_decode.draft_model import DraftModelDrafter
 
     return DraftModelDrafter(spec.model, config, source.tokenizer, source.hf_config["vocab_size"],
-                             executor.kv_cache_config.num_blocks, spec.num_speculative_tokens)
+                             executor.kv_cache_config.num_blocks, spec.num_speculative_tokens, load_weights)
 
 
 def build_speculative_decoder(config: EngineConfig, executor: Executor, source: ModelSource,
-                              max_model_len: int, cost_model: StepCostModel | None = None) -> SpeculativeDecoder:
+                              max_model_len: int, cost_model: StepCostModel | None = None,
+                              load_weights: bool = True) -> SpeculativeDecoder:
     """The drafter first (it may fail fast on a bad config), then, for adaptive verification, the
     step-cost profile (unless given one)."""
     spec = config.speculative
-    drafter = build_drafter(config, executor, source)
+    drafter = build_drafter(config, executor, source, load_weights)
     if spec.verification == "adaptive" and cost_model is None:
         from deepinfer.spec_decode.cost_model import profile_step_cost
 

@@ -35,6 +35,7 @@ from deepinfer.engine.plan import CachedRequestData, NewRequestData, ScheduledCh
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
+from deepinfer.worker.model_runner import MAX_GRAPH_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -60,24 +61,31 @@ class DraftModelDrafter(Drafter):
     name = "draft_model"
 
     def __init__(self, draft_path: str, target_config: EngineConfig, target_tokenizer, target_vocab_size: int,
-                 num_blocks: int, num_speculative_tokens: int) -> None:
+                 num_blocks: int, num_speculative_tokens: int, load_weights: bool = True) -> None:
+        """load_weights=False keeps random draft weights, as the target's load_format="dummy"."""
         from deepinfer.executor import Executor
         from deepinfer.models.loader import load_model_source
 
         source = load_model_source(draft_path)
         _check_same_tokenizer(source, target_tokenizer, target_vocab_size, draft_path)
+        spec = target_config.speculative
+        eager = target_config.model.enforce_eager if spec is None or spec.enforce_eager is None else spec.enforce_eager
         config = EngineConfig(
-            # Eager: drafting steps vary in shape, and graphs would take memory the target's KV
-            # budget did not leave (the target sizes its pool before the draft model loads).
+            # Its decode steps replay CUDA graphs as the target's do: the first forward of a
+            # round (the tokens the target accepted, up to 1 + k a request) as decode rows
+            # (input_batch.fits_decode_rows), hence graphs of up to 1 + k rows a request; the
+            # later ones are one row a request.
             ModelConfig(model=draft_path, dtype=target_config.model.dtype,
-                        quantization=target_config.model.quantization, enforce_eager=True),
+                        quantization=target_config.model.quantization, enforce_eager=eager,
+                        max_cudagraph_capture_size=min(target_config.scheduler.max_num_seqs
+                                                       * (num_speculative_tokens + 1), MAX_GRAPH_ROWS)),
             # As many blocks as the target has: the draft never holds more tokens than it does.
             CacheConfig(block_size=target_config.cache.block_size, num_kv_blocks=num_blocks,
                         enable_prefix_caching=False),
             # The target's batch limits: the draft computes the same steps' tokens.
             target_config.scheduler,
             target_config.parallel)
-        self.executor = Executor.from_config(config, source)
+        self.executor = Executor.from_config(config, source, load_weights=load_weights)
         kv = self.executor.kv_cache_config
         self.kv = KVCacheManager(kv.groups, kv.num_blocks, kv.block_size, enable_prefix_caching=False)
         self.eos = frozenset(target_tokenizer.eos_token_ids)

@@ -13,7 +13,7 @@ skips, and writes into the null block). Per-request state (the KV cache, the req
 lists, the sampler's RNGs) stays outside, where it already lives.
 
 Speculative decoding's verify steps replay the same graphs: a request verifying m drafts is laid
-out as 1 + m decode rows (input_batch.verify_rows_as_decodes), row j attending up to its own
+out as 1 + m decode rows (input_batch.fits_decode_rows), row j attending up to its own
 position, so the bucket is chosen by rows, not requests, and the graph returns every row's
 logits. (Run eagerly, a verify step of the 135M model cost 16-21 ms on the H200 whatever its
 shape, launch-bound; in a graph it costs a decode step of that many rows.)
@@ -61,6 +61,7 @@ class DecodeGraphs:
             block_size=block_size, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot,
             kv_caches=kv_caches, device=device)
         self.graphs: dict[int, _Graph] = {}
+        self.num_replays = 0   # steps replayed (tests check that a path really ran in graphs)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -106,6 +107,7 @@ class DecodeGraphs:
         self.attention_buffers.advance(positions)
         entry = self.graphs[bucket]
         entry.graph.replay()
+        self.num_replays += 1
         return entry.logits[:rows]
 
     def run(self, inputs) -> torch.Tensor:
@@ -120,4 +122,5 @@ class DecodeGraphs:
         self.attention_buffers.load(meta, bucket)
         entry = self.graphs[bucket]
         entry.graph.replay()
+        self.num_replays += 1
         return entry.logits[:batch]

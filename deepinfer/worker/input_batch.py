@@ -6,8 +6,9 @@ follow. A chunk verifying speculative drafts has its drafts (`spec_token_ids`, n
 the runner) as its last tokens, and takes the prefill path: its queries share one gather of the
 request's KV (as decode rows, each query would gather its own copy, which costs several times
 more at batch 64 on the CPU). Only where a CUDA graph of decode steps replays the step
-(`verify_as_decodes`) is it laid out as one decode row per query instead, each row attending up
-to its own position: the graph's decode kernel then serves verification too. This file lays
+(`rows_as_decodes`) is it laid out as one decode row per query instead, each row attending up
+to its own position: the graph's decode kernel then serves verification too (and a short
+continuation chunk, such as a draft model's catch-up on the tokens the target accepted). This file lays
 the step out (ids, positions, each token's KV write row) the same way for every backend; the
 step's attention backend then builds its own metadata from that layout (layers/attention/backends/: gathered rows for the reference and CPU backends,
 block tables for the Triton kernels). Index arithmetic is done in numpy on the host.
@@ -31,6 +32,10 @@ from deepinfer.layers.attention.backends import AttentionBackend, AttentionMetad
 from deepinfer.layers.attention.backends.base import flat_rows, sliding_window_of
 from deepinfer.platforms.transfer import to_device
 from deepinfer.worker.request_states import StepChunk
+
+# The longest continuation chunk (no drafts) laid out as decode rows where a CUDA graph replays
+# the step: a draft model's catch-up on the tokens the target accepted is at most 1 + k.
+MAX_CONTINUATION_ROWS = 17
 
 
 @dataclass
@@ -62,23 +67,29 @@ def is_decode_row(chunk: StepChunk, window: int) -> bool:
     return chunk.num_tokens == 1 and not chunk.prompt_logprobs and not _floor_cuts(chunk, window)
 
 
-def verify_rows_as_decodes(chunk: StepChunk, window: int) -> bool:
-    """Whether a chunk verifying drafts can be laid out as 1 + m decode rows (build_step_inputs'
-    `verify_as_decodes`): row j attends to the request's KV up to its own position, which the
-    same step's KV write of rows 0..j has put in the cache before attention reads it. Its first
-    row must itself be a decode row (no live window floor, no prompt logprobs)."""
-    return (bool(chunk.spec_token_ids) and chunk.num_tokens == 1 + len(chunk.spec_token_ids)
-            and not chunk.prompt_logprobs and not _floor_cuts(chunk, window))
+def fits_decode_rows(chunk: StepChunk, window: int) -> bool:
+    """Whether a chunk of several tokens can be laid out as one decode row per token
+    (build_step_inputs' `rows_as_decodes`): row j attends to the request's KV up to its own
+    position, which the same step's KV write of rows 0..j has put in the cache before attention
+    reads it. Two kinds qualify: a chunk verifying drafts (1 + m rows), and a short continuation
+    of a request whose earlier tokens are cached (at most MAX_CONTINUATION_ROWS tokens: a draft
+    model catching up on the tokens the target accepted, or a prompt's tail after a prefix hit).
+    Its first row must itself be a decode row (no live window floor, no prompt logprobs)."""
+    if chunk.prompt_logprobs or _floor_cuts(chunk, window):
+        return False
+    if chunk.spec_token_ids:
+        return chunk.num_tokens == 1 + len(chunk.spec_token_ids)
+    return chunk.start > 0 and 1 < chunk.num_tokens <= MAX_CONTINUATION_ROWS
 
 
 def num_decode_rows(chunks: list[StepChunk], window: int) -> int | None:
-    """Rows of a step laid out with `verify_as_decodes`, or None when a chunk of it needs the
-    prefill path (then no CUDA graph can replay the step)."""
+    """Rows of a step laid out with `rows_as_decodes` (fits_decode_rows), or None when a chunk
+    of it needs the prefill path (then no CUDA graph can replay the step)."""
     rows = 0
     for c in chunks:
         if is_decode_row(c, window):
             rows += 1
-        elif verify_rows_as_decodes(c, window):
+        elif fits_decode_rows(c, window):
             rows += c.num_tokens
         else:
             return None
@@ -86,7 +97,7 @@ def num_decode_rows(chunks: list[StepChunk], window: int) -> int | None:
 
 
 def _decode_rows(chunk: StepChunk) -> list[StepChunk]:
-    """A verifying chunk as one single-token row per query (verify_rows_as_decodes)."""
+    """A chunk as one single-token row per query (fits_decode_rows)."""
     return [StepChunk(chunk.request_id, chunk.start + j, 1, chunk.block_ids, False, False, [],
                       chunk.window_floor, chunk.write_floor, chunk.model_state)
             for j in range(chunk.num_tokens)]
@@ -128,13 +139,13 @@ def build_step_inputs(chunks: list[StepChunk], token_ids: dict[str, list[int]],
                       groups: list[KVCacheGroup], block_size: int, layer_to_group: list[int],
                       layer_to_slot: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       device: torch.device, backend: AttentionBackend | str, decode_splits: int = 1,
-                      fresh_sdpa_min_tokens: int | None = None, verify_as_decodes: bool = False) -> StepInputs:
+                      fresh_sdpa_min_tokens: int | None = None, rows_as_decodes: bool = False) -> StepInputs:
     """The step's inputs, its attention metadata built by `backend` (the runner's; a name builds
     one, as tests and benchmarks comparing backends do). `decode_splits` and
-    `fresh_sdpa_min_tokens`: see StepLayout. `verify_as_decodes`: chunks verifying drafts become
-    one decode row per query (verify_rows_as_decodes), so that a CUDA graph of decode steps can
-    replay the step; `chunks` of the result stay the scheduled chunks, and a verifying chunk's
-    rows are consecutive, its last at last_token_index."""
+    `fresh_sdpa_min_tokens`: see StepLayout. `rows_as_decodes`: chunks verifying drafts and short
+    continuations become one decode row per query (fits_decode_rows), so that a CUDA
+    graph of decode steps can replay the step; `chunks` of the result stay the scheduled chunks,
+    and such a chunk's rows are consecutive, its last at last_token_index."""
     if isinstance(backend, str):
         backend = backend_named(backend)
     window = max_sliding_window(groups)
@@ -147,10 +158,11 @@ def build_step_inputs(chunks: list[StepChunk], token_ids: dict[str, list[int]],
             decodes.append(c)
             decode_rows.append(c)
             ids.append(token_ids[c.request_id][c.start])
-        elif verify_as_decodes and verify_rows_as_decodes(c, window):
+        elif rows_as_decodes and fits_decode_rows(c, window):
             decodes.append(c)
             decode_rows.extend(_decode_rows(c))
-            ids.append(token_ids[c.request_id][c.start])
+            num_known = c.num_tokens - len(c.spec_token_ids)
+            ids.extend(token_ids[c.request_id][c.start:c.start + num_known])
             ids.extend(c.spec_token_ids)
         else:
             prefills.append(c)

@@ -199,11 +199,12 @@ class ModelRunner:
             from deepinfer.worker.cuda_graphs import DecodeGraphs
 
             # With speculative decoding a request verifying k drafts is 1 + k decode rows
-            # (input_batch.verify_rows_as_decodes), so the graphs cover that many rows a request.
+            # (input_batch.fits_decode_rows), so the graphs cover that many rows a request.
             rows_per_request = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
+            max_rows = (config.model.max_cudagraph_capture_size
+                        or min(config.scheduler.max_num_seqs * rows_per_request, MAX_GRAPH_ROWS))
             self.decode_graphs = DecodeGraphs(
-                self.model, self.attention_backend, len(self.groups), spec.num_kv_heads,
-                min(config.scheduler.max_num_seqs * rows_per_request, MAX_GRAPH_ROWS),
+                self.model, self.attention_backend, len(self.groups), spec.num_kv_heads, max_rows,
                 self.max_blocks_per_seq, self.block_size,
                 self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
             self.decode_graphs.capture()
@@ -363,7 +364,7 @@ class ModelRunner:
         inputs = build_step_inputs(chunks, token_ids, self.groups, self.block_size,
                                    self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device,
                                    backend=self.attention_backend, decode_splits=decode_splits,
-                                   verify_as_decodes=bucket is not None)
+                                   rows_as_decodes=bucket is not None)
         if fill_placeholders:
             self._fill_placeholders(inputs)
         hidden = logits = row_logits = None

@@ -72,7 +72,8 @@ def test_replay_config_and_file_errors_name_the_field(tmp_path):
 def test_verifications_laid_out_as_decode_rows_attend_like_prefill_chunks(window):
     """What a CUDA graph replays for a verify step (one decode row per query, each attending up to
     its own position) gives the same attention as the prefill layout the eager path uses; the
-    step's chunks stay the scheduled ones, each verifying chunk's last row at last_token_index."""
+    step's chunks stay the scheduled ones, each verifying chunk's last row at last_token_index.
+    A short continuation of known tokens (a draft model catching up) is laid out the same way."""
     torch.manual_seed(0)
     rng = random.Random(0)
     bs, num_blocks, kv_heads, head_dim = 8, 64, 2, 16
@@ -82,29 +83,42 @@ def test_verifications_laid_out_as_decode_rows_attend_like_prefill_chunks(window
     free = list(range(1, num_blocks))
     rng.shuffle(free)
     chunks = []
-    for i, drafts in enumerate([0, 0, 3, 5, 1]):   # plain decodes first: both layouts order rows alike
+    token_ids = {}
+    # (drafts, known tokens) a chunk; plain decodes first: both layouts order rows alike.
+    for i, (drafts, known) in enumerate([(0, 1), (0, 1), (3, 1), (5, 1), (1, 1), (0, 4)]):
         context = rng.randint(1, 60)
-        blocks = [free.pop() for _ in range(-(-(context + 1 + drafts) // bs))]
-        chunks.append(StepChunk(f"r{i}", context, 1 + drafts, [blocks], True, spec_token_ids=[7] * drafts))
-    token_ids = {c.request_id: list(range(c.start + 1)) for c in chunks}
-    assert num_decode_rows(chunks, window or 0) == 2 + 4 + 6 + 2
+        blocks = [free.pop() for _ in range(-(-(context + known + drafts) // bs))]
+        chunks.append(StepChunk(f"r{i}", context, known + drafts, [blocks], True, spec_token_ids=[7] * drafts))
+        token_ids[f"r{i}"] = list(range(context + known))
+    assert num_decode_rows(chunks, window or 0) == 2 + 4 + 6 + 2 + 4
     cache = (torch.randn(num_blocks * bs, kv_heads, head_dim), torch.randn(num_blocks * bs, kv_heads, head_dim))
     layer = Attention(0, 4, kv_heads, head_dim, scale=head_dim ** -0.5, sliding_window=window)
-    q, k, v = (torch.randn(14, n, head_dim) for n in (4, kv_heads, kv_heads))
+    q, k, v = (torch.randn(18, n, head_dim) for n in (4, kv_heads, kv_heads))
     outs, layouts = [], []
     for as_decodes in (False, True):
         caches = [(cache[0].clone(), cache[1].clone())]
         inputs = build_step_inputs(chunks, token_ids, groups, bs, [0], [0], caches, torch.device("cpu"),
-                                   backend="reference", verify_as_decodes=as_decodes)
+                                   backend="reference", rows_as_decodes=as_decodes)
         with forward_context(inputs.attention):
             outs.append(layer(q, k, v))
         layouts.append(inputs)
     plain, rows = layouts
-    assert rows.attention.num_decode_tokens == 14 and plain.attention.num_decode_tokens == 2
+    assert rows.attention.num_decode_tokens == 18 and plain.attention.num_decode_tokens == 2
     assert [c.request_id for c in rows.chunks] == [c.request_id for c in plain.chunks]
-    assert rows.last_token_index == plain.last_token_index == [0, 1, 5, 11, 13]
+    assert rows.last_token_index == plain.last_token_index == [0, 1, 5, 11, 13, 17]
     assert torch.equal(rows.input_ids, plain.input_ids) and torch.equal(rows.positions, plain.positions)
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_only_short_continuations_become_decode_rows():
+    """A prompt from its start, a continuation longer than MAX_CONTINUATION_ROWS, or one asking
+    for prompt logprobs takes the prefill path (no CUDA graph replays its step)."""
+    from deepinfer.worker.input_batch import MAX_CONTINUATION_ROWS
+
+    assert num_decode_rows([StepChunk("r", 8, MAX_CONTINUATION_ROWS, [[1, 2, 3]], True)], 0) == MAX_CONTINUATION_ROWS
+    assert num_decode_rows([StepChunk("r", 0, 3, [[1]], True)], 0) is None
+    assert num_decode_rows([StepChunk("r", 8, MAX_CONTINUATION_ROWS + 1, [[1, 2, 3]], True)], 0) is None
+    assert num_decode_rows([StepChunk("r", 8, 3, [[1, 2]], True, prompt_logprobs=True)], 0) is None
 
 
 def test_a_verification_under_a_live_window_floor_stays_a_prefill_chunk():

@@ -63,11 +63,11 @@ def random_batch(rng: random.Random, num_blocks: int):
 
 
 def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, decode_splits=1, num_blocks=80,
-                 cache_dtype=None, verify_as_decodes=False):
+                 cache_dtype=None, rows_as_decodes=False):
     """The layer's output under the reference and the triton backend, and the triton step inputs.
     `cache_dtype`: the caches' storage dtype (kv_cache_dtype), None: the model's.
-    `verify_as_decodes`: the triton step lays verifying chunks out as decode rows (as a CUDA
-    graph replays them); the reference keeps them as prefill chunks."""
+    `rows_as_decodes`: the triton step lays verifying chunks and short continuations out as
+    decode rows (as a CUDA graph replays them); the reference keeps them as prefill chunks."""
     torch.manual_seed(seed)
     cache_dtype = cache_dtype or dtype
     spec = (SlidingWindowSpec(kv_heads, head_dim, dtype, cache_dtype, sliding_window=window) if window
@@ -87,7 +87,7 @@ def run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed, decode_
         caches = [(kc.clone(), vc.clone()) for kc, vc in cache]
         inputs = build_step_inputs(chunks, token_ids, groups, BS, [0], [0], caches, DEVICE, backend=backend,
                                    decode_splits=decode_splits, fresh_sdpa_min_tokens=MIN_FRESH,
-                                   verify_as_decodes=verify_as_decodes and backend == "triton")
+                                   rows_as_decodes=rows_as_decodes and backend == "triton")
         with forward_context(inputs.attention):
             outs[backend] = layer(q, k, v).float()
     return outs["reference"], outs["triton"], inputs
@@ -132,8 +132,8 @@ def test_triton_matches_reference(case, seed):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"h{c[0]}kv{c[1]}d{c[2]}w{c[3]}{str(c[4])[6:]}")
 @pytest.mark.parametrize("seed", range(2))
 def test_verifications_as_decode_rows_match_reference(case, seed):
-    """A verify step as a CUDA graph runs it: each query of a chunk verifying drafts is its own
-    decode row, attending up to its own position, in the decode kernel."""
+    """A verify step as a CUDA graph runs it: each query of a chunk verifying drafts (or of a short
+    continuation) is its own decode row, attending up to its own position, in the decode kernel."""
     heads, kv_heads, head_dim, window, dtype = case
     if INTERPRETED and dtype == torch.bfloat16:
         dtype = torch.float16
@@ -144,13 +144,15 @@ def test_verifications_as_decode_rows_match_reference(case, seed):
     for i in range(rng.randint(2, 6)):
         context = rng.randint(1, 150 if not INTERPRETED else 60)
         drafts = [7] * rng.randint(0, 5)
-        blocks = [free.pop() for _ in range(-(-(context + 1 + len(drafts)) // BS))]
-        chunks.append(StepChunk(f"r{i}", context, 1 + len(drafts), [blocks], sample=True, spec_token_ids=drafts))
+        # Or a short continuation of known tokens (a draft model catching up), laid out alike.
+        known = rng.randint(2, 6) if not drafts and rng.random() < 0.5 else 1
+        blocks = [free.pop() for _ in range(-(-(context + known + len(drafts)) // BS))]
+        chunks.append(StepChunk(f"r{i}", context, known + len(drafts), [blocks], sample=True, spec_token_ids=drafts))
     # Plain decodes first: then both layouts put the rows in the same order (the reference's
     # decodes, then its prefill chunks), so the same q/k/v rows are the same tokens in both.
-    chunks.sort(key=lambda c: bool(c.spec_token_ids))
+    chunks.sort(key=lambda c: c.num_tokens > 1)
     ref, out, inputs = run_backends(chunks, heads, kv_heads, head_dim, window, dtype, seed,
-                                    decode_splits=rng.choice([1, 3, 8]), verify_as_decodes=True)
+                                    decode_splits=rng.choice([1, 3, 8]), rows_as_decodes=True)
     assert inputs.attention.num_decode_tokens == inputs.attention.num_tokens   # all rows decode rows
     torch.testing.assert_close(out, ref, atol=tolerance(dtype), rtol=tolerance(dtype))
 
