@@ -51,8 +51,8 @@ CLEAR_EVIDENCE = 8
 # at 1 % it comes every ~370 steps (~2 s of that batch), the time a change of workload may go
 # unnoticed.
 EXPLORE_BUDGET = 0.01
-# Steps in an exploring stretch (the first of a stretch of overlapped steps is not measured: the
-# loop is filling, the host planned it with the device idle). Measured on the H200, 2-step
+# Steps in an exploring stretch (its first step is not measured: see LoopChooser.observe).
+# Measured on the H200, 2-step
 # speculative stretches recovered too slowly from a low estimate (batch 1, alpha 0.5: adaptive
 # 0.79x fixed verification, against 0.99x with 4).
 EXPLORE_RUN = {"speculative": 4, "overlapped": 4}
@@ -149,22 +149,27 @@ class LoopChooser:
                 drafted: bool = True) -> None:
         """A step's results arrived at `done` (perf_counter, once its collect returned; steps are
         collected in launch order). It is charged the time since the previous step's results
-        arrived. Not measured: tokens None (not decode-shaped), the first step after idle(),
-        the first overlapped step after a speculative one (the loop refilling), and drafted=False
-        (a speculative step whose requests had no drafts: it says nothing of what verifying
-        delivers; measured, a warm-up without drafts settled batch 1 against speculating for the
-        whole benchmark)."""
+        arrived, if that step was a measured kind of step of the same loop: each loop's rate is
+        its steady state. Not measured: tokens None (not decode-shaped), drafted=False (a
+        speculative step whose requests had no drafts: it says nothing of what verifying
+        delivers; measured, a warm-up without drafts settled batch 1 against speculating for
+        the whole benchmark), the first step after idle(), and the first step after a switch of
+        loop or after an unmeasured step: the first overlapped step refills the loop (the host
+        plans it with the device idle), the first speculative one drains it, and with a draft
+        model also computes the draft KV of every token the overlapped steps emitted (on the
+        H200, 8B shape and a 1B draft at batch 64, charging that to speculation kept the
+        adaptive engine overlapping at 0.97x of no speculation where verifying every draft ran
+        at 1.07x). The stretches' spacing counts a switch's cost (_Bucket.period)."""
         loop = "speculative" if speculative else "overlapped"
-        refill = loop == "overlapped" and self._last_loop == "speculative"
-        if (self._last_done is not None and done > self._last_done and tokens is not None
-                and drafted and not refill):
+        steady = tokens is not None and drafted   # a decode-shaped step of its loop
+        if self._last_done is not None and done > self._last_done and steady and self._last_loop == loop:
             bucket = self._buckets.setdefault(_bucket(batch), _Bucket())
             bucket.loops[loop].add(tokens, done - self._last_done)
-        self._last_done, self._last_loop = done, loop
+        self._last_done, self._last_loop = done, (loop if steady else None)
 
     def idle(self) -> None:
         """The engine had nothing to compute: the next step's interval would hold the idle time."""
-        self._last_done = None
+        self._last_done = self._last_loop = None
 
     def describe(self) -> str:
         def rate(v: float | None) -> str:

@@ -441,16 +441,17 @@ def test_loop_chooser_notices_speculation_paying_after_a_workload_change():
 
 def test_loop_chooser_charges_a_step_its_own_time():
     """Steps are charged the spacing of their results, whatever their loop: a verify chain left in
-    flight (one step, 8 verify steps' tokens) is charged its own device time, and the first
-    overlapped step after it (refilling the loop) is not measured."""
+    flight (one step, 8 verify steps' tokens) is charged its own device time; the first step
+    after a switch of loop (draining or refilling it) is not measured."""
     from deepinfer.spec_decode.overlap import LoopChooser
 
     chooser = LoopChooser()
     chooser.observe(1.000, 64, False, 64)                # the first: nothing to measure from
     chooser.observe(1.005, 64, False, 64)                # 64 tokens in 5 ms
-    chooser.observe(1.065, 64, True, 780)                # a chain: 780 tokens in 60 ms
-    chooser.observe(1.075, 64, False, 64)                # refilling: not measured
-    chooser.observe(1.080, 64, False, 64)
+    chooser.observe(1.085, 64, True, 780)                # the switch (and a draft model's catch-up)
+    chooser.observe(1.145, 64, True, 780)                # a chain: 780 tokens in 60 ms
+    chooser.observe(1.155, 64, False, 64)                # refilling
+    chooser.observe(1.160, 64, False, 64)
     assert chooser.describe() == "batch<=64: speculative 13000, overlapped 12800 tok/s"
 
 
@@ -484,6 +485,7 @@ def test_loop_chooser_ignores_idle_time_and_unshaped_steps():
     chooser.observe(0.0, 4, True, 8.0)
     chooser.idle()                                       # the engine idled
     chooser.observe(100.0, 4, True, 8.0)                 # so this step is not charged the idle time
-    chooser.observe(100.5, 4, True, None)                # a prefill step: not measured
-    chooser.observe(100.51, 4, True, 8.0)                # 8 tokens in 10 ms: 800 tok/s
+    chooser.observe(100.5, 4, True, None)                # a prefill step: not measured,
+    chooser.observe(100.6, 4, True, 8.0)                 # nor the step after it
+    chooser.observe(100.61, 4, True, 8.0)                # 8 tokens in 10 ms: 800 tok/s
     assert chooser.describe() == "batch<=4: speculative 800, overlapped - tok/s"
