@@ -22,7 +22,7 @@ often as keeps the stretches' expected cost (their shortfall against the better 
 refill of the better loop after them) within EXPLORE_BUDGET of the bucket's time. An unmeasured
 bucket tries speculation first. A speculative step whose requests had no drafts measures
 nothing about verifying: it is left out, and the bucket overlaps for a few steps before trying
-again (NO_DRAFT_BACKOFF).
+again, twice as many after each such step in a row (NO_DRAFT_BACKOFF).
 
 Only adaptive verification is chosen for: fixed verification is the user asking for every draft
 to be verified, so that engine speculates at every step.
@@ -56,8 +56,12 @@ EXPLORE_BUDGET = 0.01
 # speculative stretches recovered too slowly from a low estimate (batch 1, alpha 0.5: adaptive
 # 0.79x fixed verification, against 0.99x with 4).
 EXPLORE_RUN = {"speculative": 4, "overlapped": 4}
-# Overlapped steps a bucket runs after a speculative step that found no drafts.
+# Overlapped steps a bucket runs after a speculative step that found no drafts, doubled after
+# each further one in a row, up to NO_DRAFT_BACKOFF_MAX. Such a step costs a drain of the loop
+# for nothing, and the adaptive policy admits none where its cost model says no draft pays (on
+# the CPU at batch 64, spec_replay.py --trace: one step in five was one, 35 ms against 18 ms).
 NO_DRAFT_BACKOFF = 4
+NO_DRAFT_BACKOFF_MAX = 128
 EMA_WEIGHT = 0.2   # of the newest measurement
 LOOPS = ("speculative", "overlapped")
 
@@ -91,6 +95,7 @@ class _Bucket:
     since_stretch: int = 0             # steps since the last exploring stretch began
     exploring: str | None = None       # the loop of the stretch running now
     explore_left: int = 0
+    backoff: int = NO_DRAFT_BACKOFF    # overlapped steps after the next speculative step without drafts
 
     def explore(self, loop: str) -> str:
         self.exploring, self.explore_left, self.since_stretch = loop, EXPLORE_RUN[loop] - 1, 0
@@ -139,11 +144,13 @@ class LoopChooser:
 
     def no_drafts(self, batch: int) -> None:
         """A speculative step found no drafts for its requests (said when it is launched): the
-        bucket overlaps NO_DRAFT_BACKOFF steps before speculating again, so a workload without
-        drafts mostly overlaps."""
+        bucket overlaps a back-off of steps before speculating again (NO_DRAFT_BACKOFF, doubled
+        for each such step in a row), so a workload without drafts, or whose drafts the adaptive
+        policy finds not worth verifying, mostly overlaps."""
         bucket = self._buckets.setdefault(_bucket(batch), _Bucket())
         if bucket.exploring is None:
-            bucket.exploring, bucket.explore_left = "overlapped", NO_DRAFT_BACKOFF
+            bucket.exploring, bucket.explore_left = "overlapped", bucket.backoff
+            bucket.backoff = min(2 * bucket.backoff, NO_DRAFT_BACKOFF_MAX)
 
     def observe(self, done: float, batch: int, speculative: bool, tokens: float | None,
                 drafted: bool = True) -> None:
@@ -161,6 +168,8 @@ class LoopChooser:
         adaptive engine overlapping at 0.97x of no speculation where verifying every draft ran
         at 1.07x). The stretches' spacing counts a switch's cost (_Bucket.period)."""
         loop = "speculative" if speculative else "overlapped"
+        if speculative and drafted:   # drafts again: the next step without any backs off afresh
+            self._buckets.setdefault(_bucket(batch), _Bucket()).backoff = NO_DRAFT_BACKOFF
         steady = tokens is not None and drafted   # a decode-shaped step of its loop
         if self._last_done is not None and done > self._last_done and steady and self._last_loop == loop:
             bucket = self._buckets.setdefault(_bucket(batch), _Bucket())
