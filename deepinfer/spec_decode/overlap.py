@@ -9,9 +9,9 @@ with and without overlap), so speculating pays only where it gains more than tha
 depends on the acceptance and on the batch: the adaptive policy's cost model prices a draft
 against a synchronous step only.
 
-So the engine measures both: per batch-size bucket, the tokens a second that speculative steps
-(synchronous, drafts verified) and plain overlapped steps delivered, as exponentially weighted
-averages of decode-shaped steps. A step is timed from the moment the previous step's results
+So the engine measures both: per batch-size bucket, the tokens a second (per running request)
+that speculative steps (synchronous, drafts verified) and plain overlapped steps delivered, as
+exponentially weighted averages of decode-shaped steps. A step is timed from the moment the previous step's results
 arrived (its collect returned) to the moment its own did: that spacing holds the device's time
 and whatever host work the loop left exposed, the caller's included, for both loops alike, and a
 step left in flight (a verify step, or a verify chain of several) is charged its own device time,
@@ -73,7 +73,11 @@ def _bucket(batch: int) -> int:
 
 @dataclass
 class _Loop:
-    rate: float | None = None       # tokens per second, EMA
+    # Tokens per second per running request, EMA: a bucket spans batch sizes up to 2x apart
+    # (the batch shrinks as requests finish), and a loop measured mostly at its small end must
+    # not look slower for that (on the H200, verify chains measured while a batch of 64 ran out
+    # were then not chosen again for the next workload, where they ran 1.19x overlapping).
+    rate: float | None = None
     seconds: float | None = None    # seconds a step, EMA
     measured: int = 0
     # A stretch of this loop began after hundreds of steps of the other: its estimate is that
@@ -81,8 +85,8 @@ class _Loop:
     # (else a workload whose acceptance rose would need several stretches to be noticed).
     stale: bool = False
 
-    def add(self, tokens: float, seconds: float) -> None:
-        rate, fresh = tokens / seconds, self.rate is None or self.stale
+    def add(self, tokens: float, seconds: float, batch: int) -> None:
+        rate, fresh = tokens / (seconds * max(batch, 1)), self.rate is None or self.stale
         self.rate = rate if fresh else (1 - EMA_WEIGHT) * self.rate + EMA_WEIGHT * rate
         self.seconds = seconds if fresh else (1 - EMA_WEIGHT) * self.seconds + EMA_WEIGHT * seconds
         self.measured += 1
@@ -173,7 +177,7 @@ class LoopChooser:
         steady = tokens is not None and drafted   # a decode-shaped step of its loop
         if self._last_done is not None and done > self._last_done and steady and self._last_loop == loop:
             bucket = self._buckets.setdefault(_bucket(batch), _Bucket())
-            bucket.loops[loop].add(tokens, done - self._last_done)
+            bucket.loops[loop].add(tokens, done - self._last_done, batch)
         self._last_done, self._last_loop = done, (loop if steady else None)
 
     def idle(self) -> None:
@@ -185,5 +189,5 @@ class LoopChooser:
             return "-" if v is None else f"{v:.0f}"
 
         return "; ".join(f"batch<={1 << b}: speculative {rate(r.loops['speculative'].rate)}, "
-                         f"overlapped {rate(r.loops['overlapped'].rate)} tok/s"
+                         f"overlapped {rate(r.loops['overlapped'].rate)} tok/s a request"
                          for b, r in sorted(self._buckets.items())) or "no decode steps yet"

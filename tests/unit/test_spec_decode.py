@@ -439,6 +439,21 @@ def test_loop_chooser_notices_speculation_paying_after_a_workload_change():
     assert sum(picks[first:]) > 0.9 * len(picks[first:])  # and the bucket speculates from then on
 
 
+def test_loop_chooser_compares_loops_per_request_as_a_batch_runs_out():
+    """Overlapped steps measured at batch 64, speculative ones while a batch of 64 runs out
+    (64 down to 34 requests): per request speculation is the faster loop, and is chosen."""
+    from deepinfer.spec_decode.overlap import LoopChooser
+
+    chooser, clock = LoopChooser(), 0.0
+    for _ in range(12):                                  # 64 tokens in 5.4 ms
+        clock += 0.0054
+        chooser.observe(clock, 64, False, 64)
+    for batch in range(64, 33, -2):                      # 2 tokens a request in 8 ms
+        clock += 0.008
+        chooser.observe(clock, batch, True, 2 * batch)
+    assert chooser.choose(64)
+
+
 def test_loop_chooser_charges_a_step_its_own_time():
     """Steps are charged the spacing of their results, whatever their loop: a verify chain left in
     flight (one step, 8 verify steps' tokens) is charged its own device time; the first step
@@ -452,7 +467,7 @@ def test_loop_chooser_charges_a_step_its_own_time():
     chooser.observe(1.145, 64, True, 780)                # a chain: 780 tokens in 60 ms
     chooser.observe(1.155, 64, False, 64)                # refilling
     chooser.observe(1.160, 64, False, 64)
-    assert chooser.describe() == "batch<=64: speculative 13000, overlapped 12800 tok/s"
+    assert chooser.describe() == "batch<=64: speculative 203, overlapped 200 tok/s a request"
 
 
 def test_loop_chooser_speculative_steps_without_drafts_back_off_and_are_not_measured():
@@ -487,5 +502,5 @@ def test_loop_chooser_ignores_idle_time_and_unshaped_steps():
     chooser.observe(100.0, 4, True, 8.0)                 # so this step is not charged the idle time
     chooser.observe(100.5, 4, True, None)                # a prefill step: not measured,
     chooser.observe(100.6, 4, True, 8.0)                 # nor the step after it
-    chooser.observe(100.61, 4, True, 8.0)                # 8 tokens in 10 ms: 800 tok/s
-    assert chooser.describe() == "batch<=4: speculative 800, overlapped - tok/s"
+    chooser.observe(100.61, 4, True, 8.0)                # 8 tokens in 10 ms: 800 tok/s, 200 a request
+    assert chooser.describe() == "batch<=4: speculative 200, overlapped - tok/s a request"
