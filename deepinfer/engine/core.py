@@ -202,7 +202,9 @@ class EngineCore:
             # tokens a request the plan must know: collect it before planning.
             self._launch_deferred_sample()
             if self._in_flight is not None:
-                failed += self._apply_in_flight()
+                # An overlapped step collected with no step queued behind it: its interval lacks
+                # the planning a steady one holds, so the loop chooser leaves it out.
+                failed += self._apply_in_flight(drained=True)
         plan = self.scheduler.schedule(speculate=speculate)
         # A sampling deferred by the last step goes first on the device: its masks had the
         # caller's output processing and this schedule to fill in.
@@ -238,8 +240,9 @@ class EngineCore:
             step = _InFlight(plan, self.executor.sample_tokens(forward, None if fill is None else fill.result()),
                              forward_start, verifies=plan.verify_chain > 1 or any(c.spec_token_ids for c in plan.chunks),
                              speculative=True)
-            if self.loop_chooser is not None and not step.verifies:
-                # No drafts found: said now, so that the next choice already backs off.
+            if self.loop_chooser is not None and not step.verifies and plan.is_decode_only:
+                # Generating requests and no drafts: said now, so that the next choice already
+                # backs off. (A step with prompt chunks had none to find for those.)
                 self.loop_chooser.no_drafts(len(plan.chunks))
             if self.async_scheduling:
                 # Collected by the next step before it plans: the caller turns this step()'s
@@ -277,12 +280,13 @@ class EngineCore:
         return self.structured.start_bitmask({c.request_id: requests[c.request_id].grammar for c in constrained},
                                              {c.request_id: c.spec_token_ids for c in constrained if c.spec_token_ids})
 
-    def _apply_in_flight(self) -> list[EngineCoreOutput]:
+    def _apply_in_flight(self, drained: bool = False) -> list[EngineCoreOutput]:
         step, self._in_flight = self._in_flight, None
-        return self._finish(step)
+        return self._finish(step, drained)
 
-    def _finish(self, step: _InFlight) -> list[EngineCoreOutput]:
-        """Collect a launched step (waits for it), let the step's observers time it, apply it."""
+    def _finish(self, step: _InFlight, drained: bool = False) -> list[EngineCoreOutput]:
+        """Collect a launched step (waits for it), let the step's observers time it, apply it.
+        drained: collected before the next step was planned (see _step)."""
         plan = step.plan
         result = self.executor.collect(step.launched)
         if self.spec is not None and (step.verifies or not self.async_scheduling):
@@ -293,9 +297,9 @@ class EngineCore:
             self.spec.observe_step(plan, (time.perf_counter() - step.queued_at) / result.num_verify_steps)
         if self.loop_chooser is not None:   # the step is charged the time since the last one's results
             emitted = sum(len(t) for t in result.sampled_token_ids.values())
+            steady = plan.is_decode_only and not (drained and not step.speculative)
             self.loop_chooser.observe(time.perf_counter(), len(plan.chunks), step.speculative,
-                                      emitted if plan.is_decode_only else None,
-                                      drafted=step.verifies or not step.speculative)
+                                      emitted if steady else None, drafted=step.verifies or not step.speculative)
         if self.kv_tier is not None:   # the store's load-or-recompute policy times prefill steps
             self.kv_tier.observe_step(plan, step.queued_at)
         return self.scheduler.update(plan, result)
