@@ -153,12 +153,12 @@ def run_cells(llm: LLM, mode: str, cells, prompts, params: SamplingParams, round
     timer = StepPhases(llm.engine) if phases else None
     chooser = llm.engine.loop_chooser
     steps: list = []
-    if trace and chooser is not None:   # every step the chooser measured: (start, batch, speculative, tokens, drafted)
+    if trace and chooser is not None:   # every step the chooser saw: (done, batch, speculative, tokens, drafted)
         observe = chooser.observe
 
-        def traced(start, batch, speculative, tokens, drafted=True):
-            steps.append((round(start, 6), batch, speculative, tokens, drafted))
-            return observe(start, batch, speculative, tokens, drafted)
+        def traced(done, batch, speculative, tokens, drafted=True):
+            steps.append((round(done, 6), batch, speculative, tokens, drafted))
+            return observe(done, batch, speculative, tokens, drafted)
 
         chooser.observe = traced
     for cell in cells:

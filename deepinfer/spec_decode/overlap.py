@@ -11,11 +11,11 @@ against a synchronous step only.
 
 So the engine measures both: per batch-size bucket, the tokens a second (per running request)
 that speculative steps (synchronous, drafts verified) and plain overlapped steps delivered, as
-exponentially weighted averages of decode-shaped steps. A step is timed from the moment the previous step's results
-arrived (its collect returned) to the moment its own did: that spacing holds the device's time
-and whatever host work the loop left exposed, the caller's included, for both loops alike, and a
-step left in flight (a verify step, or a verify chain of several) is charged its own device time,
-not its successor's. It takes the better loop, and now and then runs a short stretch of the other
+exponentially weighted averages of decode-shaped steps. A step is timed from the moment the
+previous step's results arrived (its collect returned) to the moment its own did: that spacing
+holds the device's time and whatever host work the loop left exposed, the caller's included,
+for both loops alike, and a step left in flight (a verify step, or a verify chain of several)
+is charged its own device time, not its successor's. It takes the better loop, and now and then runs a short stretch of the other
 (EXPLORE_RUN steps), so a change in acceptance (another workload) is noticed: every
 EXPLORE_EVERY steps of the bucket until both loops have CLEAR_EVIDENCE measured steps, then as
 often as keeps the stretches' expected cost (their shortfall against the better loop, and the
@@ -52,9 +52,8 @@ CLEAR_EVIDENCE = 8
 # unnoticed.
 EXPLORE_BUDGET = 0.01
 # Steps in an exploring stretch (its first step is not measured: see LoopChooser.observe).
-# Measured on the H200, 2-step
-# speculative stretches recovered too slowly from a low estimate (batch 1, alpha 0.5: adaptive
-# 0.79x fixed verification, against 0.99x with 4).
+# Measured on the H200, 2-step speculative stretches recovered too slowly from a low estimate
+# (batch 1, alpha 0.5: adaptive 0.79x fixed verification, against 0.99x with 4).
 EXPLORE_RUN = {"speculative": 4, "overlapped": 4}
 # Overlapped steps a bucket runs after a speculative step that found no drafts, doubled after
 # each further one in a row, up to NO_DRAFT_BACKOFF_MAX. Such a step costs a drain of the loop
@@ -76,7 +75,8 @@ class _Loop:
     # Tokens per second per running request, EMA: a bucket spans batch sizes up to 2x apart
     # (the batch shrinks as requests finish), and a loop measured mostly at its small end must
     # not look slower for that (on the H200, verify chains measured while a batch of 64 ran out
-    # were then not chosen again for the next workload, where they ran 1.19x overlapping).
+    # were then not tried for the next workload's first 80 steps, where they ran 1.21x no
+    # speculation once tried).
     rate: float | None = None
     seconds: float | None = None    # seconds a step, EMA
     measured: int = 0
