@@ -240,6 +240,9 @@ class EngineCore:
             step = _InFlight(plan, self.executor.sample_tokens(forward, None if fill is None else fill.result()),
                              forward_start, verifies=plan.verify_chain > 1 or any(c.spec_token_ids for c in plan.chunks),
                              speculative=True)
+            if self.loop_chooser is not None and plan.verify_chain == 1 and plan.is_decode_only:
+                # (A chain's later steps draft on the device: it is priced by what it emitted.)
+                step.expected_tokens = self.spec.expected_emitted(plan.chunks)
             if self.loop_chooser is not None and not step.verifies and plan.is_decode_only:
                 # Generating requests and no drafts: said now, so that the next choice already
                 # backs off. (A step with prompt chunks had none to find for those.)
@@ -297,6 +300,8 @@ class EngineCore:
             self.spec.observe_step(plan, (time.perf_counter() - step.queued_at) / result.num_verify_steps)
         if self.loop_chooser is not None:   # the step is charged the time since the last one's results
             emitted = sum(len(t) for t in result.sampled_token_ids.values())
+            if step.expected_tokens is not None:
+                emitted = step.expected_tokens   # SpeculativeDecoder.expected_emitted says why
             steady = plan.is_decode_only and not (drained and not step.speculative)
             self.loop_chooser.observe(time.perf_counter(), len(plan.chunks), step.speculative,
                                       emitted if steady else None, drafted=step.verifies or not step.speculative)
@@ -353,6 +358,7 @@ class _InFlight:
     # drafts is a plain step: the next one may plan ahead of it.)
     verifies: bool = False
     speculative: bool = False         # the loop chooser chose speculation for it
+    expected_tokens: float | None = None   # what the adaptive policy expected it to emit
 
 
 def resolve_async_scheduling(config: EngineConfig, platform_name: str) -> bool:

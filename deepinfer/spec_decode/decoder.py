@@ -65,6 +65,8 @@ class SpeculativeDecoder:
         self.calibrator = AcceptanceCalibrator(self.k)
         self.stats = SpecDecodeStats(self.k)
         self._confidences: dict[str, list[float]] = {}   # of the drafts sent for verification
+        # The last plan's survival probabilities of the drafts it admitted (adaptive only).
+        self._survival: dict[str, list[float]] = {}
 
     def plan(self, running: list[Request], budget: int, base_tokens: int) -> dict[str, list[int]]:
         """Drafts to verify this step, per request id (absent: none).
@@ -115,12 +117,25 @@ class SpeculativeDecoder:
                     admitted[c.request_id] = 1
                     spare -= 1
         out = {}
+        survival = {c.request_id: c.survival for c in candidates}
+        self._survival = {}
         for request_id, n in admitted.items():
             draft = drafts[request_id]
             out[request_id] = draft.token_ids[:n]
             if not fixed:   # what calibration learns from (only adaptive verification reads it)
                 self._confidences[request_id] = draft.confidences[:n]
+                self._survival[request_id] = survival[request_id][:n]
         return out
+
+    def expected_emitted(self, chunks) -> float | None:
+        """Tokens a decode-shaped step of these chunks (the last plan's) is expected to emit: one
+        per request, plus each verified draft's survival probability (calibration.py). None
+        under fixed verification, which estimates no survival. The loop chooser prices a
+        speculative step by this rather than by what it emitted: at batch 1 one step emits 1 to
+        k + 1 tokens, and a few unlucky steps in a row would read as speculation not paying."""
+        if self.config.verification == "fixed":
+            return None
+        return sum(1.0 + sum(self._survival.get(c.request_id, ())[:len(c.spec_token_ids)]) for c in chunks)
 
     def observe(self, request_id: str, num_verified: int, num_accepted: int) -> None:
         confidences = self._confidences.pop(request_id, None)

@@ -336,6 +336,35 @@ def test_rejected_drafts_release_their_blocks_and_nothing_leaks(seed, verificati
     assert manager.pool.blocks_in_use() == {}
 
 
+class ConfidentDrafter(Drafter):
+    def propose(self, requests):
+        return {r.request_id: Draft([7] * r.max_drafts, [0.9, 0.6, 0.3][:r.max_drafts]) for r in requests}
+
+
+def test_expected_emitted_is_a_token_a_request_plus_the_verified_drafts_survival():
+    """What the loop chooser prices an adaptive speculative step by: one token per request, plus
+    the survival probability of each draft the step verifies (of the drafts left in its chunks,
+    which the scheduler may have cut); fixed verification estimates none."""
+    from deepinfer.engine.plan import ScheduledChunk
+
+    cost = StepCostModel({1: [(0.0, 1.0), (3.0, 1.0)]})   # verifying is free: every draft admitted
+    spec = SpeculativeDecoder(SpeculativeConfig("ngram", 3, verification="adaptive"), ConfidentDrafter(),
+                              max_model_len=64, cost_model=cost)
+    running = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=20), frozenset({0}), 20, block_size=4)
+               for i in range(2)]
+    for r in running:
+        r.num_computed_tokens = r.num_tokens - 1                # generating: the last token to compute
+    drafts = spec.plan(running, budget=100, base_tokens=2)
+    assert [len(d) for d in drafts.values()] == [3, 3]
+    q = spec.calibrator.survival([0.9, 0.6, 0.3])
+    chunks = [ScheduledChunk("r0", 2, 4, True, spec_token_ids=drafts["r0"]),
+              ScheduledChunk("r1", 2, 2, True, spec_token_ids=drafts["r1"][:1])]   # cut to one draft
+    assert spec.expected_emitted(chunks) == pytest.approx(2 + sum(q) + q[0])
+    fixed = SpeculativeDecoder(SpeculativeConfig("ngram", 3, verification="fixed"), ConfidentDrafter(), 64)
+    fixed.plan(running, budget=100, base_tokens=2)
+    assert fixed.expected_emitted(chunks) is None
+
+
 def test_cost_model_corrects_a_bad_profile_point_online():
     # The profile caught a stall at b=4, e=5 (10 s); the real step takes ~1 s.
     cost = StepCostModel({4: [(0.0, 0.5), (5.0, 10.0)]})
