@@ -29,6 +29,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from deepinfer.config import CacheConfig, EngineConfig, ModelConfig
 from deepinfer.engine.block_tables import RunnerBlockTables
 from deepinfer.engine.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
@@ -169,6 +171,29 @@ class DraftModelDrafter(Drafter):
             seq.num_computed_tokens = min(seq.num_computed_tokens, base + kept)
         # The step computing the last known token samples draft 1: at least that one is left.
         seq.num_computed_tokens = min(seq.num_computed_tokens, max(len(token_ids) - 1, 0))
+
+
+def draft_footprint(draft_path: str, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes per block) the draft model will take beside the target: the
+    target's KV budget keeps room for both, since the draft gets as many blocks as the target
+    (DraftModelDrafter). Counted on a model built on the meta device (no memory), in the
+    target's dtype with a KV cache of that dtype, as the drafter builds it. A draft with
+    sliding-window layers is counted as if its windowed pools grew with the blocks too (its
+    real pools are bounded): the room kept is then a little more than it needs."""
+    from deepinfer.kv_cache.tensors import KVLayout
+    from deepinfer.models.loader import load_model_source
+    from deepinfer.models.registry import model_class
+
+    hf_config = load_model_source(draft_path, skip_tokenizer_init=True).hf_config
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = model_class(hf_config)(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights, KVLayout.from_specs(model.kv_cache_specs(dtype), block_size, dtype).bytes_per_block
 
 
 def _check_same_tokenizer(source, target_tokenizer, target_vocab_size: int, path: str) -> None:

@@ -302,6 +302,17 @@ class ModelRunner:
                 cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes, weight_bytes=self.weight_bytes)
             fixed = sum(bounded_blocks * layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if b)
             per_block = sum(layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if not b)
+            spec = self.config.speculative
+            if spec is not None and spec.method == "draft_model":
+                # The draft model loads after this pool is sized and takes as many blocks: room
+                # for its KV a block, and on a GPU (whose budget is all the process may use) for
+                # its weights.
+                from deepinfer.spec_decode.draft_model import draft_footprint
+
+                draft_weights, draft_per_block = draft_footprint(spec.model, self.dtype, self.block_size)
+                per_block += draft_per_block
+                if self.platform.name == "cuda":
+                    fixed += draft_weights
             num_blocks = max((budget - fixed) // per_block, 2)
         return num_blocks, layout.pool_blocks(num_blocks, bounded_blocks, self._max_model_len())
 

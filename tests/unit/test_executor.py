@@ -93,6 +93,25 @@ def test_the_plan_is_final_when_schedule_returns(tiny_llama, overlapped):
     pickle.dumps(masks)   # a finished value, ready to cross to another process
 
 
+def test_a_draft_model_shares_the_target_kv_budget(tiny_llama):
+    """The draft model takes as many KV blocks as the target and loads after the target's pool
+    is sized: the pool is sized for both, so the two together stay inside the budget (on the
+    CPU, cpu_kv_cache_bytes; a GPU also keeps room for the draft's weights)."""
+    from deepinfer.platforms import current_platform
+
+    if current_platform().name != "cpu":
+        pytest.skip("the CPU's KV budget is a fixed number of bytes; a GPU's follows its free memory")
+    budget = 1 << 20
+    kw = {**{k: v for k, v in KW.items() if k != "num_kv_blocks"}, "cpu_kv_cache_bytes": budget}
+    plain = LLM(tiny_llama, max_model_len=64, **kw)
+    target_block = plain.engine.executor.runner.bytes_per_block
+    assert plain.engine.num_kv_blocks == budget // target_block
+    llm = LLM(tiny_llama, max_model_len=64, speculative_config={"method": "draft_model", "model": tiny_llama}, **kw)
+    draft_block = llm.engine.spec.drafter.executor.runner.bytes_per_block
+    assert llm.engine.num_kv_blocks == budget // (target_block + draft_block)
+    assert llm.engine.spec.drafter.executor.kv_cache_config.num_blocks == llm.engine.num_kv_blocks
+
+
 def test_a_draft_model_gets_its_executor_from_the_same_factory(tiny_llama):
     llm = LLM(tiny_llama, max_model_len=64, speculative_config={"method": "draft_model", "model": tiny_llama,
                                                                 "verification": "fixed", "num_speculative_tokens": 2},
