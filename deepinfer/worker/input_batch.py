@@ -8,8 +8,8 @@ request's KV (as decode rows, each query would gather its own copy, which costs 
 more at batch 64 on the CPU). Only where a CUDA graph of decode steps replays the step
 (`rows_as_decodes`) is it laid out as one decode row per query instead, each row attending up
 to its own position: the graph's decode kernel then serves verification too (and a short
-continuation chunk, such as a draft model's catch-up on the tokens the target accepted). This file lays
-the step out (ids, positions, each token's KV write row) the same way for every backend; the
+continuation chunk, such as a draft model's catch-up on the tokens the target accepted). This
+file lays the step out (ids, positions, each token's KV write row) the same way for every backend; the
 step's attention backend then builds its own metadata from that layout (layers/attention/backends/: gathered rows for the reference and CPU backends,
 block tables for the Triton kernels). Index arithmetic is done in numpy on the host.
 
@@ -34,7 +34,8 @@ from deepinfer.platforms.transfer import to_device
 from deepinfer.worker.request_states import StepChunk
 
 # The longest continuation chunk (no drafts) laid out as decode rows where a CUDA graph replays
-# the step: a draft model's catch-up on the tokens the target accepted is at most 1 + k.
+# the step: a draft model's catch-up on the tokens the target accepted is at most 1 + k (k up to
+# 16 here; a longer catch-up runs eagerly).
 MAX_CONTINUATION_ROWS = 17
 
 
