@@ -10,8 +10,9 @@ more at batch 64 on the CPU). Only where a CUDA graph of decode steps replays th
 to its own position: the graph's decode kernel then serves verification too (and a short
 continuation chunk, such as a draft model's catch-up on the tokens the target accepted). This
 file lays the step out (ids, positions, each token's KV write row) the same way for every
-backend; the step's attention backend then builds its own metadata from that layout (layers/attention/backends/: gathered rows for the reference and CPU backends,
-block tables for the Triton kernels). Index arithmetic is done in numpy on the host.
+backend; the step's attention backend then builds its own metadata from that layout
+(layers/attention/backends/: gathered rows for the reference and CPU backends, block tables for
+the Triton kernels). Index arithmetic is done in numpy on the host.
 
 SWA Bounded Replay (StepChunk.window_floor / write_floor): a one-token chunk whose sliding
 window still reaches below its request's window floor is laid out as a prefill row, so only the
