@@ -344,8 +344,9 @@ class Scheduler:
         # (nothing in the loop reads a matcher); a request verifying drafts advances in order.
         grammars, grammar_tokens = [], []
         for chunk in plan.chunks:
-            ahead = chunk.request_id in self._allocated_ahead   # blocks for a chain (schedule)
-            self._allocated_ahead.discard(chunk.request_id)
+            ahead = chunk.request_id in self._allocated_ahead
+            if ahead:   # blocks allocated for a chain (schedule): trimmed below either way
+                self._allocated_ahead.discard(chunk.request_id)
             request = self.requests.get(chunk.request_id)
             if request is None:
                 continue  # finished or aborted while the step ran
