@@ -10,12 +10,6 @@ GEMV launches with PDL (where the GPU has it), each call following the one befor
 `--tune` searches tile sizes and prints the TUNED table for gemv.py. Last, the whole model's
 decode matmuls (all layers' projections and the head) in one graph, each way: the matmul part
 of one batch-1 decode step.
-
-    python benchmarks/decode_gemv.py --rows 2 4 6 8 16 [--search-rows 6]
-
-does the same for steps of a few rows (layers/fused/few_rows.py against cuBLAS): a tile search
-per projection at --search-rows rows, each row count with the best tiles, the FEW_ROWS_TUNED
-table (shapes that beat cuBLAS at every row count), and a whole step's matmuls at --search-rows.
 """
 
 from __future__ import annotations
@@ -84,83 +78,14 @@ def tune(n: int, k: int, weights: list[torch.Tensor], x: torch.Tensor) -> tuple[
     return best
 
 
-def step_matmuls(config: dict, rows: int) -> tuple[list[torch.Tensor], dict[int, torch.Tensor], int]:
-    """One decode step's weights (every layer's four projections and the head), an input of
-    `rows` rows per K, and the weights' bytes."""
-    shapes = projections(config)
-    mats = [torch.randn(*shapes[p], dtype=torch.bfloat16, device="cuda") * 0.02
-            for _ in range(config["num_hidden_layers"]) for p in ("qkv", "o", "gate_up", "down")]
-    mats.append(torch.randn(*shapes["head"], dtype=torch.bfloat16, device="cuda") * 0.02)
-    xs = {k: torch.randn(rows, k, dtype=torch.bfloat16, device="cuda") for k in {m.shape[1] for m in mats}}
-    return mats, xs, sum(m.numel() * 2 for m in mats)
-
-
-FEW_ROWS_SEARCH = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4, 5)))
-
-
-def few_rows(config: dict, row_counts: list[int], search_rows: int, step_rows: int, bandwidth: float) -> None:
-    """Few-rows products (layers/fused/few_rows.py) against cuBLAS: the best tile configuration
-    of each projection at `search_rows` rows, then every row count with it, then one step's
-    matmuls at `step_rows` rows each way. Prints FEW_ROWS_TUNED for the shapes where the kernel
-    beat cuBLAS at every row count."""
-    import triton
-
-    from deepinfer.layers.fused.few_rows import few_rows_matmul
-
-    tuned = {}
-    for name, (n, k) in projections(config).items():
-        weights = weight_copies(n, k)
-        nbytes = n * k * 2
-        x = torch.randn(search_rows, k, dtype=torch.bfloat16, device="cuda")
-        best = (None, float("inf"))
-        for cfg in FEW_ROWS_SEARCH:
-            try:
-                t = graph_time([lambda w=w, c=cfg: few_rows_matmul(x, w, config=c) for w in weights] * 4)
-            except triton.runtime.errors.OutOfResources:   # tiles x stages past the shared memory
-                continue
-            if t < best[1]:
-                best = (cfg, t)
-        cfg = best[0]
-        wins = True
-        parts = []
-        for rows in row_counts:
-            xr = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-            err = (few_rows_matmul(xr, weights[0], config=cfg).float() - F.linear(xr, weights[0]).float()).abs().max().item()
-            t_blas = graph_time([lambda w=w: F.linear(xr, w) for w in weights] * 4)
-            t_ours = graph_time([lambda w=w: few_rows_matmul(xr, w, config=cfg) for w in weights] * 4)
-            wins &= t_ours < t_blas
-            parts.append(f"M={rows}: cuBLAS {t_blas * 1e6:.1f} us ({nbytes / t_blas / 1e12:.2f} TB/s), "
-                         f"ours {t_ours * 1e6:.1f} us ({nbytes / t_ours / 1e12:.2f} TB/s) x{t_blas / t_ours:.2f} "
-                         f"|diff| {err:.1e}")
-        print(f"{name:>8} N={n:<6} K={k:<6} best {cfg} at M={search_rows}:\n    " + "\n    ".join(parts), flush=True)
-        if wins:
-            tuned[(n, k)] = cfg
-        del weights
-        torch.cuda.empty_cache()
-    print("FEW_ROWS_TUNED =", tuned, flush=True)
-
-    mats, xs, total = step_matmuls(config, step_rows)
-    ours = lambda x, m: few_rows_matmul(x, m, config=tuned.get(tuple(m.shape))) if tuple(m.shape) in tuned else F.linear(x, m)  # noqa: E731
-    for label, fn in (("cuBLAS", F.linear), ("few-rows where tuned", ours)):
-        t = graph_time([lambda m=m: fn(xs[m.shape[1]], m) for m in mats]) * len(mats)
-        print(f"all decode matmuls at {step_rows} rows ({len(mats)} products, {total / 1e9:.2f} GB) with {label}: "
-              f"{t * 1e3:.3f} ms = {total / t / bandwidth:.3f} x copy bandwidth", flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
     parser.add_argument("--tune", action="store_true")
-    parser.add_argument("--rows", type=int, nargs="*", default=None,
-                        help="instead: the few-rows kernel against cuBLAS at these row counts (2-16)")
-    parser.add_argument("--search-rows", type=int, default=6, help="--rows: tile search at this row count")
     args = parser.parse_args()
     config = SHAPES[args.shape]
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s  ({torch.cuda.get_device_name()})", flush=True)
-    if args.rows:
-        few_rows(config, args.rows, args.search_rows, args.search_rows, bandwidth)
-        return
     tuned = {}
     for name, (n, k) in projections(config).items():
         weights = weight_copies(n, k)
@@ -182,8 +107,14 @@ def main() -> None:
     if tuned:
         print("TUNED =", {key: value for key, value in tuned.items()}, flush=True)
 
-    # One decode step's matmuls, one row.
-    mats, xs, total = step_matmuls(config, 1)
+    # One decode step's matmuls, one row: every layer's four projections and the head.
+    shapes = projections(config)
+    layers = config["num_hidden_layers"]
+    mats = [torch.randn(*shapes[p], dtype=torch.bfloat16, device="cuda") * 0.02
+            for _ in range(layers) for p in ("qkv", "o", "gate_up", "down")]
+    mats.append(torch.randn(*shapes["head"], dtype=torch.bfloat16, device="cuda") * 0.02)
+    total = sum(m.numel() * 2 for m in mats)
+    xs = {k: torch.randn(1, k, dtype=torch.bfloat16, device="cuda") for k in {m.shape[1] for m in mats}}
     for label, fn in (("cuBLAS", F.linear), ("gemv", gemv)):
         t = graph_time([lambda m=m: fn(xs[m.shape[1]], m) for m in mats]) * len(mats)
         print(f"all decode matmuls ({len(mats)} products, {total / 1e9:.2f} GB) with {label}: {t * 1e3:.3f} ms = "

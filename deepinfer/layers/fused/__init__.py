@@ -15,8 +15,6 @@ Each kernel here does one of those groups in one pass over the data:
   kv_write.py    K and V of this step written into the paged caches at their slots (for layers
                  without rotary)
   gemv.py        the projections of a one-row decode step (weight-streaming matrix-vector)
-  few_rows.py    the same for 2-16 rows on tensor cores (measured, not used by the model yet:
-                 its docstring says why)
 
 Programmatic dependent launch (PDL, Hopper and later): in a decode step each kernel is short, and
 the GPU would sit idle between one kernel's last block and the next kernel's first. Launched with
