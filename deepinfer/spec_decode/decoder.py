@@ -117,14 +117,14 @@ class SpeculativeDecoder:
                     admitted[c.request_id] = 1
                     spare -= 1
         out = {}
-        survival = {c.request_id: c.survival for c in candidates}
-        self._survival = {}
         for request_id, n in admitted.items():
             draft = drafts[request_id]
             out[request_id] = draft.token_ids[:n]
             if not fixed:   # what calibration learns from (only adaptive verification reads it)
                 self._confidences[request_id] = draft.confidences[:n]
-                self._survival[request_id] = survival[request_id][:n]
+        if not fixed:
+            self._survival = {c.request_id: c.survival[:admitted[c.request_id]]
+                              for c in candidates if c.request_id in admitted}
         return out
 
     def expected_emitted(self, chunks) -> float | None:
