@@ -1,6 +1,6 @@
 """The CUDA fast path's attention against the reference backend and SDPA's flash kernel, per call.
 
-    python benchmarks/attention_kernels.py [--cases prefill,extend,decode,replay] [--sweep] [--sweep-dims 64,128,256]
+    python benchmarks/attention_kernels.py [--cases prefill,extend,decode,long,replay] [--sweep] [--sweep-dims 64,128,256]
                                            [--kv-cache-dtype auto|fp8] [--replay-contexts 4096,...] [--out FILE.json]
 
 Llama-3-8B's attention shape (32 query heads, 8 KV heads, head_dim 128), bf16, 16-token blocks
@@ -15,6 +15,13 @@ scattered at random over the pool, one layer:
             gpu_fast_path.py's (c)) (paged decode kernel, split along the sequence; timed as a CUDA
             graph replay, as the engine runs decode). Anchor: flash over contiguous K/V. Also KV
             bytes read per second against the copy bandwidth.
+
+  long      chunks on a cached prefix from 1,024 queries on 4,096 keys to 16,384 on 114,688 (the
+            last chunk of a 128k prompt): what the engine runs (sdpa_extend.py's cuDNN parts over
+            keys gathered from the cache where sdpa_extend.takes says so, the paged prefill kernel
+            elsewhere; the gather is timed with it) against the paged prefill kernel, each checked
+            against the other; each also with its device time per call (torch's profiler): small
+            chunks are bound by the host's launches when timed alone. Not in the default --cases.
 
   replay    the paged prefill kernel split along the keys (triton_prefill.py) on SWA Bounded
             Replay's shape: 576 queries at the end of a 4k/8k/16k/32k context through a global
@@ -233,6 +240,48 @@ def case_extend(matmul: float, failures: list[str], context: int = 7168, q_len: 
     timed("SDPA flash, contiguous K/V, lower-right causal", anchor, flops, matmul)
 
 
+LONG_SHAPES = [(4096, 1024), (8192, 1024), (2048, 2048), (8192, 2048), (4096, 4096), (8192, 8192),
+               (16384, 16384), (114688, 16384)]   # (cached keys, queries)
+
+
+def device_ms(fn, calls: int = 10) -> float:
+    """Milliseconds of device work per call (the kernels' own time, from torch's profiler): what a
+    call costs inside a step whose host runs ahead, where do_bench's wall time per call also
+    counts the host's launches when they take longer than the kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
+def case_long(matmul: float, failures: list[str]) -> None:
+    from deepinfer.layers.attention.sdpa_extend import takes
+    from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
+
+    for context, q_len in LONG_SHAPES:
+        route = "sdpa_extend" if takes(context, q_len) else "paged kernel"
+        out(f"long: {q_len} queries on {context} cached keys, {HEADS}/{KV_HEADS} heads (engine: {route})")
+        step = Step([context], [q_len])
+        fast = step.inputs("triton")
+        meta = fast.attention
+        kernel = lambda: paged_prefill_attention(   # noqa: E731
+            step.q, step.k_cache, step.v_cache, meta.groups[0].block_table, meta.seq_lens, meta.prefill_query_start,
+            q_len, HEAD_DIM ** -0.5, None, BLOCK, max_seq_len=context + q_len)
+        engine = step.attention_call(fast)
+        check("engine path vs paged prefill kernel", engine(), kernel, failures)
+        flops = causal_flops(HEADS, HEAD_DIM, context, q_len)
+        engine_device, kernel_device = device_ms(engine), device_ms(kernel)
+        timed(f"engine path ({route})", engine, flops, matmul, extra=lambda ms: f", device {engine_device * 1e3:.1f} us")
+        timed("paged prefill kernel", kernel, flops, matmul, extra=lambda ms: f", device {kernel_device * 1e3:.1f} us")
+        del step, fast, meta
+        torch.cuda.empty_cache()
+
+
 def case_decode(matmul: float, bandwidth: float, failures: list[str], batch: int, context: int) -> None:
     from deepinfer.kv_cache.dtypes import is_fp8
     from deepinfer.layers.attention.triton_decode import num_splits_for, paged_decode_attention
@@ -379,7 +428,8 @@ def sweep(head_dims: list[int], failures: list[str]) -> None:
 
             expected = run(config=default)
             best = None
-            for block_m, block_n in SWEEP_TILES:
+            tiles = SWEEP_TILES + [default[:2]] * (default[:2] not in SWEEP_TILES)
+            for block_m, block_n in tiles:
                 for warps in (4, 8):
                     for stages in (2, 3):
                         config = (block_m, block_n, warps, stages)
@@ -435,6 +485,8 @@ def main() -> None:
             case_prefill(matmul, failures)
         if "extend" in cases:
             case_extend(matmul, failures)
+        if "long" in cases:
+            case_long(matmul, failures)
         if "decode" in cases:
             for batch, context in ((1, 1024), (1, 8192), (64, 1024), (64, 8192), (512, 1152)):
                 case_decode(matmul, bandwidth, failures, batch, context)

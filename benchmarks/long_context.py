@@ -2,7 +2,8 @@
 Llama 3.1 is: rope_type llama3, factor 8 over 8k), against floors measured in the same run.
 
     python3 benchmarks/long_context.py [--context 131072] [--decode-tokens 64] [--layers 32]
-        [--max-num-batched-tokens 16384] [--short-context 16384] [--enforce-eager] [--out long.json]
+        [--max-num-batched-tokens 16384] [--short-context 16384] [--enforce-eager]
+        [--compare-paged-kernel] [--out long.json]
 
 Prints and writes (JSON):
   prefill   the time of the prompt's prefill (generate with max_tokens=1, prefix cache empty),
@@ -11,11 +12,17 @@ Prints and writes (JSON):
   memory    the device memory the prefill added at its peak (torch's max_memory_allocated, reset
             before it) against the bound chunked prefill promises: the same peak for one
             --short-context prompt (its chunks are as large; only the context they attend over
-            differs). The weights and the KV pool are allocated before either and reported beside
+            differs), and against that bound plus what the runner reserves for chunks on a long
+            prefix (their keys gathered for cuDNN, layers/attention/sdpa_extend.py). The weights
+            and the KV pool are allocated before either and reported beside
   decode    batch-1 decode tok/s at that context: the prompt again (a prefix hit on all but its
             last block), with max_tokens = 1 + --decode-tokens and = 1, the difference over
             --decode-tokens; against the roofline = copy bandwidth / (weight bytes + the KV bytes
             of the context, read once per token)
+
+--compare-paged-kernel first times the same prefill with every chunk in the paged prefill kernel
+(no chunk routed to sdpa_extend), the prefix cache emptied before and after, and reports both
+runs' two likeliest first tokens with their logprobs.
 
 Random bf16 weights (load_format="dummy"): nothing to transfer, the kernels' work is the real
 model's. Takes about 3-4 minutes on an H200 (most of it the engine's start and the prefill).
@@ -61,6 +68,7 @@ def main() -> None:
                         help="the prompt whose peak memory is the bound (one chunk or a few)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--compare-paged-kernel", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -94,6 +102,12 @@ def main() -> None:
         params = SamplingParams(max_tokens=max_tokens, **GREEDY)
         return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
 
+    def first_token(prompt: list[int]) -> list[tuple[int, float]]:
+        """The two likeliest first tokens with their logprobs (random weights make near ties)."""
+        params = SamplingParams(max_tokens=1, logprobs=2, **GREEDY)
+        top = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].logprobs[0]
+        return sorted(((token, round(lp.logprob, 4)) for token, lp in top.items()), key=lambda x: -x[1])
+
     vocab = config["vocab_size"]
     short = random_prompts(1, args.short_context, vocab, seed=1)[0]
     long = random_prompts(1, prompt_len, vocab, seed=2)[0]
@@ -101,7 +115,28 @@ def main() -> None:
 
     _, short_peak = peak_added(lambda: generate(short, 1))
     report(result, "activation_bound_gb", short_peak / 1e9, args.out)
-    prefill_s, long_peak = peak_added(lambda: generate(long, 1))
+    reserve = runner.attention_backend.workspace_bytes(runner.groups, args.context, args.max_num_batched_tokens,
+                                                       config["num_attention_heads"])
+    report(result, "sdpa_extend_reserve_gb", reserve / 1e9, args.out)
+    first_tokens = []
+    if args.compare_paged_kernel:
+        from bench_common import reset_prefix_cache
+
+        from deepinfer.layers.attention import sdpa_extend
+
+        shapes, sdpa_extend.EXTEND_MIN_SHAPES = sdpa_extend.EXTEND_MIN_SHAPES, ()   # no chunk qualifies
+        try:
+            paged_s, paged_peak = peak_added(lambda: first_tokens.append(first_token(long)))
+        finally:
+            sdpa_extend.EXTEND_MIN_SHAPES = shapes
+        reset_prefix_cache(llm)
+        report(result, "prefill_paged_kernel_s", paged_s, args.out)
+        report(result, "prefill_paged_kernel_peak_added_gb", paged_peak / 1e9, args.out)
+    prefill_s, long_peak = peak_added(lambda: first_tokens.append(first_token(long)))
+    if args.compare_paged_kernel:
+        report(result, "speedup_over_paged_kernel", paged_s / prefill_s, args.out)
+        report(result, "first_tokens_paged_kernel", first_tokens[0], args.out)
+        report(result, "first_tokens", first_tokens[1], args.out)
     floor = prefill_floor_s(c, prompt_len, flops)
     report(result, "prefill_s", prefill_s, args.out)
     report(result, "prefill_floor_s", floor, args.out)
@@ -109,6 +144,7 @@ def main() -> None:
     report(result, "prefill_attention_share_of_floor", attention_flops(c, 0, prompt_len) / flops / floor, args.out)
     report(result, "prefill_peak_added_gb", long_peak / 1e9, args.out)
     report(result, "peak_over_bound", long_peak / short_peak, args.out)
+    report(result, "peak_over_bound_and_reserve", long_peak / (short_peak + reserve), args.out)
     report(result, "device_peak_gb", torch.cuda.max_memory_allocated() / 1e9, args.out)
 
     hit_s = timed(lambda: generate(long, 1))   # the prefix hit alone: the last block recomputed

@@ -301,6 +301,9 @@ class ModelRunner:
                 gpu_memory_utilization=cache.gpu_memory_utilization,
                 cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes, weight_bytes=self.weight_bytes)
             fixed = sum(bounded_blocks * layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if b)
+            fixed += self.attention_backend.workspace_bytes(
+                self.groups, self._max_model_len(), self.config.scheduler.max_num_batched_tokens,
+                self.hf_config.get("num_attention_heads", 0))
             per_block = sum(layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if not b)
             spec = self.config.speculative
             if spec is not None and spec.method == "draft_model":

@@ -4,9 +4,10 @@ Each sequence contributes `q_len` query tokens (rows `query_start[s]:query_start
 that sit at the end of its `seq_lens[s]` KV positions: the first `seq_lens[s] - q_len` are a
 cached prefix (prefix-cache hit, or earlier chunks of a chunked prefill) and the chunk's own K/V
 are already written to the paged cache. So every key is read through the block table, and one
-kernel covers a fresh prompt, a chunk on top of a prefix, and a sliding window. (The attention
-layer sends long fresh prompts to SDPA's flash kernel instead, see layer.py; this kernel is the
-one for chunks on cached prefixes, windows that cut a chunk, and batches of short chunks.)
+kernel covers a fresh prompt, a chunk on top of a prefix, and a sliding window. (The Triton
+backend sends long fresh prompts to SDPA's tiled kernels instead, see layer.py, and long chunks on
+long prefixes of full-attention layers to cuDNN's, see sdpa_extend.py; this kernel is the one for
+the other chunks on cached prefixes, windows, and batches of short chunks.)
 
 One program per (query tile, sequence, query head), flash-attention style (online softmax in
 fp32, in base 2: log2(e) is folded into the scale so each score costs one exp2). The key range
@@ -298,17 +299,21 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for sm_90 under Triton 3.6.
 
     bf16/fp16: 128-query tiles on two warpgroups (the Q tile stays in registers for the whole
-    key loop; the wider it is, the more tensor-core work per key tile loaded) and 64-key tiles
-    behind a 3-stage copy pipeline, which fits in shared memory and registers without spills
-    (read off ptxas for sm_90; 4 warps would spill). At head_dim 256 the tiles halve and the
-    pipeline is 2 deep. The ptxas figures: docs/benchmarks/design-measurements.md#triton-prefill-config.
+    key loop; the wider it is, the more tensor-core work per key tile loaded) behind a 3-stage
+    copy pipeline; at head_dim 128 the key tiles are 128 wide (timed fastest on the H200 by
+    `benchmarks/attention_kernels.py --sweep`: 371 against 323 TFLOP/s for the 64-wide ones on an
+    8k prefill, 336 against 277 for 1,024 queries on 7,168 keys), at 64 they stay 64 wide (the
+    same speed). At head_dim 256 the tiles halve and the pipeline is 2 deep. Figures:
+    docs/benchmarks/design-measurements.md#triton-prefill-config.
     float32 models are
     for parity tests only (IEEE products run on the FMA units): 16-query tiles, which compile
     without spilling at every head size.
     """
     if dtype == torch.float32:
         return (16, 32, 4, 1) if head_dim <= 128 else (16, 32, 8, 1)
-    if head_dim <= 128:
+    if head_dim == 128:
+        return 128, 128, 8, 3
+    if head_dim < 128:
         return 128, 64, 8, 3
     return 64, 32, 8, 2
 

@@ -182,6 +182,12 @@ class AttentionBackend(ABC):
             parts.append("CUDA graphs for decode steps unless enforce_eager")
         return "; ".join(parts)
 
+    def workspace_bytes(self, groups: list[KVCacheGroup], max_model_len: int, max_num_batched_tokens: int,
+                        num_heads: int) -> int:
+        """Device memory a step may take beyond the step the runner profiles (a fresh chunk of
+        max_num_batched_tokens), which the KV budget leaves free. 0: none."""
+        return 0
+
     def decode_splits(self, batch: int, num_kv_heads: int) -> int:
         """Sequence splits of the decode kernel for a batch of this many rows (StepLayout.decode_splits)."""
         return 1

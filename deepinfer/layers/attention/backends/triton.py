@@ -5,7 +5,8 @@ kernel (triton_decode.py) or, over an fp8 cache, to the CUDA C++ kernel (cuda_de
 takes the call; chunks on top of cached tokens and short fresh chunks go to the paged prefill
 kernel (triton_prefill.py), one launch for all of them; long fresh chunks (from position 0, so
 the step holds all their K/V) attend with SDPA's tiled kernels over the step's own K/V
-(Attention._fresh_chunk). Around attention it turns on every fused kernel of layers/fused/.
+(Attention._fresh_chunk), and long chunks on a long cached prefix of a full-attention group with
+cuDNN's kernel over keys gathered from the cache (sdpa_extend.py). Around attention it turns on every fused kernel of layers/fused/.
 
 Triton is imported only inside the methods that launch kernels: this module is imported on CPU
 machines too (selection.py lists every backend).
@@ -26,6 +27,7 @@ from deepinfer.layers.attention.backends.base import (
     DecodeGraphBuffers,
     GroupMetadata,
     StepLayout,
+    flat_rows,
     sliding_window_of,
 )
 from deepinfer.layers.attention.layer import equal_length_runs
@@ -56,6 +58,11 @@ class TritonGroupMetadata(GroupMetadata):
     # kernel's key split is chosen from it without reading seq_lens back from the device.
     sdpa_prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
     kernel_prefill_rows: torch.Tensor | None = None
+    # Long chunks on a long cached prefix of a full-attention group (sdpa_extend.takes): each as
+    # (its token range's start, end, its first position, the cache rows of its positions [0, end)
+    # as an int64 device tensor); they attend with cuDNN over keys gathered from the cache, not
+    # in the paged prefill kernel. The rows are the same for every layer: computed once a step.
+    extend_chunks: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
     kernel_max_prefill_len: int = 0
     kernel_max_seq_len: int = 0
     # A sliding-window group's key floor per prefill row [num_prefills] int32 (SWA Bounded
@@ -134,6 +141,20 @@ class TritonBackend(AttentionBackend):
                   if self.cuda_fp8_decode else "decode: Triton's split kernel")
         return f"{super().describe()}; {decode}"
 
+    def workspace_bytes(self, groups, max_model_len: int, max_num_batched_tokens: int, num_heads: int) -> int:
+        """Chunks on a long cached prefix gather their keys for cuDNN (sdpa_extend): the most one
+        layer's call holds, where a full-attention group can take that path."""
+        from deepinfer.layers.attention import sdpa_extend
+
+        if not any(sdpa_extend.takes(max_model_len - tokens, tokens)
+                   for tokens, _ in sdpa_extend.EXTEND_MIN_SHAPES if tokens <= max_num_batched_tokens):
+            return 0
+        device = self.device or torch.device("cpu")
+        return max((sdpa_extend.workspace_bytes(max_model_len, max_num_batched_tokens, num_heads, g.spec.num_kv_heads,
+                                                g.spec.head_size, g.spec.dtype)
+                    for g in groups if not sliding_window_of(g) and _flash_takes(g, device)
+                    and sdpa_extend.supported(device, g.spec.head_size)), default=0)
+
     def decode_splits(self, batch: int, num_kv_heads: int) -> int:
         from deepinfer.layers.attention.triton_decode import num_splits_for
 
@@ -143,6 +164,8 @@ class TritonBackend(AttentionBackend):
 
     # ----------------------------------------------------------------------------- metadata
     def build_metadata(self, step: StepLayout) -> TritonMetadata:
+        from deepinfer.layers.attention import sdpa_extend
+
         prefills, ordered = step.prefills, step.ordered
         min_fresh = FRESH_SDPA_MIN_TOKENS if step.fresh_sdpa_min_tokens is None else step.fresh_sdpa_min_tokens
         # The prefill rows' window floors, for the sliding-window groups; None where no row has one
@@ -159,17 +182,25 @@ class TritonBackend(AttentionBackend):
             # the step's own K/V, so not in a full group whose write floor keeps cached rows in
             # place of the chunk's (a window floor is at most the chunk's start, so 0 here).
             flash = _flash_takes(group, step.device)
-            sdpa_ranges, kernel_rows = [], []
+            extend_ok = flash and not window and sdpa_extend.supported(step.device, group.spec.head_size)
+            sdpa_ranges, kernel_rows, extend = [], [], []
             for i, (c, token_range) in enumerate(zip(prefills, step.prefill_query_ranges)):
                 if (flash and c.start == 0 and c.num_tokens >= min_fresh
                         and (window >= c.num_tokens if window else c.write_floor == 0)):
                     sdpa_ranges.append(token_range)
+                elif extend_ok and sdpa_extend.takes(c.start, c.num_tokens):
+                    # Every key read from the cache, as the paged kernel reads them (a write
+                    # floor's kept rows included).
+                    table = np.asarray(tables[len(step.decodes) + i], dtype=np.int64)
+                    rows = step.to_device(flat_rows(table, np.arange(c.start + c.num_tokens), step.block_size))
+                    extend.append((*token_range, c.start, rows))
                 else:
                     kernel_rows.append(i)
             groups.append(TritonGroupMetadata(
                 slot_mapping=slot_mapping,
                 block_table=step.to_device(padded_block_table(tables)),
                 sdpa_prefill_ranges=sdpa_ranges,
+                extend_chunks=extend,
                 kernel_prefill_rows=step.to_device(np.array(kernel_rows, dtype=np.int32)) if kernel_rows else None,
                 kernel_max_prefill_len=max((prefills[i].num_tokens for i in kernel_rows), default=0),
                 kernel_max_seq_len=max((prefills[i].start + prefills[i].num_tokens for i in kernel_rows), default=0),
@@ -198,6 +229,7 @@ class TritonBackend(AttentionBackend):
         tables with the kernels; long fresh prefill chunks attend with SDPA's flash kernel over
         this step's own k/v: the rows just written to the cache, with the values the cache holds
         (an fp8 cache's write kernel rounds k and v in place, see kv_cache/dtypes.py)."""
+        from deepinfer.layers.attention import sdpa_extend
         from deepinfer.layers.attention.triton_decode import paged_decode_attention
         from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
 
@@ -216,6 +248,10 @@ class TritonBackend(AttentionBackend):
                                     layer.sliding_window, meta.block_size, out=out[n_dec:],
                                     seq_ids=group.kernel_prefill_rows, key_floor=group.kernel_key_floor,
                                     max_seq_len=group.kernel_max_seq_len)
+        for start, end, position, cache_rows in group.extend_chunks:
+            rows = sdpa_extend.gathered_rows(position, end - start)
+            keys, values = (sdpa_extend.gather_keys(cache, cache_rows, rows, q.dtype) for cache in (k_cache, v_cache))
+            sdpa_extend.extend_attention(q[start:end], keys, values, position, layer.scale, out=out[start:end])
         for start, end, count in equal_length_runs(fresh):
             out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
                               else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
