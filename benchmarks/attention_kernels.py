@@ -278,8 +278,6 @@ def case_long(matmul: float, failures: list[str]) -> None:
         engine_device, kernel_device = device_ms(engine), device_ms(kernel)
         timed(f"engine path ({route})", engine, flops, matmul, extra=lambda ms: f", device {engine_device * 1e3:.1f} us")
         timed("paged prefill kernel", kernel, flops, matmul, extra=lambda ms: f", device {kernel_device * 1e3:.1f} us")
-        del step, fast, meta
-        torch.cuda.empty_cache()
 
 
 def case_decode(matmul: float, bandwidth: float, failures: list[str], batch: int, context: int) -> None:

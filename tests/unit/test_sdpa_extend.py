@@ -12,15 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.worker.request_states import StepChunk
 from tests.triton_support import (  # skips this module without a way to run Triton
     DEVICE,
     INTERPRETED,
     dense_prefill_reference,
     random_paged_batch,
 )
-from tests.unit.test_triton_attention import kernel_rows, run_backends  # noqa: I001  (after the skip)
-from deepinfer.layers.attention import sdpa_extend  # noqa: I001
-from deepinfer.worker.request_states import StepChunk
+from tests.unit.test_triton_attention import kernel_rows, run_backends
+
+# Imported after the skip above: the module imports triton.
+sdpa_extend = pytest.importorskip("deepinfer.layers.attention.sdpa_extend")
 
 BS = 16
 # cuDNN takes half precision only; the CPU kernel runs float32, and the interpreter has no bfloat16.
@@ -42,7 +44,8 @@ def small_buckets(monkeypatch):
 
 @pytest.mark.parametrize("start,num_tokens", [(10, 20), (32, 16), (70, 45), (100, 7), (64, 33)],
                          ids=["prefix<bucket", "prefix=bucket", "leading-queries", "few-queries", "two-buckets"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128), (4, 1, 256)],
+                         ids=["gqa", "mha", "d256"])
 def test_extend_attention_matches_dense(small_buckets, start, num_tokens, heads, kv_heads, head_dim):
     torch.manual_seed(start + num_tokens)
     batch = random_paged_batch([start], [num_tokens], head_dim, DTYPE, BS, heads=heads, kv_heads=kv_heads,

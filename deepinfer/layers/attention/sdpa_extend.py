@@ -1,8 +1,8 @@
 """A long prefill chunk on a long cached prefix, through SDPA's fused kernel (cuDNN on the GPU).
 
 The paged prefill kernel (triton_prefill.py) runs a long chunk on a long cached prefix at ~400
-TFLOP/s on the H200, this path at ~580: 1.4-1.5x from 4k queries on 4k keys to 16k on 115k, a
-long prompt's prefill 1.33x (docs/benchmarks/design-measurements.md#sdpa-extend). cuDNN, as
+TFLOP/s on the H200, this path at ~580: 1.5-1.6x its device time from 4k queries on 4k keys to 16k
+on 115k, a 128k prompt's prefill 1.33x (docs/benchmarks/design-measurements.md#sdpa-extend). cuDNN, as
 torch calls it, reads no block tables and aligns its causal mask top-left (query i sees keys
 0..i), so a chunk of C queries at positions [P, P + C) is attended in two parts, each with its
 log-sum-exp, and the parts are merged as the softmax over the union of their keys:
@@ -41,8 +41,8 @@ LENGTH_BUCKET = 256
 # The prefix part's keys are a multiple of this; the diagonal part takes the rest of the prefix.
 PREFIX_BUCKET = 4096
 # (queries, cached keys): a chunk with at least both of either pair goes this way. Measured on the
-# H200 (design-measurements#sdpa-extend): 1.10-1.94x the paged kernel from 2,048 queries on 2,048
-# keys, and from 1,024 queries on 8,192 keys; 1,024 queries on 4,096 keys or fewer run at
+# H200 (design-measurements#sdpa-extend): 1.13x the paged kernel's device time at 2,048 queries on
+# 2,048 keys, 1.58x at 1,024 on 8,192, 1.5-1.6x above; 1,024 queries on 4,096 keys or fewer ran at
 # ~0.6x (the gather, the two launches and the leading queries weigh more than the faster kernel).
 EXTEND_MIN_SHAPES = ((2048, 2048), (1024, 8192))
 
@@ -52,12 +52,18 @@ def takes(start: int, num_tokens: int) -> bool:
     return any(num_tokens >= tokens and start >= context for tokens, context in EXTEND_MIN_SHAPES)
 
 
+# Head sizes this path takes on CUDA. 256 (Gemma 3) also matches dense attention on the H200
+# (tests/unit/test_sdpa_extend.py, 2026-12-02), but its speed against the paged kernel at that size
+# is not measured, so those layers stay in the kernel.
+MAX_HEAD_SIZE = 128
+
+
 def supported(device: torch.device, head_size: int) -> bool:
     """Whether this device runs the parts: cuDNN's kernel through torch on CUDA (head sizes up to
-    256, multiples of 8), torch's CPU flash kernel on the CPU (tests)."""
+    MAX_HEAD_SIZE, multiples of 8), torch's CPU flash kernel on the CPU (tests)."""
     if device.type != "cuda":
         return True
-    return (torch.backends.cudnn.is_available() and head_size <= 256 and head_size % 8 == 0
+    return (torch.backends.cudnn.is_available() and head_size <= MAX_HEAD_SIZE and head_size % 8 == 0
             and hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"))
 
 
@@ -78,6 +84,7 @@ def workspace_bytes(max_len: int, max_tokens: int, num_heads: int, num_kv_heads:
     """A bound on the memory one layer's call holds at once, for chunks of at most `max_tokens`
     queries ending at most at `max_len`: keys and values, both parts' queries and outputs (the
     log-sum-exps are 1/head_dim of an output, in float32)."""
+    max_tokens = min(max_tokens, max_len - min(context for _, context in EXTEND_MIN_SHAPES))   # after a prefix
     keys = _round_up(max_len, LENGTH_BUCKET) + PREFIX_BUCKET + LENGTH_BUCKET
     queries = _round_up(max_tokens, LENGTH_BUCKET) + PREFIX_BUCKET + LENGTH_BUCKET   # the diagonal part's
     size = torch.empty((), dtype=dtype).element_size()
