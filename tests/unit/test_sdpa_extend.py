@@ -77,18 +77,22 @@ def test_merge_parts_is_the_softmax_of_both_key_sets():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn], ids=["model-dtype", "fp8"])
 @pytest.mark.parametrize("window", [None, 24], ids=["full", "window"])
-def test_backend_routes_long_chunks_on_a_prefix(small_buckets, window):
+def test_backend_routes_long_chunks_on_a_prefix(small_buckets, window, cache_dtype):
     """A decode, a fresh chunk, a long chunk on a long prefix (this path), one too short and one
-    on too short a prefix (the paged kernel): every row matches the reference backend. A sliding
-    window keeps every chunk on a prefix in the paged kernel."""
+    on too short a prefix (the paged kernel): every row matches the reference backend, which reads
+    the same cache (an fp8 one converted as the gather converts it). A sliding window keeps every
+    chunk on a prefix in the paged kernel."""
+    if INTERPRETED and cache_dtype is not None:
+        pytest.skip("the interpreter runs on NumPy, which has no float8")
     dtype = torch.float16 if INTERPRETED else DTYPE
     chunks = [StepChunk("dec", 30, 1, [[1, 2]], sample=True),
               StepChunk("fresh", 0, 24, [[3, 4]], sample=True),
               StepChunk("long", 40, 20, [[5, 6, 7, 8]], sample=True),
               StepChunk("short", 40, 10, [[9, 10, 11, 12]], sample=True),
               StepChunk("near", 20, 30, [[13, 14, 15, 16]], sample=True)]
-    ref, out, inputs = run_backends(chunks, 8, 2, 64, window, dtype, seed=0)
+    ref, out, inputs = run_backends(chunks, 8, 2, 64, window, dtype, seed=0, cache_dtype=cache_dtype)
     group = inputs.attention.groups[0]
     flash = DEVICE.type == "cpu" or dtype != torch.float32
     if window is None and flash:
