@@ -96,11 +96,29 @@ def test_backend_routes_long_chunks_on_a_prefix(small_buckets, window, cache_dty
     group = inputs.attention.groups[0]
     flash = DEVICE.type == "cpu" or dtype != torch.float32
     if window is None and flash:
-        [(start, end, position, rows)] = group.extend_chunks
-        assert (start, end, position) == (25, 45, 40) and kernel_rows(group) == [2, 3]
+        [(start, end, prefill, position, rows)] = group.extend_chunks
+        assert (start, end, prefill, position) == (25, 45, 1, 40) and kernel_rows(group) == [2, 3]
         assert rows.tolist() == [b * BS + i for b in (5, 6, 7, 8) for i in range(BS)][:60]
     else:
         assert group.extend_chunks == [] and 1 in kernel_rows(group)
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_refused_chunk_falls_back_to_the_paged_kernel(small_buckets, monkeypatch, caplog):
+    """cuDNN refusing a shape (no plan: a build without it) costs a warning, not the step: the
+    chunk attends in the paged kernel, matches the reference, and later steps route there."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: No execution plans support the graph.")
+
+    monkeypatch.setattr(sdpa_extend, "_attend", refuse)
+    dtype = torch.float16 if INTERPRETED else DTYPE
+    chunks = [StepChunk("dec", 30, 1, [[1, 2]], sample=True),
+              StepChunk("long", 40, 20, [[5, 6, 7, 8]], sample=True),
+              StepChunk("short", 40, 10, [[9, 10, 11, 12]], sample=True)]
+    with caplog.at_level("WARNING"):
+        ref, out, inputs = run_backends(chunks, 8, 2, 64, None, dtype, seed=1)
+    assert len(inputs.attention.groups[0].extend_chunks) == 1   # routed there, then refused
+    assert inputs.attention.backend.extend_failed and "paged prefill kernel from now on" in caplog.text
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 

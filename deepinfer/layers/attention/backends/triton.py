@@ -15,6 +15,7 @@ machines too (selection.py lists every backend).
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +45,8 @@ FRESH_SDPA_MIN_TOKENS = 512
 # not in the first step that meets a long context (SWA Bounded Replay's recompute, say).
 SPLIT_WARM_UP_CHUNK = (1024, 2)
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(kw_only=True)
 class TritonGroupMetadata(GroupMetadata):
@@ -59,10 +62,11 @@ class TritonGroupMetadata(GroupMetadata):
     sdpa_prefill_ranges: list[tuple[int, int]] = field(default_factory=list)
     kernel_prefill_rows: torch.Tensor | None = None
     # Long chunks on a long cached prefix of a full-attention group (sdpa_extend.takes): each as
-    # (its token range's start, end, its first position, the cache rows of its positions [0, end)
-    # as an int64 device tensor); they attend with cuDNN over keys gathered from the cache, not
-    # in the paged prefill kernel. The rows are the same for every layer: computed once a step.
-    extend_chunks: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
+    # (its token range's start, end, its index among the prefill rows, its first position, the
+    # cache rows of its positions [0, end) as an int64 device tensor); they attend with cuDNN over
+    # keys gathered from the cache, not in the paged prefill kernel. The rows are the same for
+    # every layer: computed once a step.
+    extend_chunks: list[tuple[int, int, int, int, torch.Tensor]] = field(default_factory=list)
     kernel_max_prefill_len: int = 0
     kernel_max_seq_len: int = 0
     # A sliding-window group's key floor per prefill row [num_prefills] int32 (SWA Bounded
@@ -123,6 +127,8 @@ class TritonBackend(AttentionBackend):
         # the strides decide), Triton's split kernel elsewhere; over a 16-bit cache always
         # Triton's. Unknown cache dtype (a backend built by name in tests): "auto".
         self.cuda_fp8_decode = kv_cache_dtype is None or is_fp8(kv_cache_dtype)
+        # Set when cuDNN refused a chunk on a cached prefix (attend): the paged kernel takes them all.
+        self.extend_failed = False
 
     @classmethod
     def check_supported(cls, platform, kv_cache_dtype) -> None:
@@ -182,7 +188,8 @@ class TritonBackend(AttentionBackend):
             # the step's own K/V, so not in a full group whose write floor keeps cached rows in
             # place of the chunk's (a window floor is at most the chunk's start, so 0 here).
             flash = _flash_takes(group, step.device)
-            extend_ok = flash and not window and sdpa_extend.supported(step.device, group.spec.head_size)
+            extend_ok = (flash and not window and not self.extend_failed
+                         and sdpa_extend.supported(step.device, group.spec.head_size))
             sdpa_ranges, kernel_rows, extend = [], [], []
             for i, (c, token_range) in enumerate(zip(prefills, step.prefill_query_ranges)):
                 if (flash and c.start == 0 and c.num_tokens >= min_fresh
@@ -193,7 +200,7 @@ class TritonBackend(AttentionBackend):
                     # floor's kept rows included).
                     table = np.asarray(tables[len(step.decodes) + i], dtype=np.int64)
                     rows = step.to_device(flat_rows(table, np.arange(c.start + c.num_tokens), step.block_size))
-                    extend.append((*token_range, c.start, rows))
+                    extend.append((*token_range, i, c.start, rows))
                 else:
                     kernel_rows.append(i)
             groups.append(TritonGroupMetadata(
@@ -248,10 +255,26 @@ class TritonBackend(AttentionBackend):
                                     layer.sliding_window, meta.block_size, out=out[n_dec:],
                                     seq_ids=group.kernel_prefill_rows, key_floor=group.kernel_key_floor,
                                     max_seq_len=group.kernel_max_seq_len)
-        for start, end, position, cache_rows in group.extend_chunks:
-            rows = sdpa_extend.gathered_rows(position, end - start)
-            keys, values = (sdpa_extend.gather_keys(cache, cache_rows, rows, q.dtype) for cache in (k_cache, v_cache))
-            sdpa_extend.extend_attention(q[start:end], keys, values, position, layer.scale, out=out[start:end])
+        for start, end, prefill, position, cache_rows in group.extend_chunks:
+            if not self.extend_failed:
+                try:
+                    rows = sdpa_extend.gathered_rows(position, end - start)
+                    keys, values = (sdpa_extend.gather_keys(cache, cache_rows, rows, q.dtype)
+                                    for cache in (k_cache, v_cache))
+                    sdpa_extend.extend_attention(q[start:end], keys, values, position, layer.scale,
+                                                 out=out[start:end])
+                    continue
+                except RuntimeError as e:   # raised on the host, before any kernel of the call ran
+                    # cuDNN built no plan for a shape (a cuDNN or torch build without it): this
+                    # chunk and every later one attend in the paged kernel, which takes any.
+                    self.extend_failed = True
+                    logger.warning("cuDNN's attention failed on a chunk of %d queries on %d cached keys (%s); "
+                                   "chunks on cached prefixes use the paged prefill kernel from now on",
+                                   end - start, position, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
+                                    meta.prefill_query_start, end - start, layer.scale, None, meta.block_size,
+                                    out=out[n_dec:], max_seq_len=position + end - start,
+                                    seq_ids=torch.tensor([prefill], dtype=torch.int32, device=q.device))
         for start, end, count in equal_length_runs(fresh):
             out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
                               else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
