@@ -6,7 +6,8 @@ takes the call; chunks on top of cached tokens and short fresh chunks go to the 
 kernel (triton_prefill.py), one launch for all of them; long fresh chunks (from position 0, so
 the step holds all their K/V) attend with SDPA's tiled kernels over the step's own K/V
 (Attention._fresh_chunk), and long chunks on a long cached prefix of a full-attention group with
-cuDNN's kernel over keys gathered from the cache (sdpa_extend.py). Around attention it turns on every fused kernel of layers/fused/.
+cuDNN's kernel over keys gathered from the cache (sdpa_extend.py). Around attention it turns on
+every fused kernel of layers/fused/.
 
 Triton is imported only inside the methods that launch kernels: this module is imported on CPU
 machines too (selection.py lists every backend).
@@ -264,9 +265,10 @@ class TritonBackend(AttentionBackend):
                     sdpa_extend.extend_attention(q[start:end], keys, values, position, layer.scale,
                                                  out=out[start:end])
                     continue
-                except RuntimeError as e:   # raised on the host, before any kernel of the call ran
-                    # cuDNN built no plan for a shape (a cuDNN or torch build without it): this
-                    # chunk and every later one attend in the paged kernel, which takes any.
+                except RuntimeError as e:   # raised on the host, where cuDNN builds its plan
+                    # No plan for a shape (a cuDNN or torch build without one): the paged kernel
+                    # writes this whole chunk (whatever part ran is overwritten) and takes every
+                    # later one.
                     self.extend_failed = True
                     logger.warning("cuDNN's attention failed on a chunk of %d queries on %d cached keys (%s); "
                                    "chunks on cached prefixes use the paged prefill kernel from now on",
