@@ -109,14 +109,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp. q: [Lq, H, D], k/v: [Lk, Hkv, D], token-major ->
     ([Lq, H, D] (a view), [H, Lq] float32, natural log). Causal aligns top-left."""
-    if q.device.type != "cuda":   # the CPU kernel takes as many K/V heads as query heads
-        group = q.shape[1] // k.shape[1]
-        k, v = (x.repeat_interleave(group, dim=1) for x in (k, v))
-    q4, k4, v4 = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
     if q.device.type == "cuda":
+        q4, k4, v4 = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q4, k4, v4, None, True, 0.0, causal, False, scale=scale)[:2]
-    else:
+    else:   # the CPU kernel takes as many K/V heads as query heads
+        group = q.shape[1] // k.shape[1]
+        q4, k4, v4 = (x.unsqueeze(0).transpose(1, 2) for x in (q, k.repeat_interleave(group, 1),
+                                                               v.repeat_interleave(group, 1)))
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q4, k4, v4, 0.0, causal, scale=scale)
     return out[0].transpose(0, 1), lse.reshape(q.shape[1], q.shape[0])

@@ -236,8 +236,8 @@ class TritonBackend(AttentionBackend):
         """Decode rows come first. Decodes and most prefill rows read K/V through the block
         tables with the kernels; long fresh prefill chunks attend with SDPA's flash kernel over
         this step's own k/v: the rows just written to the cache, with the values the cache holds
-        (an fp8 cache's write kernel rounds k and v in place, see kv_cache/dtypes.py)."""
-        from deepinfer.layers.attention import sdpa_extend
+        (an fp8 cache's write kernel rounds k and v in place, see kv_cache/dtypes.py); long
+        chunks on a long cached prefix attend with cuDNN (_attend_extend_chunks)."""
         from deepinfer.layers.attention.triton_decode import paged_decode_attention
         from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
 
@@ -256,6 +256,20 @@ class TritonBackend(AttentionBackend):
                                     layer.sliding_window, meta.block_size, out=out[n_dec:],
                                     seq_ids=group.kernel_prefill_rows, key_floor=group.kernel_key_floor,
                                     max_seq_len=group.kernel_max_seq_len)
+        if group.extend_chunks:
+            self._attend_extend_chunks(layer, meta, group, q, k_cache, v_cache, out)
+        for start, end, count in equal_length_runs(fresh):
+            out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
+                              else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
+        return out
+
+    def _attend_extend_chunks(self, layer, meta, group, q, k_cache, v_cache, out):
+        """Long chunks on a long cached prefix (sdpa_extend): cuDNN over keys gathered from the
+        cache, or the paged prefill kernel once cuDNN has refused a shape."""
+        from deepinfer.layers.attention import sdpa_extend
+        from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
+
+        n_dec = meta.num_decode_tokens
         for start, end, prefill, position, cache_rows in group.extend_chunks:
             if not self.extend_failed:
                 try:
@@ -277,10 +291,6 @@ class TritonBackend(AttentionBackend):
                                     meta.prefill_query_start, end - start, layer.scale, None, meta.block_size,
                                     out=out[n_dec:], max_seq_len=position + end - start,
                                     seq_ids=torch.tensor([prefill], dtype=torch.int32, device=q.device))
-        for start, end, count in equal_length_runs(fresh):
-            out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
-                              else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
-        return out
 
     # --------------------------------------------------------------------------- CUDA graphs
     def decode_graph_buffers(self, *, num_groups, max_batch, max_blocks_per_seq, num_kv_heads, block_size,
