@@ -140,6 +140,14 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def one_row_gemv_fusions(x: torch.Tensor) -> bool:
+    """Whether x is a one-row step on the CUDA fast path with the GEMV fusions on: the RMSNorm
+    before a projection and the activation after gate_up then run inside the GEMV
+    (AttentionBackend.gemv_fusions, layers/fused/gemv.py)."""
+    backend = current_backend()
+    return x.dim() == 2 and x.shape[0] == 1 and backend.fused_gemv and backend.gemv_fusions
+
+
 class Linear(nn.Linear):
     """nn.Linear that may also hold an int4 copy of its weight and a oneDNN-packed copy of its
     dense weight (CPU, bf16; see the module docstring and pack_dense). `weight` stays the plain

@@ -325,7 +325,8 @@ class CallCounter:
     def __init__(self, monkeypatch) -> None:
         self.calls: dict[str, int] = {}
         for module, name in [(rms_norm_module, "rms_norm"), (activation_module, "act_and_mul"),
-                             (rotary_module, "rotate_and_write_kv_"), (gemv_module, "gemv")]:
+                             (rotary_module, "rotate_and_write_kv_"), (gemv_module, "gemv"),
+                             (gemv_module, "norm_gemv")]:
             monkeypatch.setattr(module, name, self._wrap(name, getattr(module, name)))
 
     def _wrap(self, name, fn):
@@ -385,7 +386,13 @@ def test_whole_model_fast_path_matches_reference(arch, plan, dtype, monkeypatch)
     norms_per_layer = 2 if arch == "llama" else 6   # Gemma: 4 layer norms + q/k norms
     expected = {"rms_norm": norms_per_layer * layers + 1, "act_and_mul": layers, "rotate_and_write_kv_": layers}
     if plan == ONE_ROW_STEP:
-        expected["gemv"] = 4 * layers + 1   # qkv, o, gate_up, down, and the head
+        # The projections and the head on the GEMV; act(gate) * up inside gate_up's, and in
+        # Llama layers each norm inside the GEMV after it (norm_gemv): only the final norm is left.
+        del expected["act_and_mul"]
+        if arch == "llama":
+            expected.update(rms_norm=1, norm_gemv=2 * layers, gemv=2 * layers + 1)   # o, down; head
+        else:
+            expected["gemv"] = 4 * layers + 1   # qkv, o, gate_up (+ act), down, and the head
     assert counter.calls == expected
     # Errors grow through the layers: looser than a single op, still far below any real bug.
     t = {torch.float32: {"atol": 1e-4, "rtol": 1e-4}, torch.float16: {"atol": 2e-2, "rtol": 2e-2},

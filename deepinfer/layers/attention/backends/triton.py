@@ -116,6 +116,7 @@ class TritonBackend(AttentionBackend):
     fused_rotary = True
     fused_activation = True
     fused_gemv = True
+    gemv_fusions = True
     needs_warm_up = True
     supports_decode_graphs = True
     model_kernels = True
