@@ -114,6 +114,13 @@ def fusion_chains(config: dict, bandwidth: float, search: bool) -> None:
         print(f"layers' norms, products and activation, {label}: {times[label] * 1e3:.3f} ms = "
               f"{total / times[label] / bandwidth:.3f} x copy bandwidth", flush=True)
     print(f"fusions: {times['seven kernels a layer'] / times['fused, four']:.3f}x", flush=True)
+    del layers
+    heads = weight_copies(*shapes["head"])
+    t_apart = graph_time([lambda w=w: gemv(rms_norm(hidden, norm_w, eps, residual)[0], w) for w in heads] * 4)
+    t_fused = graph_time([lambda w=w: norm_gemv(hidden, residual, norm_w, eps, w) for w in heads] * 4)
+    print(f"final norm + head: {t_apart * 1e6:.1f} us as two kernels, {t_fused * 1e6:.1f} us fused "
+          f"({t_apart / t_fused:.3f}x)", flush=True)
+    del heads
     if not search:
         return
     for name, act in (("qkv", None), ("gate_up", "silu")):

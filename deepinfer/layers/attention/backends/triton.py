@@ -117,6 +117,9 @@ class TritonBackend(AttentionBackend):
     fused_activation = True
     fused_gemv = True
     gemv_fusions = True
+    # Decode splits merged in the split kernel's last program, not a kernel of their own
+    # (triton_decode.py); off only to measure the difference (decode_step_profile.py).
+    fused_decode_merge = True
     needs_warm_up = True
     supports_decode_graphs = True
     model_kernels = True
@@ -250,7 +253,8 @@ class TritonBackend(AttentionBackend):
         if n_dec:
             paged_decode_attention(q[:n_dec], k_cache, v_cache, group.block_table[:n_dec], meta.seq_lens[:n_dec],
                                    layer.scale, layer.sliding_window, meta.block_size, meta.num_decode_splits,
-                                   out=out[:n_dec], kernel="auto" if self.cuda_fp8_decode else "triton")
+                                   out=out[:n_dec], kernel="auto" if self.cuda_fp8_decode else "triton",
+                                   merge="fused" if self.fused_decode_merge else "kernel")
         if group.kernel_prefill_rows is not None:
             paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
                                     meta.prefill_query_start, group.kernel_max_prefill_len, layer.scale,
