@@ -12,16 +12,17 @@ multiprocessors busy when the batch is small (batch 1 has only `kv_heads` progra
 the splits are merged by their log-sum-exp. A batch large enough for one split (e.g. 512 rows)
 skips the merge: the split kernel writes the output itself. A sliding window just moves the start.
 
-The merge runs in the split kernel's last program of each (sequence, KV head): every program
+With merge="fused" (off by default until it has run on a GPU: TritonBackend.fused_decode_merge)
+the merge runs in the split kernel's last program of each (sequence, KV head): every program
 stores its partial output, then counts itself in on a per-(sequence, KV head) counter, and the
 one that arrives last reads the others' partials and writes the output, then sets the counter
 back to 0 for the next launch. A separate merge kernel would cost one more launch per layer,
 a few microseconds each at batch 1, where a decode step is a chain of a few hundred short
 kernels. The counters live in one zeroed buffer per device that only grows outside CUDA-graph
 capture (two decode launches must then never run at once on two streams of one device: the
-engine runs its forwards on one stream); a call that would need more of it during a capture (and the CUDA C++ kernel's calls)
-merges in the separate kernel, _merge_splits_kernel, which is also the fused merge's reference
-in the tests.
+engine runs its forwards on one stream); a call that would need more of it during a capture,
+and the CUDA C++ kernel's calls, merge in the separate kernel, _merge_splits_kernel, which is
+also the fused merge's reference in the tests.
 
 An fp8 cache (kv_cache/dtypes.py) is converted in registers, and the products run in float16
 for a 16-bit q: e4m3 values are exact in float16, and the hardware converts e4m3 to float16 in one
@@ -231,7 +232,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            window: int | None, block_size: int, num_splits: int,
                            out: torch.Tensor | None = None, kernel: str = "auto",
-                           merge: str = "fused") -> torch.Tensor:
+                           merge: str = "kernel") -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]. `window` None or 0: full attention.
 
     `kernel`: "auto" takes the CUDA C++ kernel of cuda_decode.py where it applies (an fp8 cache

@@ -18,7 +18,8 @@ x is re-read from L2 by every program, which is cheap beside W. Products accumul
 elementwise and are reduced once at the end; the result is rounded once to x's dtype. Nothing
 depends on values, so the kernel is CUDA-graph safe.
 
-Fusions (`norm_gemv`, `gemv(..., act=)`): what remains of a one-row step besides the weight
+Fusions (`norm_gemv`, `gemv(..., act=)`; off by default until they have run on a GPU:
+AttentionBackend.gemv_fusions): what remains of a one-row step besides the weight
 reads is a chain of tiny kernels, each costing a few microseconds of latency whatever its size.
 Two of a Llama layer's are folded into its GEMVs:
 - the residual add + RMSNorm before qkv and gate_up. RMSNorm scales the whole row by one number,
