@@ -140,12 +140,15 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def one_row_gemv(x: torch.Tensor) -> bool:
+    """Whether x is one row on the CUDA fast path: its products run on the Triton GEMV."""
+    return x.dim() == 2 and x.shape[0] == 1 and current_backend().fused_gemv
+
+
 def one_row_gemv_fusions(x: torch.Tensor) -> bool:
-    """Whether x is a one-row step on the CUDA fast path with the GEMV fusions on: the RMSNorm
-    before a projection and the activation after gate_up then run inside the GEMV
-    (AttentionBackend.gemv_fusions, layers/fused/gemv.py)."""
-    backend = current_backend()
-    return x.dim() == 2 and x.shape[0] == 1 and backend.fused_gemv and backend.gemv_fusions
+    """one_row_gemv with the GEMV fusions on: the RMSNorm before a projection and the activation
+    after gate_up then run inside the GEMV (AttentionBackend.gemv_fusions, layers/fused/gemv.py)."""
+    return one_row_gemv(x) and current_backend().gemv_fusions
 
 
 class Linear(nn.Linear):
@@ -173,7 +176,7 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), on the fastest copy of the weight for x's rows. A row-parallel
         layer passes no bias: it adds it once, after summing the ranks' products."""
-        if x.dim() == 2 and x.shape[0] == 1 and current_backend().fused_gemv:
+        if one_row_gemv(x):
             # One row on the CUDA fast path: the Triton GEMV, faster than cuBLAS on every matrix
             # timed. A first multi-row version lost to cuBLAS at two rows on most of Llama-3-8B's
             # matrices, so more rows stay on cuBLAS. Figures:

@@ -19,7 +19,6 @@ from torch import nn
 
 from deepinfer.distributed import current_tp_group
 from deepinfer.kv_cache.specs import KVCacheSpec
-from deepinfer.layers.attention.metadata import current_backend
 from deepinfer.layers.linear import (
     HEAD_INT4_MAX_ROWS,
     FusedLinear,
@@ -29,6 +28,7 @@ from deepinfer.layers.linear import (
     dense_matmul,
     int4_available,
     int4_matmul,
+    one_row_gemv,
     onednn_packing_available,
     pack_dense,
     pack_int4,
@@ -96,7 +96,7 @@ class CausalLM(nn.Module):
                 return int4_matmul(torch.cat((hidden, hidden), dim=-1), *self.head_int4).float()
             if self.head_packed is not None:
                 return dense_matmul(hidden, self.head_packed, None).float()
-        if hidden.dim() == 2 and hidden.shape[0] == 1 and current_backend().fused_gemv:   # as Linear.forward
+        if one_row_gemv(hidden):   # as Linear.matmul
             from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
             return gemv(hidden, self.head_weight()).float()
         return torch.nn.functional.linear(hidden, self.head_weight()).float()

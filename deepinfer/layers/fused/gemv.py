@@ -107,7 +107,8 @@ def _gemv_kernel(
     acc = xw[None, :] * w
     if ACT:
         acc_up = xw[None, :] * w_up
-    squares = r * r
+    if NORM:
+        squares = r * r
     for k in range(BLOCK_K, K, BLOCK_K):
         w = _load_w(w_ptrs, k, ks, n_ok, K, EVEN_N, EVEN_K)
         if ACT:
@@ -117,7 +118,8 @@ def _gemv_kernel(
         acc += xw[None, :] * w
         if ACT:
             acc_up += xw[None, :] * w_up
-        squares += r * r
+        if NORM:
+            squares += r * r
     y = tl.sum(acc, axis=1)
     if ACT:
         y_up = tl.sum(acc_up, axis=1)
