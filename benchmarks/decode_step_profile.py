@@ -2,7 +2,7 @@
 
     python benchmarks/decode_step_profile.py [--shape llama3-8b] [--context 1024] [--steps 64]
     python benchmarks/decode_step_profile.py --prefill 8192     # one prefill instead, and its gaps
-    python benchmarks/decode_step_profile.py --no-profile [--no-gemv-fusions] [--no-fused-merge]   # A/B
+    python benchmarks/decode_step_profile.py --no-profile        # the unprofiled decode rate only
 
 First times the decode unprofiled, as gpu_fast_path.py's (a) does (tok/s and the fraction of the
 roofline = copy bandwidth / weight bytes). Then profiles two generations of the same prompt, one of `steps + 1` tokens and one of 1 token (the
@@ -92,15 +92,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--plain-loop", action="store_true", help="async_scheduling off")
     parser.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens")
-    parser.add_argument("--no-gemv-fusions", action="store_true",
-                        help="norms and activation as their own kernels (AttentionBackend.gemv_fusions off)")
-    parser.add_argument("--no-fused-merge", action="store_true",
-                        help="decode attention's splits merged by a kernel of their own (TritonBackend.fused_decode_merge off)")
     parser.add_argument("--no-profile", action="store_true", help="the unprofiled decode rate only")
     args = parser.parse_args()
-    from deepinfer.layers.attention.backends.triton import TritonBackend
-    TritonBackend.gemv_fusions = not args.no_gemv_fusions
-    TritonBackend.fused_decode_merge = not args.no_fused_merge
     from deepinfer import LLM, SamplingParams
 
     config = SHAPES[args.shape]
@@ -122,9 +115,7 @@ def main() -> None:
     decode_s = min(timed(generate(257)) - timed(generate(1)) for _ in range(3))
     roofline = bandwidth / llm.engine.executor.runner.weight_bytes
     print(f"decode {256 / decode_s:.1f} tok/s unprofiled (best of 3), roofline {roofline:.1f} tok/s at "
-          f"{bandwidth / 1e12:.3f} TB/s: {256 / decode_s / roofline:.3f} of it "
-          f"(GEMV fusions {'off' if args.no_gemv_fusions else 'on'}, "
-          f"merge {'kernel' if args.no_fused_merge else 'fused'})")
+          f"{bandwidth / 1e12:.3f} TB/s: {256 / decode_s / roofline:.3f} of it")
     if args.no_profile:
         return
     wall_1, prefill = kernel_events(generate(1))

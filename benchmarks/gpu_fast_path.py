@@ -179,9 +179,6 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--skip-hf", action="store_true", help="same as leaving hf out of --parts")
-    parser.add_argument("--fusions", choices=["default", "on", "off"], default="default",
-                        help="the one-row GEMV fusions and the fused decode merge (TritonBackend.gemv_fusions, "
-                             "fused_decode_merge): the backend's defaults, both on, or both off")
     parser.add_argument("--sweep", default="1,8,32,128,256,512")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
@@ -195,9 +192,6 @@ def main() -> None:
     if parts - set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}; choose from {','.join(PARTS)}")
     from deepinfer import LLM
-    from deepinfer.layers.attention.backends.triton import TritonBackend
-    if args.fusions != "default":
-        TritonBackend.gemv_fusions = TritonBackend.fused_decode_merge = args.fusions == "on"
 
     config = dict(SHAPES[args.shape])
     if args.layers:
@@ -212,8 +206,7 @@ def main() -> None:
                     "bf16_matmul_tflop_s": flops / 1e12, "enforce_eager": args.enforce_eager,
                     "attention_backend": args.attention_backend, "max_num_seqs": args.max_num_seqs,
                     "max_num_batched_tokens": args.max_num_batched_tokens,
-                    "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_dtype": args.kv_cache_dtype,
-                    "gemv_fusions": TritonBackend.gemv_fusions, "fused_decode_merge": TritonBackend.fused_decode_merge}
+                    "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_dtype": args.kv_cache_dtype}
     for key, value in list(result.items()):
         report(result, key, value, args.out)
 

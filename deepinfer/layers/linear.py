@@ -145,12 +145,6 @@ def one_row_gemv(x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.shape[0] == 1 and current_backend().fused_gemv
 
 
-def one_row_gemv_fusions(x: torch.Tensor) -> bool:
-    """one_row_gemv with the GEMV fusions on: the RMSNorm before a projection and the activation
-    after gate_up then run inside the GEMV (AttentionBackend.gemv_fusions, layers/fused/gemv.py)."""
-    return one_row_gemv(x) and current_backend().gemv_fusions
-
-
 class Linear(nn.Linear):
     """nn.Linear that may also hold an int4 copy of its weight and a oneDNN-packed copy of its
     dense weight (CPU, bf16; see the module docstring and pack_dense). `weight` stays the plain

@@ -13,7 +13,6 @@ from deepinfer.distributed import current_tp_group
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers.attention import Attention
 from deepinfer.layers.attention.metadata import current_backend
-from deepinfer.layers.linear import one_row_gemv_fusions
 from deepinfer.layers.norm import RMSNorm, rms_norm_cpu
 from deepinfer.layers.parallel import (
     ColumnParallelLinear,
@@ -94,10 +93,7 @@ class LlamaAttention(nn.Module):
                               scale if scale is not None else self.head_dim ** -0.5, window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x))
-
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The layer past its qkv projection: rotary, attention, o projection."""
+        qkv = self.qkv_proj(x)
         if not self.has_qk_norm and current_backend().short_cpu_rotary:
             # CPU fast path: q and k lie side by side in qkv, so one rotation covers both.
             heads = self.num_heads + self.num_kv_heads
@@ -122,9 +118,6 @@ class GatedMLP(nn.Module):
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if one_row_gemv_fusions(x):   # act(gate) * up inside gate_up's GEMV: one kernel
-            from deepinfer.layers.fused.gemv import gemv
-            return self.down_proj(gemv(x, self.gate_up_proj.weight, self.gate_up_proj.bias, act=self.act))
         gate_up = self.gate_up_proj(x)
         if current_backend().fused_activation:   # one kernel (deepinfer/layers/fused/activation.py)
             from deepinfer.layers.fused.activation import act_and_mul
@@ -154,8 +147,6 @@ class LlamaDecoderLayer(nn.Module):
         last block's output not yet added to it. Each norm adds it in and normalises the sum in
         one step (one kernel on the fast path); the first layer gets residual None.
         `keep_rows`: only these rows continue past attention (CausalLM.forward's logits_rows)."""
-        if keep_rows is None and one_row_gemv_fusions(hidden):
-            return self.forward_one_row(positions, hidden, residual)
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
@@ -165,20 +156,6 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = hidden[keep_rows], residual[keep_rows]
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
-
-    def forward_one_row(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward for a one-row step on the CUDA fast path: each norm (with the residual add)
-        runs inside the GEMV of the projection after it, and the activation inside gate_up's
-        (fused/gemv.py), three kernels a layer fewer; forward's path is the reference."""
-        from deepinfer.layers.fused.gemv import norm_gemv  # imports triton: CUDA fast path only
-        norm, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
-        qkv, residual = norm_gemv(hidden, residual, norm.weight, norm.eps, qkv_proj.weight, qkv_proj.bias)
-        hidden = self.self_attn.attend(positions, qkv)
-        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
-        act, residual = norm_gemv(hidden, residual, norm.weight, norm.eps, gate_up.weight, gate_up.bias,
-                                  act=self.mlp.act)
-        return self.mlp.down_proj(act), residual
 
 
 class CpuLayerPlan:

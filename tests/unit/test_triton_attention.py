@@ -303,28 +303,6 @@ def test_empty_and_padded_decode_rows_are_zero():
     assert torch.isfinite(out).all() and out[1:].abs().max() == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("splits", [2, 5, 32])
-def test_fused_split_merge_matches_merge_kernel(splits, dtype):
-    """The merge in the split kernel's last program (triton_decode.py) against the separate merge
-    kernel, with padded and short rows (empty splits), twice in a row: the arrival counters are
-    back at 0 after each launch, so the second gives the same result."""
-    from deepinfer.layers.attention.triton_decode import _counters, paged_decode_attention
-
-    torch.manual_seed(splits)
-    q = torch.randn(4, 8, 64, device=DEVICE).to(dtype)
-    kc, vc = (torch.randn(64 * BS, 2, 64, device=DEVICE).to(dtype) for _ in range(2))
-    table = torch.randint(1, 64, (4, 16), dtype=torch.int32, device=DEVICE)
-    seq_lens = torch.tensor([200, 0, 3, 77], dtype=torch.int32, device=DEVICE)
-    args = (q, kc, vc, table, seq_lens, 0.125, None, BS, splits)
-    expected = paged_decode_attention(*args, kernel="triton", merge="kernel")
-    for _ in range(2):
-        out = paged_decode_attention(*args, kernel="triton", merge="fused")
-        torch.testing.assert_close(out, expected, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=1e-3)
-        assert out[1].abs().max() == 0
-        assert _counters[q.device].max() == 0
-
-
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter compiles nothing")
 def test_decode_kernel_compiles_once_per_variant():
     """What changes from step to step is a runtime argument of the decode kernels (see

@@ -9,20 +9,9 @@ One program per (sequence, KV head, split). The program loads the G query heads 
 KV head as one [G, D] tile, so each K/V element is read once for the whole group, and streams
 its share of the sequence with an online softmax. Splitting the sequence keeps the GPU's
 multiprocessors busy when the batch is small (batch 1 has only `kv_heads` programs otherwise);
-the splits are merged by their log-sum-exp. A batch large enough for one split (e.g. 512 rows)
-skips the merge: the split kernel writes the output itself. A sliding window just moves the start.
-
-With merge="fused" (off by default until it has run on a GPU: TritonBackend.fused_decode_merge)
-the merge runs in the split kernel's last program of each (sequence, KV head): every program
-stores its partial output, then counts itself in on a per-(sequence, KV head) counter, and the
-one that arrives last reads the others' partials and writes the output, then sets the counter
-back to 0 for the next launch. A separate merge kernel would cost one more launch per layer,
-a few microseconds each at batch 1, where a decode step is a chain of a few hundred short
-kernels. The counters live in one zeroed buffer per device that only grows outside CUDA-graph
-capture (two decode launches must then never run at once on two streams of one device: the
-engine runs its forwards on one stream); a call that would need more of it during a capture,
-and the CUDA C++ kernel's calls, merge in the separate kernel, _merge_splits_kernel, which is
-also the fused merge's reference in the tests.
+a second kernel merges the splits by their log-sum-exp. A batch large enough for one split
+(e.g. 512 rows) skips the merge: the split kernel writes the output itself. A sliding window
+just moves the start.
 
 An fp8 cache (kv_cache/dtypes.py) is converted in registers, and the products run in float16
 for a 16-bit q: e4m3 values are exact in float16, and the hardware converts e4m3 to float16 in one
@@ -60,41 +49,16 @@ MAX_SPLITS = 32
 SPLIT_ARGS = ["num_splits", "stride_ob", "stride_oh", "stride_lb", "stride_lh"]
 
 
-@triton.jit
-def _merge_group(o_part_ptr, lse_part_ptr, out_ptr, seq, heads, head_ok, dims, dim_ok,
-                 stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, num_splits,
-                 GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """The last program of a (sequence, KV head) merges its heads' splits (module docstring).
-    The partials were written by other programs during this kernel: read past the L1 (.cg)."""
-    splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_part_ptr + seq * stride_lb + heads[:, None] * stride_lh + splits[None, :],
-                  mask=head_ok[:, None] & (splits[None, :] < num_splits), other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse - m[:, None]), 1)          # empty splits weigh 0
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    for split in range(num_splits):
-        w = tl.exp(tl.load(lse_part_ptr + seq * stride_lb + heads * stride_lh + split, mask=head_ok,
-                           other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(o_part_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :],
-                    mask=head_ok[:, None] & dim_ok[None, :], other=0.0, cache_modifier=".cg")
-        acc += o * w[:, None]
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + seq * stride_outb + heads[:, None] * stride_outh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["stride_bt", "stride_cb", *SPLIT_ARGS],
-            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "counter_ptr"])
+@triton.jit(do_not_specialize=["stride_bt", *SPLIT_ARGS],
+            do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr, o_part_ptr, lse_part_ptr, out_ptr,
-    counter_ptr, scale,
+    scale,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, stride_cb, num_splits,
+    stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh, num_splits,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, WINDOW: tl.constexpr,
-    IEEE: tl.constexpr, DOT_F16: tl.constexpr, MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    IEEE: tl.constexpr, DOT_F16: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
         gdc_wait()
@@ -168,16 +132,6 @@ def _decode_split_kernel(
     tl.store(o_part_ptr + seq * stride_ob + heads[:, None] * stride_oh + split * stride_os + dims[None, :],
              out, mask=head_ok[:, None] & dim_ok[None, :])
     tl.store(lse_part_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=head_ok)
-    if MERGE:
-        # Every thread's partial stores are done (barrier) before one thread counts the program
-        # in with release semantics; the last to arrive acquires the others' stores.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + seq * stride_cb + kv_head, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            _merge_group(o_part_ptr, lse_part_ptr, out_ptr, seq, heads, head_ok, dims, dim_ok,
-                         stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_outb, stride_outh,
-                         num_splits, GROUP_PAD, DIM_PAD, SPLITS_PAD)
-            tl.store(counter_ptr + seq * stride_cb + kv_head, 0)   # ready for the next launch
 
 
 @triton.jit(do_not_specialize=SPLIT_ARGS)
@@ -207,22 +161,6 @@ def _merge_splits_kernel(
              mask=dims < HEAD_DIM)
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, count: int) -> torch.Tensor | None:
-    """At least `count` zeroed int32 arrival counters on `device` (module docstring), or None
-    when that needs a new buffer while a CUDA graph is being captured."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        # Grown to a round size, so that a few sizes cover every batch.
-        counters = _counters[device] = torch.zeros(max(4096, triton.next_power_of_2(count)),
-                                                   dtype=torch.int32, device=device)
-    return counters
-
-
 def num_splits_for(batch: int, num_kv_heads: int, num_sms: int) -> int:
     """Enough splits to give every multiprocessor about two programs, at most MAX_SPLITS."""
     return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, batch * num_kv_heads)))
@@ -231,18 +169,14 @@ def num_splits_for(batch: int, num_kv_heads: int, num_sms: int) -> int:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            window: int | None, block_size: int, num_splits: int,
-                           out: torch.Tensor | None = None, kernel: str = "auto",
-                           merge: str = "kernel") -> torch.Tensor:
+                           out: torch.Tensor | None = None, kernel: str = "auto") -> torch.Tensor:
     """q: [B, H, D] -> [B, H, D]. `window` None or 0: full attention.
 
     `kernel`: "auto" takes the CUDA C++ kernel of cuda_decode.py where it applies (an fp8 cache
     under a 16-bit q), this module's Triton kernel otherwise; "triton" always this one (tests and
-    benchmarks compare the two). `merge`: "fused" merges the splits in the Triton split kernel
-    where it can, "kernel" always in the separate merge kernel (module docstring)."""
+    benchmarks compare the two)."""
     if kernel not in ("auto", "triton"):
         raise ValueError(f"kernel must be 'auto' or 'triton', got {kernel!r}")
-    if merge not in ("fused", "kernel"):
-        raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     batch, num_heads, head_dim = q.shape
     if out is None:
         out = torch.empty_like(q)
@@ -255,11 +189,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         cuda_decode.decode_fp8(q, k_cache, v_cache, block_table, seq_lens, scale, window, block_size,
                                num_splits, out, o_part, lse_part)
     else:
-        counters = merge_counters(q.device, batch * k_cache.shape[1]) if num_splits > 1 and merge == "fused" else None
         _launch_split_kernel(q, k_cache, v_cache, block_table, seq_lens, scale, window, block_size,
-                             num_splits, out, o_part, lse_part, counters)
-        if counters is not None:
-            return out
+                             num_splits, out, o_part, lse_part)
     if num_splits == 1:
         return out
     _merge_splits_kernel[(batch, num_heads)](
@@ -273,7 +204,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def _launch_split_kernel(q, k_cache, v_cache, block_table, seq_lens, scale, window, block_size, num_splits,
-                         out, o_part, lse_part, counters=None) -> None:
+                         out, o_part, lse_part) -> None:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -286,14 +217,13 @@ def _launch_split_kernel(q, k_cache, v_cache, block_table, seq_lens, scale, wind
     block_n = (128 if fp8 else 64) if dim_pad <= 128 else 32
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, seq_lens, o_part, lse_part, out,
-        counters if counters is not None else seq_lens, scale,
+        scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1), num_kv_heads, num_splits,
+        lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1), num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, SINGLE_SPLIT=num_splits == 1, WINDOW=window or 0,
-        IEEE=q.dtype == torch.float32, DOT_F16=fp8 and q.dtype != torch.float32,
-        MERGE=counters is not None, SPLITS_PAD=MAX_SPLITS, num_warps=4, num_stages=2,
+        IEEE=q.dtype == torch.float32, DOT_F16=fp8 and q.dtype != torch.float32, num_warps=4, num_stages=2,
         USE_PDL=pdl_enabled(),
         **pdl_launch(),
     )

@@ -148,8 +148,6 @@ class AttentionBackend(ABC):
                                                # together with the K/V write: one Triton kernel (fused/rotary.py)
     fused_activation: ClassVar[bool] = False   # act(gate) * up: one Triton kernel (fused/activation.py)
     fused_gemv: ClassVar[bool] = False         # one-row projections and head: Triton GEMV (fused/gemv.py)
-    gemv_fusions: ClassVar[bool] = False       # with fused_gemv, one-row steps: RMSNorm (+ residual add)
-                                               # inside the GEMV after it, act(gate) * up inside gate_up's
     short_cpu_norm: ClassVar[bool] = False     # RMSNorm as six eager ops (norm._rms_norm_cpu)
     short_cpu_rotary: ClassVar[bool] = False   # rotary in three eager ops, q and k rotated together
                                                # where they lie side by side (RotaryEmbedding.rotate)
@@ -174,8 +172,7 @@ class AttentionBackend(ABC):
     def describe(self) -> str:
         """What this backend turns on, for the start-up log line."""
         fused = [name for name, on in (("norm", self.fused_norm), ("rotary + KV write", self.fused_rotary),
-                                       ("activation", self.fused_activation), ("GEMV", self.fused_gemv),
-                                       ("norm and activation in the GEMV", self.fused_gemv and self.gemv_fusions)) if on]
+                                       ("activation", self.fused_activation), ("GEMV", self.fused_gemv)) if on]
         short = [name for name, on in (("norm", self.short_cpu_norm), ("rotary", self.short_cpu_rotary),
                                        ("flat layers", self.flat_cpu_layers)) if on]
         parts = [f"fused kernels: {', '.join(fused) or 'none'}"]

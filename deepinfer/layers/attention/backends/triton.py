@@ -116,13 +116,6 @@ class TritonBackend(AttentionBackend):
     fused_rotary = True
     fused_activation = True
     fused_gemv = True
-    # Off until they have run on a GPU: the GEMV fusions (fused/gemv.py) and the decode splits
-    # merged in the split kernel's last program (triton_decode.py) pass their tests under Triton's
-    # interpreter, but no H200 was lent when they were written (2026-12-03), so neither their
-    # compiled form nor their speed is measured. `python3 benchmarks/decode_step_profile.py
-    # --no-profile` runs with both on, and with --no-gemv-fusions --no-fused-merge without.
-    gemv_fusions = False
-    fused_decode_merge = False
     needs_warm_up = True
     supports_decode_graphs = True
     model_kernels = True
@@ -256,8 +249,7 @@ class TritonBackend(AttentionBackend):
         if n_dec:
             paged_decode_attention(q[:n_dec], k_cache, v_cache, group.block_table[:n_dec], meta.seq_lens[:n_dec],
                                    layer.scale, layer.sliding_window, meta.block_size, meta.num_decode_splits,
-                                   out=out[:n_dec], kernel="auto" if self.cuda_fp8_decode else "triton",
-                                   merge="fused" if self.fused_decode_merge else "kernel")
+                                   out=out[:n_dec], kernel="auto" if self.cuda_fp8_decode else "triton")
         if group.kernel_prefill_rows is not None:
             paged_prefill_attention(q[n_dec:], k_cache, v_cache, group.block_table[n_dec:], meta.seq_lens[n_dec:],
                                     meta.prefill_query_start, group.kernel_max_prefill_len, layer.scale,
