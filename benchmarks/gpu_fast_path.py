@@ -77,6 +77,12 @@ def throughput_floor(c: dict, n: int, prompt: int, output: int, max_batch: int, 
                      flops: float) -> float:
     """Seconds the whole offline run needs at least: every matmul at the measured rate, plus
     the weights read once per decode step and each decode step's KV read at the copy bandwidth."""
+    return sum(throughput_floor_parts(c, n, prompt, output, max_batch, bandwidth, flops).values())
+
+
+def throughput_floor_parts(c: dict, n: int, prompt: int, output: int, max_batch: int, bandwidth: float,
+                           flops: float) -> dict:
+    """throughput_floor's parts, in seconds (offline_profile.py sets kernel classes beside them)."""
     tokens = n * (prompt + output)
     matmul = 2 * c["body_params"] * tokens + 2 * c["head_params"] * n * output
     attn = n * (attention_flops(c, 0, prompt) + sum(4 * (prompt + i) * c["heads"] * c["head_dim"] * c["layers"]
@@ -84,7 +90,8 @@ def throughput_floor(c: dict, n: int, prompt: int, output: int, max_batch: int, 
     decode_steps = math.ceil(n / max_batch) * output
     weight_bytes = 2 * (c["body_params"] + c["head_params"])
     kv_read = n * sum(prompt + i for i in range(output)) * c["kv_bytes_per_token"]
-    return (matmul + attn) / flops + (decode_steps * weight_bytes + kv_read) / bandwidth
+    return {"matmul_flops_s": matmul / flops, "attention_flops_s": attn / flops,
+            "decode_weight_reads_s": decode_steps * weight_bytes / bandwidth, "kv_reads_s": kv_read / bandwidth}
 
 
 def prefill_attention_kernels(c: dict, tokens: int = 8192) -> dict:
