@@ -82,7 +82,7 @@ def throughput_floor(c: dict, n: int, prompt: int, output: int, max_batch: int, 
 
 def throughput_floor_parts(c: dict, n: int, prompt: int, output: int, max_batch: int, bandwidth: float,
                            flops: float) -> dict:
-    """throughput_floor's parts, in seconds (offline_profile.py sets kernel classes beside them)."""
+    """throughput_floor's parts, in seconds (throughput_profile.py --kernels sets kernel time beside them)."""
     tokens = n * (prompt + output)
     matmul = 2 * c["body_params"] * tokens + 2 * c["head_params"] * n * output
     attn = n * (attention_flops(c, 0, prompt) + sum(4 * (prompt + i) * c["heads"] * c["head_dim"] * c["layers"]

@@ -1,7 +1,7 @@
 """Where the time of gpu_fast_path.py's (c) goes: step by step, and kernel by kernel.
 
     python benchmarks/throughput_profile.py [--requests 1000] [--max-num-seqs 512]
-        [--max-num-batched-tokens 16384] [--kv-cache-dtype auto|fp8] [--host] [--kernels]
+        [--max-num-batched-tokens 16384] [--kv-cache-dtype auto|fp8] [--host] [--kernels] [--out F.json]
 
 1. Times the run as (c) does (overlapped loop, nothing wrapped), twice: cold and warm, each with
    the Triton compiles it met (kernels compiled on first use of a new specialization; Triton's
@@ -13,19 +13,29 @@
 3. With --host, times the host's phases of an overlapped run (schedule, forward, sample, collect
    = mostly the wait for the device, update, the rest).
 4. With --kernels, profiles the overlapped run (CUDA activity only) and sums kernel time by
-   category (weight matmuls, attention, fused elementwise kernels, the rest).
+   category (weight matmuls, attention, fused elementwise kernels, the rest), the matmuls and the
+   attention beside their parts of the floor, and the device's busy time beside the wall.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import re
 import time
 
 import torch
-from gpu_fast_path import GREEDY, SHAPES, random_prompts, timed
-from gpu_reference_baseline import write_config_dir
+from gpu_fast_path import (
+    GREEDY,
+    SHAPES,
+    concurrent_requests,
+    random_prompts,
+    shape_counts,
+    throughput_floor_parts,
+    timed,
+)
+from gpu_reference_baseline import copy_bandwidth, matmul_rate, write_config_dir
 
 # Kernel name patterns, first match wins; names differ across cuBLAS and torch versions.
 CATEGORIES = [
@@ -151,23 +161,41 @@ def host_phases(llm, prompts, params) -> None:
         "(output processing, the loop)")
 
 
-def kernel_categories(llm, prompts, params) -> None:
+def kernel_categories(llm, prompts, params, floor: dict) -> dict:
+    """Kernel time by category of an overlapped run (CUDA activity only), the weight matmuls and
+    the attention each beside its part of the floor (gpu_fast_path.throughput_floor_parts), and
+    the time the device was busy at all against the wall (the rest: the device waiting for the
+    host)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         wall = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
+    spans = [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
+             if e.device_type().name == "CUDA" and e.duration_ns() > 0 and not e.name().startswith("Mem")]
     totals: dict[str, float] = collections.defaultdict(float)
     names: dict[str, float] = collections.defaultdict(float)
-    for event in prof.key_averages():
-        if event.device_type.name == "CUDA" and event.self_device_time_total > 0:
-            totals[category(event.key)] += event.self_device_time_total / 1e6
-            names[event.key] += event.self_device_time_total / 1e6
-    kernels = sum(totals.values())
-    print(f"profiled run: {wall:.2f} s wall, {kernels:.2f} s of kernel time")
+    for name, start, end in spans:
+        totals[category(name)] += (end - start) / 1e9
+        names[name] += (end - start) / 1e9
+    busy, reach = 0, -1
+    for _, start, end in sorted(spans, key=lambda span: span[1]):   # union of the intervals
+        if end > reach:
+            busy, reach = busy + end - max(start, reach), end
+    busy_s, kernels = busy / 1e9, sum(totals.values())
+    print(f"profiled run: {wall:.2f} s wall, device busy {busy_s:.2f} s (idle {wall - busy_s:.2f} s), "
+          f"{kernels:.2f} s of kernel time in {len(spans)} kernels (PDL overlaps neighbours)")
     for label, secs in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:>32}: {secs:7.2f} s ({secs / kernels:.0%})")
+    parts = {"weight matmuls": (sum(v for k, v in totals.items() if k.startswith("matmul")),
+                                floor["matmul_flops_s"]),
+             "attention": (sum(v for k, v in totals.items() if k.startswith("attention")),
+                           floor["attention_flops_s"] + floor["kv_reads_s"])}
+    for label, (secs, part) in parts.items():
+        print(f"  {label}: {secs:.2f} s against its part of the floor {part:.2f} s = {secs / part:.2f} x")
     for name, secs in sorted(names.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {secs:7.2f} s  [{category(name)}]  {name[:100]}")
+    return {"profiled_wall_s": wall, "device_busy_s": busy_s, "kernel_s": kernels, "kernels": len(spans),
+            "by_category_s": dict(totals), "floor_parts_s": floor}
 
 
 def main() -> None:
@@ -182,6 +210,7 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     parser.add_argument("--kernels", action="store_true", help="also profile kernel time by category")
     parser.add_argument("--host", action="store_true", help="also time the host's phases of an overlapped run")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here too")
     args = parser.parse_args()
     from deepinfer import LLM, SamplingParams
 
@@ -198,15 +227,27 @@ def main() -> None:
           f"max_num_batched_tokens {args.max_num_batched_tokens}, {llm.engine.executor.runner.num_blocks} KV blocks "
           f"({args.kv_cache_dtype})")
     print(f"engine start: {compiles.take()}")
+    c = shape_counts(config, kv_element_bytes=1 if args.kv_cache_dtype == "fp8" else 2)
+    floor = throughput_floor_parts(c, args.requests, args.input_len, args.output_len,
+                                   concurrent_requests(llm, args.input_len + args.output_len),
+                                   copy_bandwidth(), matmul_rate())
+    result = {"device": torch.cuda.get_device_name(), "shape": args.shape, "requests": args.requests,
+              "input_len": args.input_len, "output_len": args.output_len, "kv_cache_dtype": args.kv_cache_dtype,
+              "floor_s": sum(floor.values())}
     # The first run meets shapes no kernel has seen yet (plans, compiles); the second does not.
     for run in ("first", "second"):
         seconds = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
-        print(f"overlapped loop, {run} run: {seconds:.2f} s ({compiles.take()})")
+        result[f"{run}_run_s"] = seconds
+        print(f"overlapped loop, {run} run: {seconds:.2f} s = {seconds / result['floor_s']:.3f} x floor "
+              f"{result['floor_s']:.2f} s ({compiles.take()})")
     print_steps(step_times(llm, prompts, params))
     if args.host:
         host_phases(llm, prompts, params)
     if args.kernels:
-        kernel_categories(llm, prompts, params)
+        result.update(kernel_categories(llm, prompts, params, floor))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
