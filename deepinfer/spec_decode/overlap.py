@@ -19,9 +19,8 @@ is charged its own device time, not its successor's. It takes the better loop (s
 on a clear margin, SWITCH_MARGIN, since each switch costs a drain or a refill), and now and then
 runs a short stretch of the other (EXPLORE_RUN steps), so a change in acceptance (another
 workload) is noticed: every EXPLORE_EVERY steps of the bucket until both loops have
-CLEAR_EVIDENCE measured steps, then as often as keeps the stretches' expected cost (their
-shortfall against the better loop, and the refill of the better loop after them) within
-EXPLORE_BUDGET of the bucket's time. An unmeasured
+CLEAR_EVIDENCE measured steps, then as often as keeps the stretches' expected cost (their shortfall against the better loop, and the
+refill of the better loop after them) within EXPLORE_BUDGET of the bucket's time. An unmeasured
 bucket tries speculation first. A speculative step whose requests had no drafts measures
 nothing about verifying: it is left out, and the bucket overlaps for a few steps before trying
 again, twice as many after each such step in a row (NO_DRAFT_BACKOFF).
