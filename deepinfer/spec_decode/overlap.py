@@ -15,11 +15,10 @@ exponentially weighted averages of decode-shaped steps. A step is timed from the
 previous step's results arrived (its collect returned) to the moment its own did: that spacing
 holds the device's time and whatever host work the loop left exposed, the caller's included,
 for both loops alike, and a step left in flight (a verify step, or a verify chain of several)
-is charged its own device time, not its successor's. It takes the better loop (switching only
-on a clear margin, SWITCH_MARGIN, since each switch costs a drain or a refill), and now and then
-runs a short stretch of the other (EXPLORE_RUN steps), so a change in acceptance (another
-workload) is noticed: every EXPLORE_EVERY steps of the bucket until both loops have
-CLEAR_EVIDENCE measured steps, then as often as keeps the stretches' expected cost (their shortfall against the better loop, and the
+is charged its own device time, not its successor's. It takes the better loop, and now and then runs a short stretch of the other
+(EXPLORE_RUN steps), so a change in acceptance (another workload) is noticed: every
+EXPLORE_EVERY steps of the bucket until both loops have CLEAR_EVIDENCE measured steps, then as
+often as keeps the stretches' expected cost (their shortfall against the better loop, and the
 refill of the better loop after them) within EXPLORE_BUDGET of the bucket's time. An unmeasured
 bucket tries speculation first. A speculative step whose requests had no drafts measures
 nothing about verifying: it is left out, and the bucket overlaps for a few steps before trying
@@ -62,14 +61,6 @@ EXPLORE_RUN = {"speculative": 4, "overlapped": 4}
 # the CPU at batch 64, spec_replay.py --trace: one step in five was one, 35 ms against 18 ms).
 NO_DRAFT_BACKOFF = 4
 NO_DRAFT_BACKOFF_MAX = 128
-# Hysteresis: once both loops are measured, a bucket switches its preferred loop only when the
-# other's rate beats it by this fraction; the overlapped loop (the engine's plain path) is
-# preferred first. Each switch drains or refills the loop, a cost neither rate holds (the first
-# step after a switch is not measured), so near a tie the preference must not follow the noise:
-# on the H200 (spec_replay.py, 8B shape, batch 64, alpha 0.5, adaptive without verify chains) the
-# two loops delivered within 1-2 % of each other per request and the engine ran at 0.97-0.99x of
-# no speculation, in five runs. The smallest gain seen where speculating pays, 1.05x, is above it.
-SWITCH_MARGIN = 0.03
 EMA_WEIGHT = 0.2   # of the newest measurement
 LOOPS = ("speculative", "overlapped")
 
@@ -109,20 +100,12 @@ class _Bucket:
     exploring: str | None = None       # the loop of the stretch running now
     explore_left: int = 0
     backoff: int = NO_DRAFT_BACKOFF    # overlapped steps after the next speculative step without drafts
-    preferred: str = "overlapped"      # the loop run between stretches (SWITCH_MARGIN)
 
     def explore(self, loop: str) -> str:
         self.exploring, self.explore_left, self.since_stretch = loop, EXPLORE_RUN[loop] - 1, 0
         # Spaced by its cost, a stretch comes long after the loop's last measurement.
         self.loops[loop].stale = min(x.measured for x in self.loops.values()) >= CLEAR_EVIDENCE
         return loop
-
-    def prefer_faster(self) -> str:
-        """The preferred loop, switched when the other's rate beats it by SWITCH_MARGIN."""
-        other = "overlapped" if self.preferred == "speculative" else "speculative"
-        if self.loops[other].rate > (1 + SWITCH_MARGIN) * self.loops[self.preferred].rate:
-            self.preferred = other
-        return self.preferred
 
     def period(self, best: str, other: str) -> int:
         """Steps between stretches of `other` (see the module docstring)."""
@@ -157,7 +140,7 @@ class LoopChooser:
         elif overlapped.rate is None:
             loop = bucket.explore("overlapped")
         else:
-            best = bucket.prefer_faster()
+            best = "speculative" if spec.rate >= overlapped.rate else "overlapped"
             other = "overlapped" if best == "speculative" else "speculative"
             loop = bucket.explore(other) if bucket.since_stretch >= bucket.period(best, other) else best
         self.counts[loop] += 1
