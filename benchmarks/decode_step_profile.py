@@ -70,14 +70,18 @@ def profile_prefill(llm, tokens: int, vocab: int) -> None:
         print(f"{us / 1e3:9.2f} ms {count:5d} x  {name[:110]}")
 
 
+def busy_time(intervals) -> float:
+    """Length of the union of (start, end) intervals: the time the device ran any kernel."""
+    busy, reach = 0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            busy, reach = busy + end - max(start, reach), end
+    return busy
+
+
 def summarise(events: list[dict]) -> dict:
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
-    busy, end = 0.0, float("-inf")
-    for s, e in spans:   # union of intervals
-        if e > end:
-            busy += e - max(s, end)
-            end = e
+    busy = busy_time((e["ts"], e["ts"] + e["dur"]) for e in events)
     for e in events:
         by_name[e["name"]][0] += 1
         by_name[e["name"]][1] += e["dur"]

@@ -26,6 +26,7 @@ import re
 import time
 
 import torch
+from decode_step_profile import busy_time
 from gpu_fast_path import (
     GREEDY,
     SHAPES,
@@ -177,11 +178,7 @@ def kernel_categories(llm, prompts, params, floor: dict) -> dict:
     for name, start, end in spans:
         totals[category(name)] += (end - start) / 1e9
         names[name] += (end - start) / 1e9
-    busy, reach = 0, -1
-    for _, start, end in sorted(spans, key=lambda span: span[1]):   # union of the intervals
-        if end > reach:
-            busy, reach = busy + end - max(start, reach), end
-    busy_s, kernels = busy / 1e9, sum(totals.values())
+    busy_s, kernels = busy_time((start, end) for _, start, end in spans) / 1e9, sum(totals.values())
     print(f"profiled run: {wall:.2f} s wall, device busy {busy_s:.2f} s (idle {wall - busy_s:.2f} s), "
           f"{kernels:.2f} s of kernel time in {len(spans)} kernels (PDL overlaps neighbours)")
     for label, secs in sorted(totals.items(), key=lambda kv: -kv[1]):
