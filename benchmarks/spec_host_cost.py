@@ -19,8 +19,6 @@ import time
 import torch
 
 from deepinfer.config import SchedulerConfig, SpeculativeConfig
-from deepinfer.engine.plan import RunnerResult
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers
@@ -28,6 +26,8 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec_decode import SpeculativeDecoder
 from deepinfer.spec_decode.cost_model import StepCostModel
 from deepinfer.spec_decode.replay import Recording, ReplayDrafter
+from deepinfer.types.plan import RunnerResult
+from deepinfer.types.request import Request
 
 
 def run(mode: str, args: argparse.Namespace) -> tuple[float, float, int]:

@@ -2,7 +2,7 @@
 
 A request travels: tokenizer -> scheduler (token budget) -> KV manager (blocks, prefix cache)
 -> model runner (forward) -> sampler -> detokenizer -> RequestOutput. Start reading at
-`engine/plan.py` (the boundary types), then `engine/scheduler.py` and `worker/model_runner.py`.
+`types/plan.py` (the boundary types), then `engine/scheduler.py` and `worker/model_runner.py`.
 """
 
 from deepinfer.llm import LLM

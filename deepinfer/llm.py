@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 
 from deepinfer.chat import apply_template_kwargs, make_encoder
 from deepinfer.config import EngineConfig
-from deepinfer.engine import traffic_class as traffic
 from deepinfer.engine.admission import EngineFacts, child_requests, to_request
 from deepinfer.engine.core import EngineCore
 from deepinfer.models.generation_config import default_sampling_overrides
@@ -34,6 +33,7 @@ from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
+from deepinfer.types import traffic_class as traffic
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class LLM:
                  use_tqdm: bool | Callable[..., tqdm] = True, priority: Sequence[int] | None = None,
                  cache_salt: str | None = None, traffic_class: str | None = None) -> list[RequestOutput]:
         """`traffic_class`: the retention class (one of kv_retention's) of these requests' KV in a
-        KV store; unset: "chat" (engine/traffic_class.py)."""
+        KV store; unset: "chat" (types/traffic_class.py)."""
         traffic_class = traffic.resolve(traffic_class, self._facts.traffic_classes)
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
 
 from deepinfer.engine.admission import child_request_ids  # the n fan-out rule: admission's
-from deepinfer.engine.plan import EngineCoreOutput
 from deepinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.types.plan import EngineCoreOutput
 
 
 @dataclass

@@ -11,10 +11,10 @@ second half). What it decides:
   - max_tokens: the room left before max_model_len (or less, when the request asks for less);
   - n > 1 fans out into n child requests `{id}-{index}`, each with n=1 and, when seeded, its
     own seed (SamplingParams.for_child); the front end's output processor gathers them back;
-  - extra_key: model id + cache_salt, part of every block hash (kv_cache/prefix_cache.py), so
+  - extra_key: model id + cache_salt, part of every block hash (types/block_hashes.py), so
     tenants with different salts never share KV blocks;
   - prompt_logprobs skip the prefix cache: every prompt position must be computed;
-  - traffic_class: one of the engine's kv_retention classes (engine/traffic_class.py; None:
+  - traffic_class: one of the engine's kv_retention classes (types/traffic_class.py; None:
     "chat"), the retention of the request's blocks in a KV store. Any other is a ValueError.
 
 `child_requests` is pure (it registers nothing), so a caller can build and encode everything
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import msgspec
 
 from deepinfer.config import CacheConfig
-from deepinfer.engine import traffic_class as traffic
-from deepinfer.engine.request import Request
-from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types import traffic_class as traffic
+from deepinfer.types.block_hashes import extra_key
+from deepinfer.types.request import Request
 
 
 class AddRequest(msgspec.Struct, tag="add"):

@@ -55,15 +55,12 @@ from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig, fit_block_size, resolve_max_model_len
 from deepinfer.engine.kv_tier import KVTierLink
-from deepinfer.engine.plan import EngineCoreOutput, EngineStats, ForwardStep, LaunchedStep, SchedulerPlan
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.executor import Executor
-from deepinfer.kv_cache.connector import KVConnectorStats, make_kv_connector_scheduler
+from deepinfer.kv_cache.connector import make_kv_connector_scheduler
 from deepinfer.kv_cache.events import KVEventSink, open_kv_events
 from deepinfer.kv_cache.manager import KVCacheManager, replay_config
-from deepinfer.kv_cache.prefix_cache import hash_root
-from deepinfer.kv_cache.tier_stats import KVTierMetrics, tier_metrics
+from deepinfer.kv_cache.tier_metrics import tier_metrics
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import current_platform
@@ -71,6 +68,10 @@ from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.sample.structured.bitmask import BitmaskFill
 from deepinfer.spec_decode import build_speculative_decoder
 from deepinfer.spec_decode.overlap import LoopChooser
+from deepinfer.types.block_hashes import hash_root
+from deepinfer.types.plan import EngineCoreOutput, EngineStats, ForwardStep, LaunchedStep, SchedulerPlan
+from deepinfer.types.request import Request
+from deepinfer.types.tier_stats import KVConnectorStats, KVTierMetrics
 
 logger = logging.getLogger(__name__)
 

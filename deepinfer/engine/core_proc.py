@@ -39,8 +39,8 @@ import zmq
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.admission import AddRequest, to_request
-from deepinfer.engine.plan import EngineCoreOutput, EngineStats
-from deepinfer.engine.request import Request, RequestTimes
+from deepinfer.types.plan import EngineCoreOutput, EngineStats
+from deepinfer.types.request import Request, RequestTimes
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 
-from deepinfer.engine.plan import SchedulerPlan
+from deepinfer.types.plan import SchedulerPlan
 
 logger = logging.getLogger(__name__)
 

@@ -21,11 +21,12 @@ import time
 from collections.abc import Sequence
 
 from deepinfer.engine.kv_load_policy import KVLoadPolicy
-from deepinfer.engine.plan import KVConnectorMetadata, RunnerResult, SchedulerPlan
-from deepinfer.engine.request import Request
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
-from deepinfer.kv_cache.connector import KVConnectorScheduler, KVConnectorStats
+from deepinfer.kv_cache.connector import KVConnectorScheduler
 from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
+from deepinfer.types.plan import KVConnectorMetadata, RunnerResult, SchedulerPlan
+from deepinfer.types.request import Request
+from deepinfer.types.tier_stats import KVConnectorStats
 
 
 class KVTierLink:

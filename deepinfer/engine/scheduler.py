@@ -23,7 +23,7 @@ request whose token is still being sampled on the device counts it as known
 runner takes from the device. A request stopped by that token is found one step late; the result
 of its extra chunk is ignored.
 What the runner learns of a request is sent once (NewRequestData, with its block tables) and
-then as diffs (CachedRequestData, only when its tables changed; engine/block_tables.py keeps the
+then as diffs (CachedRequestData, only when its tables changed; types/block_tables.py keeps the
 record), and `schedule()` returns the plan final: nothing is added to it afterwards.
 """
 
@@ -35,9 +35,12 @@ import time
 from collections.abc import Iterable
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.block_tables import RunnerBlockTables
 from deepinfer.engine.kv_tier import KVTierLink
-from deepinfer.engine.plan import (
+from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.sample.structured.grammar import GrammarState, RequestGrammar
+from deepinfer.spec_decode import SpeculativeDecoder
+from deepinfer.types.block_tables import RunnerBlockTables
+from deepinfer.types.plan import (
     CachedRequestData,
     EngineCoreOutput,
     NewRequestData,
@@ -45,10 +48,7 @@ from deepinfer.engine.plan import (
     ScheduledChunk,
     SchedulerPlan,
 )
-from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.kv_cache.manager import KVCacheManager
-from deepinfer.sample.structured.grammar import GrammarState, RequestGrammar
-from deepinfer.spec_decode import SpeculativeDecoder
+from deepinfer.types.request import Request, RequestStatus
 
 
 class Scheduler:

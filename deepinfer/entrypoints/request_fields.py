@@ -70,7 +70,7 @@ class SamplingFields(_Fields):
     # a tenant's prefix-cache namespace (an empty salt would share the unsalted one: refused).
     priority: Int64 = 0
     cache_salt: NonEmptyStr | None = None
-    # deepinfer's: the KV store retention class (one of kv_retention's; engine/traffic_class.py).
+    # deepinfer's: the KV store retention class (one of kv_retention's; types/traffic_class.py).
     traffic_class: str | None = None
     # OpenAI's end-user id: accepted, used only in request logs.
     user: str | None = None

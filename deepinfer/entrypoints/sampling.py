@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.engine import traffic_class as traffic
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
+from deepinfer.types import traffic_class as traffic
 
 MAX_N = 128
 
@@ -59,7 +59,7 @@ def engine_request_fields(fields, traffic_classes: Sequence[str], header: str | 
                           offers_tools: bool = False) -> dict:
     """vLLM's per-request scheduling fields: `priority` (lower runs first under --policy
     priority) and `cache_salt` (a tenant's prefix-cache namespace); and deepinfer's
-    `traffic_class` (engine/traffic_class.py): the body field, else the X-Traffic-Class header
+    `traffic_class` (types/traffic_class.py): the body field, else the X-Traffic-Class header
     (`header`), else "agent" when the request offers tools, "chat" otherwise. A class kv_retention
     does not name is a 400 naming where it came from and the allowed classes."""
     if fields.traffic_class is not None:

@@ -8,7 +8,7 @@ start (`kv_cache_config`), hands it each plan, and gets the result back through 
     result = executor.collect(launched)                  # wait for that step, RunnerResult
 
 The overlapped loop (engine/core.py) interleaves these calls of two steps; the plain loop makes
-them in a row. Everything that crosses is a plan type (engine/plan.py): plain values a later
+them in a row. Everything that crosses is a plan type (types/plan.py): plain values a later
 multi-process executor can send to its ranks. Speculative decoding's runner-side work also goes
 through here (`profile_verify_step`, `propose_mtp`), and a draft model gets an executor of its
 own from the same factory (`Executor.from_config`).
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from deepinfer.config import EngineConfig, ParallelConfig
-from deepinfer.engine.plan import (
+from deepinfer.types.plan import (
     ForwardStep,
     GrammarOutput,
     KVCacheConfig,
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from deepinfer.kv_cache.events import KVEventSink
     from deepinfer.kv_cache.store.persistent_worker import StoreWorkerStats
     from deepinfer.models.loader import ModelSource
-    from deepinfer.spec_decode.drafter import Draft, DraftRequest
+    from deepinfer.types.drafter import Draft, DraftRequest
 
 
 logger = logging.getLogger(__name__)

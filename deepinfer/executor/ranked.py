@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.distributed import init_distributed, shutdown_distributed
-from deepinfer.engine.plan import ForwardStep, GrammarOutput, LaunchedStep, RunnerResult, SchedulerPlan
 from deepinfer.executor.uniproc import UniProcExecutor
 from deepinfer.platforms import current_platform
+from deepinfer.types.plan import ForwardStep, GrammarOutput, LaunchedStep, RunnerResult, SchedulerPlan
 from deepinfer.worker.model_runner import ModelRunner
 from deepinfer.worker.rank_worker import RankSpec
 
 if TYPE_CHECKING:
     from deepinfer.models.loader import ModelSource
-    from deepinfer.spec_decode.drafter import Draft, DraftRequest
+    from deepinfer.types.drafter import Draft, DraftRequest
 
 logger = logging.getLogger(__name__)
 

@@ -11,16 +11,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.plan import ForwardStep, GrammarOutput, LaunchedStep, RunnerResult, SchedulerPlan
 from deepinfer.executor.abstract import Executor
 from deepinfer.platforms import current_platform
+from deepinfer.types.plan import ForwardStep, GrammarOutput, LaunchedStep, RunnerResult, SchedulerPlan
 from deepinfer.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from deepinfer.kv_cache.events import KVEventSink
     from deepinfer.kv_cache.store.persistent_worker import StoreWorkerStats
     from deepinfer.models.loader import ModelSource
-    from deepinfer.spec_decode.drafter import Draft, DraftRequest
+    from deepinfer.types.drafter import Draft, DraftRequest
 
 
 class UniProcExecutor(Executor):

@@ -42,8 +42,6 @@ from dataclasses import dataclass, field
 from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.engine.admission import EngineFacts, child_requests
 from deepinfer.engine.core_proc import Abort, Failed, Heartbeat, StepOutputs
-from deepinfer.engine.plan import EngineStats
-from deepinfer.engine.traffic_class import retention_classes
 from deepinfer.frontend.core_process import CoreProcess
 from deepinfer.frontend.dp_balancer import DPLoadBalancer, core_device_env
 from deepinfer.frontend.output_stream import OutputStream
@@ -53,6 +51,8 @@ from deepinfer.models.loader import ModelSource
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
+from deepinfer.types.plan import EngineStats
+from deepinfer.types.traffic_class import retention_classes
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deepinfer.types.block_tables import NULL_BLOCK_ID
+
 if TYPE_CHECKING:
     from deepinfer.kv_cache.events import KVEventSink
-
-NULL_BLOCK_ID = 0
 
 
 @dataclass

@@ -3,7 +3,7 @@
 vLLM's two-role shape. The scheduler side lives beside the scheduler and never sees a tensor; the
 worker side lives in the model runner and never sees a Request. What crosses between them is the
 plan's KVConnectorMetadata (loads and saves, as KVTransfer values) and, back, the ids of the
-transfers that completed (RunnerResult.finished_kv_transfers). engine/plan.py holds those types.
+transfers that completed (RunnerResult.finished_kv_transfers). types/plan.py holds those types.
 
 A step with connector work, as the scheduler side sees it:
 
@@ -48,8 +48,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
 from deepinfer.kv_cache.tensors import group_slots
+from deepinfer.types.plan import KVConnectorMetadata, KVTransfer
+from deepinfer.types.tier_stats import KVConnectorStats
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,7 @@ if TYPE_CHECKING:
 
 GIB = 1 << 30
 
-# A tier entry's key: (group key, block hash). The block hash chain (kv_cache/prefix_cache.py)
+# A tier entry's key: (group key, block hash). The block hash chain (types/block_hashes.py)
 # already carries the model id and the tenant's cache_salt; the group key adds what makes the
 # bytes differ for the same tokens that the chain does not carry (see group_key).
 TierKey = tuple[bytes, bytes]
@@ -82,30 +83,6 @@ def group_kv_tensors(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], gro
     """The (K, V) tensors of a group's layers, each [num_blocks * block_size, kv_heads, head_dim]:
     the slots of its pool (kv_cache/tensors.py). The one place tiers address device KV."""
     return [kv_caches[i] for i in group_slots(list(groups), group)]
-
-
-@dataclass
-class KVConnectorStats:
-    """Cumulative counters of a tier (and one gauge), for /metrics."""
-
-    queries: int = 0          # tokens looked up in the tier, beyond the device's prefix hit
-    hits: int = 0             # of those, tokens the tier held
-    loaded_blocks: int = 0    # blocks (of one group each) copied tier -> device
-    saved_blocks: int = 0     # blocks copied device -> tier, counted once their save completed
-    stored_blocks: int = 0    # gauge: entries held now, pending saves included
-    stored_bytes: int = 0     # gauge: their bytes (host tier)
-    evictions: int = 0        # entries dropped (LRU) to make room for a save
-    refused_saves: int = 0    # blocks offered of a kind never persisted (sliding window)
-    dropped_saves: int = 0    # blocks not saved: every slot was pinned by a load or pending (host),
-                              # or the store is down (persistent)
-    failed_loads: int = 0     # blocks whose load failed (the request recomputed them)
-    corrupt_entries: int = 0  # entries found bad by a look-up (wrong size) and dropped
-    store_errors: int = 0     # calls to a persistent store that failed (down, full)
-    declined_loads: int = 0   # blocks a store held that were recomputed, faster than loading them
-                              # (kv_store_load_policy=auto; counted by KVTierLink)
-
-    def copy(self) -> KVConnectorStats:
-        return KVConnectorStats(**vars(self))
 
 
 @dataclass

@@ -14,7 +14,7 @@ sit at the end, so older decoders, which ignore trailing fields, read them too.
     AllBlocksCleared
 
 Block hashes are ints: the first 8 bytes (big-endian) of the engine's 16-byte chained block hash
-(kv_cache/prefix_cache.py), as vLLM sends 64-bit ints by default. Media: "GPU" for the engine's
+(types/block_hashes.py), as vLLM sends 64-bit ints by default. Media: "GPU" for the engine's
 own device pool (vLLM's name for it, on any accelerator), "DISK" and "REDIS" for a kv_store.
 
 Where they come from:
@@ -51,8 +51,8 @@ import msgspec
 
 if TYPE_CHECKING:
     from deepinfer.config import CacheConfig
-    from deepinfer.engine.request import Request
     from deepinfer.kv_cache.manager import KVCacheManager
+    from deepinfer.types.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool, GroupCounters
-from deepinfer.kv_cache.prefix_cache import ROOT_HASH
 from deepinfer.kv_cache.specs import KVCacheGroup, num_pools, sliding_window_of
+from deepinfer.types.block_hashes import ROOT_HASH
 
 if TYPE_CHECKING:
-    from deepinfer.engine.request import Request
+    from deepinfer.types.request import Request
 
 
 # A KV tier's look-up: (the request's block hashes, blocks the device holds) -> more blocks it holds.

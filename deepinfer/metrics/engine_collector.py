@@ -33,8 +33,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from deepinfer.engine.plan import EngineStats
-from deepinfer.kv_cache.tier_stats import KVTierMetrics
+from deepinfer.types.plan import EngineStats
+from deepinfer.types.tier_stats import KVTierMetrics
 
 # vLLM labels every engine metric with the engine index: the core's data-parallel rank, 0..N-1.
 LABELS = ["model_name", "engine"]

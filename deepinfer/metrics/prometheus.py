@@ -58,10 +58,10 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from deepinfer.config import CacheConfig
-from deepinfer.engine.plan import EngineStats
 from deepinfer.metrics.engine_collector import LABELS, EngineStatsCollector
 from deepinfer.metrics.http import HTTPMetrics
 from deepinfer.metrics.stats import RequestTimings
+from deepinfer.types.plan import EngineStats
 
 PREFIX = "deepinfer:"
 VLLM_PREFIX = "vllm:"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.engine.request import RequestTimes
+from deepinfer.types.request import RequestTimes
 
 
 @dataclass

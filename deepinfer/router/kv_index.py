@@ -7,7 +7,7 @@ replica) and keeps, per replica, the set of hashes on its device ("GPU" medium),
 hashes in the shared store (any other medium: "DISK", "REDIS"), which every replica can load.
 
 To match a prompt, the router computes the same chain the engine computes
-(kv_cache/prefix_cache.py): root = hash_root(model name, revision, block_size, kv dtype, tp rank 0),
+(types/block_hashes.py): root = hash_root(model name, revision, block_size, kv dtype, tp rank 0),
 block i = H(block i-1, its token ids, extra_key(model id, cache_salt)). The facts come from the
 replica: model id from /v1/models 'root', block size and KV dtype from cache_config_info on
 /metrics. Because the chain is prefix-closed, a replica's match is the longest run of leading
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import msgspec
 
 from deepinfer.kv_cache.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
-from deepinfer.kv_cache.prefix_cache import extend_block_hashes, extra_key, hash_root
+from deepinfer.types.block_hashes import extend_block_hashes, extra_key, hash_root
 
 logger = logging.getLogger(__name__)
 

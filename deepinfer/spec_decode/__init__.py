@@ -24,8 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deepinfer.spec_decode.decoder import SpeculativeDecoder
-from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
-from deepinfer.spec_decode.metrics import SpecDecodeStats
+from deepinfer.types.drafter import Drafter
 
 if TYPE_CHECKING:
     from deepinfer.config import EngineConfig
@@ -33,8 +32,7 @@ if TYPE_CHECKING:
     from deepinfer.models.loader import ModelSource
     from deepinfer.spec_decode.cost_model import StepCostModel
 
-__all__ = ["Draft", "DraftRequest", "Drafter", "SpecDecodeStats", "SpeculativeDecoder",
-           "build_speculative_decoder"]
+__all__ = ["SpeculativeDecoder", "build_speculative_decoder"]
 
 
 def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool = True) -> Drafter:

@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 from deepinfer.config import SpeculativeConfig
 from deepinfer.spec_decode.calibration import AcceptanceCalibrator
 from deepinfer.spec_decode.cost_model import StepCostModel
-from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
-from deepinfer.spec_decode.metrics import SpecDecodeStats
 from deepinfer.spec_decode.policy import Candidate, admit_adaptive, admit_fixed
+from deepinfer.types.drafter import Draft, Drafter, DraftRequest
+from deepinfer.types.spec_stats import SpecDecodeStats
 
 # Adaptive verification explores: a request whose first draft falls in a calibration cell with
 # fewer observations than this verifies that one draft anyway. Without it a drafter whose raw
@@ -32,7 +32,7 @@ from deepinfer.spec_decode.policy import Candidate, admit_adaptive, admit_fixed
 MIN_EVIDENCE = 8.0
 
 if TYPE_CHECKING:
-    from deepinfer.engine.request import Request
+    from deepinfer.types.request import Request
 
 logger = logging.getLogger(__name__)
 

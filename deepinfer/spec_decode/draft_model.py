@@ -32,11 +32,11 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.config import CacheConfig, EngineConfig, ModelConfig
-from deepinfer.engine.block_tables import RunnerBlockTables
-from deepinfer.engine.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
+from deepinfer.types.block_tables import RunnerBlockTables
+from deepinfer.types.drafter import Draft, Drafter, DraftRequest
+from deepinfer.types.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
 from deepinfer.worker.model_runner import MAX_GRAPH_ROWS
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
+from deepinfer.types.drafter import Draft, Drafter, DraftRequest
 
 if TYPE_CHECKING:
     from deepinfer.executor import Executor

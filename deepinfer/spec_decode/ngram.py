@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
+from deepinfer.types.drafter import Draft, Drafter, DraftRequest
 
 MAX_MATCH = 32          # backward extension cap: beyond this every match looks alike
 POSITION_DISCOUNT = 0.9

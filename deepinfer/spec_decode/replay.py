@@ -28,7 +28,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deepinfer.spec_decode.drafter import Draft, Drafter, DraftRequest
+from deepinfer.types.drafter import Draft, Drafter, DraftRequest
 
 logger = logging.getLogger(__name__)
 

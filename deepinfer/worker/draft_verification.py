@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.plan import GrammarOutput, RunnerResult
 from deepinfer.platforms.transfer import to_host_async
 from deepinfer.sample.logprobs import top_logprobs
 from deepinfer.sample.sampler import SamplingRow, needs_edit
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
 from deepinfer.spec_decode.verifier import VerifyRequest, VerifyResult, accept_greedy, verify
+from deepinfer.types.plan import GrammarOutput, RunnerResult
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
 
 

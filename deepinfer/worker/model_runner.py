@@ -10,7 +10,7 @@ a `RunnerResult`, in three calls, none of the first two waiting for the device:
   sample(forward, grammar)   queue sampling (grammar masks and penalties see every earlier token)
                              and the copy of the tokens to the host
   collect(launched)          wait for that step alone, return its RunnerResult
-The calls take and return handles (ForwardStep, LaunchedStep in engine/plan.py); the tensors
+The calls take and return handles (ForwardStep, LaunchedStep in types/plan.py); the tensors
 behind them stay here. Overlapped scheduling (engine/core.py) interleaves the calls of two
 steps. Until collected, each sampled token is a PLACEHOLDER in the request's token list; a
 forward that needs it as input takes it from the device tensor of the step before.
@@ -36,14 +36,6 @@ import torch
 from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.distributed import ParallelGroup, building_with
 from deepinfer.distributed.parallel_state import SINGLE
-from deepinfer.engine.plan import (
-    ForwardStep,
-    GrammarOutput,
-    KVCacheConfig,
-    LaunchedStep,
-    RunnerResult,
-    SchedulerPlan,
-)
 from deepinfer.kv_cache.connector import KVConnectorWorker, make_kv_connector_worker
 from deepinfer.kv_cache.dtypes import resolve_cache_dtype
 from deepinfer.kv_cache.specs import KVCacheGroup
@@ -58,13 +50,21 @@ from deepinfer.platforms.transfer import to_device
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
+from deepinfer.types.plan import (
+    ForwardStep,
+    GrammarOutput,
+    KVCacheConfig,
+    LaunchedStep,
+    RunnerResult,
+    SchedulerPlan,
+)
 from deepinfer.worker.draft_verification import PendingVerdicts, verify_chunks
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, max_sliding_window, num_decode_rows
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
 from deepinfer.worker.verify_chain import ChainStart, ChainVerdicts, build_verify_chain
 
 if TYPE_CHECKING:
-    from deepinfer.spec_decode.drafter import Draft, DraftRequest
+    from deepinfer.types.drafter import Draft, DraftRequest
     from deepinfer.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.distributed import init_distributed, shutdown_distributed
-from deepinfer.engine.plan import ForwardStep, LaunchedStep
 from deepinfer.platforms import current_platform
+from deepinfer.types.plan import ForwardStep, LaunchedStep
 
 logger = logging.getLogger(__name__)
 

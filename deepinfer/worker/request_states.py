@@ -1,7 +1,7 @@
 """The runner's per-request state, kept in step with the scheduler by applying each plan.
 
 A request arrives whole once (NewRequestData) and then as diffs (CachedRequestData, see
-engine/plan.py): `update_states` applies a plan's finished ids, new requests and diffs, in that
+types/plan.py): `update_states` applies a plan's finished ids, new requests and diffs, in that
 order. `step_chunks` then pairs each scheduled chunk with its request's block tables, which is
 what the step's inputs are built from (worker/input_batch.py).
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.block_tables import apply_block_table_diffs
-from deepinfer.engine.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.block_tables import apply_block_table_diffs
+from deepinfer.types.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
 
 
 @dataclass

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.engine.plan import RunnerResult
 from deepinfer.platforms.transfer import to_device, to_host_async
 from deepinfer.spec_decode.verifier import greedy_verdict
+from deepinfer.types.plan import RunnerResult
 from deepinfer.worker.draft_verification import plain_greedy
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
 

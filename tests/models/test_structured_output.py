@@ -15,8 +15,8 @@ import jsonschema
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.sampling_params import StructuredOutputsParams
+from deepinfer.types.request import Request, RequestStatus
 from tests.models.structured_schemas import SCHEMAS
 
 # Greedy, plain temperature, nucleus, top-k with n=2: cycled over the prompts.

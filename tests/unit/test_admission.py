@@ -6,8 +6,8 @@ import msgspec
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.admission import AddRequest, EngineFacts, child_request_ids, child_requests, to_request
-from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.output_processor import child_request_ids as output_processor_child_ids
+from deepinfer.types.block_hashes import extra_key
 
 FACTS = EngineFacts("model-x", max_model_len=32, eos_token_ids=frozenset({2, 0}))
 PROMPT = list(range(3, 13))   # 10 tokens: 22 left before max_model_len

@@ -13,11 +13,11 @@ import pytest
 from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.engine.admission import AddRequest, EngineFacts
 from deepinfer.engine.core_proc import Abort, InputMessage
-from deepinfer.engine.plan import EngineCoreOutput
 from deepinfer.frontend.dp_balancer import DPLoadBalancer, core_device_env
 from deepinfer.frontend.engine_client import AsyncEngineClient, EngineDeadError, EngineInfo
 from deepinfer.kv_cache.events import rank_endpoint
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.plan import EngineCoreOutput
 
 
 # -------------------------------------------------------------------------------- the balancer

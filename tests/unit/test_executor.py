@@ -11,10 +11,10 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ParallelConfig
-from deepinfer.engine.plan import GrammarOutput
 from deepinfer.executor import Executor
 from deepinfer.executor.uniproc import UniProcExecutor
 from deepinfer.sampling_params import StructuredOutputsParams
+from deepinfer.types.plan import GrammarOutput
 
 KW = {"dtype": "float32", "num_kv_blocks": 256, "block_size": 4}
 PROMPTS = [[(7 * i + j) % 500 + 2 for j in range(6 + 5 * i)] for i in range(3)]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.engine.request import Request
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
 from deepinfer.kv_cache.manager import KVCacheManager
-from deepinfer.kv_cache.prefix_cache import extra_key
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.block_hashes import extra_key
+from deepinfer.types.request import Request
 
 BS = 4
 FULL = FullAttentionSpec(2, 8, torch.float32)

@@ -60,7 +60,7 @@ def ints(hashes: list[bytes]) -> list[int]:
 
 
 def request_hashes(llm: LLM, tokens: list[int]) -> list[bytes]:
-    from deepinfer.kv_cache.prefix_cache import extend_block_hashes, extra_key
+    from deepinfer.types.block_hashes import extend_block_hashes, extra_key
 
     out: list[bytes] = []
     extend_block_hashes(out, tokens, BS, extra_key(llm.model_id, None), llm.engine.kv_manager.hash_root)

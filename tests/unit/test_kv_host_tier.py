@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from deepinfer.config import CacheConfig
-from deepinfer.engine.plan import KVConnectorMetadata, NewRequestData, ScheduledChunk, SchedulerPlan
 from deepinfer.kv_cache.connector import (
     GIB,
     group_key,
     make_kv_connector,
     make_kv_connector_scheduler,
 )
-from deepinfer.kv_cache.prefix_cache import extend_block_hashes, extra_key
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
 from deepinfer.kv_cache.store.host import HostTierScheduler, plan_pools
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.block_hashes import extend_block_hashes, extra_key
+from deepinfer.types.plan import KVConnectorMetadata, NewRequestData, ScheduledChunk, SchedulerPlan
 
 BS = 4
 HEADS, DIM = 2, 8

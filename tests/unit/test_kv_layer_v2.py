@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from deepinfer.config import CacheConfig
-from deepinfer.engine.request import Request
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
 from deepinfer.kv_cache.manager import KVCacheManager, ReplayConfig, replay_config
-from deepinfer.kv_cache.prefix_cache import extra_key, hash_root
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.kv_cache.tensors import KVLayout
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.block_hashes import extra_key, hash_root
+from deepinfer.types.request import Request
 
 BS = 4
 FULL = FullAttentionSpec(2, 8, torch.float32)

@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from deepinfer.engine.kv_load_policy import EXPLORE_EVERY, MIN_PREFILL_TOKENS, KVLoadPolicy
-from deepinfer.engine.plan import ScheduledChunk, SchedulerPlan
+from deepinfer.types.plan import ScheduledChunk, SchedulerPlan
 
 BS = 16
 

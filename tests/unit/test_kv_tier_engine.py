@@ -9,7 +9,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.admission import EngineFacts, child_requests, to_request
-from deepinfer.engine.request import RequestStatus
+from deepinfer.types.request import RequestStatus
 from tests.models.tiny_models import build_tiny_checkpoint
 
 BS = 16

@@ -14,12 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import CacheConfig
 from deepinfer.engine.core_proc import step_tokens
-from deepinfer.engine.plan import EngineStats
-from deepinfer.engine.request import Request, RequestTimes
 from deepinfer.metrics.http import HTTPMetricsMiddleware
 from deepinfer.metrics.prometheus import ServerMetrics, buckets_1_2_5
 from deepinfer.metrics.stats import RequestTimings
-from deepinfer.spec_decode.metrics import SpecDecodeStats
+from deepinfer.types.plan import EngineStats
+from deepinfer.types.request import Request, RequestTimes
+from deepinfer.types.spec_stats import SpecDecodeStats
 from tests.vllm_dashboard import DASHBOARD_SERIES
 
 LABELS = {"model_name": "m", "engine": "0"}

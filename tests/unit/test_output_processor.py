@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.plan import EngineCoreOutput
 from deepinfer.models.loader import load_model_source
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
+from deepinfer.types.plan import EngineCoreOutput
 
 
 @pytest.fixture(scope="module")

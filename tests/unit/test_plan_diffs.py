@@ -1,7 +1,7 @@
 """Requests cross to the runner whole once, then as diffs: the runner's copy never drifts.
 
 The scheduler sends a request's block tables in NewRequestData when it (re)joins the runner,
-and afterwards only BlockTableDiffs (engine/block_tables.py). Random traffic with prefix hits,
+and afterwards only BlockTableDiffs (types/block_tables.py). Random traffic with prefix hits,
 a sliding-window group (leading entries nulled), a small pool (preemption, readmission),
 speculative drafts with random acceptance (tails cut) and aborts: after every schedule(), the
 runner's tables, rebuilt from the plans alone (worker/request_states.update_states), equal the
@@ -16,16 +16,17 @@ import pytest
 import torch
 
 from deepinfer.config import SchedulerConfig, SpeculativeConfig
-from deepinfer.engine.block_tables import RunnerBlockTables, apply_block_table_diffs
-from deepinfer.engine.plan import CachedRequestData, NewRequestData, RunnerResult
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec_decode import Draft, Drafter, SpeculativeDecoder
+from deepinfer.spec_decode import SpeculativeDecoder
 from deepinfer.spec_decode.cost_model import StepCostModel
+from deepinfer.types.block_tables import RunnerBlockTables, apply_block_table_diffs
+from deepinfer.types.drafter import Draft, Drafter
+from deepinfer.types.plan import CachedRequestData, NewRequestData, RunnerResult
+from deepinfer.types.request import Request
 from deepinfer.worker.request_states import RunnerRequestState, step_chunks, update_states
 
 BS = 4

@@ -4,12 +4,12 @@ KV index and the block-hash chain (equal to the engine's own)."""
 from __future__ import annotations
 
 from deepinfer.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, external_hash
-from deepinfer.kv_cache.prefix_cache import extend_block_hashes, extra_key, hash_root
 from deepinfer.router.admission import admissible
 from deepinfer.router.kv_index import KVIndex, prompt_block_hashes
 from deepinfer.router.options import RouterOptions
 from deepinfer.router.policy import CacheAware, Cost, LeastLoad, RoundRobin
 from deepinfer.router.replica import Replica, Scraped, parse_metrics
+from deepinfer.types.block_hashes import extend_block_hashes, extra_key, hash_root
 
 
 def fleet(*loads, usage=0.0, blocks=100) -> list[Replica]:

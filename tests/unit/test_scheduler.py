@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.plan import RunnerResult
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.plan import RunnerResult
+from deepinfer.types.request import Request
 
 BS = 4
 

@@ -14,13 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.plan import RunnerResult
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.plan import RunnerResult
+from deepinfer.types.request import Request
 
 BS = 4
 SPECS = [FullAttentionSpec(1, 4, torch.float32), SlidingWindowSpec(1, 4, torch.float32, sliding_window=6)]

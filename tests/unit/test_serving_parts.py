@@ -6,8 +6,6 @@ import msgspec
 import pytest
 
 from deepinfer.engine.core_proc import AddRequest, Failed, InputMessage, OutputMessage, StepOutputs
-from deepinfer.engine.plan import EngineCoreOutput, EngineStats
-from deepinfer.engine.request import RequestTimes
 from deepinfer.entrypoints import sampling
 from deepinfer.entrypoints.errors import APIError
 from deepinfer.entrypoints.options import ServerOptions
@@ -15,6 +13,8 @@ from deepinfer.entrypoints.request_fields import parse_fields
 from deepinfer.metrics.stats import RequestTimings
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
+from deepinfer.types.plan import EngineCoreOutput, EngineStats
+from deepinfer.types.request import RequestTimes
 
 
 def test_ipc_messages_round_trip():

@@ -88,7 +88,7 @@ def test_what_needs_a_tokenizer_is_refused_clearly(llm):
 def test_engine_core_refuses_structured_requests_without_tokenizer(no_tokenizer_dir):
     from deepinfer.config import EngineConfig
     from deepinfer.engine.core import EngineCore
-    from deepinfer.engine.request import Request
+    from deepinfer.types.request import Request
 
     config = EngineConfig.from_kwargs(model=no_tokenizer_dir, skip_tokenizer_init=True, **KW)
     core = EngineCore(config, load_model_source(no_tokenizer_dir, skip_tokenizer_init=True))

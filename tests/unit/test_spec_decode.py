@@ -12,20 +12,21 @@ import pytest
 import torch
 
 from deepinfer.config import EngineConfig, SchedulerConfig, SpeculativeConfig
-from deepinfer.engine.plan import RunnerResult
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.sample.sampler import SamplingRow, sampling_probs
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec_decode import Draft, Drafter, SpeculativeDecoder
+from deepinfer.spec_decode import SpeculativeDecoder
 from deepinfer.spec_decode.calibration import AcceptanceCalibrator
 from deepinfer.spec_decode.cost_model import StepCostModel
-from deepinfer.spec_decode.metrics import SpecDecodeStats
 from deepinfer.spec_decode.ngram import NgramDrafter
 from deepinfer.spec_decode.policy import Candidate, admit_adaptive, admit_fixed
 from deepinfer.spec_decode.verifier import VerifyRequest, verify
+from deepinfer.types.drafter import Draft, Drafter
+from deepinfer.types.plan import RunnerResult
+from deepinfer.types.request import Request
+from deepinfer.types.spec_stats import SpecDecodeStats
 from tests.unit.test_scheduler_fuzz import check_references
 
 
@@ -268,8 +269,8 @@ def test_speculative_config_from_json_and_cli():
 
 
 def test_prometheus_exports_spec_decode_counters():
-    from deepinfer.engine.plan import EngineStats
     from deepinfer.metrics.prometheus import ServerMetrics
+    from deepinfer.types.plan import EngineStats
 
     metrics = ServerMetrics("m", 2048)
     stats = SpecDecodeStats(3)
@@ -345,7 +346,7 @@ def test_expected_emitted_is_a_token_a_request_plus_the_verified_drafts_survival
     """What the loop chooser prices an adaptive speculative step by: one token per request, plus
     the survival probability of each draft the step verifies (of the drafts left in its chunks,
     which the scheduler may have cut); fixed verification estimates none."""
-    from deepinfer.engine.plan import ScheduledChunk
+    from deepinfer.types.plan import ScheduledChunk
 
     cost = StepCostModel({1: [(0.0, 1.0), (3.0, 1.0)]})   # verifying is free: every draft admitted
     spec = SpeculativeDecoder(SpeculativeConfig("ngram", 3, verification="adaptive"), ConfidentDrafter(),
@@ -382,7 +383,7 @@ def test_spec_stats_cross_the_engine_process_boundary():
     import msgspec
 
     from deepinfer.engine.core_proc import OutputMessage, StepOutputs
-    from deepinfer.engine.plan import EngineStats
+    from deepinfer.types.plan import EngineStats
 
     stats = SpecDecodeStats(2)
     stats.record(2, 1)

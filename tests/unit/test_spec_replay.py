@@ -12,8 +12,8 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.layers.attention import Attention, forward_context
-from deepinfer.spec_decode import DraftRequest
 from deepinfer.spec_decode.replay import Recording, ReplayDrafter
+from deepinfer.types.drafter import DraftRequest
 from deepinfer.worker.input_batch import build_step_inputs, num_decode_rows
 from deepinfer.worker.request_states import StepChunk
 

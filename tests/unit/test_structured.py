@@ -12,12 +12,12 @@ import tokenizers
 import torch
 import xgrammar as xgr
 
-from deepinfer.engine.plan import GrammarOutput
 from deepinfer.sample.structured import GrammarState, RequestGrammar, StructuredOutputManager, validate
 from deepinfer.sample.structured.backend import make_tokenizer_info
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask, bitmask_bias, unpack_bitmask
 from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.types.plan import GrammarOutput
 
 # A word-level vocabulary: every token is a literal string (xgrammar's RAW vocab type).
 WORDS = ["a", "b", "c", "ab", "{", "}", '"', ":", ",", "1", "2", "</s>"]
@@ -208,9 +208,9 @@ def test_validate_reports_xgrammars_reason(constraint, reason):
 
 def test_scheduler_holds_a_compiling_request_apart(manager):
     from deepinfer.config import SchedulerConfig
-    from deepinfer.engine.request import Request, RequestStatus
     from deepinfer.engine.scheduler import Scheduler
     from deepinfer.sampling_params import SamplingParams
+    from deepinfer.types.request import Request, RequestStatus
 
     class NoKV:   # the scheduler must not touch KV for a request that is not schedulable
         def free(self, request):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.plan import GrammarOutput
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask, unpack_bitmask
+from deepinfer.types.plan import GrammarOutput
 from tests.triton_support import DEVICE  # skips this module without a way to run Triton
 
 # isort: split

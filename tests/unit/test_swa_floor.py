@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from deepinfer.engine.plan import NewRequestData, ScheduledChunk
 from deepinfer.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec, group_layers
 from deepinfer.layers.attention import Attention, forward_context
 from deepinfer.layers.attention.backends.base import sliding_window_of
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.plan import NewRequestData, ScheduledChunk
 from deepinfer.worker.input_batch import build_step_inputs, is_decode_row, max_sliding_window
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks
 

@@ -1,4 +1,4 @@
-"""The traffic class of a request (engine/traffic_class.py) and the store retention it picks: the
+"""The traffic class of a request (types/traffic_class.py) and the store retention it picks: the
 resolution rules, LLM.generate/chat writing entries under the request's class, a class kv_retention
 does not name refused before anything is queued, and retention counting from the last use under
 the class of the request that last used the entry (a load, a save of a block the store had, a hit
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine import traffic_class as traffic
 from deepinfer.engine.admission import EngineFacts, child_requests
 from deepinfer.kv_cache.store import entry as entry_format
 from deepinfer.kv_cache.store.dir import DirStore
+from deepinfer.types import traffic_class as traffic
 from tests.redis_server import redis_server  # noqa: F401  (a fixture)
 from tests.unit.test_kv_host_tier import BS, chain, full, random_caches
 from tests.unit.test_kv_store import DAY, RETENTION, Clock, connector, load_all, settle

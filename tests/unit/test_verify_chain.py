@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from deepinfer.config import SchedulerConfig, SpeculativeConfig
-from deepinfer.engine.plan import RunnerResult
-from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.kv_cache.specs import FullAttentionSpec, group_layers
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec_decode import Draft, SpeculativeDecoder
-from deepinfer.spec_decode.drafter import DraftRequest
+from deepinfer.spec_decode import SpeculativeDecoder
 from deepinfer.spec_decode.ngram import NgramDrafter
 from deepinfer.spec_decode.replay import Recording, ReplayDrafter
 from deepinfer.spec_decode.verifier import greedy_verdict
+from deepinfer.types.drafter import Draft, DraftRequest
+from deepinfer.types.plan import RunnerResult
+from deepinfer.types.request import Request
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
 from deepinfer.worker.verify_chain import ChainDrafter, ChainVerdicts, accepted_drafts
 from tests.unit.test_scheduler_fuzz import check_references

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from deepinfer.engine import traffic_class as traffic
 from deepinfer.entrypoints import conversation, sampling, sse
 from deepinfer.entrypoints.conversation import PreparedConversation
 from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
+from deepinfer.types import traffic_class as traffic
 
 router = APIRouter()
 

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from deepinfer.engine import traffic_class as traffic
 from deepinfer.entrypoints import sampling, sse
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.logprobs import CompletionLogprobs, join_completion_logprobs, prompt_logprobs_json
@@ -29,6 +28,7 @@ from deepinfer.entrypoints.request_fields import CompletionFields, parse_fields
 from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors, get_state, read_json
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types import traffic_class as traffic
 
 router = APIRouter()
 

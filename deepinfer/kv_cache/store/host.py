@@ -28,10 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
 from deepinfer.kv_cache.connector import (
     FinishedTransfers,
-    KVConnectorStats,
     KVConnectorWorker,
     TierKey,
     group_key,
@@ -41,6 +39,8 @@ from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
 from deepinfer.platforms.host_memory import HostBuffer
 from deepinfer.platforms.transfer import to_device
+from deepinfer.types.plan import KVConnectorMetadata, KVTransfer
+from deepinfer.types.tier_stats import KVConnectorStats
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ Worker side (StoreTierWorker, persistent_worker.py):
           written, and the scheduler must recompute the request (FinishedTransfers.failed).
   close   flushes what is queued within flush_timeout_s, then stops the threads.
 
-Traffic class (engine/traffic_class.py: the request field, the X-Traffic-Class header):
+Traffic class (types/traffic_class.py: the request field, the X-Traffic-Class header):
 save_blocks and allocate_loads take `traffic_class` (None: DEFAULT_CLASS, "chat"); it is the
 entry's retention class (kv_retention) at write, and the class a use touches it under, so an
 entry's retention counts from its last use under the class of the request that last used it.
@@ -52,18 +52,15 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from deepinfer.engine.plan import KVTransfer
-from deepinfer.engine.traffic_class import DEFAULT_CLASS
-from deepinfer.kv_cache.connector import (
-    KVConnectorStats,
-    TierKey,
-    group_key,
-)
+from deepinfer.kv_cache.connector import TierKey, group_key
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, StoreHealth
 from deepinfer.kv_cache.store.entry import EntryLayout
 from deepinfer.kv_cache.store.staging import staging_shape
 from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
+from deepinfer.types.plan import KVTransfer
+from deepinfer.types.tier_stats import KVConnectorStats
+from deepinfer.types.traffic_class import DEFAULT_CLASS
 
 if TYPE_CHECKING:
     from deepinfer.kv_cache.events import KVEventSink

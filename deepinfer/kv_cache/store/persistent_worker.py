@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
 from deepinfer.kv_cache.connector import (
     KVConnectorWorker,
     TierKey,
@@ -40,8 +39,9 @@ from deepinfer.kv_cache.store.persistent import (
     report_removals,
 )
 from deepinfer.kv_cache.store.staging import StagingBuffer, staging_shape
-from deepinfer.kv_cache.tier_stats import LatencyHistogram
 from deepinfer.platforms.transfer import to_device
+from deepinfer.types.plan import KVConnectorMetadata, KVTransfer
+from deepinfer.types.tier_stats import LatencyHistogram
 
 if TYPE_CHECKING:
     from deepinfer.kv_cache.events import KVEventSink

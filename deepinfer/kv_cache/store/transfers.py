@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deepinfer.engine.plan import KVConnectorMetadata, KVTransfer
-from deepinfer.kv_cache.connector import FinishedTransfers, KVConnectorScheduler, KVConnectorStats, TierKey
-from deepinfer.kv_cache.tier_stats import LatencyHistogram
+from deepinfer.kv_cache.connector import FinishedTransfers, KVConnectorScheduler, TierKey
+from deepinfer.types.plan import KVConnectorMetadata, KVTransfer
+from deepinfer.types.tier_stats import KVConnectorStats, LatencyHistogram
 
 
 @dataclass

@@ -40,7 +40,7 @@ from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
 from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
 from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged, chunk_rows
 from deepinfer.models.deepseek_v4.parallel import check_parallel_sizes
-from deepinfer.spec_decode.drafter import Draft, DraftRequest
+from deepinfer.types.drafter import Draft, DraftRequest
 
 if TYPE_CHECKING:
     from deepinfer.config import ParallelConfig

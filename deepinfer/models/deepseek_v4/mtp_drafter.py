@@ -25,7 +25,7 @@ import torch
 
 from deepinfer.models.deepseek_v4.paged import ROLLBACK_SLACK
 from deepinfer.models.deepseek_v4.state import LayerState
-from deepinfer.spec_decode.drafter import Draft, DraftRequest
+from deepinfer.types.drafter import Draft, DraftRequest
 
 STREAMS_KEY = "mtp_streams"
 

@@ -3,7 +3,7 @@
 The engine core asks the manager for a `BitmaskFill` right after scheduling; a worker thread
 fills one int32 row per constrained request (bit t of a row set = token t allowed) while the
 runner builds inputs and runs the model. Before queuing the step's sampling the core waits for
-the fill (usually long done) and hands its result, a GrammarOutput (engine/plan.py), to the
+the fill (usually long done) and hands its result, a GrammarOutput (types/plan.py), to the
 runner, whose `apply_grammar_bitmask` sets every disallowed logit to -inf before the sampler
 sees them. Unconstrained rows are untouched.
 
@@ -19,8 +19,8 @@ from concurrent.futures import Future
 
 import torch
 
-from deepinfer.engine.plan import GrammarOutput, GrammarRowKey
 from deepinfer.platforms.transfer import to_device
+from deepinfer.types.plan import GrammarOutput, GrammarRowKey
 
 
 class BitmaskFill:

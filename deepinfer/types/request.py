@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.kv_cache.prefix_cache import ROOT_HASH, extend_block_hashes
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.block_hashes import ROOT_HASH, extend_block_hashes
 
 
 class RequestStatus(enum.Enum):
@@ -46,7 +46,7 @@ class Request:
     priority: int = 0             # lower runs first under the priority policy (vLLM's rule)
     cache_salt: str | None = None
     extra_key: bytes = b""        # model id + cache_salt, part of every block hash
-    traffic_class: str = "chat"   # its KV's retention class in a KV store (engine/traffic_class.py)
+    traffic_class: str = "chat"   # its KV's retention class in a KV store (types/traffic_class.py)
     hash_root: bytes = ROOT_HASH  # the engine's root of the hash chain (set by the scheduler)
     block_size: int = 16
     arrival_order: int = 0        # tie-break for equal priorities: first come, first served

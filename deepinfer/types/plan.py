@@ -15,7 +15,7 @@ to its workers as it is: nothing in it is live (no Future, no lock) or changes a
 
 Per-request state crosses once: a request (re)joining the runner comes whole (NewRequestData,
 with its block tables); while it runs, a plan carries only what changed (CachedRequestData:
-block-table diffs, see engine/block_tables.py). The runner keeps its own copy and applies them.
+block-table diffs, see types/block_tables.py). The runner keeps its own copy and applies them.
 
 Also here: the KV layout the executor reports at start (KVCacheConfig), what the core returns
 per request (EngineCoreOutput) and its gauges and counters (EngineStats).
@@ -26,15 +26,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deepinfer.kv_cache.tier_stats import KVTierMetrics
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec_decode.metrics import SpecDecodeStats
+from deepinfer.types.spec_stats import SpecDecodeStats
+from deepinfer.types.tier_stats import KVTierMetrics
 
 if TYPE_CHECKING:
     import torch
-
-    from deepinfer.kv_cache.specs import KVCacheGroup
 
 
 # ------------------------------------------------------------------------------ start-up
@@ -43,7 +41,7 @@ class KVCacheConfig:
     """The KV layout the executor settled on at start (vLLM's name): layer groups, and the
     number of blocks its memory budget holds. The engine core sizes its KV manager from it."""
 
-    groups: list[KVCacheGroup]
+    groups: list            # kv_cache.specs.KVCacheGroup, one per layer group
     num_blocks: int            # including the null block 0, which no request owns
     block_size: int
     # Per pool (kv_cache/tensors.py): num_blocks, but fewer in a pool of bounded kinds. None: all num_blocks.

@@ -23,57 +23,12 @@ histograms keep per-bucket counts over LATENCY_BUCKETS (exported cumulative, Pro
 
 from __future__ import annotations
 
-import bisect
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from deepinfer.types.tier_stats import KVConnectorStats, KVTierMetrics, LatencyHistogram
+
 if TYPE_CHECKING:
-    from deepinfer.kv_cache.connector import KVConnectorStats
     from deepinfer.kv_cache.store.persistent_worker import StoreWorkerStats
-
-# Seconds: a host copy takes well under a millisecond, a Redis round trip about one, a shared
-# mount or a loaded store up to seconds (and kv_store_load_timeout_s bounds a load).
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-EVICTION_CAUSES = ("lru", "retention")
-
-
-@dataclass
-class LatencyHistogram:
-    """Observations per bucket of LATENCY_BUCKETS (counts[-1]: above the largest), and their sum."""
-
-    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    total: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """Prometheus buckets: (upper bound, observations at or below it), +Inf last."""
-        out, running = [], 0
-        for bound, n in zip((*map(str, LATENCY_BUCKETS), "+Inf"), self.counts):
-            running += n
-            out.append((bound, float(running)))
-        return out
-
-    def copy(self) -> LatencyHistogram:
-        return LatencyHistogram(list(self.counts), self.total)
-
-
-@dataclass
-class KVTierMetrics:
-    tier: str
-    entries: int = 0
-    bytes: int = 0
-    writes: int = 0
-    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_CAUSES, 0))
-    corrupt: dict[str, int] = field(default_factory=dict)
-    load_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
-    store_latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
 
 def tier_metrics(tier: str, stats: KVConnectorStats, load_latency: LatencyHistogram,

@@ -1,7 +1,7 @@
 """Block tables as the runner holds them: the sender's record and the runner's update, side by side.
 
 The scheduler (and a draft model's drafter, for its own runner) sends a request's block tables
-whole once, in NewRequestData, then only their changes (BlockTableDiff, engine/plan.py). To
+whole once, in NewRequestData, then only their changes (BlockTableDiff, types/plan.py). To
 know what changed without keeping a copy of every table, `RunnerBlockTables` remembers per
 request and layer group two numbers: how many entries the runner holds, and how many of them
 are the null block. That is enough because of how the KV manager changes a table:
@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from deepinfer.engine.plan import BlockTableDiff
-from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
+from deepinfer.types.plan import BlockTableDiff
+
+# Block 0 of every pool: no request owns it; a table entry that points at it holds nothing (a
+# sliding window's freed blocks, a block not allocated yet).
+NULL_BLOCK_ID = 0
 
 
 @dataclass
