@@ -146,7 +146,7 @@ class Store:
 
     def entries(self) -> int:
         from deepinfer.config import parse_retention
-        from deepinfer.kv_cache.store.backend import open_store
+        from deepinfer.kv_cache.store.locations import open_store
 
         backend = open_store(self.url, parse_retention("chat=7d"))
         try:

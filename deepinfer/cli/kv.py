@@ -23,7 +23,8 @@ import sys
 import time
 
 from deepinfer.config import CacheConfig, parse_retention
-from deepinfer.kv_cache.store.backend import StoreBackend, StoreReport, StoreUnavailable, open_store
+from deepinfer.kv_cache.store.backend import StoreBackend, StoreReport, StoreUnavailable
+from deepinfer.kv_cache.store.locations import open_store
 
 
 def add_kv_args(parser: argparse.ArgumentParser) -> None:

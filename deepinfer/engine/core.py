@@ -57,9 +57,9 @@ from deepinfer.config import EngineConfig, fit_block_size, resolve_max_model_len
 from deepinfer.engine.kv_tier import KVTierLink
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.executor import Executor
-from deepinfer.kv_cache.connector import make_kv_connector_scheduler
 from deepinfer.kv_cache.events import KVEventSink, open_kv_events
 from deepinfer.kv_cache.manager import KVCacheManager, replay_config
+from deepinfer.kv_cache.store.factory import make_kv_connector_scheduler
 from deepinfer.kv_cache.tier_metrics import tier_metrics
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class

@@ -21,12 +21,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from deepinfer.types.block_tables import NULL_BLOCK_ID
 
-if TYPE_CHECKING:
-    from deepinfer.kv_cache.events import KVEventSink
+
+class PoolEvents(Protocol):
+    """What a pool tells the KV event stream (kv_cache/events.py KVEventSink implements it; the pool
+    names only this, so the stream may read the pools without a cycle)."""
+
+    def device_removed(self, group_id: int, block_hash: bytes) -> None: ...
+
+    def device_cleared(self) -> None: ...
 
 
 @dataclass
@@ -61,7 +67,7 @@ class BlockPool:
     # Shared with the manager when several pools serve one model's groups.
     counters: list[GroupCounters] | None = None
     # KV events (kv_cache/events.py): told of every cached block dropped and of a reset; None: off.
-    events: KVEventSink | None = None
+    events: PoolEvents | None = None
     blocks: list[KVBlock] = field(init=False)
 
     def __post_init__(self) -> None:

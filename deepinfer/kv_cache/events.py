@@ -157,8 +157,8 @@ class KVEventSink:
         again (the pool kept that one)."""
         if not published:
             return
-        from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
         from deepinfer.kv_cache.specs import sliding_window_of
+        from deepinfer.types.block_tables import NULL_BLOCK_ID
 
         hashes = request.block_hashes
         for group, ids in zip(kv.groups, request.block_ids):

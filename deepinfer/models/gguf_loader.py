@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from deepinfer.layers.linear import Int4Blocks, Int8Blocks
-from deepinfer.models.loader import ModelLoadError
+from deepinfer.models.errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from deepinfer.models.loader import ModelLoadError
+from deepinfer.models.errors import ModelLoadError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

@@ -36,9 +36,10 @@ import torch
 from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.distributed import ParallelGroup, building_with
 from deepinfer.distributed.parallel_state import SINGLE
-from deepinfer.kv_cache.connector import KVConnectorWorker, make_kv_connector_worker
+from deepinfer.kv_cache.connector import KVConnectorWorker
 from deepinfer.kv_cache.dtypes import resolve_cache_dtype
 from deepinfer.kv_cache.specs import KVCacheGroup
+from deepinfer.kv_cache.store.factory import make_kv_connector_worker
 from deepinfer.kv_cache.tensors import KVLayout
 from deepinfer.layers.attention import forward_context
 from deepinfer.layers.attention.backends import select_backend

@@ -9,13 +9,9 @@ import pytest
 import torch
 
 from deepinfer.config import CacheConfig
-from deepinfer.kv_cache.connector import (
-    GIB,
-    group_key,
-    make_kv_connector,
-    make_kv_connector_scheduler,
-)
+from deepinfer.kv_cache.connector import group_key
 from deepinfer.kv_cache.specs import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec
+from deepinfer.kv_cache.store.factory import GIB, make_kv_connector, make_kv_connector_scheduler
 from deepinfer.kv_cache.store.host import HostTierScheduler, plan_pools
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types.block_hashes import extend_block_hashes, extra_key

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from deepinfer.config import CacheConfig, parse_retention
-from deepinfer.kv_cache.connector import make_kv_connector
 from deepinfer.kv_cache.store import entry as entry_format
 from deepinfer.kv_cache.store.backend import StoreUnavailable
 from deepinfer.kv_cache.store.dir import DirStore
 from deepinfer.kv_cache.store.entry import HEADER_SIZE, EntryError, EntryLayout
+from deepinfer.kv_cache.store.factory import make_kv_connector
 from deepinfer.kv_cache.store.persistent import StoreTierScheduler
 from deepinfer.kv_cache.store.persistent_worker import StoreTierWorker
 from tests.redis_server import redis_server  # noqa: F401  (a fixture)

@@ -199,17 +199,3 @@ class StoreHealth:
             return default
         self.succeeded()
         return result
-
-
-def open_store(url: str, retention: Mapping[str, float], *, size_bytes: int | None = None,
-               clock: Clock = time.time) -> StoreBackend:
-    """The backend a kv_store URL names: dir://PATH or redis://HOST:PORT/DB."""
-    if url.startswith("dir://"):
-        from deepinfer.kv_cache.store.dir import DirStore
-
-        return DirStore(url.removeprefix("dir://"), retention, size_bytes=size_bytes, clock=clock)
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        from deepinfer.kv_cache.store.redis import RedisStore
-
-        return RedisStore(url, retention, clock=clock)
-    raise ValueError(f"kv_store must be dir://PATH or redis://HOST:PORT/DB, got {url!r}")

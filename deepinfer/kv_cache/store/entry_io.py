@@ -35,8 +35,9 @@ import numpy as np
 
 from deepinfer.kv_cache.connector import TierKey
 from deepinfer.kv_cache.store import entry as entry_format
-from deepinfer.kv_cache.store.backend import PRESENT, StoreBackend, StoreCounts, StoreUnavailable, open_store
+from deepinfer.kv_cache.store.backend import PRESENT, StoreBackend, StoreCounts, StoreUnavailable
 from deepinfer.kv_cache.store.entry import EntryError, EntryLayout
+from deepinfer.kv_cache.store.locations import open_store
 
 logger = logging.getLogger(__name__)
 
