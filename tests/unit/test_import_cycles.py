@@ -1,12 +1,11 @@
 """No import cycles among deepinfer's own modules, and every module imports on its own.
 
-The graph is read from the source with `ast`: an edge for each import a module makes while it is
-imported (its top level, class bodies and `if` / `try` blocks), not for imports inside functions,
-which run later and are the usual way to defer a heavy or optional dependency, nor for imports
-under `if TYPE_CHECKING:`, which never run: annotations may name types both ways (a layer calls
-its attention backend, and the backend's signatures name the layer it reads). models/loader.py <->
-tokenizer.py was a real cycle, until ModelLoadError got its own module. The recipe's modules are
-in the graph too, and must not import deepinfer or torch at all.
+The graph is read from the source with `ast`: an edge for every import a module names, wherever it
+stands: at the top level, inside a function (a deferred import still means "this module needs
+that one"), and under `if TYPE_CHECKING:` (an annotation that names a module's type still ties the
+two). So a cycle cannot hide behind a lazy import: each dependency points down the tree, to the
+shared types (deepinfer/types/) at the bottom. The recipe's modules are in the graph too, and must
+not import deepinfer or torch at all.
 """
 
 from __future__ import annotations
@@ -36,43 +35,12 @@ def package_modules() -> dict[str, Path]:
     return modules
 
 
-class _ImportTimeImports(ast.NodeVisitor):
-    """Collects the import statements that run when the module is imported."""
-
-    def __init__(self) -> None:
-        self.found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit_FunctionDef(self, node) -> None:   # a function body runs when called, not on import
-        pass
-
-    def visit_If(self, node) -> None:
-        test = node.test
-        if (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-                isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"):
-            for child in node.orelse:   # only the else branch runs
-                self.visit(child)
-            return
-        self.generic_visit(node)
-
-    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
-
-    def visit_Import(self, node) -> None:
-        self.found.append(node)
-
-    visit_ImportFrom = visit_Import
-
-
-def imported_modules(name: str, path: Path, modules: dict[str, Path], at_import_time: bool = True) -> set[str]:
+def imported_modules(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The package modules `name` imports: `from a.b import c` is a.b.c when that is a module,
     else a.b; the parent packages Python imports on the way are not edges (every module would
     then depend on its package's __init__)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    if at_import_time:
-        collector = _ImportTimeImports()
-        collector.visit(tree)
-        nodes = collector.found
-    else:
-        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     targets = set()
     for node in nodes:
@@ -128,11 +96,12 @@ def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
 
 def test_no_import_cycles_among_package_modules():
     modules = package_modules()
-    graph = {name: {t for t in imported_modules(name, path, modules) if t in modules and t != name}
+    graph = {name: {t for t in imported_modules(name, path, modules)
+                    if t in modules and t != name}
              for name, path in modules.items()}
     cycles = strongly_connected(graph)
     unknown = [sorted(c) for c in cycles if c not in KNOWN_CYCLES]
-    assert not unknown, f"import cycles (break them; an import inside a function does not count): {unknown}"
+    assert not unknown, f"import cycles (lazy and type-only imports count too): {unknown}"
     stale = [sorted(c) for c in KNOWN_CYCLES if c not in cycles]
     assert not stale, f"no longer cycles, delete them from KNOWN_CYCLES: {stale}"
 
@@ -143,7 +112,7 @@ def test_the_recipe_imports_neither_deepinfer_nor_torch():
     offenders = {}
     for name, path in modules.items():
         if name.split(".")[0] == "deepinfer_recipe":
-            bad = {t for t in imported_modules(name, path, modules, at_import_time=False)
+            bad = {t for t in imported_modules(name, path, modules)
                    if t.split(".")[0] in ("deepinfer", "torch")}
             if bad:
                 offenders[name] = sorted(bad)
