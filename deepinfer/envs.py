@@ -51,3 +51,44 @@ def cuda_visible_devices() -> list[str] | None:
     if value is None:
         return None
     return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def child_log_level() -> str:
+    """DEEPINFER_LOG_LEVEL (default WARNING): the log level of the helper processes the engine
+    starts (tensor-parallel ranks, the KV store's I/O process)."""
+    return os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING").upper()
+
+
+def triton_interpreter() -> bool:
+    """TRITON_INTERPRET=1: Triton runs its kernels in its CPU interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def omp_threads_chosen() -> bool:
+    """Whether the user chose torch's host thread count with OMP_NUM_THREADS."""
+    return "OMP_NUM_THREADS" in os.environ
+
+
+def openai_api_key() -> str | None:
+    """OPENAI_API_KEY: the key `deepinfer bench serve` sends when --api-key is not given."""
+    return os.environ.get("OPENAI_API_KEY")
+
+
+def child_env(extra: dict[str, str] | None = None, python_path: list[str] | None = None) -> dict[str, str]:
+    """This process's environment for a child process, with `extra` set and `python_path` put
+    before the PYTHONPATH it had (so the child imports the same deepinfer)."""
+    env = dict(os.environ)
+    env.update(extra or {})
+    if python_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*python_path, os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def set_env(values: dict[str, str]) -> None:
+    """Set variables in this process before anything reads them (a data-parallel core's devices)."""
+    os.environ.update(values)
+
+
+def pop(name: str) -> str:
+    """Read and remove a variable a parent handed this process once (a rank's token)."""
+    return os.environ.pop(name)

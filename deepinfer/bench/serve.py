@@ -18,8 +18,8 @@ import asyncio
 import datetime
 import json
 import math
-import os
 
+from deepinfer import envs
 from deepinfer.bench.serving import metrics, report
 from deepinfer.bench.serving.workload import DATASETS, WorkloadSpec, build_workload, load_tokenizer
 
@@ -137,7 +137,7 @@ def _base_url(args: argparse.Namespace) -> str:
 
 def _headers(args: argparse.Namespace) -> dict:
     headers = {"Content-Type": "application/json"}
-    api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    api_key = args.api_key or envs.openai_api_key()
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     headers.update(_key_values(args.header, "--header"))

@@ -37,6 +37,7 @@ from typing import Union
 import msgspec
 import zmq
 
+from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.engine.admission import AddRequest, to_request
 from deepinfer.types.plan import EngineCoreOutput, EngineStats
@@ -232,7 +233,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     """Entry point of the core process (multiprocessing target). `data_parallel_rank`: this core's
     index behind the server; `env`: variables to set before anything starts CUDA (its devices:
     frontend/dp_balancer.py core_device_env)."""
-    os.environ.update(env or {})
+    envs.set_env(env or {})
     name = "core" if config.parallel.data_parallel_size == 1 else f"core {data_parallel_rank}"
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s [{name}] [%(name)s] %(message)s")
     if env:

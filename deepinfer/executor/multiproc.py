@@ -17,6 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import deepinfer
+from deepinfer import envs
 from deepinfer.executor.ranked import RankedExecutor, RankFailedError, RankHandle
 from deepinfer.worker.rank_worker import RANK_TOKEN_ENV, RankSpec, receive_message, send_message
 
@@ -36,8 +37,7 @@ class _RankProcess(RankHandle):
         self.rank = spec.rank
         token = secrets.token_hex(16)
         package_root = os.path.dirname(os.path.dirname(os.path.abspath(deepinfer.__file__)))
-        env = {**os.environ, RANK_TOKEN_ENV: token,
-               "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        env = envs.child_env({RANK_TOKEN_ENV: token}, python_path=[package_root])
         host, port = listener.getsockname()[:2]
         self.process = subprocess.Popen([sys.executable, "-m", "deepinfer.worker.rank_worker", host, str(port)],
                                         env=env, stdin=subprocess.DEVNULL)

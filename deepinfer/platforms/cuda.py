@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import torch
 
+from deepinfer import envs
 from deepinfer.platforms.base import Platform
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class CudaPlatform(Platform):
         # grammar bitmasks, so the bitmask fill runs several times faster with one torch thread
         # than with one per core (docs/benchmarks/design-measurements.md#cuda-host-threads).
         # OMP_NUM_THREADS, when set, is the user's choice.
-        if "OMP_NUM_THREADS" not in os.environ and torch.get_num_threads() > 1:
+        if not envs.omp_threads_chosen() and torch.get_num_threads() > 1:
             logger.info("torch host threads %d -> 1 (set OMP_NUM_THREADS to choose)", torch.get_num_threads())
             torch.set_num_threads(1)
         # A worker thread that finished its GIL-free part (xgrammar's fill) needs the GIL back to

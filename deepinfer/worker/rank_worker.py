@@ -17,7 +17,6 @@ own forward got the same one (a rank out of step is an error, never a silent mix
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import sys
 import traceback
@@ -27,6 +26,7 @@ from typing import Any
 
 import torch
 
+from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.distributed import init_distributed, shutdown_distributed
 from deepinfer.platforms import current_platform
@@ -57,7 +57,7 @@ class RankWorker:
         from deepinfer.models.loader import load_model_source
         from deepinfer.worker.model_runner import ModelRunner
 
-        if torch.cuda.is_available() and os.environ.get("DEEPINFER_ACCELERATOR", "auto") != "cpu":
+        if torch.cuda.is_available() and envs.accelerator() != "cpu":
             torch.cuda.set_device(spec.local_device_index)   # before the platform reads the device
         platform = current_platform()
         source = load_model_source(spec.model_path, skip_tokenizer_init=True)
@@ -109,7 +109,7 @@ def run_rank_process(spec: RankSpec, conn: Connection) -> None:
     """Serve one rank: start, say "ready" (or "failed" with the error), then run rank 0's calls
     until "shutdown" or until rank 0 goes away (the connection closes, or a collective finds its
     peer gone)."""
-    logging.basicConfig(level=os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING").upper(),
+    logging.basicConfig(level=envs.child_log_level(),
                         format=f"%(asctime)s rank{spec.rank} %(levelname)s %(name)s: %(message)s")
     try:
         worker = RankWorker(spec)
@@ -146,7 +146,7 @@ def main(argv: list[str]) -> None:
     connect to rank 0, prove it with the token of this process's environment, get the RankSpec."""
     host, port = argv[0], int(argv[1])
     conn = Client((host, port))
-    send_message(conn, os.environ.pop(RANK_TOKEN_ENV))
+    send_message(conn, envs.pop(RANK_TOKEN_ENV))
     spec = receive_message(conn)
     run_rank_process(spec, conn)
 

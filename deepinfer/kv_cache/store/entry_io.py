@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
+from deepinfer import envs
 from deepinfer.kv_cache.connector import TierKey
 from deepinfer.kv_cache.store import entry as entry_format
 from deepinfer.kv_cache.store.backend import PRESENT, StoreBackend, StoreCounts, StoreUnavailable
@@ -209,8 +210,7 @@ class ProcessIO:
         parent, child = socket.socketpair()
         self._conn = Connection(parent.detach())
         child_fd = child.detach()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)   # this process's deepinfer
+        env = envs.child_env(python_path=sys.path)   # this process's deepinfer
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "deepinfer.kv_cache.store.entry_io", str(child_fd), str(staging_fd)],
             pass_fds=(child_fd, staging_fd), env=env, stdin=subprocess.DEVNULL)
@@ -334,7 +334,7 @@ if __name__ == "__main__":
     # ends this loop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING").upper(),
+    logging.basicConfig(level=envs.child_log_level(),
                         format="%(asctime)s kv-store-io %(levelname)s %(name)s: %(message)s")
     # Through the module's own name, not __main__: the results pickle as entry_io's classes.
     from deepinfer.kv_cache.store import entry_io

@@ -53,7 +53,7 @@ from deepinfer import envs
 def pdl_enabled() -> bool:
     """Whether the kernels launch with PDL: a Hopper-or-later GPU, not Triton's interpreter
     (it cannot run the wait instruction), and DEEPINFER_PDL not 0."""
-    return (envs.pdl() and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.is_available()
+    return (envs.pdl() and not envs.triton_interpreter() and torch.cuda.is_available()
             and torch.cuda.get_device_capability()[0] >= 9)
 
 
