@@ -42,7 +42,6 @@ kernel modules are imported inside the functions that call them, never at import
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
