@@ -53,6 +53,11 @@ class Platform(ABC):
         """An event recorded after the work queued so far; None where that work is done already."""
         return None
 
+    @property
+    def ray_resource(self) -> str:
+        """The Ray resource each rank takes one of (executor/ray_executor.py's placement bundles)."""
+        return "CPU"
+
     def synchronize(self) -> None:
         pass
 

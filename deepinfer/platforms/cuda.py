@@ -69,6 +69,10 @@ class CudaPlatform(Platform):
         done.record()
         return done
 
+    @property
+    def ray_resource(self) -> str:
+        return "GPU"
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
