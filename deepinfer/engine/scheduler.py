@@ -33,10 +33,11 @@ import functools
 import itertools
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.kv_tier import KVTierLink
-from deepinfer.kv_cache.manager import KVCacheManager
+from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
 from deepinfer.sample.structured.grammar import GrammarState, RequestGrammar
 from deepinfer.spec_decode import SpeculativeDecoder
 from deepinfer.types.block_tables import RunnerBlockTables
@@ -49,6 +50,25 @@ from deepinfer.types.plan import (
     SchedulerPlan,
 )
 from deepinfer.types.request import Request, RequestStatus
+
+
+@dataclass
+class _PartialPlan:
+    """The plan `schedule` is building: what each phase has added, and the token budget left."""
+
+    budget: int
+    drafts: dict[str, list[int]]          # proposed drafts by request (none: not speculating)
+    chain: int                            # verify steps the plan may run back to back (1: none)
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    scheduled: set[str] = field(default_factory=set)    # requests with a chunk: never preempted
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        """A request's chunk, its known tokens and drafts taken from the budget."""
+        self.chunks.append(chunk)
+        self.scheduled.add(chunk.request_id)
+        self.budget -= chunk.num_tokens
 
 
 class Scheduler:
@@ -141,11 +161,15 @@ class Scheduler:
     def schedule(self, speculate: bool = True) -> SchedulerPlan:
         """The next step's plan. speculate=False: no drafts this step (the engine overlaps it
         with the step in flight, whose tokens the drafts would follow)."""
+        partial = self._start_plan(speculate)
+        self._schedule_running(partial)
+        self._schedule_waiting(partial)
+        return self._build_plan(partial)
+
+    def _start_plan(self, speculate: bool) -> _PartialPlan:
+        """The step's budget, and the drafts the speculative decoder proposes for running
+        requests within what their known tokens leave of it."""
         budget = self.config.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        new_requests: list[NewRequestData] = []
-        cached_requests: list[CachedRequestData] = []
-        scheduled: set[str] = set()
         drafts: dict[str, list[int]] = {}
         if self.spec is not None and self.running and speculate:
             base = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
@@ -153,81 +177,64 @@ class Scheduler:
         # Verify steps this plan may run back to back (worker/verify_chain.py): lowered to what
         # every chunk allows, 1 (none) as soon as one does not qualify.
         chain = self.spec.config.verify_chain if drafts else 1
+        return _PartialPlan(budget, drafts, chain)
 
-        # 1. Running requests, oldest first; preempt from the back when blocks run out.
+    def _schedule_running(self, partial: _PartialPlan) -> None:
+        """1. Running requests, oldest first; preempt from the back when blocks run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and partial.budget > 0:
             request = self.running[i]
-            num_new = min(self._target(request) - request.num_computed_tokens, budget)
+            num_new = min(self._target(request) - request.num_computed_tokens, partial.budget)
             # A token in flight that is the request's last: nothing more to compute for it.
             if num_new <= 0 or (request.num_samples_in_flight
                                 and self._at_length_limit(request, request.num_samples_in_flight)):
                 i += 1
                 continue
-            spec = drafts.get(request.request_id, [])[:budget - num_new]
-            # A chain's later steps write KV into blocks allocated now, for the worst case (every
-            # draft accepted at every step); the blocks past the accepted tokens go back in update.
-            steps = self._chain_steps(request, num_new, chain)
-            if steps > 1 and self.kv.allocate(request, steps * (self.spec.k + 1)):
-                chain = steps
-                self._allocated_ahead.add(request.request_id)   # trimmed in update, chained or not
-            else:
-                chain = 1
-                # Drafts are optional: with no room for them, verify none rather than preempt for them.
-                if not spec or not self.kv.allocate(request, num_new + len(spec)):
-                    spec = []
-                    while not self.kv.allocate(request, num_new):
-                        victim = self._pick_victim(exclude=scheduled)
-                        self._preempt(victim)
-                        if victim is request:
-                            break
+            spec = self._allocate_running(partial, request, num_new)
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted itself; the list shrank, same index is the next request
             # Never preempted later in this schedule (victims exclude scheduled requests), so the
             # diff and the chunk reach a runner that still holds the request.
             diffs = self.runner_tables.diff(request.request_id, request.block_ids)
             if diffs is not None:
-                cached_requests.append(CachedRequestData(request.request_id, diffs))
-            chunks.append(self._chunk(request, num_new, spec))
-            scheduled.add(request.request_id)
-            budget -= num_new + len(spec)
+                partial.cached_requests.append(CachedRequestData(request.request_id, diffs))
+            partial.add(self._chunk(request, num_new, spec))
             i += 1
 
-        # 2. Waiting requests in policy order, while budget, slots and blocks last.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _allocate_running(self, partial: _PartialPlan, request: Request, num_new: int) -> list[int]:
+        """Blocks for a running request's chunk of `num_new` known tokens; returns the drafts it
+        verifies. A chain's later steps write KV into blocks allocated now, for the worst case
+        (every draft accepted at every step); the blocks past the accepted tokens go back in
+        update. Without a chain, drafts where they fit; the known tokens, preempting for them."""
+        spec = partial.drafts.get(request.request_id, [])[:partial.budget - num_new]
+        steps = self._chain_steps(request, num_new, partial.chain)
+        if steps > 1 and self.kv.allocate(request, steps * (self.spec.k + 1)):
+            partial.chain = steps
+            self._allocated_ahead.add(request.request_id)   # trimmed in update, chained or not
+            return spec
+        partial.chain = 1
+        # Drafts are optional: with no room for them, verify none rather than preempt for them.
+        if spec and self.kv.allocate(request, num_new + len(spec)):
+            return spec
+        while not self.kv.allocate(request, num_new):
+            victim = self._pick_victim(exclude=partial.scheduled)
+            self._preempt(victim)
+            if victim is request:
+                break
+        return []
+
+    def _schedule_waiting(self, partial: _PartialPlan) -> None:
+        """2. Waiting requests in policy order, while budget, slots and blocks last."""
+        while self.waiting and partial.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_tokens_in_flight:
                 # Preempted while a step of it is still in flight: readmit it once that step's
                 # result has been applied (and ignored), so no stale result meets the new chunks.
                 break
-            if request.kv_loaded:   # a tier loaded its prefix: its blocks are in place
-                hit = None
-                num_new = request.num_tokens - request.num_computed_tokens
-                if num_new > budget and not self.config.enable_chunked_prefill:
-                    break
-                num_new = min(num_new, budget)
-                if not self.kv.allocate(request, num_new):
-                    break
-            else:
-                tier = (functools.partial(self.kv_tier.lookup, request_id=request.request_id)
-                        if self.kv_tier is not None and not request.skip_kv_tier else None)
-                hit = self.kv.find_prefix_hit(request, tier)
-                num_new = request.num_tokens - hit.num_computed_tokens
-                if num_new > budget and not self.config.enable_chunked_prefill:
-                    break
-                num_new = min(num_new, budget)
-                if not self.kv.allocate(request, num_new, hit):
-                    if not self._preempt_for(request, scheduled):
-                        break
-                    continue
-                if request.status is RequestStatus.WAITING:  # first admission, not a resume
-                    self.kv.record_prefix_query(request.num_tokens, hit)
-                    if self.kv_tier is not None:
-                        self.kv_tier.record_query(request, hit)
-                    # Tokens not computed: replayed tokens are computed, so they do not count.
-                    request.num_cached_tokens = hit.num_computed_tokens
-                request.num_computed_tokens = hit.num_computed_tokens
-                request.window_floor, request.write_floor = hit.window_floor, hit.write_floor
+            allocated = self._allocate_waiting(request, partial)
+            if allocated is None:
+                break
+            num_new, hit = allocated
             self.waiting.pop(0)
             if hit is not None and hit.num_load_blocks:
                 # Parked while the tier loads its blocks; others are admitted meanwhile.
@@ -235,29 +242,72 @@ class Scheduler:
                 request.status = RequestStatus.WAITING_FOR_KV
                 self.waiting_for_kv.append(request)
                 continue
-            request.kv_loaded = False
-            request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.monotonic()
-            self.running.append(request)
-            new_requests.append(NewRequestData(
-                request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
-                request.sampling_params, request.eos_token_ids,
-                self.runner_tables.new_request(request.request_id, request.block_ids),
-                window_floor=request.window_floor, write_floor=request.write_floor))
-            chunks.append(self._chunk(request, num_new))
-            scheduled.add(request.request_id)
-            budget -= num_new
+            self._admit(partial, request, num_new)
 
+    def _allocate_waiting(self, request: Request, partial: _PartialPlan) -> tuple[int, PrefixHit | None] | None:
+        """Blocks for a waiting request's first chunk: (tokens it computes, its prefix hit; None
+        when a tier loaded its prefix already), or None: it waits, and so do those behind it.
+        Under the priority policy a lower-priority running request may be preempted for it."""
+        if request.kv_loaded:   # a tier loaded its prefix: its blocks are in place
+            num_new = self._first_chunk(request.num_tokens - request.num_computed_tokens, partial.budget)
+            if num_new is None or not self.kv.allocate(request, num_new):
+                return None
+            return num_new, None
+        while True:
+            tier = (functools.partial(self.kv_tier.lookup, request_id=request.request_id)
+                    if self.kv_tier is not None and not request.skip_kv_tier else None)
+            hit = self.kv.find_prefix_hit(request, tier)
+            num_new = self._first_chunk(request.num_tokens - hit.num_computed_tokens, partial.budget)
+            if num_new is None:
+                return None
+            if self.kv.allocate(request, num_new, hit):
+                break
+            if not self._preempt_for(request, partial.scheduled):
+                return None
+        if request.status is RequestStatus.WAITING:  # first admission, not a resume
+            self.kv.record_prefix_query(request.num_tokens, hit)
+            if self.kv_tier is not None:
+                self.kv_tier.record_query(request, hit)
+            # Tokens not computed: replayed tokens are computed, so they do not count.
+            request.num_cached_tokens = hit.num_computed_tokens
+        request.num_computed_tokens = hit.num_computed_tokens
+        request.window_floor, request.write_floor = hit.window_floor, hit.write_floor
+        return num_new, hit
+
+    def _first_chunk(self, num_new: int, budget: int) -> int | None:
+        """Tokens of a waiting request's first chunk within the budget; None when the rest of its
+        prompt must fit in one step (chunked prefill off) and does not."""
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return None
+        return min(num_new, budget)
+
+    def _admit(self, partial: _PartialPlan, request: Request, num_new: int) -> None:
+        """A waiting request starts running: the runner learns it whole, with its first chunk."""
+        request.kv_loaded = False
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = time.monotonic()
+        self.running.append(request)
+        partial.new_requests.append(NewRequestData(
+            request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
+            request.sampling_params, request.eos_token_ids,
+            self.runner_tables.new_request(request.request_id, request.block_ids),
+            window_floor=request.window_floor, write_floor=request.write_floor))
+        partial.add(self._chunk(request, num_new))
+
+    def _build_plan(self, partial: _PartialPlan) -> SchedulerPlan:
+        """3. The plan, final: the step's chunks, the requests the runner drops, the KV tier's
+        transfers, and the verify chain if every chunk can take it."""
+        new_requests, chunks, chain = partial.new_requests, partial.chunks, partial.chain
         finished, self._finished_ids = self._finished_ids, []
         if new_requests or not any(c.spec_token_ids for c in chunks):
             chain = 1   # a prefill chunk needs the plain path; without drafts there is nothing to verify
         elif self.spec.config.verification == "adaptive" and not all(c.spec_token_ids for c in chunks):
             # Every request of a chain verifies as many drafts as the one with most: only where
-            # the policy found drafts worth verifying for every request at this step.
+            # the policy found drafts worth verifying for every request at this partial.
             chain = 1
-        return SchedulerPlan(new_requests, cached_requests, chunks, finished,
-                             self.config.max_num_batched_tokens - budget,
+        return SchedulerPlan(new_requests, partial.cached_requests, chunks, finished,
+                             self.config.max_num_batched_tokens - partial.budget,
                              self.kv_tier.build_meta() if self.kv_tier is not None else None,
                              verify_chain=chain)
 

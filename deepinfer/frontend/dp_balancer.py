@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from deepinfer import envs
 from deepinfer.config import ParallelConfig
+from deepinfer.platforms import visible_cuda_devices
 
 
 @dataclass
@@ -67,18 +67,11 @@ def core_device_env(parallel: ParallelConfig, rank: int) -> dict[str, str]:
     tensor_parallel_size devices on CUDA; nothing with one core (the user's own setting applies
     as it is) or on the CPU. Raises ValueError when fewer devices are visible than the cores need."""
     dp, tp = parallel.data_parallel_size, parallel.tensor_parallel_size
-    accelerator = envs.accelerator()
-    if dp == 1 or accelerator == "cpu":
+    if dp == 1:
         return {}
-    visible = envs.cuda_visible_devices()
+    visible = visible_cuda_devices()
     if visible is None:
-        import torch
-
-        visible = [str(i) for i in range(torch.cuda.device_count())]
-    if not visible:
-        if accelerator == "cuda":
-            raise ValueError("DEEPINFER_ACCELERATOR=cuda but no CUDA device is visible")
-        return {}   # auto without CUDA: the CPU, every core on it
+        return {}   # the CPU, every core on it
     needed = dp * tp
     if len(visible) < needed:
         raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {needed} CUDA devices, but "

@@ -30,4 +30,32 @@ def current_platform() -> Platform:
     return CpuPlatform()
 
 
-__all__ = ["Platform", "current_platform"]
+def use_local_device(index: int) -> None:
+    """Make CUDA device `index` this process's device (a rank of several on one host), before
+    current_platform() reads it; nothing where the engine runs on the CPU."""
+    import torch
+
+    if torch.cuda.is_available() and envs.accelerator() != "cpu":
+        torch.cuda.set_device(index)
+
+
+def visible_cuda_devices() -> list[str] | None:
+    """The CUDA devices this process may hand to the processes it starts: CUDA_VISIBLE_DEVICES,
+    else every device torch sees. None where the engine runs on the CPU (DEEPINFER_ACCELERATOR=cpu,
+    or auto without a visible device); ValueError for DEEPINFER_ACCELERATOR=cuda without one."""
+    accelerator = envs.accelerator()
+    if accelerator == "cpu":
+        return None
+    visible = envs.cuda_visible_devices()
+    if visible is None:
+        import torch
+
+        visible = [str(i) for i in range(torch.cuda.device_count())]
+    if not visible:
+        if accelerator == "cuda":
+            raise ValueError("DEEPINFER_ACCELERATOR=cuda but no CUDA device is visible")
+        return None   # auto without CUDA: the CPU
+    return visible
+
+
+__all__ = ["Platform", "current_platform", "use_local_device", "visible_cuda_devices"]

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from deepinfer.layers.attention.backends import AttentionBackend
 
 
 class Platform(ABC):
@@ -18,9 +14,10 @@ class Platform(ABC):
     default_dtype: torch.dtype
 
     @abstractmethod
-    def default_attention_backend(self) -> tuple[type[AttentionBackend], str]:
-        """The attention backend attention_backend="auto" means here, and why (for the start-up
-        log line; layers/attention/backends/selection.py builds and checks it)."""
+    def default_attention_backend(self) -> tuple[str, str]:
+        """The name of the attention backend attention_backend="auto" means here, and why (for the
+        start-up log line). A name, not the class: the backends import the platform, so the
+        platform names its choice and layers/attention/backends/selection.py builds and checks it."""
 
     @abstractmethod
     def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,
@@ -31,6 +28,35 @@ class Platform(ABC):
         """(max_num_seqs, max_num_batched_tokens) used when the user sets neither: the offline
         `LLM` class favours throughput, the server a shorter step (time between tokens)."""
         return 256, 2048
+
+    # What the engine asks of the platform instead of comparing its name (one group; each is
+    # answered by cpu.py and cuda.py).
+    def share_host_cores(self, num_ranks: int) -> None:
+        """Called by each of `num_ranks` tensor-parallel ranks on one host before its model is built."""
+
+    @property
+    def packs_weights_for_host_kernels(self) -> bool:
+        """Whether the forward runs on host kernels that want packed weight copies (4-bit, oneDNN)."""
+        return False
+
+    @property
+    def profiles_activation_peak(self) -> bool:
+        """Whether the KV budget is what the memory query sees left after a profiled forward's peak."""
+        return False
+
+    @property
+    def kv_budget_includes_weights(self) -> bool:
+        """Whether weights loaded after the KV pool is sized (a draft model's) come off its budget."""
+        return False
+
+    def record_step_done(self) -> torch.cuda.Event | None:
+        """An event recorded after the work queued so far; None where that work is done already."""
+        return None
+
+    @property
+    def ray_resource(self) -> str:
+        """The Ray resource each rank takes one of (executor/ray_executor.py's placement bundles)."""
+        return "CPU"
 
     def synchronize(self) -> None:
         pass

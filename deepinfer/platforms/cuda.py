@@ -31,12 +31,8 @@ class CudaPlatform(Platform):
         try:
             import triton
         except ImportError as e:   # a torch build without Triton: the plain PyTorch path still runs
-            from deepinfer.layers.attention.backends.reference import ReferenceBackend
-
-            return ReferenceBackend, f"Triton does not import ({e}), so no fast path"
-        from deepinfer.layers.attention.backends.triton import TritonBackend
-
-        return TritonBackend, f"Triton {triton.__version__} imports"
+            return "reference", f"Triton does not import ({e}), so no fast path"
+        return "triton", f"Triton {triton.__version__} imports"
 
     def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,
                               weight_bytes: int) -> int:
@@ -58,6 +54,24 @@ class CudaPlatform(Platform):
         if torch.cuda.get_device_properties(self.device).total_memory >= LARGE_CARD_BYTES:
             return 512, 16384 if offline else 8192
         return 256, 8192 if offline else 2048
+
+    @property
+    def profiles_activation_peak(self) -> bool:
+        return True
+
+    @property
+    def kv_budget_includes_weights(self) -> bool:
+        # The budget is a fraction of the whole card (kv_cache_budget_bytes): all the process may use.
+        return True
+
+    def record_step_done(self) -> torch.cuda.Event:
+        done = torch.cuda.Event()
+        done.record()
+        return done
+
+    @property
+    def ray_resource(self) -> str:
+        return "GPU"
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -1,7 +1,10 @@
 """The model runner: builds the model and the KV tensors, then executes scheduler plans.
 
-Construction reads top to bottom in the order of the work: build the model -> load weights ->
-size the KV pool from the memory budget -> allocate the KV tensors. It is driven through an
+Construction is a list of steps in the order of the work (`__init__` names them): join the
+tensor-parallel group -> build the model -> load weights -> lay out the KV cache -> choose the
+attention backend -> size the KV pool from the memory budget -> allocate the KV tensors -> warm
+up the kernels and capture decode graphs; the steps it runs on throwaway caches before serving
+(memory profile, warm-up) are worker/start_up_steps.py. It is driven through an
 executor (executor/), never by the engine core directly. It keeps a small state per request
 (token ids, sampling params, RNG, block tables: worker/request_states.py), updated from each
 plan's new requests and diffs, builds the step's inputs, runs the forward, samples, and returns
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,7 +45,6 @@ from deepinfer.kv_cache.store.factory import make_kv_connector_worker
 from deepinfer.kv_cache.tensors import KVLayout
 from deepinfer.layers.attention import forward_context
 from deepinfer.layers.attention.backends import select_backend
-from deepinfer.layers.attention.backends.triton import FRESH_SDPA_MIN_TOKENS, SPLIT_WARM_UP_CHUNK
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.platforms import Platform
@@ -62,6 +63,7 @@ from deepinfer.types.plan import (
 from deepinfer.worker.draft_verification import PendingVerdicts, verify_chunks
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, max_sliding_window, num_decode_rows
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
+from deepinfer.worker.start_up_steps import StartUpSteps
 from deepinfer.worker.verify_chain import ChainStart, ChainVerdicts, build_verify_chain
 
 if TYPE_CHECKING:
@@ -111,80 +113,111 @@ class ModelRunner:
         rank runs the same plans and gets the same logits, so each samples the same tokens."""
         self.config = config
         self.group = group
-        if group.size > 1:
-            group.enable_expert_parallel = config.parallel.enable_expert_parallel
-            group.expert_parallel_dispatch = config.parallel.expert_parallel_dispatch
-            if platform.name == "cpu":
-                # Ranks sharing a host's cores split them: with every rank on all of them, the
-                # ranks' threads spin against each other at every collective (a step ~10x slower
-                # with 2 ranks on 2 cores).
-                torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // group.size))
         self.hf_config = hf_config
         self.platform = platform
         self.device = platform.device
         self.dtype = platform.default_dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
+        self._join_group()
+        self._build_model(source)
+        self._load_weights(source)
+        self._lay_out_kv_cache()
+        self._choose_attention_backend()
+        self._size_kv_pool()
+        self._allocate_kv_cache()
+        self._reset_steps()
+        self._prepare_kernels()
+        # Verify chains: several verify steps of one plan, back to back on the device.
+        self.verify_chain = build_verify_chain(config, self.decode_graphs, max_sliding_window(self.groups),
+                                               hf_config["vocab_size"], self.device)
+        self._seed_ranks()
 
-        # 1. Build the model directly on the device, in the target dtype. Without weights to load
-        # (random weights of a real shape) the init draws from the seed, so every engine of a
-        # shape built with one seed holds the same weights: a benchmark's engines then compute
-        # the same tokens (spec_replay.py replays one engine's outputs as another's drafts).
+    # ------------------------------------------------------------------------------- set-up
+    def _join_group(self) -> None:
+        """Tensor parallelism: the group's expert-parallel settings, and the host's cores shared
+        with the other ranks where the forward runs on them."""
+        if self.group.size > 1:
+            self.group.enable_expert_parallel = self.config.parallel.enable_expert_parallel
+            self.group.expert_parallel_dispatch = self.config.parallel.expert_parallel_dispatch
+            self.platform.share_host_cores(self.group.size)
+
+    def _build_model(self, source: ModelSource | None) -> None:
+        """Build the model directly on the device, in the target dtype. Without weights to load
+        (random weights of a real shape) the init draws from the seed, so every engine of a
+        shape built with one seed holds the same weights: a benchmark's engines then compute
+        the same tokens (spec_replay.py replays one engine's outputs as another's drafts)."""
         if source is None:
-            torch.manual_seed(config.model.seed)
-        cls = model_class(hf_config)
+            torch.manual_seed(self.config.model.seed)
+        cls = model_class(self.hf_config)
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device), building_with(group):
-                self.model = cls(hf_config).eval()
+            with torch.device(self.device), building_with(self.group):
+                self.model = cls(self.hf_config).eval()
         finally:
             torch.set_default_dtype(previous_dtype)
-        # 2. Load weights (no source: keep the random init, for benchmarks of real shapes). On the
-        # CPU in bf16, GGUF 4-bit matrices (and a Q8_0 head) also keep a 4-bit copy for
-        # small-batch decode, and dense weights a oneDNN-packed copy for larger batches.
-        cpu_formats = (config.model.quantization == "auto" and platform.name == "cpu"
-                       and self.dtype == torch.bfloat16)
+
+    def _load_weights(self, source: ModelSource | None) -> None:
+        """Load weights (no source: keep the random init, for benchmarks of real shapes). Where
+        the forward runs on host kernels, in bf16, GGUF 4-bit matrices (and a Q8_0 head) also
+        keep a 4-bit copy for small-batch decode, and dense weights a oneDNN-packed copy for
+        larger batches."""
+        host_formats = (self.config.model.quantization == "auto" and self.platform.packs_weights_for_host_kernels
+                        and self.dtype == torch.bfloat16)
         if source is not None:   # 4-bit copies on one rank only (models/base.py, load_weights)
-            self.model.load_from(source, keep_int4=cpu_formats and group.size == 1)
-        if cpu_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
+            self.model.load_from(source, keep_int4=host_formats and self.group.size == 1)
+        if host_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
             self.model.pack_weights()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-        # 3. KV layout: layer groups by KV kind, pools by page shape, slots shared across the groups
-        # of a pool (kv_cache/specs.py, tensors.py),
-        # stored in the model's dtype or in fp8 (kv_cache_dtype, see kv_cache/dtypes.py).
-        self.kv_cache_dtype = resolve_cache_dtype(config.cache.kv_cache_dtype, self.dtype)
+    def _lay_out_kv_cache(self) -> None:
+        """KV layout: layer groups by KV kind, pools by page shape, slots shared across the groups
+        of a pool (kv_cache/specs.py, tensors.py), stored in the model's dtype or in fp8
+        (kv_cache_dtype, see kv_cache/dtypes.py)."""
+        self.kv_cache_dtype = resolve_cache_dtype(self.config.cache.kv_cache_dtype, self.dtype)
         self.kv_layout = KVLayout.from_specs(self.model.kv_cache_specs(self.dtype), self.block_size,
                                              self.kv_cache_dtype)
         self.groups: list[KVCacheGroup] = self.kv_layout.groups
         self.layer_to_group, self.layer_to_slot = self.kv_layout.layer_to_group, self.kv_layout.layer_to_slot
-        # The attention backend, chosen once (layers/attention/backends/selection.py): it builds each
-        # step's metadata, and every layer of a forward asks it which fast ops to run.
-        engine_backend = select_backend(config, platform, self.kv_cache_dtype)
+        self.max_blocks_per_seq = -(-self._max_model_len() // self.block_size)
+
+    def _choose_attention_backend(self) -> None:
+        """The attention backend, chosen once (layers/attention/backends/selection.py): it builds
+        each step's metadata, and every layer of a forward asks it which fast ops to run."""
+        engine_backend = select_backend(self.config, self.platform, self.kv_cache_dtype)
         self.attention_backend = (self.model.own_attention_backend(self.device, self.kv_cache_dtype, engine_backend)
                                   or engine_backend)
-        self.max_blocks_per_seq = -(-self._max_model_len() // self.block_size)
-        if platform.name == "cuda":
-            self._profile_peak_memory()   # the KV budget is what is left after the peak
+        self.start_up_steps = StartUpSteps(self.model, self.kv_layout, self.block_size, self.attention_backend,
+                                           self.platform)
+
+    def _size_kv_pool(self) -> None:
+        """The KV pool's blocks, from the memory left (after the activation peak, where the
+        platform's budget sees it); every rank of a group takes the smallest any can hold."""
+        if self.platform.profiles_activation_peak:
+            tokens = min(self.config.scheduler.max_num_batched_tokens, self._max_model_len())
+            self.start_up_steps.profile_peak_memory(tokens, min(self.config.scheduler.max_num_seqs, tokens))
         self.num_blocks, self.pool_blocks = self._num_blocks()
-        if group.size > 1:   # every rank holds the same block ids: the smallest pool any can hold
-            agreed = group.all_min(self.num_blocks)
+        if self.group.size > 1:   # every rank holds the same block ids: the smallest pool any can hold
+            agreed = self.group.all_min(self.num_blocks)
             if agreed != self.num_blocks:
                 self.num_blocks, self.pool_blocks = agreed, self.kv_layout.pool_blocks(
                     agreed, self._bounded_pool_blocks(), self._max_model_len())
-        spec = self.groups[0].spec
+
+    def _allocate_kv_cache(self) -> None:
+        """The KV tensors, and the worker side of a KV tier outside the device
+        (kv_offloading_size), which copies blocks between these tensors and the tier."""
         self.kv_caches = self.kv_layout.allocate(self.pool_blocks, self.device)
         logger.info("KV cache: %d blocks of %d tokens (per pool %s), %d layer groups in %d pools, %s, %.1f MiB",
                     self.num_blocks, self.block_size, self.pool_blocks, len(self.groups), self.kv_layout.num_pools,
                     str(self.kv_cache_dtype).removeprefix("torch."),
                     self.kv_layout.total_bytes(self.pool_blocks) / 2**20)
-        # A KV tier outside the device (kv_offloading_size): its worker side copies blocks
-        # between these tensors and the tier (kv_cache/connector.py).
         self.kv_connector: KVConnectorWorker | None = make_kv_connector_worker(
-            config, self.groups, self.block_size, self.device)
+            self.config, self.groups, self.block_size, self.device)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches, self.groups, self.block_size)
 
+    def _reset_steps(self) -> None:
+        """The per-request state and the steps in flight: none yet."""
         self.sampler = Sampler()
         self.requests: dict[str, RunnerRequestState] = {}
         # Steps behind the handles given out and not redeemed yet, by step id.
@@ -193,9 +226,14 @@ class ModelRunner:
         self._samples: dict[int, _QueuedSample] = {}
         # The last launched step's sampled tokens (device) and each request's row in them.
         self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        self.decode_graphs: DecodeGraphs | None = None
+
+    def _prepare_kernels(self) -> None:
+        """Compile the backend's kernels with a warm-up step of each kind, then capture the CUDA
+        graphs of decode steps where the backend replays them and enforce_eager is off."""
+        config = self.config
         if self.attention_backend.needs_warm_up:
-            self._warm_up_kernels()
+            self.start_up_steps.warm_up(self._max_model_len(), self.decode_splits(1))
+        self.decode_graphs: DecodeGraphs | None = None
         if self.attention_backend.supports_decode_graphs and not config.model.enforce_eager:
             from deepinfer.worker.cuda_graphs import DecodeGraphs
 
@@ -205,18 +243,17 @@ class ModelRunner:
             max_rows = (config.model.max_cudagraph_capture_size
                         or min(config.scheduler.max_num_seqs * rows_per_request, MAX_GRAPH_ROWS))
             self.decode_graphs = DecodeGraphs(
-                self.model, self.attention_backend, len(self.groups), spec.num_kv_heads, max_rows,
+                self.model, self.attention_backend, len(self.groups), self.groups[0].spec.num_kv_heads, max_rows,
                 self.max_blocks_per_seq, self.block_size,
                 self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
             self.decode_graphs.capture()
-        # Verify chains: several verify steps of one plan, back to back on the device.
-        self.verify_chain = build_verify_chain(config, self.decode_graphs, max_sliding_window(self.groups),
-                                               hf_config["vocab_size"], self.device)
-        if group.size > 1:
+
+    def _seed_ranks(self) -> None:
+        if self.group.size > 1:
             # Unseeded requests draw from the global generator: the same seed on every rank, and
             # the same draws in the same order (every rank runs every plan), keep the ranks'
             # sampled tokens identical.
-            torch.manual_seed(config.model.seed)
+            torch.manual_seed(self.config.model.seed)
 
     def decode_splits(self, batch: int) -> int:
         """Sequence splits of the decode kernel for a batch of this many rows (1 but on Triton)."""
@@ -224,66 +261,6 @@ class ModelRunner:
 
     def _max_model_len(self) -> int:
         return resolve_max_model_len(self.config, self.hf_config)
-
-    @torch.inference_mode()
-    def _profile_peak_memory(self) -> None:
-        """Run the largest step the scheduler may plan (max_num_batched_tokens of prefill, then
-        logits and sampling for max_num_seqs rows) on a throwaway KV cache, so that the memory
-        query that sizes the real pool sees the activation peak, not only the weights."""
-        tokens = min(self.config.scheduler.max_num_batched_tokens, self._max_model_len())
-        rows = min(self.config.scheduler.max_num_seqs, tokens)
-        blocks = -(-tokens // self.block_size) + 1
-        caches = self._scratch_caches(blocks)
-        chunk = StepChunk("profile", 0, tokens, [list(range(1, blocks)) for _ in self.groups], sample=True)
-        inputs = build_step_inputs([chunk], {"profile": [0] * tokens}, self.groups, self.block_size,
-                                   self.layer_to_group, self.layer_to_slot, caches, self.device,
-                                   backend=self.attention_backend)
-        with forward_context(inputs.attention):
-            hidden = self.model(inputs.input_ids, inputs.positions)
-        logits = self.model.compute_logits(hidden[:rows])
-        torch.softmax(logits, dim=-1).sum().item()      # the sampler's largest temporary
-        del caches, inputs, hidden, logits
-        self.platform.synchronize()
-        torch.cuda.empty_cache()
-
-    def _scratch_caches(self, blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A throwaway KV cache of `blocks` blocks per slot, for steps run before the real pool
-        exists or beside it (K and V share one tensor: nothing reads them back)."""
-        return self.kv_layout.allocate(blocks, self.device, share_kv=True)
-
-    @torch.inference_mode()
-    def _warm_up_kernels(self) -> None:
-        """One eager step of every attention kind on a throwaway cache: a decode split along its
-        sequence, a chunk on top of cached tokens (the paged prefill kernel) and a fresh chunk
-        (SDPA), so that their compiles (each far longer than a step, see
-        docs/benchmarks/design-measurements.md#kernel-warm-up) happen at start, as vLLM's
-        warm-up does, not in the first steps that serve requests. Then, where the model's length
-        allows it, a step of one short chunk on a long context: the paged prefill kernel split
-        along its keys, and the merge (a step of its own, or its launch would take the other
-        chunks too and the unsplit kernel would not run)."""
-        limit = min(self._max_model_len(), 128)
-        # (cached, new) per chunk; the fresh chunk long enough for SDPA where the model allows it.
-        self._warm_up_step([(limit - 1, 1), (limit // 2, limit - limit // 2),
-                            (0, min(FRESH_SDPA_MIN_TOKENS, self._max_model_len()))])
-        if sum(SPLIT_WARM_UP_CHUNK) <= self._max_model_len():
-            self._warm_up_step([SPLIT_WARM_UP_CHUNK])
-
-    def _warm_up_step(self, tokens: list[tuple[int, int]]) -> None:
-        blocks = sum(-(-(c + n) // self.block_size) for c, n in tokens) + 1
-        caches = self._scratch_caches(blocks)
-        chunks, token_ids, next_block = [], {}, 1
-        for i, (cached, new) in enumerate(tokens):
-            count = -(-(cached + new) // self.block_size)
-            table = list(range(next_block, next_block + count))
-            next_block += count
-            chunks.append(StepChunk(f"warm-up {i}", cached, new, [table for _ in self.groups], sample=True))
-            token_ids[f"warm-up {i}"] = [0] * (cached + new)
-        inputs = build_step_inputs(chunks, token_ids, self.groups, self.block_size, self.layer_to_group,
-                                   self.layer_to_slot, caches, self.device, backend=self.attention_backend,
-                                   decode_splits=self.decode_splits(1))
-        with forward_context(inputs.attention):
-            self.model(inputs.input_ids, inputs.positions)
-        self.platform.synchronize()
 
     @property
     def bytes_per_block(self) -> int:
@@ -315,7 +292,7 @@ class ModelRunner:
 
                 draft_weights, draft_per_block = draft_footprint(spec.model, self.dtype, self.block_size)
                 per_block += draft_per_block
-                if self.platform.name == "cuda":
+                if self.platform.kv_budget_includes_weights:
                     fixed += draft_weights
             num_blocks = max((budget - fixed) // per_block, 2)
         return num_blocks, layout.pool_blocks(num_blocks, bounded_blocks, self._max_model_len())
@@ -458,9 +435,7 @@ class ModelRunner:
             if chunk.prompt_logprobs:
                 result.prompt_logprobs[chunk.request_id] = self._prompt_logprobs(
                     chunk, step.hidden, inputs.last_token_index[i])
-        if self.platform.name == "cuda":
-            launched.done = torch.cuda.Event()
-            launched.done.record()
+        launched.done = self.platform.record_step_done()
         return handle
 
     def collect(self, handle: LaunchedStep) -> RunnerResult:

@@ -29,7 +29,7 @@ import torch
 from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.distributed import init_distributed, shutdown_distributed
-from deepinfer.platforms import current_platform
+from deepinfer.platforms import current_platform, use_local_device
 from deepinfer.types.plan import ForwardStep, LaunchedStep
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,7 @@ class RankWorker:
         from deepinfer.models.loader import load_model_source
         from deepinfer.worker.model_runner import ModelRunner
 
-        if torch.cuda.is_available() and envs.accelerator() != "cpu":
-            torch.cuda.set_device(spec.local_device_index)   # before the platform reads the device
+        use_local_device(spec.local_device_index)   # before the platform reads the device
         platform = current_platform()
         source = load_model_source(spec.model_path, skip_tokenizer_init=True)
         if not spec.load_weights:   # random weights of the engine seed, as rank 0's

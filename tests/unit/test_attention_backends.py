@@ -102,11 +102,11 @@ def test_auto_on_cuda_is_triton_when_it_imports():
     """Asked without a GPU (the platform's device is not touched): Triton if it imports, else
     the reference backend, saying why."""
     platform = object.__new__(CudaPlatform)
-    cls, why = platform.default_attention_backend()
+    name, why = platform.default_attention_backend()
     if importlib.util.find_spec("triton") is not None:
-        assert cls is TritonBackend and why.startswith("Triton ")
+        assert BACKENDS[name] is TritonBackend and why.startswith("Triton ")
     else:
-        assert cls is ReferenceBackend and "Triton does not import" in why
+        assert BACKENDS[name] is ReferenceBackend and "Triton does not import" in why
 
 
 def test_explicit_names_and_what_the_platform_refuses():
@@ -144,17 +144,15 @@ def test_the_forward_context_carries_the_backend_that_built_the_step():
 
 
 def test_warm_up_adds_a_split_prefill_step_where_the_model_is_long_enough():
-    """The runner's warm-up: one step of every attention kind, then one short chunk on a long
-    context (the paged prefill kernel split along its keys) if the model's length allows it."""
-    from types import SimpleNamespace
-
+    """The Triton backend's warm-up: one step of every attention kind, then one short chunk on a
+    long context (the paged prefill kernel split along its keys) if the model's length allows it.
+    The other backends compile nothing, so the runner runs no warm-up step for them."""
     from deepinfer.layers.attention.backends.triton import FRESH_SDPA_MIN_TOKENS, SPLIT_WARM_UP_CHUNK
-    from deepinfer.worker.model_runner import ModelRunner
 
     long_enough = sum(SPLIT_WARM_UP_CHUNK)
     for max_len, expected in ((512, 1), (long_enough - 1, 1), (long_enough, 2), (32768, 2)):
-        steps = []
-        ModelRunner._warm_up_kernels(SimpleNamespace(_max_model_len=lambda n=max_len: n, _warm_up_step=steps.append))
+        steps = TritonBackend().warm_up_steps(max_len)
         assert len(steps) == expected
         assert steps[0] == [(127, 1), (64, 64), (0, min(FRESH_SDPA_MIN_TOKENS, max_len))]
         assert steps[1:] == [[SPLIT_WARM_UP_CHUNK]] * (expected - 1)
+    assert ReferenceBackend().warm_up_steps(32768) == CpuBackend().warm_up_steps(32768) == []

@@ -3,8 +3,9 @@
 The step's backend (backends/) decides how: which rows go to which kernel, where K/V come from.
 This layer holds what is the layer's own (heads, scale, window) and the attention it computes
 over K/V it is handed, which the backends call: `_decode` (one query per row, batched),
-`_sdpa` (a masked chunk) and `_fresh_chunk` / `_causal_flash` (causal chunks over the step's
-own K/V, SDPA's tiled kernels on the fast path).
+`_sdpa` (a masked chunk) and `_fresh_chunk` / `_fresh_chunks` (causal chunks over the step's
+own K/V, SDPA's tiled kernels on the fast path). The backends see this layer through
+backends/base.py's AttentionLayer protocol, so they never import this module.
 """
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ class Attention(nn.Module):
             extra = (0, 0, 0, 0, 0, padded - length)   # rows appended after the chunk's last
             out = self._causal_flash(*(F.pad(x[start:end], extra) for x in (q, k, v)))
         return out[:length]
+
+    def _fresh_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[tuple[int, int]],
+                      out: torch.Tensor) -> None:
+        """Causal attention of each fresh chunk of `ranges` (the step's rows) over itself, into
+        `out`: adjacent chunks of one bucket-aligned length in one batched call (equal_length_runs)."""
+        for start, end, count in equal_length_runs(ranges):
+            out[start:end] = (self._fresh_chunk(q, k, v, start, end) if count == 1
+                              else self._causal_flash(q[start:end], k[start:end], v[start:end], count))
 
     def _causal_flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       batch: int = 1) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -26,10 +26,40 @@ from deepinfer.platforms.transfer import to_device
 
 if TYPE_CHECKING:
     from deepinfer.kv_cache.specs import KVCacheGroup
-    from deepinfer.layers.attention.layer import Attention
-    from deepinfer.layers.rotary import RotaryEmbedding
     from deepinfer.platforms import Platform
     from deepinfer.worker.request_states import StepChunk
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads and calls of the attention layer it serves (layers/attention/layer.py's
+    Attention). A protocol here, not the class: the layer asks the backend of its step, and the
+    backends must not import the layer back."""
+
+    scale: float
+    sliding_window: int | None
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor: ...
+
+    def _fresh_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                     end: int) -> torch.Tensor: ...
+
+    def _fresh_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranges: list[tuple[int, int]],
+                      out: torch.Tensor) -> None: ...
+
+
+class RotaryTables(Protocol):
+    """What a backend reads of a layer's rotary embedding (layers/rotary.py's RotaryEmbedding):
+    its tables for the fused kernel, or the call that rotates q and k."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor,
+                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def flat_rows(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
@@ -188,6 +218,11 @@ class AttentionBackend(ABC):
         max_num_batched_tokens), which the KV budget leaves free. 0: none."""
         return 0
 
+    def warm_up_steps(self, max_model_len: int) -> list[list[tuple[int, int]]]:
+        """The steps the runner runs eagerly at start when needs_warm_up, on a throwaway cache: each
+        a list of (cached, new) tokens, one per chunk, fitting `max_model_len`. None by default."""
+        return []
+
     def decode_splits(self, batch: int, num_kv_heads: int) -> int:
         """Sequence splits of the decode kernel for a batch of this many rows (StepLayout.decode_splits)."""
         return 1
@@ -197,14 +232,14 @@ class AttentionBackend(ABC):
         """This step's attention inputs (host index arithmetic, copies queued to the device)."""
 
     @abstractmethod
-    def write_kv(self, layer: Attention, meta: AttentionMetadata, group: GroupMetadata, q: torch.Tensor,
-                 k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None, rotary: RotaryEmbedding | None,
+    def write_kv(self, layer: AttentionLayer, meta: AttentionMetadata, group: GroupMetadata, q: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None, rotary: RotaryTables | None,
                  k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q and k (with `rotary`), write k and v at the group's slots; return q and k as
         attention takes them."""
 
     @abstractmethod
-    def attend(self, layer: Attention, meta: AttentionMetadata, group: GroupMetadata, q: torch.Tensor,
+    def attend(self, layer: AttentionLayer, meta: AttentionMetadata, group: GroupMetadata, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Attention of every row of the step (after write_kv): [tokens, heads, head_dim]."""
 

@@ -5,7 +5,9 @@ The config field keeps the names users set ("auto" | "reference" | "cpu" | "trit
 on the object travels with each step's metadata and nothing else looks at a name
 (tests/unit/test_attention_backends.py checks the source tree for comparisons with the names).
 "auto" is the platform's choice (Platform.default_attention_backend): on CUDA the Triton
-backend when Triton imports, on the CPU the CPU backend.
+backend when Triton imports, on the CPU the CPU backend. The platform names its choice, and
+this module turns the name into the class: the backends import the platform, never the other
+way round.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ def select_backend(config: EngineConfig, platform: Platform, kv_cache_dtype: tor
     platform cannot run the one asked for. Logs what was chosen and why."""
     choice = config.model.attention_backend
     if choice == AUTO:
-        cls, why = platform.default_attention_backend()
-        why = f"auto on {platform.name}: {why}"
+        name, why = platform.default_attention_backend()
+        cls, why = backend_class(name), f"auto on {platform.name}: {why}"
     else:
         cls, why = backend_class(choice), "attention_backend set"
     cls.check_supported(platform, kv_cache_dtype)

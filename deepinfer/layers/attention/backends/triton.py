@@ -32,7 +32,6 @@ from deepinfer.layers.attention.backends.base import (
     flat_rows,
     sliding_window_of,
 )
-from deepinfer.layers.attention.layer import equal_length_runs
 
 # A fresh chunk (one that starts at position 0, so this step holds all its K/V) this long or
 # longer attends with SDPA's flash kernel over the step's own K/V; see Attention._fresh_chunk.
@@ -40,7 +39,7 @@ from deepinfer.layers.attention.layer import equal_length_runs
 # step: a flash call per short chunk would launch fewer programs (128-query tiles x heads) than
 # the GPU has multiprocessors, once per chunk and layer.
 FRESH_SDPA_MIN_TOKENS = 512
-# (cached, new) of a chunk for the runner's warm-up (model_runner._warm_up_kernels): few queries
+# (cached, new) of a chunk for the runner's warm-up (TritonBackend.warm_up_steps): few queries
 # on keys enough for the paged prefill kernel to split them (at least 2 x
 # triton_prefill.MIN_KEYS_PER_SPLIT), so that its split variant and the merge compile at start,
 # not in the first step that meets a long context (SWA Bounded Replay's recompute, say).
@@ -130,6 +129,22 @@ class TritonBackend(AttentionBackend):
         self.cuda_fp8_decode = kv_cache_dtype is None or is_fp8(kv_cache_dtype)
         # Set when cuDNN refused a chunk on a cached prefix (attend): the paged kernel takes them all.
         self.extend_failed = False
+
+    def warm_up_steps(self, max_model_len: int) -> list[list[tuple[int, int]]]:
+        """One eager step of every attention kind: a decode split along its sequence, a chunk on
+        top of cached tokens (the paged prefill kernel) and a fresh chunk (SDPA), so that their
+        compiles (each far longer than a step, see
+        docs/benchmarks/design-measurements.md#kernel-warm-up) happen at start, as vLLM's warm-up
+        does, not in the first steps that serve requests. Then, where the model's length allows
+        it, a step of one short chunk on a long context: the paged prefill kernel split along its
+        keys, and the merge (a step of its own, or its launch would take the other chunks too and
+        the unsplit kernel would not run)."""
+        limit = min(max_model_len, 128)
+        # The fresh chunk long enough for SDPA where the model allows it.
+        steps = [[(limit - 1, 1), (limit // 2, limit - limit // 2), (0, min(FRESH_SDPA_MIN_TOKENS, max_model_len))]]
+        if sum(SPLIT_WARM_UP_CHUNK) <= max_model_len:
+            steps.append([SPLIT_WARM_UP_CHUNK])
+        return steps
 
     @classmethod
     def check_supported(cls, platform, kv_cache_dtype) -> None:
@@ -258,9 +273,7 @@ class TritonBackend(AttentionBackend):
                                     max_seq_len=group.kernel_max_seq_len)
         if group.extend_chunks:
             self._attend_extend_chunks(layer, meta, group, q, k_cache, v_cache, out)
-        for start, end, count in equal_length_runs(fresh):
-            out[start:end] = (layer._fresh_chunk(q, k, v, start, end) if count == 1
-                              else layer._causal_flash(q[start:end], k[start:end], v[start:end], count))
+        layer._fresh_chunks(q, k, v, fresh, out)
         return out
 
     def _attend_extend_chunks(self, layer, meta, group, q, k_cache, v_cache, out):
