@@ -9,6 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
 
 from deepinfer.kv_cache.events import BlockStored, KVEventBatch
 from deepinfer.router.app import build_app
@@ -31,7 +32,6 @@ def replica_app(name: str, calls: list[str] | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        from fastapi.responses import PlainTextResponse
         return PlainTextResponse('deepinfer:cache_config_info{block_size="16",cache_dtype="auto",'
                                  'num_gpu_blocks="100"} 1\n')
 
