@@ -23,6 +23,15 @@ _TYPES = {
     500: ("internal_server_error", "api_error"),
     503: ("service_unavailable", "overloaded_error"),
 }
+# Any other 5xx (a router's 502 when a replica failed, its 504 when one was too slow) is the
+# server's failure, never the client's: it must not read as a request to fix and resend.
+# Other 4xx keep the types they always had.
+_SERVER_TYPES = ("server_error", "api_error")
+_CLIENT_TYPES = ("invalid_request_error", "api_error")
+
+
+def _types(status: int) -> tuple[str, str]:
+    return _TYPES.get(status) or (_SERVER_TYPES if status >= 500 else _CLIENT_TYPES)
 
 
 class APIError(Exception):
@@ -36,12 +45,12 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def openai_body(self) -> dict:
-        kind = _TYPES.get(self.status, ("invalid_request_error", ""))[0]
+        kind = _types(self.status)[0]
         return {"error": {"message": self.message, "type": kind, "param": self.param,
                           "code": self.code if self.code is not None else self.status}}
 
     def anthropic_body(self) -> dict:
-        kind = _TYPES.get(self.status, ("", "api_error"))[1]
+        kind = _types(self.status)[1]
         return {"type": "error", "error": {"type": kind, "message": self.message}}
 
     def body(self, anthropic: bool = False) -> dict:

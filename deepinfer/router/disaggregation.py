@@ -8,9 +8,10 @@ is: its prefix look-up finds the blocks in the store, it loads them (WAITING_FOR
 generates. The transport is the KV store (dir:// on a shared mount, or redis://); a direct
 device-to-device hand-over can come later behind the same roles.
 
-Whatever happens to the prefill (no prefill replica healthy, an error, a timeout), the request
-still goes to a decode replica, which then computes what it cannot load: the hand-over is a
-saving, never a condition (vLLM's kv_load_failure_policy=recompute). Sliding-window layers are
+A prefill replica found dead (connection refused or reset) is taken out of routing at once and
+the next healthy prefill replica tried. Whatever else happens to the prefill (no prefill replica
+healthy, an error answer, a timeout), the request still goes to a decode replica, which then
+computes what it cannot load: the hand-over is a saving, never a condition (vLLM's kv_load_failure_policy=recompute). Sliding-window layers are
 never handed over; the decode side rebuilds them by Bounded Replay.
 """
 
@@ -72,7 +73,17 @@ class PrefillStage:
         healthy = [r for r in self.replicas if r.healthy]
         if body is None or path not in LENGTH_FIELDS or not healthy:
             return "skipped"
-        replica = min(healthy, key=lambda r: (r.in_flight, r.index))
+        # The least busy first; one found dead is taken out and the next tried, as the proxy does
+        # for the decode replicas. A slow one or an error answer ends the hand-over instead.
+        for replica in sorted(healthy, key=lambda r: (r.in_flight, r.index)):
+            if not replica.healthy:   # found dead meanwhile by another request's hand-over
+                continue
+            outcome = await self._prefill_on(replica, path, body, headers)
+            if outcome != "gone":
+                return outcome
+        return "failed"
+
+    async def _prefill_on(self, replica: Replica, path: str, body: dict, headers: dict[str, str]) -> str:
         replica.in_flight += 1
         try:
             async with self.client.post(replica.url + path, json=prefill_body(path, body), headers=headers,
@@ -84,10 +95,13 @@ class PrefillStage:
                 return f"http_{response.status}"
             return "ok"
         except TRANSPORT_ERRORS as exc:
-            logger.warning("prefill on %s failed (%s: %s); the decode replica computes the prompt",
-                           replica.url, type(exc).__name__, exc)
             if broke_connection(exc):   # a timeout only means a slow prefill: the replica stays in
+                logger.warning("prefill on %s failed (%s: %s); trying another prefill replica",
+                               replica.url, type(exc).__name__, exc)
                 self.monitor.mark_failed(replica, f"prefill: {type(exc).__name__}")
+                return "gone"
+            logger.warning("prefill on %s timed out (%s); the decode replica computes the prompt",
+                           replica.url, type(exc).__name__)
             return "failed"
         finally:
             replica.in_flight -= 1

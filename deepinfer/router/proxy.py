@@ -7,7 +7,9 @@ The invariants, in the order a request meets them:
   3. Retries happen only before the client has been sent a byte. A connection error, a replica
      503/502/504, or a body that breaks off while the router is still reading a non-streaming
      answer: the next replica in the policy's order is tried (at most --max-attempts). A
-     connection error also takes the replica out of routing at once (passive detection).
+     connection error also takes the replica out of routing at once (passive detection), and
+     its KV index entries with it, so the cache policies stop preferring it; the same for the
+     replica the cache policies ask for a prompt's tokens (the next one is asked).
   4. Once the first byte of a stream went to the client, the status line is sent and cannot
      change. The stream is passed through chunk by chunk as it arrives (no buffering, no
      re-framing); if the replica breaks off, the client gets one last error event in the
@@ -53,6 +55,10 @@ _DROP_RESPONSE = _DROP_REQUEST | {"date", "server"}
 _RETRY_STATUS = {502, 503, 504}
 _TOKENIZE_PROTOCOL = {"/v1/chat/completions": "chat", "/v1/messages": "messages", "/v1/responses": "responses"}
 REPLICA_HEADER = "x-deepinfer-replica"
+
+
+class ReplicaGone(Exception):
+    """The replica asked for a prompt's tokens refused or dropped the connection (now out of routing)."""
 
 
 @dataclass
@@ -113,6 +119,9 @@ class Proxy:
         return [r for r in self.replicas if r.healthy]
 
     async def _token_ids(self, path: str, body: dict, replica: Replica, headers: dict) -> list[int] | None:
+        """The prompt's token ids from `replica`'s /tokenize; None when they cannot be known there.
+        A replica found dead here is taken out of routing at once (ReplicaGone), so the caller asks
+        another one and the policy never chooses it."""
         if path == "/v1/completions":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -131,26 +140,41 @@ class Proxy:
                 if response.status != 200:
                     return None   # the route itself will say what is wrong with the body
                 return (await response.json(content_type=None)).get("tokens")
-        except (*TRANSPORT_ERRORS, ValueError):
+        except TRANSPORT_ERRORS as exc:
+            if broke_connection(exc):
+                self.monitor.mark_failed(replica, f"/tokenize: {type(exc).__name__}: {exc}")
+                raise ReplicaGone from None
+            return None   # slow: routed without the prompt's hashes rather than waiting longer
+        except ValueError:
             return None
 
     async def _hashes(self, path: str, body: dict | None, healthy: list[Replica],
                       headers: dict) -> tuple[list[int] | None, int, int]:
-        """The prompt's block hashes (None: unknown), its full blocks, and the block size."""
-        facts = next((r for r in by_load(healthy) if r.model_id and r.scraped.block_size), None)
-        if body is None or facts is None or path not in GENERATION_ROUTES:
+        """The prompt's block hashes (None: unknown), its full blocks, and the block size. The
+        least-loaded replica that knows the hashing facts is asked for the tokens; one found dead
+        is taken out and the next asked."""
+        if body is None or path not in GENERATION_ROUTES:
             return None, 0, 0
-        ids = await self._token_ids(path, body, facts, headers)
-        if not ids:
-            return None, 0, 0
-        bs = facts.scraped.block_size
-        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-        hashes = prompt_block_hashes(ids, model_name=self.options.hash_model_name or facts.model_id,
-                                     model_id=facts.model_id, block_size=bs,
-                                     kv_cache_dtype=facts.scraped.kv_cache_dtype or "auto", cache_salt=salt)
-        return hashes, len(hashes), bs
+        for facts in [r for r in by_load(healthy) if r.model_id and r.scraped.block_size]:
+            try:
+                ids = await self._token_ids(path, body, facts, headers)
+            except ReplicaGone:
+                continue
+            if not ids:
+                return None, 0, 0
+            bs = facts.scraped.block_size
+            salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+            hashes = prompt_block_hashes(ids, model_name=self.options.hash_model_name or facts.model_id,
+                                         model_id=facts.model_id, block_size=bs,
+                                         kv_cache_dtype=facts.scraped.kv_cache_dtype or "auto", cache_salt=salt)
+            return hashes, len(hashes), bs
+        return None, 0, 0
 
     # ------------------------------------------------------------------------------ handling
+    def _no_healthy_replica(self) -> APIError:
+        self.metrics.rejected.labels("no_healthy_replica").inc()
+        return APIError(503, "no healthy replica behind the router", headers={"Retry-After": "1"})
+
     async def handle(self, request: Request, path: str) -> Response:
         start = time.perf_counter()
         raw = await request.body()
@@ -165,12 +189,14 @@ class Proxy:
         headers = self._upstream_headers(request)
         healthy = self.healthy()
         if not healthy:
-            self.metrics.rejected.labels("no_healthy_replica").inc()
-            raise APIError(503, "no healthy replica behind the router", headers={"Retry-After": "1"})
+            raise self._no_healthy_replica()
         generation = path in GENERATION_ROUTES and request.method == "POST"
         hashes, prompt_blocks, block_size = None, 0, 0
         if generation and self.policy.needs_hashes:
             hashes, prompt_blocks, block_size = await self._hashes(path, body, healthy, headers)
+            healthy = self.healthy()   # without any replica the look-up found dead
+            if not healthy:
+                raise self._no_healthy_replica()
         if generation:
             ok, reasons = admission.admissible(healthy, self.options, prompt_blocks)
             if not ok:

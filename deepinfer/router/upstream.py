@@ -1,7 +1,8 @@
 """The router's HTTP client toward its replicas (one aiohttp session), and how its errors are read.
 
-aiohttp rather than httpx: against the same replica on loopback httpx costs ~1.65 ms more per
-request (benchmarks/http_client_cost.py), most of what the router used to add to a request.
+aiohttp rather than httpx: against the same replica on loopback httpx costs measurably more per
+request (benchmarks/http_client_cost.py measures both), most of what the router used to add to a
+request.
 
 The session, in terms of the options:
     --connect-timeout-s   `connect`: the DNS look-up and the TCP connect (the pool never waits:

@@ -6,6 +6,7 @@ and no healthy replica is a 503."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -111,11 +112,15 @@ def test_stream_cut_midway_ends_with_an_error_event(router_over):
     frames = [f for f in body.split(b"\n\n") if f]
     assert frames[0].startswith(b'data: {"choices"')
     assert b'"error"' in frames[-2] and frames[-1] == b"data: [DONE]"
+    error = json.loads(frames[-2][len(b"data: "):])["error"]
+    assert error["type"] == "server_error" and error["code"] == 502   # the server's failure, not the client's
     # The cut took the replica out of routing (passive detection); a second router still routes to it.
     url = router_over([cut.url])
     with httpx.stream("POST", url + "/v1/messages", json={"stream": True}, timeout=10) as response:
         body = b"".join(response.iter_raw())
-    assert body.rstrip().split(b"\n\n")[-1].startswith(b"event: error\ndata: ")
+    last = body.rstrip().split(b"\n\n")[-1]
+    assert last.startswith(b"event: error\ndata: ")
+    assert json.loads(last.split(b"data: ", 1)[1])["error"]["type"] == "api_error"
     assert b"[DONE]" not in body
     cut.stop()
 
