@@ -46,7 +46,7 @@ class Llama3CallBlock:
                 call, text_of_call = self._call, self._call_text
                 self._buf, self._call = text_of_call[call.end:], None
                 if call.failed:  # not a call: it and everything after it are text
-                    return events + self._end(), text_of_call + self._buf if self._calls else ""
+                    return events + self._end(), (text_of_call + self._buf) if self._calls else ""
                 self._calls += 1
                 self._index += 1
                 continue
