@@ -218,3 +218,26 @@ def test_unknown_format_is_refused(encoder):
     encoding = encoder.encode(parse_request("chat", {"messages": [{"role": "user", "content": "hi"}]}))
     with pytest.raises(RecipeError, match="tool-call format"):
         OutputSession.for_encoding(encoder, encoding, "chat", tool_format="granite")
+
+
+PIECES = ['{"name": "get_time", "parameters": {}}', '{"name": "get_weather", "arguments": {"city": "P', "; ", ";", "}",
+          "{", "]", "[", '"', "\\", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "get_time", "(", ")", "=", "'x'",
+          "<tool_call>", "</tool_call>", "<function=get_weather>", "<parameter=days>", "</parameter>", "</function>",
+          "\n", " ", "text", "[get_time()]", "None", "1e999", "-3"]
+
+
+@pytest.mark.parametrize("parser", list(CASES))
+def test_random_output_never_raises_and_streams_what_it_returns(encoder, parser):
+    """Any output, however broken: no exception, and the stream adds up to the final message."""
+    import random
+
+    rng = random.Random(parser)
+    for _ in range(40):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(1, 12)))
+        for per_char in (False, True):
+            final, chunks = run(encoder, parser, text, per_char, end=rng.random() < 0.7)
+            message = final["choices"][0]["message"]
+            content, calls, _ = replay(chunks)
+            assert content == (message["content"] or ""), text
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])], text

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from .parser_events import Event, ToolCallDelta, ToolCallEnd, ToolCallStart
 
 _STRING = r'"(?:[^"\\\n]|\\.)*"'
+_HEAD_MAX = 1024  # a head is never this long: later, the object is parsed whole when it closes
 _HEAD = re.compile(rf'\{{\s*(?:"type"\s*:\s*"function"\s*,\s*)?"name"\s*:\s*({_STRING})\s*,\s*'
                    rf'"(?:arguments|parameters)"\s*:\s*(?=\{{)')
 
@@ -90,7 +91,7 @@ class JsonCallObject:
         if closed is not None:
             self.end = before + closed
         events: list[Event] = []
-        if not self.started:
+        if not self.started and before < _HEAD_MAX:
             match = _HEAD.match(self._buf)
             if match is not None and (self.end is None or match.end() < self.end):
                 self.started = True

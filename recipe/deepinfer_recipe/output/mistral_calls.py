@@ -129,7 +129,7 @@ class MistralCallBlock:
         if state == "name":
             match = _NAME.match(buf)
             if match is None:
-                if _could_be_name(buf):
+                if len(buf) < 512 and _could_be_name(buf):  # no name is longer
                     return [], None, True
                 return self._end(), self._rest(), False
             self._buf = buf[match.end():]

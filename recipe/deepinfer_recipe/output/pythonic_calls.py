@@ -20,6 +20,7 @@ from .parser_events import Event, ToolCallDelta, ToolCallEnd, ToolCallStart
 # What the start of a call list looks like, and what can still become one.
 _OPENING = re.compile(r"\[\s*[A-Za-z_]\w*\s*\(")
 _OPENING_SO_FAR = re.compile(r"\[\s*(?:[A-Za-z_]\w*\s*)?$")
+_NAME_MAX = 512  # no function name is this long
 _MAX_CHARS = 1 << 20  # a call list is never this long: give up holding it back
 
 
@@ -34,14 +35,17 @@ class PythonicCallBlock:
         self._buf = start_text  # the opening `[` is part of the list
         self._scan = _BracketScan()
         self._scanned = 0  # characters of _buf the scanner has seen
+        self._opened = False  # _buf starts like a call list
         self.leftover: str | None = None
         self.done = False
 
     def push(self, text: str) -> tuple[list[Event], str | None]:
         """Feed body text. Returns events and, once the list closed, the text after it."""
         self._buf += text
-        if not _OPENING.match(self._buf):
-            if _OPENING_SO_FAR.match(self._buf):
+        if not self._opened:
+            self._opened = _OPENING.match(self._buf) is not None
+        if not self._opened:
+            if len(self._buf) < _NAME_MAX and _OPENING_SO_FAR.match(self._buf):
                 return [], None
             return self._text(), ""
         end = self._scan.feed(self._buf[self._scanned:])
