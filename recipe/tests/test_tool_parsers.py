@@ -43,7 +43,7 @@ def make_encoder(root, specials):
 
 @pytest.fixture(scope="module", params=["tok", "text"])
 def encoder(request, tmp_path_factory):
-    extra = MARKERS if request.param == "tok" else ()
+    extra = (*MARKERS, "<|eom_id|>") if request.param == "tok" else ()
     return make_encoder(tmp_path_factory.mktemp(request.param), ("<|im_start|>", "<|im_end|>", *extra))
 
 
@@ -210,6 +210,21 @@ def test_mistral_default_ids_are_nine_alphanumerics(encoder):
     session.feed(ids_of(encoder, "[TOOL_CALLS]get_time[ARGS]{}", False) + [END])
     call_id = session.final_response()["choices"][0]["message"]["tool_calls"][0]["id"]
     assert len(call_id) == 9 and call_id.isalnum()
+
+
+def test_llama_end_of_message_token_ends_the_turn(encoder):
+    """Llama 3.1 ends a tool-call turn with <|eom_id|>, not <|eot_id|>: it is no text of the call."""
+    if not encoder.tokenizer.has_control("<|eom_id|>"):
+        pytest.skip("the text-marker tokenizer has no <|eom_id|>")
+    encoding = encoder.encode(parse_request("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}))
+    session = OutputSession.for_encoding(encoder, encoding, "chat", call_id=lambda i: f"call_{i}",
+                                         tool_format="llama3_json")
+    session.start()
+    session.feed(ids_of(encoder, '<|python_tag|>{"name": "get_time", "parameters": {}}', False)
+                 + [encoder.tokenizer.control_id("<|eom_id|>")])
+    assert session.finished
+    choice = session.final_response()["choices"][0]
+    assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None)
 
 
 def test_unknown_format_is_refused(encoder):

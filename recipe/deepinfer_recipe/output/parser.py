@@ -79,7 +79,9 @@ class OutputParser:
         syntax = self._syntax
         self._call_open = ids(syntax.open_tag) if syntax else None
         self._call_close = ids(syntax.close_tag) if syntax else None
-        marker_ids = (self._think_start, self._think_end, self._dsml, self._call_open, self._call_close)
+        # The chat format's own call tags stay visible text where they mean nothing (no tools).
+        own_tags = (ids(markers.tool_call_start), ids(markers.tool_call_end))
+        marker_ids = (self._think_start, self._think_end, self._dsml, self._call_open, self._call_close, *own_tags)
         self._spelling = {i: tokenizer.full.id_to_token(i) for i in marker_ids if i is not None}
         # ignore_eos (the engine generates past the end of the turn, up to max_tokens): an end
         # token does not finish, and like every other special token that means nothing to the
