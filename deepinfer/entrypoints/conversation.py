@@ -26,6 +26,7 @@ from deepinfer.chat import apply_template_kwargs
 from deepinfer.entrypoints import sampling
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.logprobs import chat_logprob, prompt_logprobs_json
+from deepinfer.entrypoints.parser_names import TOOL_CALL_PARSERS
 from deepinfer.entrypoints.request_fields import SamplingFields, parse_fields
 from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors
 from deepinfer.outputs import RequestOutput
@@ -114,10 +115,12 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     sessions = []
     created = int(time.time())
     prefix = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}[protocol]
+    # --tool-call-parser: the format the model writes calls in (None: the chat format's own).
+    tool_format = TOOL_CALL_PARSERS.get(state.options.tool_call_parser or "")
     for _ in range(n):
         sessions.append(OutputSession.for_encoding(encoder, encoding, protocol, model=model,
                                                    response_id=prefix + request_id, created=created,
-                                                   ignore_eos=fields.ignore_eos))
+                                                   ignore_eos=fields.ignore_eos, tool_format=tool_format))
     return PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs,
                                 engine_fields, fields, created)
 

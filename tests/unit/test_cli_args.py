@@ -95,7 +95,7 @@ def test_bare_boolean_flag_leaves_the_next_argument_alone():
     (["--enforce-eager=maybe"], "--enforce-eager", "true/false"),
     (["--enable-prefix-caching=2"], "--enable-prefix-caching", "true/false"),
     (["--no-enforce-eager=1"], "--no-enforce-eager", ""),
-    (["--tool-call-parser", "mistral"], "--tool-call-parser", "hermes"),
+    (["--tool-call-parser", "granite"], "--tool-call-parser", "hermes"),
     (["--reasoning-parser", "granite"], "--reasoning-parser", "deepseek_r1"),
     (["--dtype", "bf16"], "--dtype", "half"),
     (["--max-logprobs", "many"], "--max-logprobs", ""),
@@ -182,11 +182,19 @@ def test_trust_remote_code_is_accepted_and_logged(caplog):
     assert "trust_remote_code has no effect" in caplog.text
 
 
+@pytest.mark.parametrize("name", ["llama3_json", "llama4_json", "mistral", "pythonic", "qwen3_coder"])
+def test_vllm_tool_call_parsers_are_accepted_and_name_a_recipe_format(name):
+    from deepinfer_recipe.output.call_formats import FORMATS
+
+    _, options = serve("--tool-call-parser", name)
+    assert options.tool_call_parser == name and TOOL_CALL_PARSERS[name] in FORMATS
+
+
 def test_server_options_check_parser_names_and_chat_template(tmp_path):
-    assert set(TOOL_CALL_PARSERS) >= {"hermes", "deepseek_v4"}
+    assert set(TOOL_CALL_PARSERS) >= {"hermes", "deepseek_v4", "llama3_json", "mistral", "pythonic", "qwen3_coder"}
     assert set(REASONING_PARSERS) >= {"deepseek_r1", "deepseek_v3", "qwen3"}
-    with pytest.raises(ValueError, match="accepted: deepseek_v32, deepseek_v4, hermes"):
-        ServerOptions(tool_call_parser="llama3_json")
+    with pytest.raises(ValueError, match="accepted: deepseek_v32, deepseek_v4, hermes, llama3_json"):
+        ServerOptions(tool_call_parser="granite")
     with pytest.raises(ValueError, match="--reasoning-parser"):
         ServerOptions(reasoning_parser="nope")
     assert ServerOptions(chat_template="{{ messages[0].content }}").chat_template == "{{ messages[0].content }}"

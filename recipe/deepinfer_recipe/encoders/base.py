@@ -45,6 +45,8 @@ class PromptEncoding:
     # model may emit (see tools/constraint.py); None when the output is unconstrained.
     constraint: dict | None = None
     echo: dict = field(default_factory=dict)  # Conversation.echo, for the final response object
+    # Each tool's parameters schema by name, for output parsers that type values by it (qwen3_coder).
+    tool_schemas: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         data = {"format": self.format, "token_ids": self.token_ids, "constraint": self.constraint}
@@ -75,4 +77,6 @@ class Encoder:
         rendered, start = self.render(conversation)
         constraint = self.tool_constraint(conversation)
         ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
-        return PromptEncoding(self.name, rendered, start, ids, list(conversation.stop), constraint, dict(conversation.echo))
+        schemas = {t.name: t.parameters or {} for t in conversation.tools}
+        return PromptEncoding(self.name, rendered, start, ids, list(conversation.stop), constraint, dict(conversation.echo),
+                              schemas)

@@ -31,7 +31,8 @@ from .base import Encoder, OutputMarkers, ParserStart
 from .client_text import ControlSpellings, HideAll, HideSpellings, mark_controls
 from .inline import inline_tool_messages, protect_tree, template_messages
 
-_END_OF_TURN_CANDIDATES = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
+# <|eom_id|>: Llama 3.1 ends a turn that calls a tool with it ("end of message") instead of <|eot_id|>.
+_END_OF_TURN_CANDIDATES = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|endoftext|>")
 
 
 def _raise(message: str):

@@ -8,9 +8,10 @@ DeepSeek's release parser (encoding_dsv4.py) matches these markers in decoded te
 (deepseek-recipe 0.2.0's stream processor also keeps spelled markers as text: tests/test_injection.py
 checks that our final objects equal its.)
 
-HF-template models call tools Hermes-style (`<tool_call>{...}</tool_call>`, hermes_calls.py).
-Where the tokenizer has `<tool_call>` as a token, only its id opens a call, as above; where it
-does not (SmolLM2), the tag can only be recognised in the text.
+HF-template models call tools Hermes-style (`<tool_call>{...}</tool_call>`, hermes_calls.py)
+unless another format is chosen (`tool_format`, call_formats.py: vLLM's llama3_json, mistral,
+pythonic, qwen3_coder). Where the tokenizer has a format's opening tag as a token, only its id
+opens a call, as above; where it does not (SmolLM2), the tag can only be recognised in the text.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Literal
 
 from ..encoders.base import OutputMarkers, ParserStart
 from ..tokenize import SafeTokenizer
+from .call_formats import call_syntax
 from .detokenize import IncrementalDetokenizer
-from .hermes_calls import HermesCallBlock
 
 # The event types live in parser_events.py; the renderers import them from here as well.
 from .parser_events import (
@@ -59,7 +60,12 @@ class OutputParser:
         stop: list[str] | None = None,
         call_id: Callable[[int], str] = default_call_id,
         ignore_eos: bool = False,
+        tool_format: str | None = None,
+        tool_schemas: dict[str, dict] | None = None,
     ):
+        """tool_format: the tool-call format to read (call_formats.FORMATS; None: the chat
+        format's own). tool_schemas: each offered tool's parameters schema, by name (qwen3_coder
+        types its values by them)."""
         # Control ids are acted on here, so the detokenizer keeps every token's text (the
         # parser drops the ones it must: see _skipped).
         self._detok = IncrementalDetokenizer(tokenizer.full, skip_special_tokens=False)
@@ -67,8 +73,15 @@ class OutputParser:
         self._eos = {ids(s) for s in markers.end_of_turn} - {None}
         start = start or ParserStart()
         self._think_start, self._think_end, self._dsml = ids(markers.think_start), ids(markers.think_end), ids(markers.dsml)
-        self._call_open, self._call_close = ids(markers.tool_call_start), ids(markers.tool_call_end)
-        marker_ids = (self._think_start, self._think_end, self._dsml, self._call_open, self._call_close)
+        # The block-style call format (Hermes by default on HF templates); None: DSML or no tools.
+        self._syntax = call_syntax(tool_format, markers) if start.parse_tool_calls else None
+        self._tool_schemas = tool_schemas or {}
+        syntax = self._syntax
+        self._call_open = ids(syntax.open_tag) if syntax else None
+        self._call_close = ids(syntax.close_tag) if syntax else None
+        # The chat format's own call tags stay visible text where they mean nothing (no tools).
+        own_tags = (ids(markers.tool_call_start), ids(markers.tool_call_end))
+        marker_ids = (self._think_start, self._think_end, self._dsml, self._call_open, self._call_close, *own_tags)
         self._spelling = {i: tokenizer.full.id_to_token(i) for i in marker_ids if i is not None}
         # ignore_eos (the engine generates past the end of the turn, up to max_tokens): an end
         # token does not finish, and like every other special token that means nothing to the
@@ -76,10 +89,13 @@ class OutputParser:
         # comes from the caller's finish("length").
         self._skipped = (self._eos | tokenizer.special_ids) - set(self._spelling) if ignore_eos else frozenset()
         self._markers = markers
-        self._parse_tools = start.parse_tool_calls and self._dsml is not None
-        # Hermes-style calls; `_open_text` is set when the opening tag is plain text, not a token.
-        self._hermes = start.parse_tool_calls and markers.tool_call_start is not None
-        self._open_text = markers.tool_call_start if self._hermes and self._call_open is None else None
+        # DSML, unless another format was chosen for this DeepSeek model.
+        foreign = tool_format not in (None, "hermes", "dsml")
+        self._parse_tools = start.parse_tool_calls and self._dsml is not None and not foreign
+        # `_open_text` is set when the opening tag is plain text, not a token; `_at_start` opens a
+        # block when the output begins with it (formats whose calls carry no tag).
+        self._open_text = syntax.open_tag if syntax and self._call_open is None else None
+        self._at_start = syntax.at_start if syntax else None
         self._after_call = False  # drop the whitespace between consecutive calls
         self._stops = StopChecker([s for s in (stop or []) if s])
         self._call_id = call_id
@@ -118,7 +134,7 @@ class OutputParser:
         if self._pending:
             events += self._emit_content(self._pending, final=True)
             self._pending = ""
-        if isinstance(self._tools, HermesCallBlock):
+        if self._in_block():
             events += self._close_call()
         elif self._tools is not None:
             events += self._tools.close()
@@ -153,10 +169,10 @@ class OutputParser:
             return self._tool_text("<" + _MARK)
         if token_id == self._dsml and self.stage == "tool_calls":
             return self._tool_text(_MARK)
-        if token_id == self._call_open and self._hermes and self.stage == "content":
+        if token_id == self._call_open and self._call_open is not None and self.stage == "content":
             events = self._emit_content(self._pending + self._detok.flush(), final=True)
             return events if self.finished else events + self._open_call(self._spelling[token_id])
-        if token_id == self._call_close and isinstance(self._tools, HermesCallBlock):
+        if token_id == self._call_close and self._call_close is not None and self._in_block():
             return self._tool_text(self._detok.flush()) + self._close_call(end_seen=True)
         if token_id in self._spelling:  # a marker where it has no meaning: keep it visible
             return self._text(self._detok.flush() + self._spelling[token_id])
@@ -188,6 +204,11 @@ class OutputParser:
         # `text` is the held-back tail (searched before, never a whole stop string) plus new
         # text, so searching all of it finds the stop string that completes first.
         stop = self._stops.find(text)
+        if self._at_start is not None and not self.content and not self.tool_calls:
+            body = text.lstrip()
+            if body.startswith(self._at_start) and (stop is None or stop.start >= len(text) - len(body)):
+                self._open_call("")  # the leading whitespace goes with the markup
+                return self._tool_text(body)
         if self._open_text is not None:
             at = text.find(self._open_text)
             if at >= 0 and (stop is None or stop.start >= at):   # a stop string before the tag wins
@@ -218,17 +239,23 @@ class OutputParser:
             hold = len(text) - match.start()
         if self._open_text is not None:
             hold = max(hold, _partial_suffix(text, self._open_text))
+        if self._at_start is not None and not self.content and not self.tool_calls and not text.strip():
+            hold = len(text)  # the output may still begin with a call
         return max(hold, self._stops.hold_back(text))
 
     def _open_call(self, spelling: str) -> list[Event]:
         self._pending = ""
         self.stage = "tool_calls"
-        self._tools = HermesCallBlock(len(self.tool_calls), self._call_id, spelling, self._markers.tool_call_end,
-                                      end_is_token=self._call_close is not None)
+        self._tools = self._syntax.make_block(len(self.tool_calls), self._call_id, spelling, self._call_close is not None,
+                                              self._tool_schemas)
         return []
 
+    def _in_block(self) -> bool:
+        """Inside a block-style call (not DSML's `_ToolBlock`)."""
+        return self._tools is not None and not isinstance(self._tools, _ToolBlock)
+
     def _close_call(self, rest: str | None = None, end_seen: bool = False) -> list[Event]:
-        """End the Hermes block (closing tag seen, or end of output), then go on with `rest`."""
+        """End the call block (closing tag seen, or end of output), then go on with `rest`."""
         block, events = self._tools, []
         if not block.done:
             events = block.close(end_seen)
@@ -244,7 +271,7 @@ class OutputParser:
         return events
 
     def _tool_text(self, text: str) -> list[Event]:
-        if isinstance(self._tools, HermesCallBlock):
+        if self._in_block():
             events, rest = self._tools.push(text) if text else ([], None)
             self._collect(events)
             return events + self._close_call(rest) if rest is not None else events

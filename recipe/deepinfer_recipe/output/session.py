@@ -21,8 +21,10 @@ from typing import Literal
 
 from ..encoders.base import Encoder, PromptEncoding
 from ..errors import RecipeError
+from .call_formats import FORMATS
 from .chat_events import ChatCompletionsStream
 from .messages_events import MessagesStream
+from .mistral_calls import mistral_call_id
 from .parser import OutputParser, default_call_id
 from .responses_events import ResponsesStream
 
@@ -60,18 +62,29 @@ class OutputSession:
         model: str = "",
         call_id: Callable[[int], str] | None = None,
         ignore_eos: bool = False,
+        tool_format: str | None = None,
         **kwargs,
     ) -> OutputSession:
         """call_id: makes the id of the n-th tool call; by default a random one with the
-        protocol's prefix ("toolu_" for Messages, as Anthropic's ids, else "call_").
-        ignore_eos: generation goes on past end tokens (see the module docstring)."""
+        protocol's prefix ("toolu_" for Messages, as Anthropic's ids, else "call_"; Mistral's
+        format: 9 letters and digits, all its templates accept).
+        ignore_eos: generation goes on past end tokens (see the module docstring).
+        tool_format: the tool-call format the model writes (call_formats.FORMATS; vLLM's
+        --tool-call-parser); None: the chat format's own. A forced tool choice constrains the
+        output to the chat format's own form, so it is read as that whatever is chosen here."""
+        if tool_format not in (None, *FORMATS):
+            raise RecipeError(f"unknown tool-call format {tool_format!r}; expected one of {', '.join(FORMATS)}")
+        if encoding.constraint is not None:
+            tool_format = None
+        if call_id is None and tool_format == "mistral" and protocol != "messages":
+            call_id = mistral_call_id
         if call_id is None:
             prefix = "toolu_" if protocol == "messages" else "call_"
             call_id = functools.partial(default_call_id, prefix=prefix)
         if encoder.tokenizer is None:
             raise RecipeError(f"format {encoder.name} has no tokenizer to decode output with")
         parser = OutputParser(encoder.tokenizer, encoder.markers, encoding.parser_start, encoding.stop, call_id,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, tool_format=tool_format, tool_schemas=encoding.tool_schemas)
         prompt_tokens = len(encoding.token_ids or [])
         return cls(parser, protocol, model, prompt_tokens, echo=encoding.echo, **kwargs)
 
