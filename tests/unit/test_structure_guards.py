@@ -214,3 +214,17 @@ def test_shared_types_import_nothing_above_them():
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         assert not {m for m in imported if m.split(".")[0] == "deepinfer"}, leaf
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test files without packages by basename ("rootdir-relative" needs
+    __init__.py files this tree does not have): two test_x.py in different folders make the
+    second one's collection fail, and with it the whole run."""
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in project_files("*test_*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name in seen:
+            clashes.append(f"{seen[path.name]} and {rel}")
+        seen.setdefault(path.name, rel)
+    assert not clashes, f"rename one of each pair (pytest collects by basename): {clashes}"
