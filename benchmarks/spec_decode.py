@@ -81,7 +81,7 @@ def build(args: argparse.Namespace, mode: str) -> LLM:
     if mode != "none":
         spec = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
                 "verification": mode.removesuffix("-chain")}
-        if mode.endswith("-chain"):   # verify chains (worker/verify_chain.py)
+        if mode.endswith("-chain"):   # verify chains (worker/spec/verify_chain.py)
             spec["verify_chain"] = args.verify_chain
         if args.method == "draft_model":
             spec["model"] = args.draft_model

@@ -31,7 +31,7 @@ so its drafts are the target's continuation and every one is accepted: what they
 cost of drafting with a model and verifying, its decode steps in CUDA graphs or (`-eager`) not.
 They run the first alpha's prompts only (their acceptance is the draft model's own).
 
-Modes `fixed-chain` and `adaptive-chain` run verify chains (`verify_chain`, worker/verify_chain.py):
+Modes `fixed-chain` and `adaptive-chain` run verify chains (`verify_chain`, worker/spec/verify_chain.py):
 up to --verify-chain verify steps per plan back to back on the device, the later ones drafted on
 the device from the same replay table.
 
@@ -151,7 +151,7 @@ def run_cells(llm: LLM, mode: str, cells, prompts, params: SamplingParams, round
     chooser's every measured step (all rounds of the cell) into each row."""
     outputs_by_cell = {}
     timer = StepPhases(llm.engine) if phases else None
-    chooser = llm.engine.loop_chooser
+    chooser = llm.engine.loop.loop_chooser
     steps: list = []
     if trace and chooser is not None:   # every step the chooser saw: (done, batch, speculative, tokens, drafted)
         observe = chooser.observe
@@ -191,7 +191,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=["fixed", "adaptive", "fixed-chain", "adaptive-chain",
                                                        "draft-fixed", "draft-adaptive", "draft-fixed-eager"],
                         default=["fixed", "adaptive"],
-                        help="*-chain: verify chains of up to --verify-chain steps (worker/verify_chain.py); "
+                        help="*-chain: verify chains of up to --verify-chain steps (worker/spec/verify_chain.py); "
                              "draft-*: a draft model of --draft-shape (see the module docstring)")
     parser.add_argument("--draft-shape", choices=list(DRAFT_SHAPES), default="llama3.2-1b")
     parser.add_argument("--verify-chain", type=int, default=4)
@@ -247,9 +247,9 @@ def main() -> None:
             costs[f"{mode}: verify chains run, their steps"] = f"{chain.num_chains}, {chain.num_steps}"
         if "adaptive" in mode:
             costs[f"{mode}, after the run"] = llm.engine.spec.cost_model.describe()
-            if llm.engine.loop_chooser is not None:   # overlapped steps without drafts (spec_decode/overlap.py)
-                costs[f"{mode}, loop chooser, tokens a second by loop"] = llm.engine.loop_chooser.describe()
-                costs[f"{mode}, loop chooser, steps by loop"] = str(llm.engine.loop_chooser.counts)
+            if llm.engine.loop.loop_chooser is not None:   # overlapped steps without drafts (spec_decode/overlap.py)
+                costs[f"{mode}, loop chooser, tokens a second by loop"] = llm.engine.loop.loop_chooser.describe()
+                costs[f"{mode}, loop chooser, steps by loop"] = str(llm.engine.loop.loop_chooser.counts)
         shutdown(llm)
         del llm
         free_memory()

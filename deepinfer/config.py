@@ -26,6 +26,9 @@ SPEC_VERIFICATION = ("adaptive", "fixed")
 # Methods whose drafts can be made on the device, from tokens the host has not seen yet.
 CHAIN_METHODS = ("ngram", "replay")
 MAX_VERIFY_CHAIN = 16
+# The most rows a decode CUDA graph is captured for when max_cudagraph_capture_size is unset
+# (ModelConfig.graph_rows); a step with more rows runs eagerly.
+DEFAULT_MAX_GRAPH_ROWS = 512
 # auto: the model's dtype; fp8 (= fp8_e4m3, vLLM's names): float8 e4m3 with a scale of 1.0
 # (deepinfer/kv_cache/dtypes.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -68,7 +71,8 @@ class ModelConfig:
     """Run every step eagerly (no CUDA graphs for decode steps)."""
     max_cudagraph_capture_size: int | None = None
     """The most rows (query tokens) a captured decode graph takes; a step with more runs
-    eagerly. Unset: max_num_seqs x (1 + num_speculative_tokens), at most 512."""
+    eagerly. Unset: max_num_seqs x (1 + num_speculative_tokens), at most DEFAULT_MAX_GRAPH_ROWS
+    (`graph_rows`)."""
     trust_remote_code: bool = False
     """Accepted for vLLM launch lines; deepinfer never runs code from a model repository, so it
     has no effect."""
@@ -77,6 +81,12 @@ class ModelConfig:
     SamplingParams' own defaults) | a directory holding a generation_config.json."""
     skip_tokenizer_init: bool = False
     """Load no tokenizer: prompts must be token ids, outputs carry token ids and empty text."""
+
+    def graph_rows(self, max_num_seqs: int, rows_per_request: int) -> int:
+        """The most rows a captured decode graph takes: max_cudagraph_capture_size, or a step of
+        max_num_seqs requests of rows_per_request rows each (1 + the drafts a request verifies),
+        at most DEFAULT_MAX_GRAPH_ROWS."""
+        return self.max_cudagraph_capture_size or min(max_num_seqs * rows_per_request, DEFAULT_MAX_GRAPH_ROWS)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -283,7 +293,7 @@ class SchedulerConfig:
     request may set its own limit."""
     async_scheduling: bool | None = None
     """Plan and launch step N+1 while the device runs step N. Unset: on with CUDA (without
-    speculative decoding), off on the CPU (engine/core.py)."""
+    speculative decoding), off on the CPU (engine/overlapped_loop.py)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -322,7 +332,7 @@ class ParallelConfig:
     and gathers the results (all-to-all), or each rank runs its experts on every token routed
     to them and one all-reduce sums the parts. The same results; only the communication differs."""
     distributed_executor_backend: str | None = None
-    """mp | ray | uni: how ranks are started (executor/abstract.py, Executor.get_class). None:
+    """mp | ray | uni: how ranks are started (executor/factory.py, executor_class). None:
     uni for one rank, mp for several on this host (vLLM's default)."""
 
     def __post_init__(self) -> None:
@@ -369,7 +379,7 @@ class SpeculativeConfig:
     verify_chain: the most verify steps one plan runs back to back on the device (1: off). The
         second and later steps draft on the device from the tokens the one before accepted
         (ngram and replay only), so the host plans once per chain instead of once per step
-        (worker/verify_chain.py says when a plan qualifies); their tokens reach the caller
+        (worker/spec/verify_chain.py says when a plan qualifies); their tokens reach the caller
         together, when the chain is collected.
     enforce_eager: draft_model only: run the draft model eagerly (True) or replay its decode
         steps in CUDA graphs (False); unset: as the target model does.

@@ -17,7 +17,7 @@ queue once they have (engine/kv_tier.py); others are admitted meanwhile.
 Speculative decoding (spec_decode/) is the same rule with a longer target: a generating request
 may also compute draft tokens, which the runner verifies; after the step its num_computed_tokens
 counts only the accepted ones, and KV blocks past its known tokens go back to the pool.
-Overlapped scheduling (engine/core.py) plans step N+1 before step N's result is applied: a
+Overlapped scheduling (engine/overlapped_loop.py) plans step N+1 before step N's result is applied: a
 request whose token is still being sampled on the device counts it as known
 (`num_samples_in_flight`), so it is scheduled to compute that token's position, whose id the
 runner takes from the device. A request stopped by that token is found one step late; the result
@@ -174,7 +174,7 @@ class Scheduler:
         if self.spec is not None and self.running and speculate:
             base = sum(r.num_tokens - r.num_computed_tokens for r in self.running)
             drafts = self.spec.plan(self.running, budget - base, base)
-        # Verify steps this plan may run back to back (worker/verify_chain.py): lowered to what
+        # Verify steps this plan may run back to back (worker/spec/verify_chain.py): lowered to what
         # every chunk allows, 1 (none) as soon as one does not qualify.
         chain = self.spec.config.verify_chain if drafts else 1
         return _PartialPlan(budget, drafts, chain)
@@ -302,7 +302,7 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         if new_requests or not any(c.spec_token_ids for c in chunks):
             chain = 1   # a prefill chunk needs the plain path; without drafts there is nothing to verify
-        elif self.spec.config.verification == "adaptive" and not all(c.spec_token_ids for c in chunks):
+        elif self.spec.method.adaptive and not all(c.spec_token_ids for c in chunks):
             # Every request of a chain verifies as many drafts as the one with most: only where
             # the policy found drafts worth verifying for every request at this partial.
             chain = 1

@@ -7,15 +7,11 @@ start (`kv_cache_config`), hands it each plan, and gets the result back through 
     launched = executor.sample_tokens(forward, grammar)  # queue the sampling (masks filled by then)
     result = executor.collect(launched)                  # wait for that step, RunnerResult
 
-The overlapped loop (engine/core.py) interleaves these calls of two steps; the plain loop makes
+The overlapped loop (engine/overlapped_loop.py) interleaves these calls of two steps; the plain loop makes
 them in a row. Everything that crosses is a plan type (types/plan.py): plain values a later
 multi-process executor can send to its ranks. Speculative decoding's runner-side work also goes
 through here (`profile_verify_step`, `propose_mtp`), and a draft model gets an executor of its
-own from the same factory (`Executor.from_config`).
-
-Which executor runs is ParallelConfig.distributed_executor_backend, vLLM's field: "uni" (one
-worker in this process), "mp" (tensor-parallel ranks in processes of this host) or "ray" (ranks
-placed by a Ray cluster); unset, one rank runs "uni" and several "mp".
+own from the same factory (executor/factory.py, `make_executor`).
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from deepinfer.config import EngineConfig, ParallelConfig
 from deepinfer.types.plan import (
     ForwardStep,
     GrammarOutput,
@@ -38,7 +33,6 @@ from deepinfer.types.plan import (
 if TYPE_CHECKING:
     from deepinfer.kv_cache.events import KVEventSink
     from deepinfer.kv_cache.store.persistent_worker import StoreWorkerStats
-    from deepinfer.models.loader import ModelSource
     from deepinfer.types.drafter import Draft, DraftRequest
 
 
@@ -48,31 +42,6 @@ logger = logging.getLogger(__name__)
 class Executor(ABC):
     # Set by every executor's constructor, once its worker(s) sized the KV pool.
     kv_cache_config: KVCacheConfig
-
-    @staticmethod
-    def get_class(parallel: ParallelConfig) -> type[Executor]:
-        """The executor class for ParallelConfig.executor_backend (uni for one rank unless
-        another is named, mp for several)."""
-        backend = parallel.executor_backend
-        if backend == "uni":
-            from deepinfer.executor.uniproc import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from deepinfer.executor.multiproc import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from deepinfer.executor.ray_executor import RayExecutor
-
-            return RayExecutor
-        raise ValueError(f"distributed_executor_backend={backend!r} is not one of mp, ray, uni")
-
-    @classmethod
-    def from_config(cls, config: EngineConfig, source: ModelSource, *, load_weights: bool = True) -> Executor:
-        """Build the executor `config` asks for, with its worker(s) ready to execute plans.
-        `load_weights=False` keeps random weights (benchmarks of a real shape)."""
-        return cls.get_class(config.parallel)(config, source, load_weights=load_weights)
 
     # ---------------------------------------------------------------------------- steps
     @abstractmethod

@@ -7,16 +7,15 @@ through a connection of its own, in order.
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
-import deepinfer
 from deepinfer import envs
 from deepinfer.executor.ranked import RankedExecutor, RankFailedError, RankHandle
 from deepinfer.worker.rank_worker import RANK_TOKEN_ENV, RankSpec, receive_message, send_message
@@ -36,7 +35,8 @@ class _RankProcess(RankHandle):
     def __init__(self, spec: RankSpec, listener: socket.socket) -> None:
         self.rank = spec.rank
         token = secrets.token_hex(16)
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(deepinfer.__file__)))
+        # The folder holding the deepinfer package (this file is deepinfer/executor/multiproc.py).
+        package_root = str(Path(__file__).resolve().parents[2])
         env = envs.child_env({RANK_TOKEN_ENV: token}, python_path=[package_root])
         host, port = listener.getsockname()[:2]
         self.process = subprocess.Popen([sys.executable, "-m", "deepinfer.worker.rank_worker", host, str(port)],

@@ -19,6 +19,7 @@ import logging
 from typing import Any
 
 from deepinfer.executor.ranked import RankedExecutor, RankFailedError, RankHandle
+from deepinfer.platforms import current_platform
 from deepinfer.worker.rank_worker import RankSpec, RankWorker
 
 logger = logging.getLogger(__name__)
@@ -117,10 +118,11 @@ class RayExecutor(RankedExecutor):
 
         if not specs:
             return []
-        use_gpu = _uses_cuda()
+        resource = current_platform().ray_resource
+        use_gpu = resource == "GPU"
         # Ray shows an actor only the GPU it was given, as device 0.
         specs = [dataclasses.replace(spec, local_device_index=0) for spec in specs]
-        bundle = {"GPU": 1} if use_gpu else {"CPU": 1}
+        bundle = {resource: 1}
         self._placement_group = placement_group([bundle] * len(specs), strategy="PACK")
         ready, _ = ray.wait([self._placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -144,9 +146,3 @@ class RayExecutor(RankedExecutor):
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-
-
-def _uses_cuda() -> bool:
-    from deepinfer.platforms import current_platform
-
-    return current_platform().name == "cuda"

@@ -54,6 +54,18 @@ class Platform(ABC):
         return None
 
     @property
+    def overlaps_host_and_device(self) -> bool:
+        """Whether the forward runs on a device the host can run ahead of: the default for
+        overlapped scheduling (engine/core.py, resolve_async_scheduling)."""
+        return False
+
+    @property
+    def grammar_masks_as_host_bias(self) -> bool:
+        """Whether structured-output masks are unpacked into an additive bias on the host (the
+        forward runs there) rather than shipped packed to the device's masking kernel."""
+        return True
+
+    @property
     def ray_resource(self) -> str:
         """The Ray resource each rank takes one of (executor/ray_executor.py's placement bundles)."""
         return "CPU"

@@ -70,6 +70,14 @@ class CudaPlatform(Platform):
         return done
 
     @property
+    def overlaps_host_and_device(self) -> bool:
+        return True
+
+    @property
+    def grammar_masks_as_host_bias(self) -> bool:
+        return False
+
+    @property
     def ray_resource(self) -> str:
         return "GPU"
 

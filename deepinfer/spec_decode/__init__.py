@@ -1,20 +1,22 @@
-"""Speculative decoding (DSpark): drafters, lossless verification, variable-length verification.
+"""Speculative decoding (DSpark), the scheduler's side: drafts, what to verify, what was learnt.
 
-    drafter.py      the interface: up to k draft tokens per request + a confidence per position
-    ngram.py        prompt lookup (model-free)
-    draft_model.py  a second model sharing the tokenizer, with its own executor and KV cache
-    mtp.py          the hook for a model's own MTP head (run by the executor)
-    replay.py       a recorded continuation at a set acceptance rate (for measuring verification)
+Speculation has the KV connector's two roles. This package is the scheduler's side: it never
+sees a tensor, and it imports nothing of worker/ (the draft model's runner and the MTP head are
+reached through an executor). The worker's side (verify rows, verify chains and the device
+n-gram lookup they draft with, the draft model's memory) is worker/spec/. The two meet in the
+plan (a chunk's draft tokens, a chain length) and the runner's result (the verdicts).
+
+    method.py       the method and verification mode, resolved once (both roles ask it)
+    ngram.py        drafter: prompt lookup (model-free)
+    draft_model.py  drafter: a second model sharing the tokenizer, with its own executor and KV
+    mtp.py          drafter: a model's own MTP head (run by the executor)
+    replay.py       drafter: a recorded continuation at a set acceptance rate (for measuring)
     calibration.py  confidence -> conditional acceptance, learned online
     cost_model.py   step time vs drafts per sequence, profiled at start-up
     policy.py       which draft positions to verify: fixed, or by expected tokens per second
-    decoder.py      the scheduler's side (propose, admit, observe)
-    verifier.py     acceptance from the target's logits (greedy match, rejection sampling)
-    metrics.py      acceptance counters
-
-The runner's side (logits at every draft position, verify-step timing, the MTP head) is the
-model runner's own (worker/model_runner.py), reached through the executor; nothing here imports
-the worker.
+    decoder.py      the scheduler's entry (propose, admit, observe)
+    overlap.py      the loop chooser: a verify step or an overlapped one, per batch size
+    verifier.py     the acceptance rule (greedy match, rejection sampling) the worker applies
 
 Configured by `speculative_config` (config.SpeculativeConfig); built by `build_speculative_decoder`.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from deepinfer.spec_decode.decoder import SpeculativeDecoder
+from deepinfer.spec_decode.method import DraftSource, SpeculativeMethod
 from deepinfer.types.drafter import Drafter
 
 if TYPE_CHECKING:
@@ -32,29 +35,45 @@ if TYPE_CHECKING:
     from deepinfer.models.loader import ModelSource
     from deepinfer.spec_decode.cost_model import StepCostModel
 
-__all__ = ["SpeculativeDecoder", "build_speculative_decoder"]
+__all__ = ["SpeculativeDecoder", "SpeculativeMethod", "build_speculative_decoder"]
+
+
+def _ngram(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool) -> Drafter:
+    from deepinfer.spec_decode.ngram import NgramDrafter
+
+    spec = config.speculative
+    return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _replay(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool) -> Drafter:
+    from deepinfer.spec_decode.replay import ReplayDrafter
+
+    return ReplayDrafter.load(config.speculative.replay_path, source.hf_config["vocab_size"], config.model.seed)
+
+
+def _mtp(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool) -> Drafter:
+    from deepinfer.spec_decode.mtp import MTPDrafter
+
+    return MTPDrafter(executor, source.hf_config, config.speculative.num_speculative_tokens)
+
+
+def _draft_model(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool) -> Drafter:
+    from deepinfer.spec_decode.draft_model import DraftModelDrafter
+
+    spec = config.speculative
+    return DraftModelDrafter(spec.model, config, source.tokenizer, source.hf_config["vocab_size"],
+                             executor.kv_cache_config.num_blocks, spec.num_speculative_tokens, load_weights)
+
+
+_DRAFTERS = {DraftSource.NGRAM: _ngram, DraftSource.REPLAY: _replay, DraftSource.MTP: _mtp,
+             DraftSource.DRAFT_MODEL: _draft_model}
 
 
 def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool = True) -> Drafter:
     """`executor` runs the target model (MTP drafts with its head; a draft model gets as many
     KV blocks as it has, and random weights where the target has them: load_weights=False)."""
-    spec = config.speculative
-    if spec.method == "ngram":
-        from deepinfer.spec_decode.ngram import NgramDrafter
-
-        return NgramDrafter(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "replay":
-        from deepinfer.spec_decode.replay import ReplayDrafter
-
-        return ReplayDrafter.load(spec.replay_path, source.hf_config["vocab_size"], config.model.seed)
-    if spec.method == "mtp":
-        from deepinfer.spec_decode.mtp import MTPDrafter
-
-        return MTPDrafter(executor, source.hf_config, spec.num_speculative_tokens)
-    from deepinfer.spec_decode.draft_model import DraftModelDrafter
-
-    return DraftModelDrafter(spec.model, config, source.tokenizer, source.hf_config["vocab_size"],
-                             executor.kv_cache_config.num_blocks, spec.num_speculative_tokens, load_weights)
+    method = SpeculativeMethod.resolve(config.speculative)
+    return _DRAFTERS[method.source](config, executor, source, load_weights)
 
 
 def build_speculative_decoder(config: EngineConfig, executor: Executor, source: ModelSource,
@@ -64,7 +83,7 @@ def build_speculative_decoder(config: EngineConfig, executor: Executor, source: 
     step-cost profile (unless given one)."""
     spec = config.speculative
     drafter = build_drafter(config, executor, source, load_weights)
-    if spec.verification == "adaptive" and cost_model is None:
+    if SpeculativeMethod.resolve(spec).adaptive and cost_model is None:
         from deepinfer.spec_decode.cost_model import profile_step_cost
 
         cost_model = profile_step_cost(executor.profile_verify_step, spec.num_speculative_tokens,

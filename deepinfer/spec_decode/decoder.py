@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from deepinfer.config import SpeculativeConfig
 from deepinfer.spec_decode.calibration import AcceptanceCalibrator
 from deepinfer.spec_decode.cost_model import StepCostModel
+from deepinfer.spec_decode.method import SpeculativeMethod
 from deepinfer.spec_decode.policy import Candidate, admit_adaptive, admit_fixed
 from deepinfer.types.drafter import Draft, Drafter, DraftRequest
 from deepinfer.types.spec_stats import SpecDecodeStats
@@ -55,7 +56,8 @@ def _grammar_prefix(grammar, token_ids: list[int]) -> int:
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int,
                  cost_model: StepCostModel | None = None) -> None:
-        if config.verification == "adaptive" and cost_model is None:
+        self.method = SpeculativeMethod.resolve(config)
+        if self.method.adaptive and cost_model is None:
             raise ValueError("adaptive verification needs a step-cost model")
         self.config = config
         self.k = config.num_speculative_tokens
@@ -91,7 +93,7 @@ class SpeculativeDecoder:
             if draft is not None and draft.token_ids:
                 n = _grammar_prefix(grammar, draft.token_ids)
                 drafts[request_id] = Draft(draft.token_ids[:n], draft.confidences[:n])
-        fixed = self.config.verification == "fixed"
+        fixed = not self.method.adaptive
         candidates = []
         for w in wanted:
             draft = drafts.get(w.request_id)
@@ -133,7 +135,7 @@ class SpeculativeDecoder:
         under fixed verification, which estimates no survival. The loop chooser prices a
         speculative step by this rather than by what it emitted: at batch 1 one step emits 1 to
         k + 1 tokens, and a few unlucky steps in a row would read as speculation not paying."""
-        if self.config.verification == "fixed":
+        if not self.method.adaptive:
             return None
         return sum(1.0 + sum(self._survival.get(c.request_id, ())[:len(c.spec_token_ids)]) for c in chunks)
 

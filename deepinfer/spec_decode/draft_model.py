@@ -1,7 +1,7 @@
 """A draft model: a second (smaller) model sharing the target's tokenizer proposes the drafts.
 
 It runs on deepinfer's own pieces: an executor of its own, built by the same factory as the
-target's (Executor.from_config: its model runner, weights and KV tensors), and a KVCacheManager
+target's (executor/factory.py, make_executor: its model runner, weights and KV tensors), and a KVCacheManager
 of its own over that runner's blocks (no prefix caching: draft KV is cheap to recompute and
 short-lived). It talks to its runner in plans, as the scheduler talks to the target's: a
 request comes whole the first time (NewRequestData), then as diffs (CachedRequestData: new
@@ -29,15 +29,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from deepinfer.config import CacheConfig, EngineConfig, ModelConfig
+from deepinfer.config import DEFAULT_MAX_GRAPH_ROWS, CacheConfig, EngineConfig, ModelConfig
 from deepinfer.kv_cache.manager import KVCacheManager
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types.block_tables import RunnerBlockTables
 from deepinfer.types.drafter import Draft, Drafter, DraftRequest
 from deepinfer.types.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
-from deepinfer.worker.model_runner import MAX_GRAPH_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +62,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, draft_path: str, target_config: EngineConfig, target_tokenizer, target_vocab_size: int,
                  num_blocks: int, num_speculative_tokens: int, load_weights: bool = True) -> None:
         """load_weights=False keeps random draft weights, as the target's load_format="dummy"."""
-        from deepinfer.executor import Executor
+        from deepinfer.executor import make_executor
         from deepinfer.models.loader import load_model_source
 
         source = load_model_source(draft_path)
@@ -80,14 +77,14 @@ class DraftModelDrafter(Drafter):
             ModelConfig(model=draft_path, dtype=target_config.model.dtype,
                         quantization=target_config.model.quantization, enforce_eager=eager,
                         max_cudagraph_capture_size=min(target_config.scheduler.max_num_seqs
-                                                       * (num_speculative_tokens + 1), MAX_GRAPH_ROWS)),
+                                                       * (num_speculative_tokens + 1), DEFAULT_MAX_GRAPH_ROWS)),
             # As many blocks as the target has: the draft never holds more tokens than it does.
             CacheConfig(block_size=target_config.cache.block_size, num_kv_blocks=num_blocks,
                         enable_prefix_caching=False),
             # The target's batch limits: the draft computes the same steps' tokens.
             target_config.scheduler,
             target_config.parallel)
-        self.executor = Executor.from_config(config, source, load_weights=load_weights)
+        self.executor = make_executor(config, source, load_weights=load_weights)
         kv = self.executor.kv_cache_config
         self.kv = KVCacheManager(kv.groups, kv.num_blocks, kv.block_size, enable_prefix_caching=False)
         self.eos = frozenset(target_tokenizer.eos_token_ids)
@@ -171,29 +168,6 @@ class DraftModelDrafter(Drafter):
             seq.num_computed_tokens = min(seq.num_computed_tokens, base + kept)
         # The step computing the last known token samples draft 1: at least that one is left.
         seq.num_computed_tokens = min(seq.num_computed_tokens, max(len(token_ids) - 1, 0))
-
-
-def draft_footprint(draft_path: str, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
-    """(weight bytes, KV bytes per block) the draft model will take beside the target: the
-    target's KV budget keeps room for both, since the draft gets as many blocks as the target
-    (DraftModelDrafter). Counted on a model built on the meta device (no memory), in the
-    target's dtype with a KV cache of that dtype, as the drafter builds it. A draft with
-    sliding-window layers is counted as if its windowed pools grew with the blocks too (its
-    real pools are bounded): the room kept is then a little more than it needs."""
-    from deepinfer.kv_cache.tensors import KVLayout
-    from deepinfer.models.loader import load_model_source
-    from deepinfer.models.registry import model_class
-
-    hf_config = load_model_source(draft_path, skip_tokenizer_init=True).hf_config
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = model_class(hf_config)(hf_config)
-    finally:
-        torch.set_default_dtype(previous)
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return weights, KVLayout.from_specs(model.kv_cache_specs(dtype), block_size, dtype).bytes_per_block
 
 
 def _check_same_tokenizer(source, target_tokenizer, target_vocab_size: int, path: str) -> None:

@@ -3,7 +3,7 @@
 A step that verifies drafts needs the previous step's tokens on the host (the drafts follow
 them, and the verdict decides the next step's), so it runs synchronously: the host schedules,
 the device computes, the host waits, then applies. A step without drafts can overlap instead
-(engine/core.py): the host plans step N+1 while the device runs step N, hiding the host's time.
+(engine/overlapped_loop.py): the host plans step N+1 while the device runs step N, hiding the host's time.
 On the H200 that hidden time is 15-25 % of a decode step (benchmarks/spec_replay.py's anchor
 with and without overlap), so speculating pays only where it gains more than that, which
 depends on the acceptance and on the batch: the adaptive policy's cost model prices a draft

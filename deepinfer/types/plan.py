@@ -161,7 +161,7 @@ class SchedulerPlan:
     finished_request_ids: list[str]
     num_scheduled_tokens: int
     kv_connector_metadata: KVConnectorMetadata | None = None   # None: no KV connector configured
-    # Verify steps the runner may run back to back for this plan (worker/verify_chain.py): every
+    # Verify steps the runner may run back to back for this plan (worker/spec/verify_chain.py): every
     # chunk's request generates and holds KV blocks for verify_chain * (k + 1) tokens. 1: one step.
     verify_chain: int = 1
 

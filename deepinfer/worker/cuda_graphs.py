@@ -99,7 +99,7 @@ class DecodeGraphs:
     def replay_advanced(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Replay the last run's bucket for the same rows of the same requests, at new token ids
         and positions (device tensors, [rows]): a verify chain's next step
-        (worker/verify_chain.py). Returns the rows' logits."""
+        (worker/spec/verify_chain.py). Returns the rows' logits."""
         rows = input_ids.shape[0]
         bucket = self.bucket_for(rows)
         self.input_ids[:rows].copy_(input_ids)

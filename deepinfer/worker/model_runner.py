@@ -14,12 +14,12 @@ a `RunnerResult`, in three calls, none of the first two waiting for the device:
                              and the copy of the tokens to the host
   collect(launched)          wait for that step alone, return its RunnerResult
 The calls take and return handles (ForwardStep, LaunchedStep in types/plan.py); the tensors
-behind them stay here. Overlapped scheduling (engine/core.py) interleaves the calls of two
+behind them stay here. Overlapped scheduling (engine/overlapped_loop.py) interleaves the calls of two
 steps. Until collected, each sampled token is a PLACEHOLDER in the request's token list; a
 forward that needs it as input takes it from the device tensor of the step before.
 
 Speculative decoding's runner side is here too: a chunk with drafts is verified from `sample`
-(the target's logits at every draft position; worker/draft_verification.py, whose greedy verdicts
+(the target's logits at every draft position; worker/spec/draft_verification.py, whose greedy verdicts
 are taken at `collect`), `profile_verify_step` times verify-shaped steps for the adaptive
 policy's cost model, and `propose_mtp` runs a model's own multi-token-prediction head.
 """
@@ -52,6 +52,7 @@ from deepinfer.platforms.transfer import to_device
 from deepinfer.sample.logprobs import compute_prompt_logprobs
 from deepinfer.sample.sampler import DeviceSample, Sampler, SamplingRow
 from deepinfer.sample.structured.bitmask import apply_grammar_bitmask
+from deepinfer.spec_decode.method import SpeculativeMethod
 from deepinfer.types.plan import (
     ForwardStep,
     GrammarOutput,
@@ -60,11 +61,11 @@ from deepinfer.types.plan import (
     RunnerResult,
     SchedulerPlan,
 )
-from deepinfer.worker.draft_verification import PendingVerdicts, verify_chunks
 from deepinfer.worker.input_batch import StepInputs, build_step_inputs, max_sliding_window, num_decode_rows
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
+from deepinfer.worker.spec.draft_verification import PendingVerdicts, verify_chunks
+from deepinfer.worker.spec.verify_chain import ChainStart, ChainVerdicts, build_verify_chain
 from deepinfer.worker.start_up_steps import StartUpSteps
-from deepinfer.worker.verify_chain import ChainStart, ChainVerdicts, build_verify_chain
 
 if TYPE_CHECKING:
     from deepinfer.types.drafter import Draft, DraftRequest
@@ -75,8 +76,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # A sampled token whose value is still on the device (see the module docstring).
 PLACEHOLDER = -1
-# The most rows a captured decode graph takes; a step with more runs eagerly.
-MAX_GRAPH_ROWS = 512
 
 
 @dataclass
@@ -91,7 +90,7 @@ class _QueuedForward:
     # A CUDA graph's logits of every row (the graph's own output buffer: read before the next
     # replay); None when the step ran eagerly.
     row_logits: torch.Tensor | None = None
-    chain: ChainStart | None = None       # the step runs a verify chain (worker/verify_chain.py)
+    chain: ChainStart | None = None       # the step runs a verify chain (worker/spec/verify_chain.py)
 
 
 @dataclass
@@ -118,6 +117,7 @@ class ModelRunner:
         self.device = platform.device
         self.dtype = platform.default_dtype if config.model.dtype == "auto" else DTYPES[config.model.dtype]
         self.block_size = config.cache.block_size
+        self.speculation = SpeculativeMethod.resolve(config.speculative)   # None: no drafts to verify
         self._join_group()
         self._build_model(source)
         self._load_weights(source)
@@ -128,8 +128,8 @@ class ModelRunner:
         self._reset_steps()
         self._prepare_kernels()
         # Verify chains: several verify steps of one plan, back to back on the device.
-        self.verify_chain = build_verify_chain(config, self.decode_graphs, max_sliding_window(self.groups),
-                                               hf_config["vocab_size"], self.device)
+        self.verify_chain = build_verify_chain(self.speculation, self.decode_graphs, max_sliding_window(self.groups),
+                                               hf_config["vocab_size"], config.model.seed, self.device)
         self._seed_ranks()
 
     # ------------------------------------------------------------------------------- set-up
@@ -239,9 +239,8 @@ class ModelRunner:
 
             # With speculative decoding a request verifying k drafts is 1 + k decode rows
             # (input_batch.fits_decode_rows), so the graphs cover that many rows a request.
-            rows_per_request = 1 + (config.speculative.num_speculative_tokens if config.speculative else 0)
-            max_rows = (config.model.max_cudagraph_capture_size
-                        or min(config.scheduler.max_num_seqs * rows_per_request, MAX_GRAPH_ROWS))
+            rows_per_request = 1 + (self.speculation.k if self.speculation is not None else 0)
+            max_rows = config.model.graph_rows(config.scheduler.max_num_seqs, rows_per_request)
             self.decode_graphs = DecodeGraphs(
                 self.model, self.attention_backend, len(self.groups), self.groups[0].spec.num_kv_heads, max_rows,
                 self.max_blocks_per_seq, self.block_size,
@@ -283,14 +282,14 @@ class ModelRunner:
                 self.groups, self._max_model_len(), self.config.scheduler.max_num_batched_tokens,
                 self.hf_config.get("num_attention_heads", 0))
             per_block = sum(layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if not b)
-            spec = self.config.speculative
-            if spec is not None and spec.method == "draft_model":
+            if self.speculation is not None and self.speculation.has_draft_model:
                 # The draft model loads after this pool is sized and takes as many blocks: room
                 # for its KV a block, and on a GPU (whose budget is all the process may use) for
                 # its weights.
-                from deepinfer.spec_decode.draft_model import draft_footprint
+                from deepinfer.worker.spec.draft_model_memory import draft_footprint
 
-                draft_weights, draft_per_block = draft_footprint(spec.model, self.dtype, self.block_size)
+                draft_weights, draft_per_block = draft_footprint(self.speculation.config.model, self.dtype,
+                                                                 self.block_size)
                 per_block += draft_per_block
                 if self.platform.kv_budget_includes_weights:
                     fixed += draft_weights

@@ -107,7 +107,7 @@ def test_speculation_beside_overlapped_steps_is_identical(tiny, spec):
     # Exact KV (swa_replay_tokens=0): the second generate below finds the prompts cached.
     llm = LLM(directory, dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=128,
               async_scheduling=True, swa_replay_tokens=0, speculative_config=spec)
-    chooser = llm.engine.loop_chooser
+    chooser = llm.engine.loop.loop_chooser
     if spec.get("verification") == "fixed":
         assert chooser is None
     else:
@@ -115,7 +115,7 @@ def test_speculation_beside_overlapped_steps_is_identical(tiny, spec):
         chooser.choose = lambda batch: next(picks)
     assert_same(reference, llm.generate(PROMPTS, greedy(), use_tqdm=False))
     # Without logprobs greedy verdicts are taken when the step is collected, after the core
-    # has handed the step's outputs over (worker/draft_verification.py): the same tokens.
+    # has handed the step's outputs over (worker/spec/draft_verification.py): the same tokens.
     without_logprobs = llm.generate(PROMPTS, greedy(logprobs=None), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in without_logprobs] == [o.outputs[0].token_ids for o in reference]
     assert llm.spec_decode_stats.num_accepted_tokens > 0
@@ -238,7 +238,7 @@ def test_structured_output_with_speculation_is_identical_and_valid(default_pair)
 @pytest.mark.parametrize("verification", ["fixed", "adaptive"])
 @pytest.mark.parametrize("method", ["ngram", "replay"])
 def test_verify_chains_are_identical(tiny, tmp_path, method, verification):
-    """verify_chain=4 (worker/verify_chain.py): on CUDA, for the full-attention model, plans of
+    """verify_chain=4 (worker/spec/verify_chain.py): on CUDA, for the full-attention model, plans of
     greedy requests run up to 4 verify steps back to back on the device, drafting on the device
     from the tokens each step accepted; the output stays the reference's. Elsewhere (the CPU,
     sliding-window models) every plan runs one step, while the scheduler still allocates KV for

@@ -13,6 +13,10 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import resolve_async_scheduling
+from deepinfer.engine.overlapped_loop import OverlappedLoop
+from deepinfer.engine.plain_loop import PlainLoop
+from deepinfer.platforms.cpu import CpuPlatform
+from deepinfer.platforms.cuda import CudaPlatform
 from deepinfer.sampling_params import StructuredOutputsParams
 
 PROMPTS = [[(7 * i + j) % 500 + 2 for j in range(6 + 5 * i)] for i in range(5)]
@@ -40,13 +44,19 @@ def greedy_tokens(llm: LLM, prompt, n: int) -> list[int]:
 
 
 def test_engine_resolves_the_flag():
-    assert resolve_async_scheduling(EngineConfig.from_kwargs(), "cuda") is True
-    assert resolve_async_scheduling(EngineConfig.from_kwargs(), "cpu") is False
-    assert resolve_async_scheduling(EngineConfig.from_kwargs(async_scheduling=True), "cpu") is True
-    # With speculation, the overlapped loop runs the steps without drafts (engine/core.py).
+    cpu, cuda = CpuPlatform(), object.__new__(CudaPlatform)   # the CUDA platform's answers need no GPU
+    assert resolve_async_scheduling(EngineConfig.from_kwargs(), cuda) is True
+    assert resolve_async_scheduling(EngineConfig.from_kwargs(), cpu) is False
+    assert resolve_async_scheduling(EngineConfig.from_kwargs(async_scheduling=True), cpu) is True
+    # With speculation, the overlapped loop runs the steps without drafts (engine/overlapped_loop.py).
     spec = EngineConfig.from_kwargs(speculative_config={"method": "ngram"})
-    assert resolve_async_scheduling(spec, "cuda") is True
-    assert resolve_async_scheduling(spec, "cpu") is False
+    assert resolve_async_scheduling(spec, cuda) is True
+    assert resolve_async_scheduling(spec, cpu) is False
+
+
+def test_engine_runs_the_loop_it_resolved(engines):
+    plain, overlapped = engines
+    assert isinstance(plain.engine.loop, PlainLoop) and isinstance(overlapped.engine.loop, OverlappedLoop)
 
 
 def test_overlapped_loop_launches_before_collecting(engines):
@@ -146,7 +156,7 @@ def test_abort_with_a_step_in_flight(engines):
     ids = [overlapped._add_request(None, p, params, 0, None) for p in PROMPTS[:3]]
     for _ in range(4):
         overlapped._step()
-    assert core._in_flight is not None
+    assert core.loop._in_flight is not None
     finished = abort_and_finish(overlapped, ids[1])
     assert set(finished) == {ids[0], ids[2]}
     assert all(len(o.outputs[0].token_ids) == 16 for o in finished.values())
@@ -165,7 +175,7 @@ def test_abort_with_a_grammar_step_deferred(engines):
     params = [constrained, free, constrained]
     expected = run(plain, [PROMPTS[0], PROMPTS[2]], [constrained, constrained])
     ids = [overlapped._add_request(None, p, sp, 0, None) for p, sp in zip(PROMPTS[:3], params)]
-    while core._deferred_sample is None:
+    while core.loop._deferred_sample is None:
         overlapped._step()
     finished = abort_and_finish(overlapped, ids[1])
     assert set(finished) == {ids[0], ids[2]}

@@ -1,4 +1,4 @@
-"""The device n-gram drafter (spec_decode/device_ngram.py) against the host one (spec_decode/ngram.py),
+"""The device n-gram drafter (worker/spec/device_ngram.py) against the host one (spec_decode/ngram.py),
 row by row, on random batches of mixed lengths with garbage past each row's length."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from deepinfer.spec_decode.device_ngram import ngram_drafts
 from deepinfer.spec_decode.ngram import NgramDrafter
+from deepinfer.worker.spec.device_ngram import ngram_drafts
 
 CONFIGS = [(1, 1, 1), (1, 1, 4), (1, 4, 3), (2, 2, 5), (2, 5, 2), (3, 3, 1), (1, 6, 8), (4, 7, 4),
            (2, 3, 0)]

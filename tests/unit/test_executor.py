@@ -11,7 +11,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import ParallelConfig
-from deepinfer.executor import Executor
+from deepinfer.executor import executor_class
 from deepinfer.executor.uniproc import UniProcExecutor
 from deepinfer.sampling_params import StructuredOutputsParams
 from deepinfer.types.plan import GrammarOutput
@@ -24,11 +24,11 @@ def test_the_backend_picks_the_executor():
     from deepinfer.executor.multiproc import MultiprocExecutor
     from deepinfer.executor.ray_executor import RayExecutor
 
-    assert Executor.get_class(ParallelConfig()) is UniProcExecutor
-    assert Executor.get_class(ParallelConfig(distributed_executor_backend="uni")) is UniProcExecutor
-    assert Executor.get_class(ParallelConfig(tensor_parallel_size=2)) is MultiprocExecutor   # vLLM's default
-    assert Executor.get_class(ParallelConfig(distributed_executor_backend="mp")) is MultiprocExecutor
-    assert Executor.get_class(ParallelConfig(distributed_executor_backend="ray")) is RayExecutor
+    assert executor_class(ParallelConfig()) is UniProcExecutor
+    assert executor_class(ParallelConfig(distributed_executor_backend="uni")) is UniProcExecutor
+    assert executor_class(ParallelConfig(tensor_parallel_size=2)) is MultiprocExecutor   # vLLM's default
+    assert executor_class(ParallelConfig(distributed_executor_backend="mp")) is MultiprocExecutor
+    assert executor_class(ParallelConfig(distributed_executor_backend="ray")) is RayExecutor
     with pytest.raises(ValueError, match="distributed_executor_backend must be one of"):
         ParallelConfig(distributed_executor_backend="threads")
 

@@ -22,6 +22,10 @@ def test_each_platform_answers_what_the_runner_asks():
     # The CPU's work is done when queued: no event to wait on.
     assert cpu.record_step_done() is None
     assert (cpu.ray_resource, cuda.ray_resource) == ("CPU", "GPU")
+    # Overlapped scheduling by default only where a device runs ahead of the host.
+    assert cuda.overlaps_host_and_device and not cpu.overlaps_host_and_device
+    # Grammar masks become an additive bias where the forward runs on the host.
+    assert cpu.grammar_masks_as_host_bias and not cuda.grammar_masks_as_host_bias
 
 
 def test_ranks_on_one_host_share_its_cores():

@@ -1,4 +1,4 @@
-"""Verify chains (worker/verify_chain.py) without a GPU: the device-side verdict and drafts
+"""Verify chains (worker/spec/verify_chain.py) without a GPU: the device-side verdict and drafts
 against the host's rules, the verdicts taken at collect, and the scheduler's side (KV allocated
 ahead for the whole chain, given back after it, nothing leaking) under simulated chains."""
 
@@ -22,7 +22,8 @@ from deepinfer.types.drafter import Draft, DraftRequest
 from deepinfer.types.plan import RunnerResult
 from deepinfer.types.request import Request
 from deepinfer.worker.request_states import RunnerRequestState, StepChunk
-from deepinfer.worker.verify_chain import ChainDrafter, ChainVerdicts, accepted_drafts
+from deepinfer.worker.spec.chain_drafters import NgramChainDrafter, ReplayChainDrafter
+from deepinfer.worker.spec.verify_chain import ChainVerdicts, accepted_drafts
 from tests.unit.test_scheduler_fuzz import check_references
 from tests.unit.test_spec_decode import RandomDrafter  # drafts 7s for 80 % of the requests
 
@@ -68,7 +69,7 @@ def test_replay_drafts_on_the_device_are_the_host_drafters(seed):
     recordings = [Recording([1, 2, 3], [rng.randrange(vocab) for _ in range(40)], 0.6),
                   Recording([4, 5], [rng.randrange(vocab) for _ in range(40)], 0.8)]
     host = ReplayDrafter(recordings, vocab, seed=3)
-    chain = ChainDrafter("replay", k, replay=ReplayDrafter(recordings, vocab, seed=3))
+    chain = ReplayChainDrafter(k, ReplayDrafter(recordings, vocab, seed=3))
     # Request b follows recording b; request 1 leaves it after its 10th output token.
     truths = [list(recordings[0].output_token_ids), list(recordings[1].output_token_ids)]
     truths[1][10] = (truths[1][10] + 1) % vocab
@@ -95,11 +96,10 @@ def test_replay_drafts_on_the_device_are_the_host_drafters(seed):
 
 
 def test_ngram_drafts_on_the_device_are_the_host_drafters():
-    pytest.importorskip("deepinfer.spec_decode.device_ngram")
     rng = random.Random(1)
     k = 3
     host = NgramDrafter(k, 1, 3)
-    chain = ChainDrafter("ngram", k, 1, 3)
+    chain = NgramChainDrafter(k, 1, 3)
     prompts = {r: [rng.randrange(6) for _ in range(rng.randint(2, 30))] for r in "abc"}
     states = {r: state_of(p, []) for r, p in prompts.items()}
     chunks = [chunk_of(r) for r in "abc"]
@@ -192,9 +192,9 @@ def test_verify_chain_needs_a_device_drafter():
 def test_a_chain_pads_every_request_to_the_most_drafts_and_refuses_what_it_cannot_run():
     from types import SimpleNamespace
 
-    from deepinfer.worker.verify_chain import VerifyChain
+    from deepinfer.worker.spec.verify_chain import VerifyChain
 
-    chain = VerifyChain(ChainDrafter("ngram", 5), SimpleNamespace(max_batch=16), k=5, device=torch.device("cpu"))
+    chain = VerifyChain(NgramChainDrafter(5), SimpleNamespace(max_batch=16), k=5, device=torch.device("cpu"))
     states = {r: state_of([1, 2], [3]) for r in "abc"}
     chunks = [StepChunk(r, 2, 1 + n, [[]], True, spec_token_ids=[9] * n) for r, n in zip("abc", [2, 0, 1])]
     padded, start = chain.prepare(4, chunks, states)
@@ -231,11 +231,10 @@ def test_ngram_history_kept_on_the_device_across_chains_is_the_runners():
     """The n-gram chain keeps each request's tokens on the device between chains and uploads only
     what was added since; across chains that join, leave and come back (a finished request's row
     reused by a new one), every chain drafts what the host drafter does."""
-    pytest.importorskip("deepinfer.spec_decode.device_ngram")
     rng = random.Random(2)
     k = 3
     host = NgramDrafter(k, 1, 3)
-    chain = ChainDrafter("ngram", k, 1, 3)
+    chain = NgramChainDrafter(k, 1, 3)
     states = {r: state_of([rng.randrange(5) for _ in range(rng.randint(2, 12))], []) for r in "abcd"}
     for members in ("ab", "abc", "bc", "cd", "bcd"):
         live = {r: states[r] for r in members}

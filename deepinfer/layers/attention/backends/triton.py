@@ -343,7 +343,7 @@ class TritonGraphBuffers(DecodeGraphBuffers):
         self.seq_lens.zero_()
 
     def advance(self, positions: torch.Tensor) -> None:
-        """The next step of a verify chain (worker/verify_chain.py), for the rows the last load
+        """The next step of a verify chain (worker/spec/verify_chain.py), for the rows the last load
         filled: each row now at `positions` [rows] (device), over the block tables it already
         holds. Device ops only, so the host queues it without waiting for the step before."""
         rows = positions.shape[0]

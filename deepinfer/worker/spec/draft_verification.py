@@ -8,7 +8,7 @@ so the runner never holds a rejected draft.
 Greedy verification without logit edits (the common case) needs nothing from the host but each
 row's argmax, so it is queued like a sampled token: the argmax is copied to the host behind the
 step, and the verdicts are taken when the step is collected. The engine core then hands the
-step's outputs to its caller while the device still runs the step (engine/core.py). Until
+step's outputs to its caller while the device still runs the step (engine/overlapped_loop.py). Until
 then the requests' token lists lack this step's tokens, so no forward of theirs may be queued
 (the core collects a verify step before it plans the next). Other verifications (sampling,
 logprobs asked for) read host values at once and finish inside `verify_chunks`.
