@@ -2,9 +2,10 @@
 
 A store hit is worth loading only while reading it is quicker than computing it. On a CPU it
 nearly always is; on a fast GPU a long prefix of a small model computes faster than it reads
-(an 8B model's 32k-token prefix on an H200: 1.54 s to compute, 2.3 s to load from a directory).
-Both costs depend on the hardware, the model, the store and the load on it, so both are
-measured online, from this engine's own loads and prefill steps:
+(an 8B model's 32k-token prefix computed on the GPU in less time than it took to load from a
+directory: docs/benchmarks/design-measurements.md#kv-store-load-or-recompute). Both costs
+depend on the hardware, the model, the store and the load on it, so both are measured online,
+from this engine's own loads and prefill steps:
 
   load time(n blocks)  = overhead + n * per_block, fitted to each finished load: queued
                          (KVTierLink.start_loads) to reported loaded (poll); it includes the

@@ -37,7 +37,8 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)
     # Validation, template rendering and tokenization of big requests run here, so the event loop
     # (every other request's tokens, /health) never waits on them. The tokenizer releases the
-    # interpreter while it encodes; pure-Python work still shares it, in 5 ms slices.
+    # interpreter while it encodes; pure-Python work still shares it, one switch interval
+    # (sys.getswitchinterval) at a time.
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "deepinfer-prepare"))
 
     @property

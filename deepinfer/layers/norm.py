@@ -47,7 +47,8 @@ class RMSNorm(nn.Module):
 
 # Up to this many rows (decode batches) the bf16 norm runs as one layer norm over [x, -x]
 # (rms_norm_cpu); above, the cat costs more than the ops it saves. On a 2-core AMD EPYC, 576
-# wide, residual add included: 9.8 -> 7.8 us at 1 row, 31.4 -> 23.0 us at 32, but 61 -> 70 us at 128.
+# wide, residual add included, the layer norm was faster at 1 row and at 32 but slower at 128
+# (docs/benchmarks/design-measurements.md#cpu-rms-norm-as-a-layer-norm).
 LAYER_NORM_MAX_ROWS = 32
 
 

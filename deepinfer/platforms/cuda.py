@@ -95,8 +95,8 @@ class CudaPlatform(Platform):
             torch.set_num_threads(1)
         # A worker thread that finished its GIL-free part (xgrammar's fill) needs the GIL back to
         # hand over its result, and the engine loop, running Python, gives it up only every
-        # switch interval (5 ms by default: longer than a decode step). A shorter interval about
-        # halved the step's wait for the fill
+        # switch interval (Python's default interval is longer than a decode step). A shorter
+        # interval about halved the step's wait for the fill
         # (docs/benchmarks/design-measurements.md#gil-switch-interval).
         if sys.getswitchinterval() > HOST_SWITCH_INTERVAL_S:
             sys.setswitchinterval(HOST_SWITCH_INTERVAL_S)

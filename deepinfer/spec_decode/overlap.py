@@ -4,10 +4,11 @@ A step that verifies drafts needs the previous step's tokens on the host (the dr
 them, and the verdict decides the next step's), so it runs synchronously: the host schedules,
 the device computes, the host waits, then applies. A step without drafts can overlap instead
 (engine/overlapped_loop.py): the host plans step N+1 while the device runs step N, hiding the host's time.
-On the H200 that hidden time is 15-25 % of a decode step (benchmarks/spec_replay.py's anchor
-with and without overlap), so speculating pays only where it gains more than that, which
-depends on the acceptance and on the batch: the adaptive policy's cost model prices a draft
-against a synchronous step only.
+Measured on the GPU, that hidden time is a sizeable share of a decode step, the larger the
+batch the larger (benchmarks/spec_replay.py's anchor with and without overlap;
+docs/benchmarks/design-measurements.md#overlapped-loop-the-host-time-it-hides), so speculating
+pays only where it gains more than that, which depends on the acceptance and on the batch: the
+adaptive policy's cost model prices a draft against a synchronous step only.
 
 So the engine measures both: per batch-size bucket, the tokens a second (per running request)
 that speculative steps (synchronous, drafts verified) and plain overlapped steps delivered, as
@@ -34,31 +35,36 @@ import math
 from dataclasses import dataclass, field
 
 # A stretch of the loop not currently preferred, every this many steps of a bucket until both
-# loops are measured (CLEAR_EVIDENCE), and never more often. Measured on the H200
+# loops are measured (CLEAR_EVIDENCE), and never more often. Measured on the GPU
 # (benchmarks/spec_decode.py, SmolLM2, and spec_replay.py, 8B shape), exploring every 16 steps
-# (3 a stretch, weight 0.3) noticed SmolLM2's copy prompts paying within a 64-token answer
-# (batch 1: 1.45x against 1.05x) but cost more where speculating loses (batch 16: 0.59x and
-# 0.69x against 0.97x and 1.21x; the 8B shape at batch 64: 0.87-0.91x against 0.95-0.97x).
+# (3 a stretch, weight 0.3) noticed SmolLM2's copy prompts paying within a 64-token answer (at
+# batch 1, a gain that exploring every 64 steps mostly missed) but cost more where speculating
+# loses (batch 16, and the 8B shape at batch 64, ran clearly slower than with 64)
+# (design-measurements.md#loop-chooser-exploration-interval-evidence-and-stretch-length).
 EXPLORE_EVERY = 64
 # Measured steps of each loop before the stretches are spaced by their cost: a bucket's first few
 # measurements are noisy (the steps around a prefill), and a wrong call would stand for a long
-# while (on the H200, batch 16 at alpha 0.5 then never speculated: 0.87x fixed verification).
+# while (on the GPU, batch 16 at alpha 0.5 then never speculated and fell short of fixed
+# verification; design-measurements.md#loop-chooser-exploration-interval-evidence-and-stretch-length).
 CLEAR_EVIDENCE = 8
 # The share of a bucket's time the stretches of the slower loop may cost, once measured. On the
-# H200 (spec_replay.py --trace, 8B shape, batch 64, alpha 0.5) a 4-step speculative stretch cost
-# ~20 ms against the overlapped loop (4 steps of 12 ms at 0.7x its rate, and ~5.5 ms refilling
-# it), which every 64 steps (~350 ms) left the adaptive engine at 0.97-0.98x of no speculation;
-# at 1 % it comes every ~370 steps (~2 s of that batch), the time a change of workload may go
-# unnoticed.
+# GPU (spec_replay.py --trace, 8B shape, batch 64, alpha 0.5) a 4-step speculative stretch cost
+# its steps' shortfall against the overlapped loop's rate plus the refill of that loop after it,
+# which every 64 steps left the adaptive engine a few percent below no speculation; at this budget
+# a stretch comes every few hundred steps (a few seconds of that batch), the time a change of workload
+# may go unnoticed (docs/benchmarks/design-measurements.md#loop-chooser-exploration-budget).
 EXPLORE_BUDGET = 0.01
 # Steps in an exploring stretch (its first step is not measured: see LoopChooser.observe).
-# Measured on the H200, 2-step speculative stretches recovered too slowly from a low estimate
-# (batch 1, alpha 0.5: adaptive 0.79x fixed verification, against 0.99x with 4).
+# Measured on the GPU, 2-step speculative stretches recovered too slowly from a low estimate
+# (batch 1, alpha 0.5: adaptive fell well short of fixed verification, where with 4 it about
+# matched it; design-measurements.md#loop-chooser-exploration-interval-evidence-and-stretch-length).
 EXPLORE_RUN = {"speculative": 4, "overlapped": 4}
 # Overlapped steps a bucket runs after a speculative step that found no drafts, doubled after
 # each further one in a row, up to NO_DRAFT_BACKOFF_MAX. Such a step costs a drain of the loop
 # for nothing, and the adaptive policy admits none where its cost model says no draft pays (on
-# the CPU at batch 64, spec_replay.py --trace: one step in five was one, 35 ms against 18 ms).
+# the CPU at batch 64, spec_replay.py --trace: one step in five was one, taking about twice an
+# overlapped step's time;
+# design-measurements.md#loop-chooser-what-a-step-is-charged-and-how-often-the-slower-loop-is-explored).
 NO_DRAFT_BACKOFF = 4
 NO_DRAFT_BACKOFF_MAX = 128
 EMA_WEIGHT = 0.2   # of the newest measurement
@@ -74,9 +80,9 @@ def _bucket(batch: int) -> int:
 class _Loop:
     # Tokens per second per running request, EMA: a bucket spans batch sizes up to 2x apart
     # (the batch shrinks as requests finish), and a loop measured mostly at its small end must
-    # not look slower for that (on the H200, verify chains measured while a batch of 64 ran out
-    # were then not tried for the next workload's first 80 steps, where they ran 1.21x no
-    # speculation once tried).
+    # not look slower for that (on the GPU, verify chains measured while a batch of 64 ran out
+    # were then not tried for the next workload's first 80 steps, where they beat no speculation
+    # once tried; design-measurements.md#loop-chooser-exploration-interval-evidence-and-stretch-length).
     rate: float | None = None
     seconds: float | None = None    # seconds a step, EMA
     measured: int = 0
@@ -168,9 +174,11 @@ class LoopChooser:
         loop or after an unmeasured step: the first overlapped step refills the loop (the host
         plans it with the device idle), the first speculative one drains it, and with a draft
         model also computes the draft KV of every token the overlapped steps emitted (on the
-        H200, 8B shape and a 1B draft at batch 64, charging that to speculation kept the
-        adaptive engine overlapping at 0.97x of no speculation where verifying every draft ran
-        at 1.07x). The stretches' spacing counts a switch's cost (_Bucket.period)."""
+        GPU, 8B shape and a 1B draft at batch 64, charging that to speculation kept the
+        adaptive engine overlapping, a little slower than no speculation, where verifying every
+        draft ran faster than no speculation;
+        design-measurements.md#loop-chooser-what-a-step-is-charged-and-how-often-the-slower-loop-is-explored).
+        The stretches' spacing counts a switch's cost (_Bucket.period)."""
         loop = "speculative" if speculative else "overlapped"
         if speculative and drafted:   # drafts again: the next step without any backs off afresh
             self._buckets.setdefault(_bucket(batch), _Bucket()).backoff = NO_DRAFT_BACKOFF

@@ -15,8 +15,9 @@ lists, the sampler's RNGs) stays outside, where it already lives.
 Speculative decoding's verify steps replay the same graphs: a request verifying m drafts is laid
 out as 1 + m decode rows (input_batch.fits_decode_rows), row j attending up to its own
 position, so the bucket is chosen by rows, not requests, and the graph returns every row's
-logits. (Run eagerly, a verify step of the 135M model cost 16-21 ms on the H200 whatever its
-shape, launch-bound; in a graph it costs a decode step of that many rows.)
+logits. (Run eagerly, a verify step of the 135M model cost many times a plain decode step on the
+GPU whatever its shape, launch-bound; in a graph it costs a decode step of that many rows:
+docs/benchmarks/design-measurements.md#verify-step-run-eagerly.)
 
 Prefill and mixed steps run eagerly: their shapes vary too much for graphs to pay.
 """

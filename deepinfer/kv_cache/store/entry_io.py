@@ -2,13 +2,15 @@
 either on threads of the engine's process (ThreadIO) or in a process of their own (ProcessIO).
 
 Why a process: on a GPU the engine's step is host-bound Python, and the I/O threads need the
-interpreter between every checksum and system call. Measured on the H200 (Llama-3-8B shape, a
+interpreter between every checksum and system call. Measured on the GPU (Llama-3-8B shape, a
 store that never hits, every block written through): with eight I/O threads in the engine's
-process the offline throughput fell to 0.45 of the store off, and a fresh server took 8-16 s to
-load a 32k-token prefix it computes in 1.6 s. In a process of its own the I/O shares nothing with
-the step but the staging buffer, a memfd both map (platforms/host_memory.SharedHostBuffer),
-and short messages over a socket pair: (op, keys, slots) out, counts back. A CPU engine's step
-runs in torch's kernels, which release the interpreter, so there the threads stay in process.
+process the offline throughput fell to under half of the store off, and a fresh server took
+several times as long to load a 32k-token prefix as it takes to compute it
+(docs/benchmarks/design-measurements.md#kv-store-io-in-its-own-process). In a process of its own
+the I/O shares nothing with the step but the staging buffer, a memfd both map
+(platforms/host_memory.SharedHostBuffer), and short messages over a socket pair: (op, keys, slots)
+out, counts back. A CPU engine's step runs in torch's kernels, which release the interpreter, so
+there the threads stay in process.
 
 Both run the same EntryOps over their own backend instance (a store's URL, retention and
 capacity rebuild it in the child), spread ENTRIES_PER_TASK entries per task over a thread pool:

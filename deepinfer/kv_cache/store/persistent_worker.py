@@ -282,9 +282,10 @@ class StoreTierWorker(KVConnectorWorker):
     def _gather(self, group_id: int, pages, block_ids: Sequence[int], slots: list[int]) -> None:
         """Device blocks -> staging slots. On CUDA the blocks are gathered in device memory, then
         each run of consecutive slots is one asynchronous copy to the page-locked host rows: the
-        copy engine moves them, not the SMs the forward needs (measured on an H200 at a 0 % hit
-        rate, every block written: the store cost 31 % of offline throughput with index kernels
-        writing the mapped memory over the bus, 22 % with the copy engine; docs/benchmarks.md).
+        copy engine moves them, not the SMs the forward needs (measured on the GPU with no store
+        hits, every block written: the store took a clearly larger share of offline throughput
+        with index kernels writing the mapped memory over the bus than with the copy engine;
+        docs/benchmarks/design-measurements.md#kv-store-saves-by-the-copy-engine).
         Where the rows do not count as page-locked (staging.dma False) the kernels write the
         device view."""
         blocks = to_device(block_ids, self.device, torch.long)

@@ -7,18 +7,19 @@ and write from those slots and free them. A load's reader threads decode entries
 slots; the step then copies slots -> device blocks the same way round. On CUDA the buffer is
 page-locked host memory (platforms/host_memory.py; shared with the I/O process when it has one),
 so those copies run on the copy engine: nothing is allocated or page-locked per transfer, and the
-host never waits for the device. (The first worker allocated page-locked
-memory per save and dropped a save whole once 1 GiB was pending: on an H200 a 32k-token prefix
-reached the store only up to its first 8k tokens; docs/benchmarks.md, "KV store on the H200".)
+host never waits for the device. (The first worker allocated page-locked memory per save and
+dropped a save whole once 1 GiB was pending: on the GPU a 32k-token prefix reached the store only
+up to its first 8k tokens; docs/benchmarks/design-measurements.md#kv-store-staging-buffer.)
 
 A slot holds one block of one group's payload, [layers, K/V, page bytes]. Slots are taken and
 freed under a lock by the step thread and the I/O threads. Saves and loads each have half of
 them: a store that writes slower than the engine computes fills the saves' half, and a load must
-still find room (measured on the H200: a server whose saves had filled the whole buffer failed
-the next 32k-token load). A transfer that finds too few free slots in its half takes what there
-is (saves: their leading blocks, the ones a later prefix hit needs first) or fails (loads: the
-request recomputes). Free slots are kept in order, so a transfer's slots are mostly consecutive
-and on CUDA move in a few large copies.
+still find room (measured on the GPU: a server whose saves had filled the whole buffer failed
+the next 32k-token load, docs/benchmarks/design-measurements.md#kv-store-staging-buffer). A
+transfer that finds too few free slots in its half takes what there is (saves: their leading
+blocks, the ones a later prefix hit needs first) or fails (loads: the request recomputes). Free
+slots are kept in order, so a transfer's slots are mostly consecutive and on CUDA move in a few
+large copies.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """A long prefill chunk on a long cached prefix, through SDPA's fused kernel (cuDNN on the GPU).
 
-The paged prefill kernel (triton_prefill.py) runs a long chunk on a long cached prefix at ~400
-TFLOP/s on the H200, this path at ~580: 1.5-1.6x its device time from 4k queries on 4k keys to 16k
-on 115k, a 128k prompt's prefill 1.33x (docs/benchmarks/design-measurements.md#sdpa-extend). cuDNN, as
-torch calls it, reads no block tables and aligns its causal mask top-left (query i sees keys
-0..i), so a chunk of C queries at positions [P, P + C) is attended in two parts, each with its
-log-sum-exp, and the parts are merged as the softmax over the union of their keys:
+The paged prefill kernel (triton_prefill.py) runs a long chunk on a long cached prefix well
+below cuDNN's fused kernel's rate: measured on the GPU, this path takes markedly less device time
+than the paged kernel from 4k queries on 4k keys to 16k on 115k, and it shortens a whole 128k
+prompt's prefill (docs/benchmarks/design-measurements.md#sdpa-extend). cuDNN, as torch calls it,
+reads no block tables and aligns its causal mask top-left (query i sees keys 0..i), so a chunk
+of C queries at positions [P, P + C) is attended in two parts, each with its log-sum-exp, and the
+parts are merged as the softmax over the union of their keys:
 
     prefix     keys [0, S)       every query sees every key: no mask
     diagonal   keys [S, P + C)   causal, made square by leading zero queries for positions [S, P)
@@ -14,15 +15,17 @@ S is P rounded down to a multiple of PREFIX_BUCKET, so the leading queries are f
 PREFIX_BUCKET (their outputs are dropped; a zero query sees a uniform softmax, no NaN). Both
 parts' query and key counts are rounded up to LENGTH_BUCKET with rows after the chunk: under the
 causal mask no real query sees those keys, and in the prefix part the extra queries are dropped.
-cuDNN builds an execution plan per shape (~36 ms, design-measurements#sdpa-length-bucket), and
-these roundings bound the shapes a run meets.
+cuDNN builds an execution plan per shape, a costly stall the first time a shape is met
+(docs/benchmarks/design-measurements.md#sdpa-length-bucket), and these roundings bound the shapes
+a run meets.
 
 The keys are first gathered from the paged cache into contiguous [rows, kv_heads, head_dim]
 buffers in the model's dtype (an fp8 cache converted, as the kernels convert it), through cache
-rows the backend computes once a step (every layer reads the same positions): well under 1 ms a
-layer at a 128k context, against ~55 ms of attention. The buffers, the padded queries and both parts'
-outputs are this path's memory beyond the profiled step, which the runner reserves
-(workspace_bytes).
+rows the backend computes once a step (every layer reads the same positions): at a 128k context
+the gather is a small fraction of the layer's attention time
+(docs/benchmarks/design-measurements.md#sdpa-extend-key-gather). The buffers, the padded queries
+and both parts' outputs are this path's memory beyond the profiled step, which the runner
+reserves (workspace_bytes).
 
 On the CPU (the Triton backend's tests, under Triton's interpreter) the parts run on torch's CPU
 flash kernel, which also returns its log-sum-exp: the same split and merge, checked against the
@@ -41,9 +44,10 @@ LENGTH_BUCKET = 256
 # The prefix part's keys are a multiple of this; the diagonal part takes the rest of the prefix.
 PREFIX_BUCKET = 4096
 # (queries, cached keys): a chunk with at least both of either pair goes this way. Measured on the
-# H200 (design-measurements#sdpa-extend): 1.13x the paged kernel's device time at 2,048 queries on
-# 2,048 keys, 1.58x at 1,024 on 8,192, 1.5-1.6x above; 1,024 queries on 4,096 keys or fewer ran at
-# ~0.6x (the gather, the two launches and the leading queries weigh more than the faster kernel).
+# GPU (docs/benchmarks/design-measurements.md#sdpa-extend): from these shapes up this path beats the
+# paged kernel's device time (narrowly at 2,048 queries on 2,048 keys, clearly at 1,024 on 8,192
+# and above); 1,024 queries on 4,096 keys or fewer ran slower than the paged kernel (the gather,
+# the two launches and the leading queries weigh more than the faster kernel).
 EXTEND_MIN_SHAPES = ((2048, 2048), (1024, 8192))
 
 
@@ -52,9 +56,10 @@ def takes(start: int, num_tokens: int) -> bool:
     return any(num_tokens >= tokens and start >= context for tokens, context in EXTEND_MIN_SHAPES)
 
 
-# Head sizes this path takes on CUDA. 256 (Gemma 3) also matches dense attention on the H200
-# (tests/unit/test_sdpa_extend.py, 2026-12-02), but its speed against the paged kernel at that size
-# is not measured, so those layers stay in the kernel.
+# Head sizes this path takes on CUDA. 256 (Gemma 3) also matches dense attention on the GPU
+# (tests/unit/test_sdpa_extend.py; docs/benchmarks/design-measurements.md#sdpa-extend-head-sizes),
+# but its speed against the paged kernel at that size is not measured, so those layers stay in the
+# kernel.
 MAX_HEAD_SIZE = 128
 
 

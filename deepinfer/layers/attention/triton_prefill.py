@@ -57,7 +57,7 @@ LOG2E = 1.4426950408889634
 # The key split (module docstring): at most this many runs per program, each of at least this
 # many keys (a shorter run spends a larger share of its time loading Q and writing its partial),
 # aiming at SPLIT_WAVES programs per multiprocessor. Triton's interpreter has no multiprocessors:
-# it is given an H100/H200's count.
+# it is given the count of the sm_90 cards the kernels are tuned for.
 MAX_SPLITS = 32
 MIN_KEYS_PER_SPLIT = 512
 SPLIT_WAVES = 2
@@ -300,14 +300,13 @@ def prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, in
 
     bf16/fp16: 128-query tiles on two warpgroups (the Q tile stays in registers for the whole
     key loop; the wider it is, the more tensor-core work per key tile loaded) behind a 3-stage
-    copy pipeline; at head_dim 128 the key tiles are 128 wide (timed fastest on the H200 by
-    `benchmarks/attention_kernels.py --sweep`: 371 against 323 TFLOP/s for the 64-wide ones on an
-    8k prefill, 336 against 277 for 1,024 queries on 7,168 keys), at 64 they stay 64 wide (the
-    same speed). At head_dim 256 the tiles halve and the pipeline is 2 deep. Figures:
-    docs/benchmarks/design-measurements.md#triton-prefill-config.
-    float32 models are
-    for parity tests only (IEEE products run on the FMA units): 16-query tiles, which compile
-    without spilling at every head size.
+    copy pipeline; at head_dim 128 the key tiles are 128 wide (timed fastest on the GPU by
+    `benchmarks/attention_kernels.py --sweep`, ahead of the 64-wide ones both on an 8k prefill and
+    on 1,024 queries on 7,168 keys), at 64 they stay 64 wide (the same speed). At head_dim 256 the
+    tiles halve and the pipeline is 2 deep. Figures:
+    docs/benchmarks/design-measurements.md#triton-prefill-config. float32 models are for parity
+    tests only (IEEE products run on the FMA units): 16-query tiles, which compile without
+    spilling at every head size.
     """
     if dtype == torch.float32:
         return (16, 32, 4, 1) if head_dim <= 128 else (16, 32, 8, 1)

@@ -128,9 +128,11 @@ class ReplayChainDrafter(ChainDrafter):
 class DeviceHistory:
     """Every chained request's tokens on the device, one row each of a table that grows by
     doubling, so a chain uploads only the tokens added since the request's last chain (its
-    verdicts, a few dozen) instead of its whole history (16 requests of 8k tokens: ~2 ms of host
-    work a chain). `batch` gathers the chain's rows in one device op; the chain then appends to
-    that copy, never to the table."""
+    verdicts, a few dozen) instead of its whole history (uploading the whole history of 16
+    requests of 8k tokens was measured as a host cost on every chain, worth taking away:
+    docs/benchmarks/design-measurements.md#verify-chain-request-tokens-kept-on-the-device).
+    `batch` gathers the chain's rows in one device op; the chain then appends to that copy, never
+    to the table."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -3,10 +3,12 @@
 A verify step's verdict decides the next step's inputs (how many drafts each request kept, so
 where its next tokens start, the token the target chose, the drafts that follow it). Planned on
 the host, that costs a step's host work while the device waits: collect the verdict, schedule,
-draft, build the inputs, launch (0.6-0.9 ms of a 5 ms step at batch 1 on the 8B shape). A chain
-does it on the device instead. After step s's argmax, a few tensor ops take the verdict (the
-leading drafts equal to the target's argmax), append the emitted tokens to a device copy of each
-request's tokens, draft from it (chain_drafters.py: n-gram lookup, or the replay drafter's table),
+draft, build the inputs, launch (a noticeable share of a step at batch 1 on the 8B shape:
+docs/benchmarks/design-measurements.md#verify-chain-the-host-work-it-takes-off-the-devices-path).
+A chain does it on the device instead. After step s's argmax, a few tensor ops take the verdict
+(the leading drafts equal to the target's argmax), append the emitted tokens to a device copy of
+each request's tokens, draft from it (chain_drafters.py: n-gram lookup, or the replay drafter's
+table),
 move the rows' token ids, positions, KV lengths and KV write rows in the decode CUDA graph's
 buffers, and replay the graph. The host queues the whole chain without waiting, and at collect
 `ChainVerdicts` takes the same verdicts again from host copies of every step's argmax and drafts.
