@@ -1,8 +1,8 @@
 """A draft model: a second (smaller) model sharing the target's tokenizer proposes the drafts.
 
 It runs on deepinfer's own pieces: an executor of its own, built by the same factory as the
-target's (executor/factory.py, make_executor: its model runner, weights and KV tensors), and a KVCacheManager
-of its own over that runner's blocks (no prefix caching: draft KV is cheap to recompute and
+target's (executor/factory.py, make_executor: its model runner, weights and KV tensors), and a
+KVCacheManager of its own over that runner's blocks (no prefix caching: draft KV is cheap to recompute and
 short-lived). It talks to its runner in plans, as the scheduler talks to the target's: a
 request comes whole the first time (NewRequestData), then as diffs (CachedRequestData: new
 block ids, and the tokens the target accepted in place of the runner's own drafts).

@@ -10,20 +10,20 @@ docs/benchmarks/design-measurements.md#overlapped-loop-the-host-time-it-hides), 
 pays only where it gains more than that, which depends on the acceptance and on the batch: the
 adaptive policy's cost model prices a draft against a synchronous step only.
 
-So the engine measures both: per batch-size bucket, the tokens a second (per running request)
-that speculative steps (synchronous, drafts verified) and plain overlapped steps delivered, as
-exponentially weighted averages of decode-shaped steps. A step is timed from the moment the
-previous step's results arrived (its collect returned) to the moment its own did: that spacing
-holds the device's time and whatever host work the loop left exposed, the caller's included,
-for both loops alike, and a step left in flight (a verify step, or a verify chain of several)
-is charged its own device time, not its successor's. It takes the better loop, and now and then runs a short stretch of the other
-(EXPLORE_RUN steps), so a change in acceptance (another workload) is noticed: every
-EXPLORE_EVERY steps of the bucket until both loops have CLEAR_EVIDENCE measured steps, then as
-often as keeps the stretches' expected cost (their shortfall against the better loop, and the
-refill of the better loop after them) within EXPLORE_BUDGET of the bucket's time. An unmeasured
-bucket tries speculation first. A speculative step whose requests had no drafts measures
-nothing about verifying: it is left out, and the bucket overlaps for a few steps before trying
-again, twice as many after each such step in a row (NO_DRAFT_BACKOFF).
+So the engine measures both: per batch-size bucket, the tokens a second (per running request) that
+speculative steps (synchronous, drafts verified) and plain overlapped steps delivered, as
+exponentially weighted averages of decode-shaped steps. A step is timed from the moment the previous
+step's results arrived (its collect returned) to the moment its own did: that spacing holds the
+device's time and whatever host work the loop left exposed, the caller's included, for both loops
+alike, and a step left in flight (a verify step, or a verify chain of several) is charged its own
+device time, not its successor's. It takes the better loop, and now and then runs a short stretch of
+the other (EXPLORE_RUN steps), so a change in acceptance (another workload) is noticed: every
+EXPLORE_EVERY steps of the bucket until both loops have CLEAR_EVIDENCE measured steps, then as often
+as keeps the stretches' expected cost (their shortfall against the better loop, and the refill of
+the better loop after them) within EXPLORE_BUDGET of the bucket's time. An unmeasured bucket tries
+speculation first. A speculative step whose requests had no drafts measures nothing about verifying:
+it is left out, and the bucket overlaps for a few steps before trying again, twice as many after
+each such step in a row (NO_DRAFT_BACKOFF).
 
 Only adaptive verification is chosen for: fixed verification is the user asking for every draft
 to be verified, so that engine speculates at every step.

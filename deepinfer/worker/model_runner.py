@@ -14,13 +14,13 @@ a `RunnerResult`, in three calls, none of the first two waiting for the device:
                              and the copy of the tokens to the host
   collect(launched)          wait for that step alone, return its RunnerResult
 The calls take and return handles (ForwardStep, LaunchedStep in types/plan.py); the tensors
-behind them stay here. Overlapped scheduling (engine/overlapped_loop.py) interleaves the calls of two
-steps. Until collected, each sampled token is a PLACEHOLDER in the request's token list; a
+behind them stay here. Overlapped scheduling (engine/overlapped_loop.py) interleaves the calls
+of two steps. Until collected, each sampled token is a PLACEHOLDER in the request's token list; a
 forward that needs it as input takes it from the device tensor of the step before.
 
 Speculative decoding's runner side is here too: a chunk with drafts is verified from `sample`
-(the target's logits at every draft position; worker/spec/draft_verification.py, whose greedy verdicts
-are taken at `collect`), `profile_verify_step` times verify-shaped steps for the adaptive
+(the target's logits at every draft position; worker/spec/draft_verification.py, whose greedy
+verdicts are taken at `collect`), `profile_verify_step` times verify-shaped steps for the adaptive
 policy's cost model, and `propose_mtp` runs a model's own multi-token-prediction head.
 """
 

@@ -13,9 +13,9 @@ import torch
 def draft_footprint(draft_path: str, dtype: torch.dtype, block_size: int) -> tuple[int, int]:
     """(weight bytes, KV bytes per block) the draft model will take beside the target: the
     target's KV budget keeps room for both, since the draft gets as many blocks as the target
-    (spec_decode/draft_model.py, DraftModelDrafter). Counted on a model built on the meta device (no memory), in the
-    target's dtype with a KV cache of that dtype, as the drafter builds it. A draft with
-    sliding-window layers is counted as if its windowed pools grew with the blocks too (its
+    (spec_decode/draft_model.py, DraftModelDrafter). Counted on a model built on the meta device (no
+    memory), in the target's dtype with a KV cache of that dtype, as the drafter builds it. A draft
+    with sliding-window layers is counted as if its windowed pools grew with the blocks too (its
     real pools are bounded): the room kept is then a little more than it needs."""
     from deepinfer.kv_cache.tensors import KVLayout
     from deepinfer.models.loader import load_model_source
