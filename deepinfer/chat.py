@@ -17,6 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from deepinfer_recipe import Conversation, Encoder, RequestError, get_encoder
+from deepinfer_recipe.conversation import ImagePart
 from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 
 if TYPE_CHECKING:
@@ -68,3 +69,37 @@ def apply_template_kwargs(conversation: Conversation, kwargs: dict[str, Any], en
         raise RequestError(f"this model's chat format ({encoder.name}) has no template variables",
                            f"chat_template_kwargs.{key}")
     conversation.template_kwargs = kwargs
+
+
+def refuse_images(conversation: Conversation, takes_images: bool) -> None:
+    """A model that reads no images refuses an image part (OpenAI's image_url, Anthropic's image
+    block, Responses' input_image) instead of answering without it: RequestError naming the part
+    (`messages[0].content[1]`). `takes_images`: models/registry.takes_images of the model."""
+    if takes_images:
+        return
+    for message in conversation.messages:
+        for part in message.content:
+            if isinstance(part, ImagePart):
+                raise RequestError("this model takes text only: image input is not supported", part.path)
+
+
+def continue_final_message(conversation: Conversation) -> None:
+    """vLLM's continue_final_message: the prompt ends inside the last message, an assistant
+    turn the model goes on with (no generation prompt, no end-of-turn after it)."""
+    last = conversation.messages[-1] if conversation.messages else None
+    if last is None or last.role != "assistant":
+        raise RequestError("continue_final_message needs the last message to be the assistant's",
+                           "continue_final_message")
+    last.prefix = True
+    conversation.add_generation_prompt = False
+
+
+def add_documents(conversation: Conversation, documents: list[dict[str, Any]], encoder: Encoder) -> None:
+    """vLLM's `documents`: a template variable for retrieval-augmented templates (each document a
+    dict, usually "title" and "text"). Formats without a template (DeepSeek-V4) refuse them."""
+    if not isinstance(encoder, HFTemplateEncoder):
+        raise RequestError(f"this model's chat format ({encoder.name}) has no template to pass documents to",
+                           "documents")
+    if "documents" in conversation.template_kwargs:
+        raise RequestError("documents are given twice (also in chat_template_kwargs)", "documents")
+    conversation.template_kwargs = {**conversation.template_kwargs, "documents": documents}

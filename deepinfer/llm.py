@@ -23,12 +23,13 @@ from typing import Any, Union
 from deepinfer_recipe import Encoder, parse_request
 from tqdm.auto import tqdm
 
-from deepinfer.chat import apply_template_kwargs, make_encoder
+from deepinfer.chat import apply_template_kwargs, make_encoder, refuse_images
 from deepinfer.config import EngineConfig
 from deepinfer.engine.admission import EngineFacts, child_requests, to_request
 from deepinfer.engine.core import EngineCore
 from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import load_model_source
+from deepinfer.models.registry import takes_images
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
 from deepinfer.sample.structured import validate as validate_structured_outputs
@@ -223,6 +224,7 @@ class LLM:
         if tools:
             body["tools"] = tools
         conversation = parse_request("chat", body)   # RequestError (a ValueError) names the bad field
+        refuse_images(conversation, takes_images(self._chat_source.hf_config))
         conversation.add_generation_prompt = add_generation_prompt
         apply_template_kwargs(conversation, template_kwargs or {}, encoder)
         encoding = encoder.encode(conversation)
@@ -258,6 +260,9 @@ class LLM:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
                              f"{self.max_model_len}; it must be shorter to leave room for output")
+        if params.bad_words:
+            self._require_tokenizer("bad_words")
+            params.update_from_tokenizer(self.tokenizer)
         params.verify_token_ids(vocab)
         if self.tokenizer is None:
             params = _without_text(params)

@@ -112,6 +112,11 @@ class SamplingParams:
     logit_bias: {token_id: bias} added to the logits before anything else; clamped to
         [-100, 100].
     allowed_token_ids: if given, every other token is masked.
+    bad_words: words that may not be generated (vLLM's rule): each word's tokens, spelled as is
+        and with a leading space, form token sequences; the last token of a sequence is masked
+        wherever the output so far ends with the rest of it (a one-token word is never
+        generated). The ids come from the tokenizer (`update_from_tokenizer`, which LLM and the
+        server call) into `bad_words_token_ids`, which the sampler reads.
     skip_special_tokens: drop special tokens from the output text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     detokenize: produce text at all (stop strings need it).
@@ -138,6 +143,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
@@ -167,6 +174,10 @@ class SamplingParams:
             }
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(ids) for ids in self.bad_words_token_ids]
         if isinstance(self.output_kind, int) and not isinstance(self.output_kind, RequestOutputKind):
             self.output_kind = RequestOutputKind(self.output_kind)
 
@@ -218,6 +229,14 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must not be empty (None = all tokens allowed)")
             for token_id in self.allowed_token_ids:
                 _as_token_id(token_id, "allowed_token_ids")
+        for word in self.bad_words or ():
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must hold non-blank strings, got {word!r}")
+        for ids in self.bad_words_token_ids or ():
+            if not ids:
+                raise ValueError("bad_words_token_ids must hold non-empty token id lists")
+            for token_id in ids:
+                _as_token_id(token_id, "bad_words_token_ids")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True (use stop_token_ids instead)")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -243,6 +262,23 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenize `bad_words` into `bad_words_token_ids` (vLLM's rule: the word as given, and
+        with one leading space when that spelling is a different sequence of as many tokens).
+        `tokenizer.encode(text, add_special_tokens=False)` gives ids. No-op without bad_words."""
+        if not self.bad_words:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"bad_words: {word!r} encodes to no tokens")
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        self.bad_words_token_ids = sequences
+
     def verify_token_ids(self, vocab_size: int) -> None:
         """Check every token id the params mention against the model's vocabulary.
 
@@ -251,7 +287,8 @@ class SamplingParams:
         """
         named = [("stop_token_ids", self.stop_token_ids),
                  ("logit_bias", list(self.logit_bias or ())),
-                 ("allowed_token_ids", self.allowed_token_ids or [])]
+                 ("allowed_token_ids", self.allowed_token_ids or []),
+                 ("bad_words", [i for ids in self.bad_words_token_ids or () for i in ids])]
         for name, ids in named:
             bad = [i for i in ids if not 0 <= i < vocab_size]
             if bad:

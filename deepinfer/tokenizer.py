@@ -355,3 +355,14 @@ def _load_or_build_cached(md: dict, cache_key: str | None) -> tokenizers.Tokeniz
     except OSError:
         pass  # a read-only cache dir only costs speed
     return backend
+
+
+def longest_token_chars(backend: tokenizers.Tokenizer) -> int:
+    """The most characters of input text one token of this vocabulary can stand for, so that N
+    tokens hold at most N times this many: its longest entry, which is never shorter than its
+    text (byte-level vocabularies spell each byte as one character, SentencePiece's "▁" is one
+    space, a byte-fallback entry such as "<0x0A>" is longer than its byte). A normalizer may
+    shorten the input before it is cut into tokens (NFC composes up to three characters, Hangul
+    jamo, into one): with one, four times that."""
+    longest = max((len(token) for token in backend.get_vocab(with_added_tokens=True)), default=1)
+    return longest if backend.normalizer is None else 4 * longest

@@ -23,15 +23,16 @@ from fastapi.responses import JSONResponse, Response
 
 import deepinfer
 from deepinfer.chat import make_encoder
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.entrypoints.errors import APIError, install_error_handlers
 from deepinfer.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
-from deepinfer.entrypoints.options import ServerOptions
+from deepinfer.entrypoints.options import ServerOptions, request_body_limit
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
 from deepinfer.frontend.engine_client import AsyncEngineClient
 from deepinfer.metrics.http import HTTPMetricsMiddleware
 from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import ModelSource
+from deepinfer.models.registry import takes_images
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
                                log_requests=options.enable_log_requests,
                                metrics_vllm_names=options.metrics_vllm_names, on_fatal=on_fatal)
     names = list(options.served_model_name) or [client.model_id]
-    state = ServerState(client, names, options)
+    state = ServerState(client, names, options, takes_images=takes_images(source.hf_config),
+                        body_limit=request_body_limit(options, resolve_max_model_len(config, source.hf_config)))
     try:
         state.encoder = make_encoder(source, options.chat_format, options.chat_template)
     except Exception as e:   # no template: completions still work, chat routes say why not
@@ -74,7 +76,7 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     # "none": they never reach a route), then the size check answers before the key check.
     if options.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
-    app.add_middleware(BodySizeLimitMiddleware, limit=options.max_request_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, limit=state.body_limit)
     app.add_middleware(HTTPMetricsMiddleware, metrics=client.metrics.http)
 
     install_error_handlers(app, "server")
@@ -169,8 +171,8 @@ def _tokenize(state: ServerState, body: dict) -> dict:
 
         if protocol not in ("chat", "messages", "responses"):
             raise APIError(400, "protocol must be 'chat', 'messages' or 'responses'", param="protocol")
-        chat = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs",
-                                                             "add_generation_prompt", "protocol")}
+        # add_generation_prompt stays: the chat route takes it (vLLM's, as /tokenize's own is).
+        chat = {k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs", "protocol")}
         if protocol != "responses":   # required by those schemas, irrelevant to the prompt
             chat.setdefault("max_tokens", 1)
         ids = conversation.prepare(state, protocol, chat).prompt_token_ids

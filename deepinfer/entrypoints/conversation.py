@@ -18,16 +18,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from deepinfer_recipe import RequestError, parse_request
-from deepinfer_recipe.errors import RecipeError
+from deepinfer_recipe.errors import PromptTooLong, RecipeError
 from deepinfer_recipe.output import OutputSession
 from deepinfer_recipe.tools.constraint import offered_tools
 
-from deepinfer.chat import apply_template_kwargs
-from deepinfer.entrypoints import sampling
+from deepinfer.entrypoints import chat_options, sampling
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.logprobs import chat_logprob, prompt_logprobs_json
 from deepinfer.entrypoints.parser_names import TOOL_CALL_PARSERS
-from deepinfer.entrypoints.request_fields import SamplingFields, parse_fields
+from deepinfer.entrypoints.request_fields import SamplingFields, parse_fields, warn_ignored
 from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -54,6 +53,10 @@ class PreparedConversation:
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
     prompt_logprobs: list | None = None   # vLLM's prompt_logprobs JSON, once the engine sent them
+    echo_text: str = ""             # chat `echo`: what each choice's content begins with
+    legacy_functions: bool = False  # the request used `functions`: reply with `function_call`
+    as_token_ids: bool = False      # logprob tokens as "token_id:N"
+    stop_reasons: list = field(default_factory=list)   # per choice: the stop string or token id, else None
 
     def usage_counts(self) -> tuple[int, int, int]:
         """(prompt, completion summed over choices, cached prompt) tokens."""
@@ -70,15 +73,23 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     routes call it through `state.run_off_loop`."""
     fields = parse_fields(protocol, body)
     model = state.check_model(fields.model)
-    # Every chat-style protocol names its tools `tools`.
+    stop_field = "stop_sequences" if protocol == "messages" else "stop"
+    sampling.check_stop_sequences(getattr(fields, stop_field, None), state.options.max_stop_sequences, stop_field)
+    warn_ignored(fields)
+    # Every chat-style protocol names its tools `tools` (chat's older spelling: `functions`).
+    offers_tools = bool(fields.tools or getattr(fields, "functions", None))
     engine_fields = sampling.engine_request_fields(fields, state.client.traffic_classes, traffic_class_header,
-                                                   offers_tools=bool(fields.tools))
+                                                   offers_tools=offers_tools)
     encoder = state.chat_encoder()
+    # A prompt cut to its last tokens may be any length; any other must fit the context.
+    max_chars = None if getattr(fields, "truncate_prompt_tokens", None) is not None else state.prompt_char_limit(encoder)
     try:
         conversation = parse_request(protocol, body)
-        if protocol == "chat":
-            apply_template_kwargs(conversation, fields.chat_template_kwargs or {}, encoder)
-        encoding = encoder.encode(conversation)
+        chat_options.apply(conversation, fields, encoder, protocol, takes_images=state.takes_images)
+        chat_options.check_size(conversation, max_chars)
+        encoding = encoder.encode(conversation, max_chars=max_chars)
+    except PromptTooLong as e:
+        raise sampling.prompt_too_long(e.chars, e.limit, "rendered messages") from None
     except RequestError as e:
         raise bad_request(str(e), e.path) from None
     except RecipeError as e:
@@ -103,6 +114,7 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
         sampling.check_logprobs(top_logprobs, state.options.max_logprobs, "top_logprobs")
     max_tokens = sampling.default_max_tokens(state.sampling_defaults, conversation.max_tokens)
     where = "input" if protocol == "responses" else "messages"
+    prompt_ids = sampling.truncate_prompt(prompt_ids, fields, max_tokens, state.max_model_len)
     sampling.check_context(len(prompt_ids), max_tokens, state.max_model_len, where)
     fmt = conversation.response_format
     if encoding.constraint is not None:   # a forced tool choice: the recipe's tool-call format
@@ -115,14 +127,21 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     sessions = []
     created = int(time.time())
     prefix = {"chat": "chatcmpl-", "responses": "resp_", "messages": "msg_"}[protocol]
+    # vLLM's request_id names the response (the engine keeps its own ids, unique in flight).
+    response_id = prefix + (getattr(fields, "request_id", None) or request_id)
     # --tool-call-parser: the format the model writes calls in (None: the chat format's own).
     tool_format = TOOL_CALL_PARSERS.get(state.options.tool_call_parser or "")
     for _ in range(n):
         sessions.append(OutputSession.for_encoding(encoder, encoding, protocol, model=model,
-                                                   response_id=prefix + request_id, created=created,
+                                                   response_id=response_id, created=created,
                                                    ignore_eos=fields.ignore_eos, tool_format=tool_format))
-    return PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs,
-                                engine_fields, fields, created)
+    prepared = PreparedConversation(protocol, request_id, model, prompt_ids, params, sessions, top_logprobs,
+                                    engine_fields, fields, created)
+    prepared.echo_text = chat_options.echo_text(conversation, fields, protocol)
+    prepared.legacy_functions = protocol == "chat" and fields.functions is not None
+    prepared.as_token_ids = state.tokens_as_ids(fields)
+    prepared.stop_reasons = [None] * n
+    return prepared
 
 
 def submit(state: ServerState, prepared: PreparedConversation) -> AsyncIterator[RequestOutput]:
@@ -156,9 +175,13 @@ async def run(state: ServerState, prepared: PreparedConversation,
                 events += session.finish("length" if completion.finish_reason == "length" else "stop")
             elif session.finished and completion.finish_reason is None:
                 client.abort_child(prepared.request_id, completion.index)   # a stop sequence
+            if session.finished and prepared.stop_reasons:
+                # The stop string the parser found, else the stop token id the engine stopped on
+                # (None: EOS or the length limit), as completions report it.
+                prepared.stop_reasons[completion.index] = session.parser.stop_sequence or completion.stop_reason
             logprobs = []
             if prepared.top_logprobs is not None and completion.logprobs:
-                logprobs = [chat_logprob(entry, token_id, prepared.top_logprobs)
+                logprobs = [chat_logprob(entry, token_id, prepared.top_logprobs, prepared.as_token_ids)
                             for token_id, entry in zip(completion.token_ids, completion.logprobs)]
             yield ChoiceUpdate(completion.index, events, logprobs)
 

@@ -15,7 +15,8 @@ from deepinfer.entrypoints.parser_names import REASONING_PARSERS, TOOL_CALL_PARS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
-__all__ = ["LOG_LEVELS", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "ServerOptions", "load_chat_template"]
+__all__ = ["LOG_LEVELS", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "ServerOptions", "load_chat_template",
+           "request_body_limit"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,9 @@ class ServerOptions:
     # After construction this holds the template text, never a path (__post_init__).
     chat_template: str | None = None
     """A Jinja chat template replacing the model's own: a file, or the template text itself."""
-    max_request_body_bytes: int = 16 << 20
-    """Largest request body accepted (413 beyond)."""
+    max_request_body_bytes: int | None = None
+    """Largest request body accepted (413 beyond). Unset: 4 MiB plus 64 bytes per token of
+    max_model_len, so it grows with the context (a prompt that fits takes a few bytes a token)."""
     max_json_depth: int = 64
     """Deepest JSON nesting accepted in a request body."""
     max_stop_sequences: int = 64
@@ -64,6 +66,15 @@ class ServerOptions:
     then exit non-zero so that a supervisor sees the failure."""
     uvicorn_log_level: str = "info"
     """uvicorn's own log level."""
+    return_tokens_as_token_ids: bool = False
+    """Logprob tokens as "token_id:N" strings unless a request says otherwise (vLLM's flag and
+    request field), so that tokens that are not whole UTF-8 text can be told apart."""
+    enable_prompt_tokens_details: bool = True
+    """usage.prompt_tokens_details (the prompt tokens read from the prefix cache) in OpenAI
+    replies. On by default here (vLLM's is off); --no-enable-prompt-tokens-details leaves it out."""
+    enable_force_include_usage: bool = False
+    """Every OpenAI stream ends with a usage chunk, as if each request set
+    stream_options.include_usage (vLLM's flag)."""
     metrics_vllm_names: bool = False
     """Also export every deepinfer:* metric as vllm:*, for vLLM dashboards and tools that cannot
     be told another prefix (metrics/prometheus.py says why this is off by default)."""
@@ -74,9 +85,10 @@ class ServerOptions:
             if value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
-        for name in ("port", "max_pending_requests", "max_request_body_bytes", "max_json_depth",
-                     "max_stop_sequences"):
+        for name in ("port", "max_pending_requests", "max_json_depth", "max_stop_sequences"):
             at_least(name, 1)
+        if self.max_request_body_bytes is not None:
+            at_least("max_request_body_bytes", 1)
         at_least("request_timeout_s", 0)
         at_least("max_engine_restarts", 0)
         at_least("max_logprobs", -1)
@@ -92,6 +104,24 @@ class ServerOptions:
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
+
+
+# The default body limit (max_request_body_bytes unset). A prompt that fits the context is a few
+# bytes per token (English text about four, CJK or emoji escaped as \uXXXX by a JSON library up to
+# twelve); 64 per token leaves room for the rarest spellings (runs of whitespace or punctuation
+# that one token covers), and the fixed part for what is not prompt text (tool schemas, a
+# response_format schema, logit_bias or allowed_token_ids over the whole vocabulary). vLLM sets
+# no limit; one that grows with the context keeps a 1M-token model usable and a 2k-token one
+# from reading 16 MB it can only refuse.
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_BASE = 4 << 20
+
+
+def request_body_limit(options: ServerOptions, max_model_len: int) -> int:
+    """The largest request body the server reads: --max-request-body-bytes, else the default."""
+    if options.max_request_body_bytes is not None:
+        return options.max_request_body_bytes
+    return BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * max_model_len
 
 
 def load_chat_template(value: str) -> str:

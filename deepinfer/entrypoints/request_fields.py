@@ -14,11 +14,14 @@ models validate them, with the JSON path of the mistake. Which fields a request 
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from deepinfer.entrypoints.errors import bad_request
+
+logger = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 INT32_MAX = 2 ** 31 - 1
@@ -76,7 +79,48 @@ class SamplingFields(_Fields):
     user: str | None = None
 
 
-class CompletionFields(SamplingFields):
+class VLLMFields(SamplingFields):
+    """vLLM's request extras of its OpenAI routes (completions, chat, responses)."""
+
+    # The response's id is built from it (vLLM's rule); the engine keeps its own unique ids.
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # Keep only the last (truncation_side "left") or first N prompt tokens; -1: as many as fit.
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # Words whose token sequences may not be generated (SamplingParams.bad_words).
+    bad_words: list[str] | None = None
+    # Logprob tokens as "token_id:N"; None: the server's --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: bool | None = None
+    # Accepted and not acted on (IGNORED below says why; a warning is logged once per field).
+    mm_processor_kwargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+
+
+# Fields accepted and not acted on, with the reason the warning gives (vLLM also accepts fields
+# it ignores, with a warning). Any other field a route does not list is a 400.
+IGNORED = {
+    "mm_processor_kwargs": "the model takes no images or audio",
+    "kv_transfer_params": "prefill/decode hand-over is the router's here (--kv-role), not the request's",
+    "vllm_xargs": "deepinfer has no custom logits-processor plugins to pass them to",
+    "prompt_cache_key": "the prefix cache is automatic and shared by every request here; the key does not "
+                        "partition it (cache_salt does)",
+    "safety_identifier": "nothing here acts on end-user ids",
+    "verbosity": "the model's verbosity cannot be set by a parameter",
+    "prediction": "predicted outputs only speed generation up, and are not used for drafts here",
+}
+_warned: set[str] = set()
+
+
+def warn_ignored(fields: SamplingFields) -> None:
+    """One warning line per ignored field the request set, the first time each is seen."""
+    for name in IGNORED.keys() & fields.model_fields_set:
+        if getattr(fields, name) is not None and name not in _warned:
+            _warned.add(name)
+            logger.warning("request field '%s' is accepted and ignored: %s (logged once)", name, IGNORED[name])
+
+
+class CompletionFields(VLLMFields):
     prompt: Any = None
     suffix: str | None = None
     max_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = 16
@@ -92,7 +136,7 @@ class CompletionFields(SamplingFields):
     return_token_ids: bool = False
 
 
-class ChatFields(SamplingFields):
+class ChatFields(VLLMFields):
     # Parsed by the recipe (protocols/chat_completions.py).
     messages: Any = None
     tools: Any = None
@@ -115,9 +159,25 @@ class ChatFields(SamplingFields):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    # vLLM's chat extras: the prompt's end (chat_options.py), the last message echoed back, and
+    # documents for the template (RAG templates read `documents`).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    documents: list[dict[str, Any]] | None = None
+    # OpenAI's older spelling of tools and tool_choice (parsed by the recipe); replies in kind.
+    functions: Any = None
+    function_call: Any = None
+    # The output's kinds: only text is produced here (a list asking for audio is a 400).
+    modalities: list[Literal["text", "audio"]] | None = None
+    # OpenAI SDK fields accepted and ignored (IGNORED says why).
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
-class ResponsesFields(SamplingFields):
+class ResponsesFields(VLLMFields):
     # Parsed by the recipe (protocols/responses.py).
     input: Any = None
     instructions: Any = None
@@ -133,6 +193,8 @@ class ResponsesFields(SamplingFields):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
 
 class MessagesFields(SamplingFields):

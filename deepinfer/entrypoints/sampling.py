@@ -10,13 +10,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.entrypoints.errors import bad_request
+from deepinfer.entrypoints.errors import APIError, bad_request
 from deepinfer.entrypoints.options import ServerOptions
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import SamplingParams, StructuredOutputsParams
 from deepinfer.types import traffic_class as traffic
 
 MAX_N = 128
+# The longest stop string a request may give: the stop matcher keeps every proper prefix of each
+# (what it holds back while streaming), memory quadratic in a string's length.
+MAX_STOP_CHARS = 1024
+# The most bad_words a request may give (each is matched against the output at every step).
+MAX_BAD_WORDS = 128
 
 # Fields a model's generation_config.json may give defaults for (vLLM's --generation-config).
 _DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -39,11 +44,12 @@ def _kind_names(kinds: tuple[type, ...]) -> str:
     return " or ".join(dict.fromkeys(names.get(k, k.__name__) for k in kinds))
 
 
-def include_usage(fields) -> bool:
-    """stream_options.include_usage (OpenAI: only allowed when streaming)."""
+def include_usage(fields, force: bool = False) -> bool:
+    """stream_options.include_usage (OpenAI: only allowed when streaming); `force`
+    (--enable-force-include-usage): every stream ends with usage."""
     options = fields.stream_options
     if options is None:
-        return False
+        return force and fields.stream
     if not fields.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
@@ -52,7 +58,7 @@ def include_usage(fields) -> bool:
     value = options.get("include_usage", False)
     if not isinstance(value, bool):
         raise bad_request("stream_options.include_usage must be a boolean", "stream_options.include_usage")
-    return value
+    return value or force
 
 
 def engine_request_fields(fields, traffic_classes: Sequence[str], header: str | None = None,
@@ -73,6 +79,42 @@ def engine_request_fields(fields, traffic_classes: Sequence[str], header: str | 
     return {"priority": fields.priority, "cache_salt": fields.cache_salt, "traffic_class": traffic_class}
 
 
+def check_stop_sequences(stop: str | Sequence[str] | None, limit: int, param: str = "stop") -> None:
+    """The one check of every route's stop strings (completions' and chat's `stop`, Messages'
+    `stop_sequences`): at most `limit` of them (--max-stop-sequences), each at most MAX_STOP_CHARS
+    long; a 400 naming the field and the limit. Run before the recipe parses the request."""
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if len(stops) > limit:
+        raise bad_request(f"{param}: at most {limit} stop sequences (--max-stop-sequences), got {len(stops)}", param)
+    for index, text in enumerate(stops):
+        if isinstance(text, str) and len(text) > MAX_STOP_CHARS:
+            where = param if isinstance(stop, str) else f"{param}[{index}]"
+            raise bad_request(f"{where} is {len(text)} characters long; a stop sequence may have at most "
+                              f"{MAX_STOP_CHARS}", where)
+
+
+def truncate_prompt(prompt_ids: list[int], fields, max_tokens: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last N prompt tokens (truncation_side "right":
+    the first N); -1 keeps as many as leave room for max_tokens (at least one token). A value
+    beyond the context is a 400 naming the field and the limit."""
+    keep = getattr(fields, "truncate_prompt_tokens", None)
+    if keep is None:
+        return prompt_ids
+    if keep == -1:
+        keep = max_model_len - (max_tokens or 1)
+        if keep < 1:
+            raise bad_request(f"truncate_prompt_tokens -1 leaves no room for the prompt: max_tokens ({max_tokens}) "
+                              f"fills the context ({max_model_len})", "truncate_prompt_tokens")
+    elif keep == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 or at least 1, got 0", "truncate_prompt_tokens")
+    elif keep > max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be at most max_model_len ({max_model_len}), got {keep}",
+                          "truncate_prompt_tokens")
+    if len(prompt_ids) <= keep:
+        return prompt_ids
+    return prompt_ids[:keep] if fields.truncation_side == "right" else prompt_ids[len(prompt_ids) - keep:]
+
+
 def check_logprobs(value: int | None, limit: int, name: str) -> None:
     """At most --max-logprobs (-1: no limit)."""
     if value is not None and 0 <= limit < value:
@@ -87,6 +129,15 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, w
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{requested} tokens ({prompt_len} in the {where}, {max_tokens or 0} in the completion). "
             f"Please reduce the length of the {where} or completion.", "max_tokens")
+
+
+def prompt_too_long(chars: int, max_chars: int, where: str) -> APIError:
+    """The context-length 400 of a prompt refused by its size in characters, before it is
+    tokenized (ServerState.prompt_char_limit gives `max_chars`)."""
+    return bad_request(f"The {where} ({chars} characters) cannot fit: no prompt of more than {max_chars} characters "
+                       "fits this model's context (max_model_len tokens, none of which stands for more characters "
+                       f"than the longest token of its vocabulary). Please reduce the length of the {where}.",
+                       where.split()[-1])
 
 
 _STRUCTURED_FIELDS = {"json": (dict, str), "regex": (str,), "choice": (list,), "grammar": (str,),
@@ -165,17 +216,24 @@ def check_tool_schemas(tools) -> None:
 def build(fields, *, options: ServerOptions, vocab_size: int, max_tokens: int | None,
           defaults: dict | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
           stop: list[str] | None = None, n: int = 1, detokenize: bool = True,
-          response_format: dict | None = None, tool_constraint: dict | None = None) -> SamplingParams:
+          response_format: dict | None = None, tool_constraint: dict | None = None,
+          tokenizer=None) -> SamplingParams:
     """SamplingParams from a route's validated fields (request_fields.py); the fields a request
-    leaves out take `defaults` (the model's generation_config), then vLLM's. A bad value is a 400."""
+    leaves out take `defaults` (the model's generation_config), then vLLM's. A bad value is a 400.
+    `tokenizer` turns bad_words into token ids (without one, bad_words is a 400)."""
     defaults = defaults or {}
     if n > MAX_N:
         raise bad_request(f"n must be at most {MAX_N}, got {n}", "n")
-    if stop and len(stop) > options.max_stop_sequences:
-        raise bad_request(f"at most {options.max_stop_sequences} stop sequences (--max-stop-sequences), "
-                          f"got {len(stop)}", "stop")
+    check_stop_sequences(stop, options.max_stop_sequences, "stop")
     check_logprobs(logprobs, options.max_logprobs, "logprobs")
     check_logprobs(prompt_logprobs, options.max_logprobs, "prompt_logprobs")
+    bad_words = getattr(fields, "bad_words", None) or None
+    if bad_words is not None:
+        if len(bad_words) > MAX_BAD_WORDS:
+            raise bad_request(f"at most {MAX_BAD_WORDS} bad_words, got {len(bad_words)}", "bad_words")
+        if tokenizer is None:
+            raise bad_request("bad_words needs a tokenizer, and the server runs without one (--skip-tokenizer-init)",
+                              "bad_words")
     given = fields.model_fields_set
     kwargs: dict[str, Any] = {
         "n": n,
@@ -195,6 +253,7 @@ def build(fields, *, options: ServerOptions, vocab_size: int, max_tokens: int | 
         "logit_bias": fields.logit_bias,
         "skip_special_tokens": fields.skip_special_tokens,
         "include_stop_str_in_output": fields.include_stop_str_in_output,
+        "bad_words": bad_words,
     }
     for name in _DEFAULTED:
         value = getattr(fields, name) if name in given else None
@@ -204,6 +263,7 @@ def build(fields, *, options: ServerOptions, vocab_size: int, max_tokens: int | 
             kwargs[name] = value
     try:
         params = SamplingParams(**kwargs)
+        params.update_from_tokenizer(tokenizer)
         params.verify_token_ids(vocab_size)
         return params
     except (ValueError, TypeError) as e:

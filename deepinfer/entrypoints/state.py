@@ -35,11 +35,16 @@ class ServerState:
     encoder_error: str | None = None
     # generation_config.json defaults for fields a request leaves out (--generation-config).
     sampling_defaults: dict = field(default_factory=dict)
+    # Whether the model reads images (models/registry.takes_images); a text-only model refuses them.
+    takes_images: bool = False
+    # The largest body accepted (options.request_body_limit: the flag, else in proportion to the context).
+    body_limit: int = 16 << 20
     # Validation, template rendering and tokenization of big requests run here, so the event loop
     # (every other request's tokens, /health) never waits on them. The tokenizer releases the
     # interpreter while it encodes; pure-Python work still shares it, one switch interval
     # (sys.getswitchinterval) at a time.
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "deepinfer-prepare"))
+    _longest_token: dict = field(default_factory=dict)   # id(tokenizer backend) -> its longest token's characters
 
     @property
     def model_name(self) -> str:
@@ -72,6 +77,26 @@ class ServerState:
                                 "as token ids to /v1/completions")
         return tokenizer
 
+    def prompt_char_limit(self, encoder=None) -> int | None:
+        """The most characters a prompt that fits the context can have: max_model_len tokens, none
+        longer than the vocabulary's longest token (`encoder`'s for a chat, else the model's).
+        Longer text is refused before it is tokenized. None: no tokenizer to bound it by."""
+        tokenizer = self.client.tokenizer if encoder is None else encoder.tokenizer
+        if tokenizer is None:
+            return None
+        backend = tokenizer.backend if encoder is None else tokenizer.full
+        longest = self._longest_token.get(id(backend))
+        if longest is None:
+            from deepinfer.tokenizer import longest_token_chars
+
+            longest = self._longest_token[id(backend)] = longest_token_chars(backend)
+        return self.max_model_len * longest
+
+    def tokens_as_ids(self, fields) -> bool:
+        """vLLM's return_tokens_as_token_ids: the request's, else the server's flag."""
+        value = getattr(fields, "return_tokens_as_token_ids", None)
+        return self.options.return_tokens_as_token_ids if value is None else value
+
     def sampling_params(self, fields, **kwargs):
         """sampling.build with this server's limits, vocabulary and generation defaults."""
         from deepinfer.entrypoints import sampling
@@ -79,7 +104,7 @@ class ServerState:
         kwargs.setdefault("detokenize", True)
         kwargs["detokenize"] = kwargs["detokenize"] and self.client.tokenizer is not None
         return sampling.build(fields, options=self.options, vocab_size=self.client.vocab_size,
-                              defaults=self.sampling_defaults, **kwargs)
+                              defaults=self.sampling_defaults, tokenizer=self.client.tokenizer, **kwargs)
 
     async def run_off_loop(self, fn, *args, **kwargs):
         """`fn(*args, **kwargs)` in a worker thread; its exceptions (APIError included) propagate."""
@@ -95,7 +120,7 @@ async def read_json(request: Request) -> dict:
     """The body as a JSON object within the size and nesting limits; anything else is a 4xx
     (never FastAPI's 422). Large bodies are decoded off the event loop."""
     state = get_state(request)
-    raw = await read_body(request, state.options.max_request_body_bytes)
+    raw = await read_body(request, state.body_limit)
     if len(raw) < 1 << 16:
         return decode_json(raw, state.options.max_json_depth)
     return await state.run_off_loop(decode_json, raw, state.options.max_json_depth)

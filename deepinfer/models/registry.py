@@ -18,6 +18,17 @@ _MODELS = {
 }
 
 
+# Architectures whose deepinfer model reads images: none yet (every one above is text-only; the
+# vision work adds its conditional-generation classes here). The chat routes ask this before
+# accepting an image part, so a text-only model refuses images instead of dropping them.
+_TAKES_IMAGES: frozenset[str] = frozenset()
+
+
+def takes_images(hf_config: dict[str, Any]) -> bool:
+    """Whether the model of this config.json reads image inputs."""
+    return any(arch in _TAKES_IMAGES for arch in hf_config.get("architectures") or [])
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 

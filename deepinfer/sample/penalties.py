@@ -50,9 +50,22 @@ def apply_logit_bias(logits: torch.Tensor, row_ids: Sequence[int],
 
 def mask_tokens(logits: torch.Tensor, row_ids: Sequence[int],
                 token_lists: Sequence[Sequence[int]]) -> None:
-    """Set the listed tokens of each listed row to -inf (used for min_tokens)."""
+    """Set the listed tokens of each listed row to -inf (min_tokens, bad_words)."""
     index = _flat_index(row_ids, token_lists, logits.shape[-1], logits.device)
     logits.view(-1)[index] = float("-inf")
+
+
+def bad_word_tokens(bad_words: Sequence[Sequence[int]], output_token_ids: Sequence[int]) -> list[int]:
+    """The tokens `bad_words` (token sequences) forbid next: each sequence's last token, where the
+    output so far ends with the rest of it (vLLM's bad_words; a one-token word always)."""
+    banned = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix > len(output_token_ids):
+            continue
+        if prefix == 0 or list(output_token_ids[len(output_token_ids) - prefix:]) == list(word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 def apply_penalties(logits: torch.Tensor, row_ids: Sequence[int],

@@ -4,7 +4,7 @@ Order of processing (each step sees the output of the one before; all math in fl
 
   1. allowed_token_ids mask, then logit_bias (the user's explicit edits to the model's logits)
   2. min_tokens: EOS (unless ignore_eos) and stop_token_ids -> -inf while the sequence is
-     shorter than min_tokens
+     shorter than min_tokens; bad_words: the tokens that would complete one -> -inf
   3. penalties: repetition (prompt + output tokens), then frequency and presence (output only)
   -- greedy rows (temperature 0) stop here and take the argmax --
   4. temperature
@@ -106,7 +106,7 @@ class DeviceSample:
 def needs_edit(params: SamplingParams, row: SamplingRow) -> bool:
     """True when steps 1-3 change this row's logits."""
     return (params.logit_bias is not None or params.allowed_token_ids is not None
-            or params.has_penalties
+            or params.has_penalties or bool(params.bad_words_token_ids)
             or (params.min_tokens > 0 and len(row.output_token_ids) < params.min_tokens))
 
 
@@ -164,13 +164,16 @@ class Sampler:
             if params.logit_bias:
                 bias_rows.append(i)
                 biases.append(params.logit_bias)
+            banned: set[int] = set()
             if len(row.output_token_ids) < params.min_tokens:
-                stop_ids = set(params.stop_token_ids)
+                banned.update(params.stop_token_ids)
                 if not params.ignore_eos:
-                    stop_ids |= row.eos_token_ids
-                if stop_ids:
-                    mask_rows.append(i)
-                    masked.append(sorted(stop_ids))
+                    banned |= row.eos_token_ids
+            if params.bad_words_token_ids:
+                banned.update(penalties.bad_word_tokens(params.bad_words_token_ids, row.output_token_ids))
+            if banned:
+                mask_rows.append(i)
+                masked.append(sorted(banned))
             if params.has_penalties:
                 pen_rows.append(i)
 

@@ -28,6 +28,7 @@ class ImagePart:
 
     url: str | None = None
     detail: str | None = None
+    path: str | None = None  # where it sits in the request (messages[0].content[1]), for errors
 
 
 ContentPart = Union[TextPart, ImagePart]

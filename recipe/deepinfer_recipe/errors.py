@@ -32,3 +32,13 @@ class RequestError(RecipeError):
 
     def to_anthropic_error(self) -> dict:
         return {"type": "error", "error": {"type": "invalid_request_error", "message": str(self)}}
+
+
+class PromptTooLong(RequestError):
+    """The rendered prompt has more characters than `limit`, so it cannot fit the context:
+    raised before it is tokenized (Encoder.encode's `max_chars`)."""
+
+    def __init__(self, chars: int, limit: int):
+        self.chars, self.limit = chars, limit
+        super().__init__(f"the rendered prompt has {chars} characters, more than the {limit} any prompt "
+                         "that fits the context can have")

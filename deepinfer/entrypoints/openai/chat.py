@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from deepinfer.entrypoints import conversation, sampling, sse
+from deepinfer.entrypoints import chat_options, conversation, sampling, sse
 from deepinfer.entrypoints.conversation import PreparedConversation
 from deepinfer.entrypoints.state import abort_on_disconnect, engine_errors, get_state, read_json
 from deepinfer.types import traffic_class as traffic
@@ -21,12 +21,15 @@ from deepinfer.types import traffic_class as traffic
 router = APIRouter()
 
 
-def _openai_usage(prepared: PreparedConversation) -> dict:
+def _openai_usage(state, prepared: PreparedConversation) -> dict:
     prompt, completion, cached = prepared.usage_counts()
     reasoning = sum(s.parser.reasoning_tokens for s in prepared.sessions)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "completion_tokens_details": {"reasoning_tokens": reasoning}}
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+             "prompt_tokens_details": {"cached_tokens": cached},
+             "completion_tokens_details": {"reasoning_tokens": reasoning}}
+    if not state.options.enable_prompt_tokens_details:
+        del usage["prompt_tokens_details"]
+    return usage
 
 
 # ------------------------------------------------------------------------ chat completions
@@ -36,7 +39,7 @@ async def chat_completions(request: Request):
     body = await read_json(request)
     prepared = await state.run_off_loop(conversation.prepare, state, "chat", body,
                                         request.headers.get(traffic.HEADER))
-    include_usage = sampling.include_usage(prepared.fields)
+    include_usage = sampling.include_usage(prepared.fields, state.options.enable_force_include_usage)
     with engine_errors():
         outputs = conversation.submit(state, prepared)
     if prepared.fields.stream:
@@ -48,9 +51,16 @@ async def chat_completions(request: Request):
         choice["index"] = index
         if prepared.top_logprobs is not None:
             choice["logprobs"] = {"content": pending[index]}
+        message = choice["message"]
+        if prepared.echo_text:
+            message["content"] = prepared.echo_text + (message["content"] or "")
+        if prepared.legacy_functions:
+            chat_options.legacy_message(message)
+            choice["finish_reason"] = chat_options.legacy_finish(choice["finish_reason"])
+        choice["stop_reason"] = prepared.stop_reasons[index]
         choices.append(choice)
     final = prepared.sessions[0].final_response()
-    final = {**final, "choices": choices, "usage": _openai_usage(prepared)}
+    final = {**final, "choices": choices, "usage": _openai_usage(state, prepared)}
     if prepared.prompt_logprobs is not None:
         final["prompt_logprobs"] = prepared.prompt_logprobs
     return JSONResponse(final)
@@ -73,11 +83,18 @@ async def _chat_stream(request: Request, state, prepared: PreparedConversation, 
                         carries_text or choice["finish_reason"]):
                     choice["logprobs"] = {"content": pending[update.index]}
                     pending[update.index] = []
+                if prepared.legacy_functions:
+                    chat_options.legacy_delta(delta)
+                    choice["finish_reason"] = chat_options.legacy_finish(choice["finish_reason"])
+                if choice["finish_reason"] is not None:
+                    choice["stop_reason"] = prepared.stop_reasons[update.index]
                 yield sse.data(chunk)
+                if prepared.echo_text and "role" in delta:   # the echo follows the opening chunk
+                    yield sse.data({**chunk, "choices": [{**choice, "delta": {"content": prepared.echo_text}}]})
     if include_usage:
         session = prepared.sessions[0].stream
         yield sse.data({"id": session.id, "object": "chat.completion.chunk", "created": session.created,
-                        "model": session.model, "choices": [], "usage": _openai_usage(prepared)})
+                        "model": session.model, "choices": [], "usage": _openai_usage(state, prepared)})
     yield sse.DONE
 
 

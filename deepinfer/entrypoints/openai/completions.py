@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from deepinfer.entrypoints import sampling, sse
 from deepinfer.entrypoints.errors import bad_request
 from deepinfer.entrypoints.logprobs import CompletionLogprobs, join_completion_logprobs, prompt_logprobs_json
-from deepinfer.entrypoints.request_fields import CompletionFields, parse_fields
+from deepinfer.entrypoints.request_fields import CompletionFields, parse_fields, warn_ignored
 from deepinfer.entrypoints.state import ServerState, abort_on_disconnect, engine_errors, get_state, read_json
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
@@ -44,6 +44,7 @@ class CompletionJob:
     include_usage: bool
     prompt_only: bool   # max_tokens 0: the generated token is dropped
     engine_fields: dict   # priority, cache_salt, traffic_class
+    as_token_ids: bool = False   # logprob tokens as "token_id:N" (return_tokens_as_token_ids)
 
 
 def _is_id(value) -> bool:
@@ -67,6 +68,12 @@ def _prompts(state: ServerState, fields: CompletionFields) -> list[tuple[str | N
         elif not isinstance(item, str) or not item:
             raise bad_request("each prompt must be a non-empty string or a non-empty list of token ids", "prompt")
     texts = [item for item in prompt if isinstance(item, str)]
+    # Refused by its size before it is tokenized: more characters than the context can hold
+    # (a prompt cut to its last tokens by truncate_prompt_tokens may be any length).
+    max_chars = state.prompt_char_limit() if texts and fields.truncate_prompt_tokens is None else None
+    for item in texts:
+        if max_chars is not None and len(item) > max_chars:
+            raise sampling.prompt_too_long(len(item), max_chars, "prompt")
     encoded = iter(state.tokenizer().encode_many(texts, fields.add_special_tokens) if texts else [])
     out = [(item, next(encoded)) if isinstance(item, str) else (None, list(item)) for item in prompt]
     if any(not ids for _, ids in out):
@@ -91,8 +98,9 @@ def prepare(state: ServerState, body: dict, traffic_class_header: str | None = N
     `traffic_class_header`: the request's X-Traffic-Class header (the body field wins over it)."""
     fields = parse_fields("completions", body)
     model = state.check_model(fields.model)
+    warn_ignored(fields)
     engine_fields = sampling.engine_request_fields(fields, state.client.traffic_classes, traffic_class_header)
-    include_usage = sampling.include_usage(fields)
+    include_usage = sampling.include_usage(fields, state.options.enable_force_include_usage)
     if fields.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if fields.best_of is not None and fields.best_of != fields.n:
@@ -102,7 +110,10 @@ def prepare(state: ServerState, body: dict, traffic_class_header: str | None = N
         raise bad_request("max_tokens 0 returns nothing without echo: true", "max_tokens")
     stop = [fields.stop] if isinstance(fields.stop, str) else fields.stop
     max_tokens = sampling.default_max_tokens(state.sampling_defaults, 1 if prompt_only else fields.max_tokens)
-    prompts = _prompts(state, fields)
+    prompts = []
+    for text, ids in _prompts(state, fields):
+        kept = sampling.truncate_prompt(ids, fields, max_tokens, state.max_model_len)
+        prompts.append((text if len(kept) == len(ids) else None, kept))   # echo decodes a cut prompt
     for _, ids in prompts:
         sampling.check_context(len(ids), max_tokens, state.max_model_len, "prompt")
     prompt_logprobs = fields.prompt_logprobs
@@ -111,7 +122,8 @@ def prepare(state: ServerState, body: dict, traffic_class_header: str | None = N
     params = state.sampling_params(fields, max_tokens=max_tokens, logprobs=fields.logprobs,
                             prompt_logprobs=prompt_logprobs, stop=stop, n=fields.n,
                             response_format=_response_format(fields))
-    return CompletionJob(fields, model, prompts, params, include_usage, prompt_only, engine_fields)
+    return CompletionJob(fields, model, prompts, params, include_usage, prompt_only, engine_fields,
+                         state.tokens_as_ids(fields))
 
 
 @router.post("/v1/completions")
@@ -119,8 +131,10 @@ async def completions(request: Request):
     state = get_state(request)
     body = await read_json(request)
     job = await state.run_off_loop(prepare, state, body, request.headers.get(traffic.HEADER))
-    response_id = f"cmpl-{secrets.token_hex(12)}"
-    request_ids = [f"{response_id}-{i}" for i in range(len(job.prompts))]
+    # vLLM's request_id names the response; the engine's ids stay unique in flight.
+    response_id = f"cmpl-{job.fields.request_id or secrets.token_hex(12)}"
+    engine_id = f"cmpl-{secrets.token_hex(12)}"
+    request_ids = [f"{engine_id}-{i}" for i in range(len(job.prompts))]
     streams = []
     engine_fields = job.engine_fields
     try:
@@ -175,7 +189,9 @@ class _Choices:
                 text, token_ids, entries = "", [], [] if entries is not None else None
             else:
                 self.completion_tokens += len(token_ids)
-            tracker = self.logprobs.setdefault(index, CompletionLogprobs())
+            tracker = self.logprobs.get(index)
+            if tracker is None:
+                tracker = self.logprobs[index] = CompletionLogprobs(self._decode, job.as_token_ids)
             lp = None
             if first and job.fields.echo:
                 prompt_text, lp = self._echo(prompt_index, out, tracker)
@@ -198,6 +214,10 @@ class _Choices:
                     piece["token_ids"] = token_ids
                 pieces.append(piece)
         return pieces
+
+    def _decode(self, token_id: int) -> str:
+        tokenizer = self.state.client.tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else ""
 
     def _echo(self, prompt_index: int, out: RequestOutput, tracker: CompletionLogprobs) -> tuple[str, dict | None]:
         """The prompt's text and (with logprobs) its positions' logprobs object."""
@@ -229,9 +249,11 @@ class _Choices:
 
     def usage(self) -> dict:
         prompt = sum(self.prompt_tokens.values())
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
-                "total_tokens": prompt + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                 "total_tokens": prompt + self.completion_tokens}
+        if self.state.options.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached.values())}
+        return usage
 
 
 async def _stream(request: Request, state: ServerState, job: CompletionJob, header: dict, choices: _Choices,

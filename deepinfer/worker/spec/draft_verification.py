@@ -92,8 +92,9 @@ def draft_rows(state: RunnerRequestState, drafts: list[int]) -> list[SamplingRow
     outputs = state.output_token_ids
     rows = []
     for j in range(len(drafts) + 1):
-        # Penalties and min_tokens see the drafts before row j as generated output; other rows
+        # Penalties, min_tokens and bad_words see the drafts before row j as generated output; other rows
         # only need the length, so they share the list instead of copying it per row.
-        seen = outputs + drafts[:j] if j and (params.has_penalties or params.min_tokens) else outputs
+        seen = (outputs + drafts[:j] if j and (params.has_penalties or params.min_tokens or params.bad_words_token_ids)
+                else outputs)
         rows.append(SamplingRow(params, state.prompt_token_ids, seen, None, state.eos_token_ids))
     return rows

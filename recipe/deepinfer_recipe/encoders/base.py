@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..errors import PromptTooLong
 from ..prompt import RenderedPrompt
 from ..tokenize import SafeTokenizer
 
@@ -73,8 +74,13 @@ class Encoder:
         """The structural tag a forced tool choice imposes on the output (None: unconstrained)."""
         return None
 
-    def encode(self, conversation, parallel: bool = True) -> PromptEncoding:
+    def encode(self, conversation, parallel: bool = True, max_chars: int | None = None) -> PromptEncoding:
+        """max_chars: refuse (PromptTooLong) a render longer than this before tokenizing it: the
+        caller's bound on what can fit its context (a context of N tokens holds at most N times
+        the longest token's characters)."""
         rendered, start = self.render(conversation)
+        if max_chars is not None and len(rendered.text) > max_chars:
+            raise PromptTooLong(len(rendered.text), max_chars)
         constraint = self.tool_constraint(conversation)
         ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
         schemas = {t.name: t.parameters or {} for t in conversation.tools}

@@ -161,7 +161,12 @@ class HFTemplateEncoder(Encoder):
 
         real = self._render_text(self._template_inputs(conversation, collect))
         offered, _ = offered_tools(conversation)
-        return self._mark_controls(conversation, real, client), ParserStart("content", False, bool(offered))
+        rendered = self._mark_controls(conversation, real, client)
+        last = conversation.messages[-1] if conversation.messages else None
+        continuing = bool(last and last.role == "assistant" and last.prefix)
+        if continuing:
+            rendered = _cut_after(rendered, last.text)
+        return rendered, ParserStart("content", continuing, bool(offered))
 
     def _mark_controls(self, conversation: Conversation, real: str, client: list[str]) -> RenderedPrompt:
         """The real render with the template's control tokens marked (see the module docstring)."""
@@ -198,4 +203,17 @@ class HFTemplateEncoder(Encoder):
             return None
 
 
-
+def _cut_after(rendered: RenderedPrompt, final: str) -> RenderedPrompt:
+    """The prompt up to the end of the final message's text: a continued assistant turn
+    (DeepSeek's `prefix`, vLLM's continue_final_message) must not be closed by the template's
+    end-of-turn. As transformers does it: the last place the text (as the template may have
+    trimmed it) appears in the render."""
+    if not final.strip():
+        raise RequestError("a continued final assistant message needs text to continue", "messages")
+    at = rendered.text.rfind(final.strip())
+    if at < 0:
+        raise RequestError("the chat template does not show the final message's text, so it cannot be continued",
+                           "messages")
+    kept = final.lstrip() if rendered.text.startswith(final.lstrip(), at) else final.strip()
+    end = at + len(kept)
+    return RenderedPrompt(rendered.text[:end], [r for r in rendered.control_ranges if r[1] <= end])

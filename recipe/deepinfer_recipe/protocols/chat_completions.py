@@ -1,5 +1,9 @@
 """OpenAI Chat Completions request → Conversation (plus DeepSeek's additions, research B.7:
-`thinking`, `reasoning_effort`, assistant `reasoning_content` and `prefix`, `latest_reminder`)."""
+`thinking`, `reasoning_effort`, assistant `reasoning_content` and `prefix`, `latest_reminder`).
+
+OpenAI's older function calling is read too: `functions` and `function_call` are tools and
+tool_choice (one call per turn, as that API had), an assistant's `function_call` is its one
+tool call, and a `function` message is that call's result."""
 
 from __future__ import annotations
 
@@ -86,6 +90,7 @@ class AssistantMessage(Lenient):
     content: Union[str, list[AssistantPart], None] = None
     reasoning_content: str | None = None
     tool_calls: list[ToolCallItem] | None = None
+    function_call: FunctionCall | None = None  # the older API's one call
     prefix: bool = False
 
 
@@ -95,13 +100,22 @@ class ToolMessage(Lenient):
     tool_call_id: str
 
 
+class FunctionMessage(Lenient):
+    """The older API's tool result: the output of the function the assistant called."""
+
+    role: Literal["function"]
+    name: str
+    content: Union[str, None] = None
+
+
 class LatestReminderMessage(Lenient):
     role: Literal["latest_reminder"]
     content: str
 
 
 ChatMessage = Annotated[
-    Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage, LatestReminderMessage],
+    Union[SystemMessage, DeveloperMessage, UserMessage, AssistantMessage, ToolMessage, FunctionMessage,
+          LatestReminderMessage],
     Field(discriminator="role"),
 ]
 
@@ -158,29 +172,33 @@ class ChatCompletionRequest(Lenient):
     seed: Int64 | None = None
     stream: bool = False
     parallel_tool_calls: bool | None = None
+    functions: list[FunctionDefinition] | None = None
+    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None
 
 
-def _parts(content) -> list:
+def _parts(content, path: str | None = None) -> list:
+    """`path`: where `content` sits in the request (messages[2].content), for image parts."""
     if content is None:
         return []
     if isinstance(content, str):
         return [TextPart(content)]
     parts = []
-    for item in content:
+    for index, item in enumerate(content):
         if isinstance(item, TextContent):
             parts.append(TextPart(item.text))
         elif isinstance(item, RefusalContent):
             parts.append(TextPart(item.refusal))
         else:
-            parts.append(ImagePart(item.image_url.url, item.image_url.detail))
+            parts.append(ImagePart(item.image_url.url, item.image_url.detail, f"{path}[{index}]" if path else None))
     return parts
 
 
 def tool_definitions(items, path: str) -> list[ToolDefinition]:
+    """`items`: ToolItems at `path` ("tools"), or the older API's FunctionDefinitions ("functions")."""
     tools = []
     for index, item in enumerate(items or []):
-        fn = item.function
-        where = f"{path}[{index}].function.parameters"
+        fn = item if isinstance(item, FunctionDefinition) else item.function
+        where = f"{path}[{index}].parameters" if fn is item else f"{path}[{index}].function.parameters"
         require_object_schema(fn.parameters, where)
         params = normalize_strict_schema(fn.parameters) if fn.strict and fn.parameters else fn.parameters
         tools.append(ToolDefinition(fn.name, fn.description, params, fn.strict, where))
@@ -190,9 +208,15 @@ def tool_definitions(items, path: str) -> list[ToolDefinition]:
 def to_conversation(body: dict) -> Conversation:
     request = validate(ChatCompletionRequest, body)
     messages = []
+    last_call_id = None  # the older API pairs a function message with the call before it
     for index, m in enumerate(request.messages):
         if isinstance(m, AssistantMessage):
             calls = [ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or []]
+            if m.function_call is not None:
+                if calls:
+                    raise RequestError("give tool_calls or the older function_call, not both", f"messages[{index}].function_call")
+                last_call_id = f"call_{index}"
+                calls = [ToolCall(last_call_id, m.function_call.name, m.function_call.arguments)]
             # OpenAI (and deepseek-recipe) require content unless the turn calls tools.
             if m.content is None and not calls:
                 raise RequestError("an assistant message needs content or tool_calls", f"messages[{index}].content")
@@ -200,14 +224,29 @@ def to_conversation(body: dict) -> Conversation:
                 raise RequestError("a prefix (continued) assistant message cannot have tool_calls", f"messages[{index}].prefix")
             messages.append(Message("assistant", _parts(m.content), m.reasoning_content, calls, prefix=m.prefix))
         elif isinstance(m, ToolMessage):
-            messages.append(Message("tool", _parts(m.content), tool_call_id=m.tool_call_id))
+            messages.append(Message("tool", _parts(m.content, f"messages[{index}].content"), tool_call_id=m.tool_call_id))
+        elif isinstance(m, FunctionMessage):
+            messages.append(Message("tool", _parts(m.content or ""), tool_call_id=last_call_id or f"call_{index}"))
         elif isinstance(m, SystemMessage) and not any(p.text for p in _parts(m.content)):
             continue  # an empty system message says nothing; deepseek-recipe drops it too
         else:
-            messages.append(Message(m.role, _parts(m.content)))
+            messages.append(Message(m.role, _parts(m.content, f"messages[{index}].content")))
+    tools = tool_definitions(request.tools, "tools")
     choice = request.tool_choice or "auto"
     if isinstance(choice, NamedToolChoiceItem):
         choice = NamedToolChoice(choice.function.name)
+    parallel = request.parallel_tool_calls is not False
+    if request.functions is not None:
+        if request.tools is not None:
+            raise RequestError("give tools or the older functions, not both", "functions")
+        tools, parallel = tool_definitions(request.functions, "functions"), False
+    if request.function_call is not None:
+        if request.tool_choice is not None:
+            raise RequestError("give tool_choice or the older function_call, not both", "function_call")
+        if request.functions is None:
+            raise RequestError("function_call needs functions", "function_call")
+        named = request.function_call
+        choice = NamedToolChoice(named.name) if isinstance(named, NamedFunction) else named
     fmt = ResponseFormat()
     if request.response_format is not None:
         spec = request.response_format.json_schema
@@ -220,9 +259,9 @@ def to_conversation(body: dict) -> Conversation:
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     return Conversation(
         messages=messages,
-        tools=tool_definitions(request.tools, "tools"),
+        tools=tools,
         tool_choice=choice,
-        parallel_tool_calls=request.parallel_tool_calls is not False,
+        parallel_tool_calls=parallel,
         thinking=None if request.thinking is None else request.thinking.type == "enabled",
         reasoning_effort=request.reasoning_effort,
         response_format=fmt,

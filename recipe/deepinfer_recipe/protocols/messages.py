@@ -112,13 +112,16 @@ class MessagesRequest(Lenient):
     stream: bool = False
 
 
-def _blocks_to_parts(blocks) -> list:
+def _blocks_to_parts(blocks, path: str | None = None) -> list:
+    """`blocks`: (index, block) pairs of the list at `path` (messages[1].content), so that an
+    image part knows where it sits in the request."""
     parts = []
-    for block in blocks:
+    for index, block in blocks:
         if isinstance(block, TextBlock):
             parts.append(TextPart(block.text))
         elif isinstance(block, ImageBlock):
-            parts.append(ImagePart(block.source.get("url") or block.source.get("type")))
+            where = f"{path}[{index}]" if path else None
+            parts.append(ImagePart(block.source.get("url") or block.source.get("type"), path=where))
     return parts
 
 
@@ -128,15 +131,17 @@ def _messages(request: MessagesRequest) -> list[Message]:
         messages.append(Message("system", [TextPart(request.system)]))
     elif isinstance(request.system, list) and request.system:
         messages.append(Message("system", [TextPart(b.text) for b in request.system]))
-    for turn in request.messages:
+    for number, turn in enumerate(request.messages):
         blocks = [TextBlock(type="text", text=turn.content)] if isinstance(turn.content, str) else turn.content
+        path = f"messages[{number}].content"
         if turn.role == "user":
-            for block in blocks:
+            for index, block in enumerate(blocks):
                 if isinstance(block, ToolResultBlock):
                     content = block.content
-                    parts = [TextPart(content)] if isinstance(content, str) else _blocks_to_parts(content or [])
+                    parts = ([TextPart(content)] if isinstance(content, str)
+                             else _blocks_to_parts(enumerate(content or []), f"{path}[{index}].content"))
                     messages.append(Message("tool", parts, tool_call_id=block.tool_use_id))
-            rest = _blocks_to_parts(b for b in blocks if not isinstance(b, ToolResultBlock))
+            rest = _blocks_to_parts(((i, b) for i, b in enumerate(blocks) if not isinstance(b, ToolResultBlock)), path)
             if rest or not any(isinstance(b, ToolResultBlock) for b in blocks):
                 messages.append(Message("user", rest))
             continue
@@ -146,7 +151,7 @@ def _messages(request: MessagesRequest) -> list[Message]:
             for b in blocks
             if isinstance(b, ToolUseBlock)
         ]
-        messages.append(Message("assistant", _blocks_to_parts(blocks), reasoning, calls))
+        messages.append(Message("assistant", _blocks_to_parts(enumerate(blocks), path), reasoning, calls))
     return messages
 
 

@@ -157,17 +157,18 @@ class ResponsesRequest(Lenient):
     store: bool | None = None
 
 
-def _parts(content) -> list:
+def _parts(content, path: str | None = None) -> list:
+    """`path`: where `content` sits in the request (input[2].content), for image parts."""
     if isinstance(content, str):
         return [TextPart(content)]
     parts = []
-    for item in content:
+    for index, item in enumerate(content):
         if isinstance(item, InputText):
             parts.append(TextPart(item.text))
         elif isinstance(item, Refusal):
             parts.append(TextPart(item.refusal))
         else:
-            parts.append(ImagePart(item.image_url, item.detail))
+            parts.append(ImagePart(item.image_url, item.detail, f"{path}[{index}]" if path else None))
     return parts
 
 
@@ -185,10 +186,11 @@ def _messages(request: ResponsesRequest) -> list[Message]:
             messages.append(open_turn)
         return open_turn
 
-    for item in items:
+    for number, item in enumerate(items):
+        where = f"input[{number}]" if isinstance(request.input, list) else "input"
         if isinstance(item, MessageItem) and item.role == "assistant":
             turn = assistant_turn(starts_new=open_turn is not None and bool(open_turn.tool_calls or open_turn.content))
-            turn.content.extend(_parts(item.content))
+            turn.content.extend(_parts(item.content, f"{where}.content"))
         elif isinstance(item, ReasoningItem):
             text = "".join(part.text for part in item.content or [])
             if not text:
@@ -199,10 +201,10 @@ def _messages(request: ResponsesRequest) -> list[Message]:
             assistant_turn(starts_new=False).tool_calls.append(ToolCall(item.call_id, item.name, item.arguments))
         elif isinstance(item, FunctionCallOutputItem):
             open_turn = None
-            messages.append(Message("tool", _parts(item.output), tool_call_id=item.call_id))
+            messages.append(Message("tool", _parts(item.output, f"{where}.output"), tool_call_id=item.call_id))
         else:
             open_turn = None
-            messages.append(Message(item.role, _parts(item.content)))
+            messages.append(Message(item.role, _parts(item.content, f"{where}.content")))
     return messages
 
 
