@@ -156,9 +156,9 @@ class CacheConfig:
     """A load from kv_store not read within this many seconds fails; the request recomputes."""
     kv_store_buffer_size: float = 4.0
     """GiB of host memory every block passes through between the device and kv_store (page-locked
-    on a GPU, allocated at start): saves waiting to be written, loads read and not yet copied in.
-    It bounds both: a save finding it full writes only its leading blocks, and one request loads
-    at most half of it (the rest of its prefix is computed)."""
+    on a GPU, allocated at start): saves waiting to be written, loads read and not yet copied in,
+    half each. It bounds neither what is stored nor what is loaded: a longer prompt streams
+    through it (a save waits for room, holding its device blocks; a load is read in pieces)."""
     kv_store_load_policy: str = "auto"
     """auto: a prefix found in kv_store is loaded only while loading it is measured faster than
     computing it (on a fast GPU a long prefix can compute faster than it reads), else computed;

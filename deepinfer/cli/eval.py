@@ -1,8 +1,9 @@
 """`deepinfer eval generate | grade`: the command line of deepinfer/eval/.
 
 Exit status: 0 done; 2 bad input (one line naming the field); 3 grade refused Pass@k because
-coverage is below 100 % (the missing ids are printed); 1 generation stopped on a failing request
-(the samples so far stay in the run file and the same command resumes).
+coverage is below 100 % (every sample there is was still graded and reported, and the missing ids
+are printed); 1 generation stopped on a failing request (the samples so far stay in the run file
+and the same command resumes).
 """
 
 from __future__ import annotations

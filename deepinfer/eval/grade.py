@@ -1,9 +1,10 @@
 """`deepinfer eval grade`: score a run file against its task, without the model.
 
 Coverage comes first. An item is covered when the file holds all K of its samples; coverage is
-covered items / items in the task. Pass@k is only a statement about the whole task, so below 100 %
-coverage no pass@k is computed or printed: the report names the missing items instead (and the
-command exits with status 3).
+covered items / items in the task. Every sample the file holds (up to K per item) is graded and
+reported, whatever the coverage. Pass@k is only a statement about the whole task, so below 100 %
+coverage it alone is refused: the report names the missing items (with the samples they have)
+instead, and the command exits with status 3.
 
 pass@k is the unbiased estimator of Chen et al. (2021): for an item with n samples of which c
 pass, pass@k = 1 - C(n - c, k) / C(n, k), averaged over items; reported for each k <= K in
@@ -52,8 +53,9 @@ class Report:
     missing: list[str]                    # items with fewer than K samples (none, or some)
     unknown: list[str]                    # ids in the run that the task does not have
     pass_at: dict[int, float] = field(default_factory=dict)   # empty unless coverage is 100 %
-    passed: dict[str, list[bool]] = field(default_factory=dict)
+    passed: dict[str, list[bool]] = field(default_factory=dict)   # every graded sample, per item
     details: dict[str, list[str]] = field(default_factory=dict)
+    have: dict[str, int] = field(default_factory=dict)            # samples each missing item has
 
     @property
     def coverage(self) -> float:
@@ -63,9 +65,19 @@ class Report:
     def complete(self) -> bool:
         return self.covered == self.items
 
+    @property
+    def graded(self) -> int:
+        return sum(len(p) for p in self.passed.values())
+
+    @property
+    def graded_passed(self) -> int:
+        return sum(sum(p) for p in self.passed.values())
+
     def as_dict(self) -> dict[str, Any]:
         return {"task": self.task, "samples": self.samples, "items": self.items, "covered": self.covered,
-                "coverage": self.coverage, "missing": self.missing, "unknown": self.unknown,
+                "coverage": self.coverage, "missing": self.missing,
+                "missing_have": {task_id: self.have.get(task_id, 0) for task_id in self.missing},
+                "unknown": self.unknown, "graded_samples": self.graded, "passed_samples": self.graded_passed,
                 "pass_at": {f"pass@{k}": v for k, v in self.pass_at.items()},
                 "results": {task_id: [{"passed": p, "detail": d} for p, d in zip(ps, self.details[task_id])]
                             for task_id, ps in self.passed.items()}}
@@ -75,9 +87,13 @@ class Report:
                  f"coverage: {self.covered}/{self.items} = {100 * self.coverage:.1f} %"]
         if self.unknown:
             lines.append(f"ignored {len(self.unknown)} id(s) not in the task: {', '.join(self.unknown[:10])}")
+        if self.graded:
+            lines.append(f"graded: {self.graded} sample(s) of {len(self.passed)} item(s), {self.graded_passed} "
+                         f"passed ({100 * self.graded_passed / self.graded:.1f} % of the graded samples)")
         if not self.complete:
-            lines.append(f"Pass@k refused: coverage is below 100 %; {len(self.missing)} item(s) lack samples: "
-                         + ", ".join(self.missing))
+            lines.append(f"Pass@k refused: coverage is below 100 %; {len(self.missing)} item(s) lack samples "
+                         f"(have of {self.samples}): "
+                         + ", ".join(f"{i} ({self.have.get(i, 0)})" for i in self.missing))
             return "\n".join(lines)
         for k, value in self.pass_at.items():
             lines.append(f"pass@{k}: {100 * value:.2f} %")
@@ -100,20 +116,21 @@ def coverage(task: Task, run: RunSamples, samples: int | None = None) -> Report:
     ids = set(task.ids())
     missing = [i for i in task.ids() if run.count(i) < samples]
     unknown = sorted(set(run.completions) - ids)
-    return Report(task.name, samples, len(ids), len(ids) - len(missing), missing, unknown)
+    return Report(task.name, samples, len(ids), len(ids) - len(missing), missing, unknown,
+                  have={i: run.count(i) for i in missing})
 
 
 def grade(task: Task, run: RunSamples, *, samples: int | None = None, workers: int | None = None,
           progress: bool = True, limits: Limits | None = None, ks: list[int] | None = None) -> Report:
-    """Coverage, then (only at 100 %) every sample graded and pass@k for `ks` (default: report_ks(K))."""
+    """Coverage, every sample there is graded (at most K per item), and, only at 100 % coverage,
+    pass@k for `ks` (default: report_ks(K))."""
     report = coverage(task, run, samples)
     if ks is not None and not all(1 <= k <= report.samples for k in ks):
         raise ValueError(f"--k: every k must be in [1, K = {report.samples}], got {ks}")
-    if not report.complete:
-        return report     # refuse before spending any time running code
     by_id = task.by_id()
     work = [(task_id, index, by_id[task_id], run.completions[task_id][index])
-            for task_id in task.ids() for index in sorted(run.completions[task_id])[:report.samples]]
+            for task_id in task.ids() if task_id in run.completions
+            for index in sorted(run.completions[task_id])[:report.samples]]
     grader = _grader(task, limits)
     results: dict[tuple[str, int], tuple[bool, str]] = {}
     workers = workers or max(1, os.cpu_count() or 1)
@@ -130,6 +147,8 @@ def grade(task: Task, run: RunSamples, *, samples: int | None = None, workers: i
         passed, detail = results[(task_id, index)]
         report.passed.setdefault(task_id, []).append(passed)
         report.details.setdefault(task_id, []).append(detail)
+    if not report.complete:
+        return report     # Pass@k needs all K samples of every item
     for k in sorted(set(ks)) if ks else report_ks(report.samples):
         report.pass_at[k] = sum(pass_at_k(len(p), sum(p), k) for p in report.passed.values()) / report.items
     return report

@@ -6,6 +6,8 @@ gathered in the engine core from both sides of the connector and sent with Engin
                     (dir: this instance's estimate; Redis: DBSIZE and used_memory)
     writes          entries written: host, saves completed; store, entries the writer put (not
                     counting those the store already had)
+    dropped_saves   blocks not saved: host, no slot free; store, the store down (either side),
+                    a write that failed, or a shutdown that came first (the worker's count)
     evictions       by cause: lru (capacity: the host tier's LRU, a dir store's kv_store_size,
                     Redis's maxmemory evictions) and retention (expired: a dir store's gc, Redis's
                     expired keys; Redis's figures are the server's, INFO stats)
@@ -38,11 +40,13 @@ def tier_metrics(tier: str, stats: KVConnectorStats, load_latency: LatencyHistog
     out = KVTierMetrics(tier, load_latency=load_latency.copy())
     if worker is None:   # host memory: everything is on the scheduler side
         out.entries, out.bytes, out.writes = stats.stored_blocks, stats.stored_bytes, stats.saved_blocks
+        out.dropped_saves = stats.dropped_saves
         out.evictions["lru"] = stats.evictions
         out.store_latency = save_latency.copy()
         return out
     out.entries, out.bytes = worker.counts.entries, worker.counts.bytes
     out.writes = worker.written_blocks
+    out.dropped_saves = stats.dropped_saves + worker.dropped_saves
     out.evictions = {"lru": worker.counts.evicted, "retention": worker.counts.expired}
     out.corrupt = {"size": stats.corrupt_entries, **worker.bad_entries}
     out.store_latency = worker.write_latency.copy()

@@ -66,7 +66,8 @@ COUNTERS = {
     "kv_tier_evictions": "KV tier entries dropped: cause=lru (capacity) or retention (expired; Redis: the "
                          "server's own counts).",
     "kv_tier_refused_saves": "Blocks offered to the KV tier of a kind it never holds (sliding window).",
-    "kv_tier_dropped_saves": "Blocks not saved: every tier slot was pinned, or the KV store was down.",
+    "kv_tier_dropped_saves": "Blocks not saved: every host tier slot was pinned, or the KV store was down, "
+                             "refused the write or was shut down before it.",
     "kv_tier_failed_loads": "Blocks whose load from the KV store failed (bad entry, store down, timeout); recomputed.",
     "kv_tier_corrupt_entries": "KV store entries found damaged and dropped, by reason (size: seen by a look-up; "
                                "truncated, version, corrupt, mismatch: by a load).",
@@ -76,7 +77,7 @@ COUNTERS = {
 }
 TIER = (("tier", "host"),)
 # Families built from KVTierMetrics (kv_cache/tier_stats.py), not from the flat kv_tier counters.
-_FROM_TIER_METRICS = ("kv_tier_evictions", "kv_tier_corrupt_entries")
+_FROM_TIER_METRICS = ("kv_tier_evictions", "kv_tier_corrupt_entries", "kv_tier_dropped_saves")
 LATENCY_HISTOGRAMS = {
     "load_latency": ("kv_tier_load_latency_seconds", "A KV tier load, from queued to its blocks on the device."),
     "store_latency": ("kv_tier_store_latency_seconds", "A KV tier save, from queued (a store: staged on the host) "
@@ -114,6 +115,7 @@ def engine_counters(stats: EngineStats) -> dict[CounterKey, float]:
         flat = stats.kv_tier or {}
         counters[("kv_tier_misses", tier)] = flat.get("queries", 0) - flat.get("hits", 0)
         counters[("kv_tier_writes", tier)] = tier_metrics.writes
+        counters[("kv_tier_dropped_saves", tier)] = tier_metrics.dropped_saves
         for cause, value in tier_metrics.evictions.items():
             counters[("kv_tier_evictions", tier + (("cause", cause),))] = value
         for reason, value in tier_metrics.corrupt.items():

@@ -46,6 +46,7 @@ class KVTierMetrics:
     entries: int = 0
     bytes: int = 0
     writes: int = 0
+    dropped_saves: int = 0    # blocks not saved, by either side of the connector
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(EVICTION_CAUSES, 0))
     corrupt: dict[str, int] = field(default_factory=dict)
     load_latency: LatencyHistogram = field(default_factory=LatencyHistogram)

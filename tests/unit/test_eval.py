@@ -158,7 +158,28 @@ def test_coverage_counts_items_with_all_k_samples(tmp_path):
     assert report.complete and report.pass_at[1] == pytest.approx((1 + 1 + 0) / 3)
     report = grade(task, read_samples(str(path)), samples=2, progress=False)
     assert not report.complete and report.pass_at == {}
-    assert "Pass@k refused" in report.text() and "c" in report.text().splitlines()[-1]
+    assert "Pass@k refused" in report.text() and "c (1)" in report.text().splitlines()[-1]
+
+
+def test_a_partial_run_grades_every_sample_and_refuses_only_pass_at_k(tmp_path):
+    """K = 2, item c has one sample, item d none: every sample there is is graded and reported
+    (before: nothing was graded below 100 % coverage), coverage names c and d with what they
+    have, and no pass@k is computed."""
+    task = load_task(_write_task(tmp_path, [{"id": i, "q": "?", "answer": "yes"} for i in "abcd"]))
+    path = tmp_path / "run.jsonl"
+    path.write_text("".join(json.dumps({"task_id": i, "completion": c}) + "\n"
+                            for i, c in [("a", "yes"), ("a", "no"), ("b", "Yes."), ("b", "yes"), ("c", "no")]))
+    report = grade(task, read_samples(str(path)), samples=2, progress=False)
+    assert not report.complete and report.pass_at == {}
+    assert report.passed == {"a": [True, False], "b": [True, True], "c": [False]}
+    assert (report.graded, report.graded_passed) == (5, 3)
+    assert report.missing == ["c", "d"] and report.have == {"c": 1, "d": 0}
+    text = report.text()
+    assert "coverage: 2/4" in text and "graded: 5 sample(s) of 3 item(s), 3 passed" in text
+    assert "c (1), d (0)" in text and "pass@" not in text
+    out = report.as_dict()
+    assert out["missing_have"] == {"c": 1, "d": 0} and out["pass_at"] == {}
+    assert [r["passed"] for r in out["results"]["a"]] == [True, False] and len(out["results"]) == 3
 
 
 def _cli(*args):
@@ -181,10 +202,16 @@ def test_grade_refuses_pass_at_1_and_names_the_missing_item(tmp_path):
     samples = tmp_path / "samples.jsonl"
     samples.write_text("".join(json.dumps({"task_id": i.id, "completion": i.fields["canonical_solution"]}) + "\n"
                                for i in keep[:2]))
-    result = _cli("grade", "--task", str(spec), str(samples), "--no-progress")
+    result = _cli("grade", "--task", str(spec), str(samples), "--no-progress", "--json", str(tmp_path / "p.json"))
     assert result.returncode == 3, result.stderr
     assert "coverage: 2/3" in result.stdout and "HumanEval/2" in result.stdout
     assert "pass@1" not in result.stdout.lower().replace("pass@k refused", "")
+    # The two samples there are were graded and written (before: empty results).
+    assert "graded: 2 sample(s) of 2 item(s), 2 passed" in result.stdout
+    partial = json.load(open(tmp_path / "p.json"))
+    assert partial["pass_at"] == {} and partial["missing"] == [keep[2].id]
+    assert {i: [r["passed"] for r in rs] for i, rs in partial["results"].items()} == {
+        keep[0].id: [True], keep[1].id: [True]}
     with open(samples, "a") as f:
         f.write(json.dumps({"task_id": keep[2].id, "completion": keep[2].fields["canonical_solution"]}) + "\n")
     result = _cli("grade", "--task", str(spec), str(samples), "--no-progress", "--json", str(tmp_path / "r.json"))

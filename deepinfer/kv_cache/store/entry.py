@@ -8,7 +8,8 @@ An entry is one block of one layer group, addressed by its TierKey (group key, b
       header_size      H    HEADER_SIZE
       num_layers       I    layers of the group
       page_bytes       Q    one layer's K (or V) of one block
-      payload_bytes    Q    num_layers * 2 * page_bytes
+      payload_bytes    Q    num_layers * tensors * page_bytes (tensors: 2, K and V; 1 for a kind
+                            whose K and V are one tensor, DeepSeek-V4's)
       dtype            16s  storage dtype name, e.g. "bfloat16", "float8_e4m3fn"
       traffic_class    16s  the retention class it was written under ("chat", "agent", ...)
       created          d    unix seconds at write
@@ -16,7 +17,7 @@ An entry is one block of one layer group, addressed by its TierKey (group key, b
       block_hash       16s
       payload_xxh3     16s  XXH3-128 of the payload
       header_crc       I    crc32 of every header byte before it
-    payload            [layers, K/V, page bytes], the host tier's slot layout
+    payload            [layers, K/V (or the one tensor), page bytes], a staging slot's layout
 
 Last use is not in the header (it changes on every hit): the dir backend keeps it as the file's
 mtime, Redis as the key's expiry. decode() raises EntryError with a reason (one of REASONS):
@@ -63,10 +64,11 @@ class EntryLayout:
     num_layers: int
     page_bytes: int
     dtype: str
+    tensors: int = 2    # per layer: K and V, or 1 where they are one tensor (shared_kv)
 
     @property
     def payload_bytes(self) -> int:
-        return self.num_layers * 2 * self.page_bytes
+        return self.num_layers * self.tensors * self.page_bytes
 
     @property
     def entry_bytes(self) -> int:

@@ -52,9 +52,7 @@ def make_kv_connector_scheduler(config: EngineConfig | CacheConfig, groups: Sequ
     if store is not None:
         from deepinfer.kv_cache.store.persistent import StoreTierScheduler
 
-        cache = getattr(config, "cache", config)
-        return StoreTierScheduler(groups, block_size, store,
-                                  buffer_bytes=int(cache.kv_store_buffer_size * 2**30))
+        return StoreTierScheduler(groups, block_size, store)
     size = offloading_bytes(config)
     if size is None:
         return None

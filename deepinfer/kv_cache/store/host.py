@@ -250,9 +250,10 @@ def _word_dtype(nbytes: int) -> torch.dtype:
     return torch.uint8
 
 
-def _pages(cache: torch.Tensor, block_size: int, word: torch.dtype) -> torch.Tensor:
-    """A [num_blocks * block_size, heads, dim] KV tensor as [num_blocks, page words] (an alias)."""
-    return cache.view(torch.uint8).view(cache.shape[0] // block_size, -1).view(word)
+def _pages(cache: torch.Tensor, rows_per_block: int, word: torch.dtype) -> torch.Tensor:
+    """A [num_blocks * rows_per_block, heads, dim] KV tensor as [num_blocks, page words] (an
+    alias). A block holds block_size rows, or fewer of a compressed kind (specs.py)."""
+    return cache.view(torch.uint8).view(cache.shape[0] // rows_per_block, -1).view(word)
 
 
 class HostTierWorker(KVConnectorWorker):
@@ -281,7 +282,8 @@ class HostTierWorker(KVConnectorWorker):
             for group_id in pool.group_ids:
                 self._group_pool[group_id] = p
                 group = by_id[group_id]
-                self._group_pages[group_id] = [(_pages(k, block_size, word), _pages(v, block_size, word))
+                rows = group.spec.rows_per_block(block_size)
+                self._group_pages[group_id] = [(_pages(k, rows, word), _pages(v, rows, word))
                                                for k, v in group_kv_tensors(kv_caches, groups, group)]
         logger.info("host KV tier: %s, %.2f GiB", ", ".join(
             f"{pool.num_slots} blocks of groups {list(pool.group_ids)}" for pool in pools),

@@ -21,12 +21,14 @@ Worker side (StoreTierWorker, persistent_worker.py):
           (staging.py, kv_store_buffer_size; a side stream and an event on CUDA), and the save is
           reported finished once that copy completed (the device blocks may be reused from then
           on). A writer thread skips entries the store has, encodes and writes the rest, spread
-          over I/O threads. A full buffer drops the save's tail (counted), never blocks the step.
-          Until written, a staged block is served to loads from its slot.
+          over I/O threads. A save larger than the buffer's room streams through it: what does
+          not fit waits (its device blocks held) and is staged once the writer frees slots; the
+          step never blocks on it. Until written, a staged block is served to loads from its slot.
   loads   start_transfers hands each load to a reader thread, which reads and checks the entries
           into staging slots (over the I/O threads) and touches them (their retention restarts);
           the step thread copies them into the device blocks when it polls (finished_transfers).
-          A request loads at most half the buffer (max_load_blocks). A load that fails (an
+          A load larger than the loads' half of the buffer is read in pieces, each copied in
+          and its slots freed before the next (persistent_loads.py). A load that fails (an
           entry missing or bad, the store down) or is not read within load_timeout_s is reported
           by failed_transfers() instead of finished_transfers(): its device blocks were never
           written, and the scheduler must recompute the request (FinishedTransfers.failed).
@@ -56,7 +58,6 @@ from deepinfer.kv_cache.connector import TierKey, group_key
 from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.backend import PRESENT, WRONG_SIZE, StoreBackend, StoreHealth
 from deepinfer.kv_cache.store.entry import EntryLayout
-from deepinfer.kv_cache.store.staging import staging_shape
 from deepinfer.kv_cache.store.transfers import TierSchedulerBase, _Transfer
 from deepinfer.types.plan import KVTransfer
 from deepinfer.types.tier_stats import KVConnectorStats
@@ -99,8 +100,9 @@ def group_layouts(groups: Sequence[KVCacheGroup], block_size: int, key_extra: by
     for g in groups:
         if g.spec.persisted:
             dtype = str(g.spec.storage_dtype).removeprefix("torch.")
+            tensors = 1 if g.spec.shared_kv else 2
             out[g.group_id] = (group_key(g, block_size, key_extra),
-                               EntryLayout(len(g.layer_ids), g.spec.page_bytes(block_size) // 2, dtype))
+                               EntryLayout(len(g.layer_ids), g.spec.page_bytes(block_size) // tensors, dtype, tensors))
     return out
 
 
@@ -131,7 +133,7 @@ class StoreTierScheduler(TierSchedulerBase):
     tier_name = "store"
 
     def __init__(self, groups: Sequence[KVCacheGroup], block_size: int, backend: StoreBackend,
-                 key_extra: bytes = b"", backoff_s: float = 1.0, buffer_bytes: int = 1 << 30) -> None:
+                 key_extra: bytes = b"", backoff_s: float = 1.0) -> None:
         super().__init__()
         self.block_size = block_size
         self.backend = backend
@@ -139,11 +141,8 @@ class StoreTierScheduler(TierSchedulerBase):
         self._layouts = group_layouts(groups, block_size, key_extra)
         if not self._layouts:
             raise ValueError("no layer group's KV kind may be persisted (sliding-window KV never is)")
-        # A load passes through the worker's staging buffer (staging.py) whole: one request loads
-        # at most half of it (its blocks in every persisted group), the rest of its prefix is
-        # computed, so that loads never wait on each other for room, and saves keep some.
-        _, slots = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], buffer_bytes)
-        self.max_load_blocks = max(slots // (2 * len(self._layouts)), 1)
+        # No bound on a request's loads: they stream through the worker's staging buffer
+        # (persistent_loads.py), so a hit is loaded whole however long it is.
         self._known: collections.OrderedDict[TierKey, float] = collections.OrderedDict()
         self._errors_seen = 0
         self._saving: set[TierKey] = set()      # queued or in flight saves of this instance
@@ -171,7 +170,7 @@ class StoreTierScheduler(TierSchedulerBase):
             raise ValueError(f"num_device_tokens={num_device_tokens} is not whole blocks of {self.block_size}")
         groups = [self._layouts[g] for g in group_ids if g in self._layouts]
         first = num_device_tokens // self.block_size
-        hashes = request_hashes[first:first + self.max_load_blocks]
+        hashes = request_hashes[first:]
         if not groups or not hashes:
             return 0
         keys = [(gk, h) for h in hashes for gk, _ in groups]

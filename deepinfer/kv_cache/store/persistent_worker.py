@@ -1,6 +1,14 @@
 """The persistent KV store tier's worker side (StoreTierWorker): the copies between the device
 blocks and host memory on the step, the writer and reader threads that move entries to and from
-the backend. What it does, and the scheduler side, are described in persistent.py."""
+the backend. What it does, and the scheduler side, are described in persistent.py; its loads are
+persistent_loads.py's.
+
+Saves stream through the staging buffer (staging.py): a step's saves are queued in order (the
+backlog) and staged as far as the saves' half has room; the rest stays queued, with its device
+blocks held (the save is not reported finished), and is staged at a later step or poll, once the
+writer freed slots. Every full block of a save is written unless the store is down or the worker
+shuts down before it could be: those drops are counted (StoreWorkerStats.dropped_saves, the
+kv_tier_dropped_saves_total series) and the first is logged."""
 
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ from deepinfer.kv_cache.store.persistent import (
     group_layouts,
     report_removals,
 )
+from deepinfer.kv_cache.store.persistent_loads import StoreLoads, _Load
 from deepinfer.kv_cache.store.staging import StagingBuffer, staging_shape
 from deepinfer.platforms.transfer import to_device
 from deepinfer.types.plan import KVConnectorMetadata, KVTransfer
@@ -57,7 +66,7 @@ class StoreWorkerStats:
 
     written_blocks: int = 0       # entries written to the store
     skipped_blocks: int = 0       # saves the store already held
-    dropped_saves: int = 0        # saves not written: queue full, store down, flush timed out
+    dropped_saves: int = 0        # blocks of saves not written: store down, write failed, shutdown
     loaded_blocks: int = 0
     failed_loads: int = 0         # load transfers reported failed
     load_timeouts: int = 0        # of those, not read within load_timeout_s
@@ -84,36 +93,29 @@ class StoreWorkerStats:
 
 @dataclass
 class _Staged:
-    """A step's saves of one group and traffic class, each save's leading blocks copied into
-    staging slots (parts[i] = (save, its slots), slots[j]: block j of that save)."""
+    """Saves of one group and traffic class staged together, each a run of its blocks copied
+    into staging slots (parts[i] = (save, its first block staged here, their slots))."""
 
     group_id: int
     traffic_class: str
-    parts: list[tuple[KVTransfer, list[int]]]
+    parts: list[tuple[KVTransfer, int, list[int]]]
     event: torch.cuda.Event | None
     staged_at: float = field(default_factory=time.monotonic)
 
     @property
     def slots(self) -> list[int]:
-        return [slot for _, slots in self.parts for slot in slots]
+        return [slot for _, _, slots in self.parts for slot in slots]
 
     def entries(self):
         """(block hash, slot) of every staged block."""
-        for transfer, slots in self.parts:
-            yield from zip(transfer.block_hashes, slots)
+        for transfer, start, slots in self.parts:
+            yield from zip(transfer.block_hashes[start:start + len(slots)], slots)
+
+    def block_ids(self) -> list[int]:
+        return [b for transfer, start, slots in self.parts for b in transfer.device_block_ids[start:start + len(slots)]]
 
 
-@dataclass
-class _Load:
-    transfer: KVTransfer
-    deadline: float
-    done: threading.Event = field(default_factory=threading.Event)
-    slots: list[int] | None = None       # staging slots holding the read, checked entries (block i: slots[i])
-    error: str | None = None
-    abandoned: bool = False              # timed out: the reader's result is dropped
-
-
-class StoreTierWorker(KVConnectorWorker):
+class StoreTierWorker(StoreLoads, KVConnectorWorker):
     def __init__(self, backend: StoreBackend, device: torch.device, *, load_timeout_s: float = 5.0,
                  buffer_bytes: int = 1 << 30, io_threads: int | None = None, io_process: bool | None = None,
                  flush_timeout_s: float = 10.0, backoff_s: float = 1.0, key_extra: bytes = b"",
@@ -140,14 +142,20 @@ class StoreTierWorker(KVConnectorWorker):
         self._words: dict[int, torch.dtype] = {}
         self._group_pages: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._deferred_saves: list[KVTransfer] = []
+        # Saves not fully staged yet, in order: [save, its first block not staged]. The step
+        # thread's (after_forward, finished_transfers) and, once it is idle, flush's.
+        self._backlog: collections.deque[list] = collections.deque()
+        self._save_left: dict[int, int] = {}   # blocks of each save not staged-and-done yet
+        self._drop_logged = False
         self._staging: collections.deque[_Staged] = collections.deque()   # copies not complete yet
         # Staged, not written yet: (slot, the copy's event on CUDA); a load may read it from there.
         self._pending: dict[TierKey, tuple[int, torch.cuda.Event | None]] = {}
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._loads: collections.deque[_Load] = collections.deque()
-        # Loads copied in on the side stream: (transfer id, its slots, the copy's event)
-        self._copies: collections.deque[tuple[int, list[int], torch.cuda.Event]] = collections.deque()
+        # Copies into device blocks queued on the side stream: (the load reported when it is done,
+        # or None; the slots it frees; its event; finished or failed)
+        self._copies: collections.deque[tuple[int | None, list[int], torch.cuda.Event, bool]] = collections.deque()
         # The writer and reader threads hand a transfer's entries to the data path (entry_io.py):
         # in a process of its own on a GPU (the step is host-bound Python there), on threads of
         # this process on the CPU (whose cores belong to the forward, so fewer of them).
@@ -185,7 +193,9 @@ class StoreTierWorker(KVConnectorWorker):
         for group_id, (_, layout) in self._layouts.items():
             word = _word_dtype(layout.page_bytes)
             self._words[group_id] = word
-            self._group_pages[group_id] = [(_pages(k, block_size, word), _pages(v, block_size, word))
+            rows = by_id[group_id].spec.rows_per_block(block_size)
+            # Per layer, its tensors' pages: (K, V), or (KV,) where they are one tensor.
+            self._group_pages[group_id] = [(_pages(k, rows, word), _pages(v, rows, word))[:layout.tensors]
                                            for k, v in group_kv_tensors(kv_caches, groups, by_id[group_id])]
         if self._layouts:
             shape = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], self.buffer_bytes)
@@ -198,11 +208,11 @@ class StoreTierWorker(KVConnectorWorker):
                     self.staging.num_slots if self.staging else 0)
 
     def _rows(self, group_id: int, device_side: bool = False) -> torch.Tensor:
-        """The staging buffer as [slots, layers, 2, words] of this group (its host side, or the
-        device view of the mapped memory)."""
+        """The staging buffer as [slots, layers, tensors, words] of this group (its host side,
+        or the device view of the mapped memory)."""
         layout = self._layouts[group_id][1]
         view = self.staging.device_view if device_side else self.staging.host
-        return self.staging.rows(view, layout.payload_bytes, self._words[group_id], layout.num_layers)
+        return self.staging.rows(view, layout.payload_bytes, self._words[group_id], layout.num_layers, layout.tensors)
 
     def stats(self) -> StoreWorkerStats:
         with self._lock:
@@ -224,52 +234,60 @@ class StoreTierWorker(KVConnectorWorker):
 
     def after_forward(self) -> None:
         saves, self._deferred_saves = self._deferred_saves, []
-        if not saves:
+        if saves:
+            with self._lock:
+                for transfer in saves:
+                    self._save_left[transfer.transfer_id] = len(transfer.device_block_ids)
+            self._backlog.extend([transfer, 0] for transfer in saves)
+        self._stage_backlog()
+
+    def _stage_backlog(self) -> None:
+        """Stage queued saves, in order, as far as the saves' half of the buffer has room; the
+        rest waits for the writer to free slots. One gather, one copy off the device and one
+        write call per group and class, not per save: at a few dozen saves a step (a block
+        completing in each of many decoding requests) the per-save kernel launches were the
+        store's cost on the step (docs/benchmarks/design-measurements.md#kv-store-saves-batched-per-step)."""
+        if not self._backlog:
+            return
+        usable = self.health.usable()
+        batches: dict[tuple[int, str], list[tuple[KVTransfer, int, list[int]]]] = {}
+        while self._backlog:
+            transfer, start = self._backlog[0]
+            n = len(transfer.device_block_ids) - start
+            if not usable:   # the store is down: dropped, the device blocks free at once
+                self._backlog.popleft()
+                self._dropped(n, "the store is down")
+                self._blocks_done(transfer.transfer_id, n)
+                continue
+            slots = self.staging.take(n, "save", partial=True)
+            if not slots:
+                break
+            batches.setdefault((transfer.group_id, transfer.traffic_class or DEFAULT_CLASS), []).append(
+                (transfer, start, slots))
+            if len(slots) < n:
+                self._backlog[0][1] = start + len(slots)
+                break
+            self._backlog.popleft()
+        if not batches:
             return
         if self._cuda:   # behind the forward that wrote the blocks
             queued = torch.cuda.Event()
             queued.record()
             self._stream.wait_event(queued)
-        # One gather, one copy off the device and one write call per group and class for the
-        # whole step, not per save: at a few dozen saves a step (a block completing in each of
-        # many decoding requests) the per-save kernel launches were the store's cost on the step
-        # (docs/benchmarks/design-measurements.md#kv-store-saves-batched-per-step).
-        batches: dict[tuple[int, str], list[KVTransfer]] = {}
-        for transfer in saves:
-            batches.setdefault((transfer.group_id, transfer.traffic_class or DEFAULT_CLASS), []).append(transfer)
-        for (group_id, traffic_class), transfers in batches.items():
-            self._stage(group_id, traffic_class, transfers)
+        for (group_id, traffic_class), parts in batches.items():
+            self._stage(group_id, traffic_class, parts)
 
-    def _stage(self, group_id: int, traffic_class: str, transfers: list[KVTransfer]) -> None:
-        """Copy saves' blocks device -> staging slots (the only part on the step). With too few
-        free slots a save's leading blocks are staged (a prefix hit needs them first), the rest
-        dropped."""
-        parts: list[tuple[KVTransfer, list[int]]] = []
-        dropped = 0
-        for transfer in transfers:
-            n = len(transfer.device_block_ids)
-            slots = self.staging.take(n, "save", partial=True) if self.health.usable() else []
-            dropped += n - len(slots)
-            if slots:
-                parts.append((transfer, slots))
-            else:
-                with self._lock:   # reported finished (its device blocks are free), never written
-                    self._done.append(transfer.transfer_id)
-        if dropped:
-            with self._lock:
-                self._stats.dropped_saves += dropped
-        if not parts:
-            return
-        block_ids = [b for transfer, slots in parts for b in transfer.device_block_ids[:len(slots)]]
+    def _stage(self, group_id: int, traffic_class: str, parts: list[tuple[KVTransfer, int, list[int]]]) -> None:
+        """Copy these runs of saves' blocks device -> their staging slots (the only part on the step)."""
         staged = _Staged(group_id, traffic_class, parts, None)
         pages = self._group_pages[group_id]
         if self._cuda:
             with torch.cuda.stream(self._stream):
-                self._gather(group_id, pages, block_ids, staged.slots)
+                self._gather(group_id, pages, staged.block_ids(), staged.slots)
                 staged.event = torch.cuda.Event()
                 staged.event.record(self._stream)
         else:
-            self._gather(group_id, pages, block_ids, staged.slots)
+            self._gather(group_id, pages, staged.block_ids(), staged.slots)
         gk = self._layouts[group_id][0]
         with self._lock:
             for block_hash, slot in staged.entries():
@@ -278,6 +296,26 @@ class StoreTierWorker(KVConnectorWorker):
         if not self.durable_saves:
             self._staging.append(staged)
         self._writes.put(staged)
+
+    def _blocks_done(self, transfer_id: int, n: int) -> None:
+        """n blocks of a save are off the device (copied, or dropped); the save is finished with
+        its last (durable_saves: written, or dropped)."""
+        with self._lock:
+            left = self._save_left.get(transfer_id, 0) - n
+            if left > 0:
+                self._save_left[transfer_id] = left
+                return
+            self._save_left.pop(transfer_id, None)
+            self._done.append(transfer_id)
+
+    def _dropped(self, n: int, why: str) -> None:
+        """n blocks of saves that will not be written: counted, the first time logged."""
+        with self._lock:
+            self._stats.dropped_saves += n
+            first, self._drop_logged = not self._drop_logged, True
+        if first:
+            logger.warning("KV store %s: %d block(s) not saved (%s); such drops are counted in "
+                           "kv_tier_dropped_saves_total and not logged again", self.backend.url, n, why)
 
     def _gather(self, group_id: int, pages, block_ids: Sequence[int], slots: list[int]) -> None:
         """Device blocks -> staging slots. On CUDA the blocks are gathered in device memory, then
@@ -292,27 +330,24 @@ class StoreTierWorker(KVConnectorWorker):
         if not self._cuda or not self.staging.dma:
             rows = self._rows(group_id, device_side=self._cuda)
             slot_ids = to_device(slots, self.device, torch.long)
-            for layer, (k, v) in enumerate(pages):
-                rows[:, layer, 0].index_copy_(0, slot_ids, k.index_select(0, blocks))
-                rows[:, layer, 1].index_copy_(0, slot_ids, v.index_select(0, blocks))
+            for layer, tensors in enumerate(pages):
+                for t, page in enumerate(tensors):
+                    rows[:, layer, t].index_copy_(0, slot_ids, page.index_select(0, blocks))
             return
         rows = self._rows(group_id)
-        gathered = torch.stack([torch.stack([k.index_select(0, blocks), v.index_select(0, blocks)], 1)
-                                for k, v in pages], 1)                   # [blocks, layers, 2, words]
+        gathered = torch.stack([torch.stack([page.index_select(0, blocks) for page in tensors], 1)
+                                for tensors in pages], 1)               # [blocks, layers, tensors, words]
         for i, first, n in self.staging.runs(slots):
             rows[first:first + n].copy_(gathered[i:i + n], non_blocking=True)
 
     def finished_transfers(self) -> list[int]:
-        done: list[int] = []
-        with self._lock:
-            done, self._done = self._done, []
+        self._stage_backlog()   # slots the writer freed since
         while self._staging and (self._staging[0].event is None or self._staging[0].event.query()):
-            done.extend(transfer.transfer_id for transfer, _ in self._staging.popleft().parts)
+            for transfer, _, slots in self._staging.popleft().parts:
+                self._blocks_done(transfer.transfer_id, len(slots))
         self._finish_loads()
-        while self._copies and self._copies[0][2].query():
-            transfer_id, slots, _ = self._copies.popleft()
-            self.staging.free(slots, "load")
-            done.append(transfer_id)
+        done: list[int] = []
+        self._finished_copies(done)
         with self._lock:
             done.extend(self._done)
             self._done = []
@@ -323,125 +358,7 @@ class StoreTierWorker(KVConnectorWorker):
             failed, self._failed = self._failed, []
         return failed
 
-    def _finish_loads(self, wait: bool = False) -> None:
-        """Loads whose reads completed: copy into the device blocks (or report them failed)."""
-        while self._loads:
-            load = self._loads[0]
-            if wait:
-                load.done.wait(max(0.0, load.deadline - time.monotonic()))
-            if not load.done.is_set():
-                if time.monotonic() < load.deadline:
-                    return   # in order: later loads wait behind this one
-                load.abandoned = True
-                with self._lock:
-                    self._stats.load_timeouts += 1
-                load.error = load.error or f"not read within {self.load_timeout_s} s"
-            self._loads.popleft()
-            transfer = load.transfer
-            slots = self._claim(load)
-            if load.error is not None or slots is None:
-                if slots is not None:
-                    self.staging.free(slots, "load")
-                logger.debug("KV store load %d failed: %s", transfer.transfer_id, load.error)
-                with self._lock:
-                    self._stats.failed_loads += 1
-                    self._failed.append(transfer.transfer_id)
-                continue
-            self._copy_in(transfer, slots)
-            with self._lock:
-                self._stats.loaded_blocks += len(transfer.device_block_ids)
-
-    def _claim(self, load: _Load) -> list[int] | None:
-        """The load's slots, taken from it (once: the reader and the step thread both try when a
-        load times out, and whoever claims them frees them)."""
-        with self._lock:
-            slots, load.slots = load.slots, None
-        return slots
-
-    def _copy_in(self, transfer: KVTransfer, slots: list[int]) -> None:
-        """Staging slots -> the load's device blocks; the slots are freed once the copy is done."""
-        pages = self._group_pages[transfer.group_id]
-        if self._cuda:
-            queued = torch.cuda.Event()
-            queued.record()
-            self._stream.wait_event(queued)
-            with torch.cuda.stream(self._stream):
-                self._scatter(transfer.group_id, pages, transfer.device_block_ids, slots)
-                event = torch.cuda.Event()
-                event.record(self._stream)
-            self._copies.append((transfer.transfer_id, slots, event))
-        else:
-            self._scatter(transfer.group_id, pages, transfer.device_block_ids, slots)
-            self.staging.free(slots, "load")
-            with self._lock:
-                self._done.append(transfer.transfer_id)
-
-    def _scatter(self, group_id: int, pages, block_ids: Sequence[int], slots: list[int]) -> None:
-        """Staging slots -> device blocks: on CUDA each run of consecutive slots is one
-        asynchronous copy into device memory (the copy engine), then per layer an index copy."""
-        blocks = to_device(block_ids, self.device, torch.long)
-        if self._cuda and self.staging.dma:
-            rows = self._rows(group_id)
-            src = torch.empty((len(slots), *rows.shape[1:]), dtype=rows.dtype, device=self.device)
-            for i, first, n in self.staging.runs(slots):
-                src[i:i + n].copy_(rows[first:first + n], non_blocking=True)
-        else:
-            src = self._rows(group_id, device_side=self._cuda).index_select(0, to_device(slots, self.device, torch.long))
-        for layer, (k, v) in enumerate(pages):
-            k.index_copy_(0, blocks, src[:, layer, 0])
-            v.index_copy_(0, blocks, src[:, layer, 1])
-
     # ------------------------------------------------------------------------------ threads
-    def _on_read(self, load: _Load | None) -> None:
-        if load is None:   # idle tick
-            return
-        try:
-            self._read(load)
-        except Exception as exc:   # never let the thread die: the load fails, the request recomputes
-            load.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            if load.abandoned or load.error is not None:   # nobody will copy it in
-                slots = self._claim(load)
-                if slots is not None:
-                    self.staging.free(slots, "load")
-            load.done.set()
-
-    def _read(self, load: _Load) -> None:
-        """Read and check the load's entries into staging slots (load.slots), or set load.error."""
-        transfer = load.transfer
-        gk, layout = self._layouts[transfer.group_id]
-        keys = [(gk, h) for h in transfer.block_hashes]
-        slots = self.staging.take(len(keys), "load")
-        if not slots:
-            load.error = f"the staging buffer has fewer than {len(keys)} free blocks"
-            return
-        load.slots = slots
-        with self._lock:
-            staged = {i: self._pending[key] for i, key in enumerate(keys) if key in self._pending}
-        for _, event in staged.values():   # their copies off the device must be complete
-            if event is not None:
-                event.synchronize()
-        host, size = self.staging.host, layout.payload_bytes
-        with self._lock:   # staged, not written yet: copied from its slot, unless written (and freed) since
-            for i, (slot, event) in list(staged.items()):
-                if self._pending.get(keys[i]) == (slot, event):
-                    host[slots[i], :size] = host[slot, :size]
-                else:
-                    del staged[i]
-        wanted = [i for i in range(len(keys)) if i not in staged]
-        if not wanted:
-            return
-        if not self.health.usable():
-            load.error = "the store is down"
-            return
-        try:
-            result = self._io.call("read", [keys[i] for i in wanted], [slots[i] for i in wanted], layout,
-                                   transfer.traffic_class or DEFAULT_CLASS)
-        except StoreUnavailable as exc:   # the I/O process is gone
-            result = OpResult(error=str(exc), unavailable=str(exc), read_errors=1)
-        self._apply(result, "read")
-        load.error = result.error
-
     def _apply(self, result: OpResult, what: str) -> None:
         """An op's counts into the stats, its store failure into health, its removals into events."""
         if result.unavailable is not None:
@@ -452,12 +369,13 @@ class StoreTierWorker(KVConnectorWorker):
             stats = self._stats
             stats.written_blocks += len(result.written)
             stats.skipped_blocks += result.skipped
-            stats.dropped_saves += result.dropped
             stats.missing_entries += result.missing
             stats.read_errors += result.read_errors
             stats.write_errors += result.write_errors
             for reason, n in result.bad.items():
                 stats.bad_entries[reason] += n
+        if result.dropped:
+            self._dropped(result.dropped, result.unavailable or "the store refused the write")
         if result.removed and self._report_removed is not None:
             self._report_removed(result.removed)
 
@@ -490,14 +408,12 @@ class StoreTierWorker(KVConnectorWorker):
             staged.event.synchronize()
         slots = staged.slots
         if self._closing_deadline is not None and time.monotonic() > self._closing_deadline:
-            with self._lock:
-                self._stats.dropped_saves += len(slots)
+            self._dropped(len(slots), "shutting down: not written within the flush timeout")
             return
         gk, layout = self._layouts[staged.group_id]
         keys = [(gk, block_hash) for block_hash, _ in staged.entries()]
         if not self.health.usable():
-            with self._lock:
-                self._stats.dropped_saves += len(slots)
+            self._dropped(len(slots), "the store is down")
             return
         try:
             result = self._io.call("write", keys, slots, layout, staged.traffic_class)
@@ -518,22 +434,27 @@ class StoreTierWorker(KVConnectorWorker):
                 if entry is not None and entry[0] == slot:
                     del self._pending[(gk, block_hash)]
             self._unwritten -= 1
-            if self.durable_saves:   # written, or dropped (the decode side then recomputes)
-                self._done.extend(transfer.transfer_id for transfer, _ in staged.parts)
             self._idle.notify_all()
+        if self.durable_saves:   # written, or dropped (the decode side then recomputes)
+            for transfer, _, slots in staged.parts:
+                self._blocks_done(transfer.transfer_id, len(slots))
         self.staging.free(staged.slots, "save")
 
     # ---------------------------------------------------------------------------- shutdown
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every staged save is written (or dropped); False if `timeout_s` passed first."""
+        """Wait until every save is staged and written (or dropped); False if `timeout_s` passed
+        first. Called by the step thread, or while it is idle (it stages what is queued)."""
         deadline = time.monotonic() + (self.flush_timeout_s if timeout_s is None else timeout_s)
-        with self._lock:
-            while self._unwritten:
+        while True:
+            self._stage_backlog()
+            with self._lock:
+                if not self._unwritten and not self._backlog:
+                    return True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._idle.wait(left)
-        return True
+                # Woken by every write done; queued saves wait for the slots those free.
+                self._idle.wait(min(left, 0.05) if self._backlog else left)
 
     def wait_all(self) -> None:
         self.after_forward()
@@ -558,6 +479,9 @@ class StoreTierWorker(KVConnectorWorker):
         if not self.flush(timeout):
             logger.warning("KV store %s: writes still pending after %.1f s at shutdown; dropped",
                            self.backend.url, timeout)
+            while self._backlog:
+                transfer, start = self._backlog.popleft()
+                self._dropped(len(transfer.device_block_ids) - start, "shutting down")
         self._writes.put(_STOP)
         self._reads.put(_STOP)
         self._writer.join(1.0)

@@ -7,19 +7,20 @@ and write from those slots and free them. A load's reader threads decode entries
 slots; the step then copies slots -> device blocks the same way round. On CUDA the buffer is
 page-locked host memory (platforms/host_memory.py; shared with the I/O process when it has one),
 so those copies run on the copy engine: nothing is allocated or page-locked per transfer, and the
-host never waits for the device. (The first worker allocated page-locked memory per save and
-dropped a save whole once 1 GiB was pending: on the GPU a 32k-token prefix reached the store only
-up to its first 8k tokens; docs/benchmarks/design-measurements.md#kv-store-staging-buffer.)
+host never waits for the device. (A worker that allocated page-locked memory per save and dropped
+a save whole past a bound kept only the start of a long prefix:
+docs/benchmarks/design-measurements.md#kv-store-staging-buffer.)
 
 A slot holds one block of one group's payload, [layers, K/V, page bytes]. Slots are taken and
 freed under a lock by the step thread and the I/O threads. Saves and loads each have half of
 them: a store that writes slower than the engine computes fills the saves' half, and a load must
-still find room (measured on the GPU: a server whose saves had filled the whole buffer failed
-the next 32k-token load, docs/benchmarks/design-measurements.md#kv-store-staging-buffer). A
-transfer that finds too few free slots in its half takes what there is (saves: their leading
-blocks, the ones a later prefix hit needs first) or fails (loads: the request recomputes). Free
-slots are kept in order, so a transfer's slots are mostly consecutive and on CUDA move in a few
-large copies.
+still find room (a server whose saves had filled one shared buffer failed the next long load).
+Neither direction is bounded by the buffer's size: a transfer larger than its half, or finding
+too little room, streams through it. A save stages what fits and the rest when slots come free
+(its device blocks stay held until then: the save is not finished); a load is read in pieces of
+at most its half, each copied in and freed before the reader takes the next (take(..., wait_s)).
+Free slots are kept in order, so a transfer's slots are mostly consecutive and on CUDA move in a
+few large copies.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class StagingBuffer:
         if device.type == "cuda" and not self.dma:
             logger.warning("the KV store's staging buffer is not seen as page-locked; its copies run as kernels")
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)   # notified when slots are freed
         self._free = list(range(num_slots - 1, -1, -1))   # popped from the end: low slots first
         self.quota = {"save": max(num_slots // 2, 1), "load": max(num_slots - num_slots // 2, 1)}
         self._used = {"save": 0, "load": 0}
@@ -70,11 +72,17 @@ class StagingBuffer:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def take(self, n: int, kind: str, partial: bool = False) -> list[int]:
+    def take(self, n: int, kind: str, partial: bool = False, wait_s: float = 0.0) -> list[int]:
         """n slots of `kind`'s half (save | load), ascending, or fewer when `partial` and fewer
-        are free ([] when none, or when not `partial` and fewer than n are free)."""
+        are free ([] when none, or when not `partial` and fewer than n are free). `wait_s`: wait
+        up to that long for n to come free (n must fit the half)."""
+        if n > self.quota[kind] and not partial:
+            raise ValueError(f"{n} blocks do not fit the {kind}s' half of the staging buffer ({self.quota[kind]})")
         with self._lock:
             room = min(len(self._free), self.quota[kind] - self._used[kind])
+            if room < n and wait_s > 0:
+                self._room.wait_for(lambda: min(len(self._free), self.quota[kind] - self._used[kind]) >= n, wait_s)
+                room = min(len(self._free), self.quota[kind] - self._used[kind])
             if room < n and not partial:
                 return []
             k = max(min(n, room), 0)
@@ -89,10 +97,13 @@ class StagingBuffer:
             self._free.extend(slots)
             self._free.sort(reverse=True)
             self._used[kind] -= len(slots)
+            self._room.notify_all()
 
-    def rows(self, view: torch.Tensor, payload_bytes: int, word: torch.dtype, num_layers: int) -> torch.Tensor:
-        """`view` (host or device_view) as [slots, layers, 2, words] of a group's payload (an alias)."""
-        return view[:, :payload_bytes].view(word).view(self.num_slots, num_layers, 2, -1)
+    def rows(self, view: torch.Tensor, payload_bytes: int, word: torch.dtype, num_layers: int,
+             tensors: int = 2) -> torch.Tensor:
+        """`view` (host or device_view) as [slots, layers, tensors (K, V), words] of a group's
+        payload (an alias)."""
+        return view[:, :payload_bytes].view(word).view(self.num_slots, num_layers, tensors, -1)
 
     @staticmethod
     def runs(slots: list[int]):
