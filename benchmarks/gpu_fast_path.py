@@ -3,11 +3,12 @@ measured in the same run.
 
     python benchmarks/gpu_fast_path.py [--shape llama3-8b|smollm2-135m] [--layers N]
         [--requests 1000] [--max-num-seqs 512] [--max-num-batched-tokens 16384]
-        [--kv-cache-dtype auto|fp8] [--parts check,a,b,c,sweep,hf] [--out results.json]
-        [--plot throughput.png]
+        [--kv-cache-dtype auto|fp8] [--quantization auto|fp8] [--parts check,a,b,c,sweep,hf]
+        [--out results.json] [--plot throughput.png]
 
 Prints and writes (JSON):
-  ceilings  device-to-device copy bandwidth, bf16 8192^3 matmul rate
+  ceilings  device-to-device copy bandwidth, bf16 8192^3 matmul rate (and, with --quantization
+            fp8, the FP8 one: the projections' floor then counts their FP8 bytes and rate)
   check     greedy tokens of the overlapped loop equal the plain loop's (async_scheduling)
   (a)       batch-1 decode tok/s at 1k context, and the roofline = bandwidth / weight bytes;
             also with the plain loop, and a profile: device time per step vs wall time per step
@@ -57,14 +58,17 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def shape_counts(config: dict, kv_element_bytes: int = 2) -> dict:
+def shape_counts(config: dict, kv_element_bytes: int = 2, body_weight_bytes: int = 2) -> dict:
+    """Parameter and byte counts of a Llama shape. body_weight_bytes: bytes a projection weight
+    takes (1 with quantization="fp8": the embeddings and the head stay 2)."""
     h, layers = config["hidden_size"], config["num_hidden_layers"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = h // heads
     per_layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * config["intermediate_size"]
     return dict(layers=layers, hidden=h, head_dim=head_dim, heads=heads, kv_heads=kv_heads,
                 body_params=layers * per_layer, head_params=config["vocab_size"] * h,
-                kv_bytes_per_token=2 * layers * kv_heads * head_dim * kv_element_bytes)
+                kv_bytes_per_token=2 * layers * kv_heads * head_dim * kv_element_bytes,
+                body_weight_bytes=body_weight_bytes)
 
 
 def attention_flops(c: dict, context: int, queries: int) -> float:
@@ -74,24 +78,45 @@ def attention_flops(c: dict, context: int, queries: int) -> float:
 
 
 def throughput_floor(c: dict, n: int, prompt: int, output: int, max_batch: int, bandwidth: float,
-                     flops: float) -> float:
+                     flops: float, body_flops: float | None = None) -> float:
     """Seconds the whole offline run needs at least: every matmul at the measured rate, plus
-    the weights read once per decode step and each decode step's KV read at the copy bandwidth."""
-    return sum(throughput_floor_parts(c, n, prompt, output, max_batch, bandwidth, flops).values())
+    the weights read once per decode step and each decode step's KV read at the copy bandwidth.
+    body_flops: the projections' matmul rate where it is not `flops` (FP8 weights: the FP8 rate)."""
+    return sum(throughput_floor_parts(c, n, prompt, output, max_batch, bandwidth, flops, body_flops).values())
 
 
 def throughput_floor_parts(c: dict, n: int, prompt: int, output: int, max_batch: int, bandwidth: float,
-                           flops: float) -> dict:
+                           flops: float, body_flops: float | None = None) -> dict:
     """throughput_floor's parts, in seconds (throughput_profile.py --kernels sets kernel time beside them)."""
     tokens = n * (prompt + output)
-    matmul = 2 * c["body_params"] * tokens + 2 * c["head_params"] * n * output
+    matmul_s = 2 * c["body_params"] * tokens / (body_flops or flops) + 2 * c["head_params"] * n * output / flops
     attn = n * (attention_flops(c, 0, prompt) + sum(4 * (prompt + i) * c["heads"] * c["head_dim"] * c["layers"]
                                                      for i in range(output)))
     decode_steps = math.ceil(n / max_batch) * output
-    weight_bytes = 2 * (c["body_params"] + c["head_params"])
+    weight_bytes = c.get("body_weight_bytes", 2) * c["body_params"] + 2 * c["head_params"]
     kv_read = n * sum(prompt + i for i in range(output)) * c["kv_bytes_per_token"]
-    return {"matmul_flops_s": matmul / flops, "attention_flops_s": attn / flops,
+    return {"matmul_flops_s": matmul_s, "attention_flops_s": attn / flops,
             "decode_weight_reads_s": decode_steps * weight_bytes / bandwidth, "kv_reads_s": kv_read / bandwidth}
+
+
+def fp8_matmul_rate() -> float:
+    """FLOP/s of an 8192^3 FP8 product with row-wise scales (what quantization="fp8" runs)."""
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(8192, 1, device="cuda"), torch.ones(1, 8192, device="cuda")
+
+    def run():
+        return torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3)
 
 
 def prefill_attention_kernels(c: dict, tokens: int = 8192) -> dict:
@@ -181,6 +206,9 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="the engine's KV cache dtype; the floor of (c) counts its bytes")
+    parser.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the projections' weights FP8 per channel (the floors count their bytes and "
+                             "the FP8 matmul rate, measured in the same run)")
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"which measurements to run, comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--enforce-eager", action="store_true")
@@ -203,9 +231,12 @@ def main() -> None:
     config = dict(SHAPES[args.shape])
     if args.layers:
         config["num_hidden_layers"] = args.layers
-    c = shape_counts(config, kv_element_bytes=1 if args.kv_cache_dtype == "fp8" else 2)
+    fp8_weights = args.quantization == "fp8"
+    c = shape_counts(config, kv_element_bytes=1 if args.kv_cache_dtype == "fp8" else 2,
+                     body_weight_bytes=1 if fp8_weights else 2)
     vocab = config["vocab_size"]
     bandwidth, flops = copy_bandwidth(), matmul_rate()
+    body_flops = fp8_matmul_rate() if fp8_weights else flops
     config_dir = write_config_dir(config)
     result: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
                     "device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
@@ -213,7 +244,8 @@ def main() -> None:
                     "bf16_matmul_tflop_s": flops / 1e12, "enforce_eager": args.enforce_eager,
                     "attention_backend": args.attention_backend, "max_num_seqs": args.max_num_seqs,
                     "max_num_batched_tokens": args.max_num_batched_tokens,
-                    "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_dtype": args.kv_cache_dtype}
+                    "gpu_memory_utilization": args.gpu_memory_utilization, "kv_cache_dtype": args.kv_cache_dtype,
+                    "quantization": args.quantization, "projection_matmul_tflop_s": body_flops / 1e12}
     for key, value in list(result.items()):
         report(result, key, value, args.out)
 
@@ -223,7 +255,7 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
               enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization)
     report(result, "engine_start_s", time.perf_counter() - t, args.out)
     runner = llm.engine.executor.runner
     report(result, "weight_gb", runner.weight_bytes / 1e9, args.out)
@@ -238,9 +270,9 @@ def main() -> None:
     if "a" in parts:
         emit(decode_batch1(llm, vocab, bandwidth))
     if "b" in parts:
-        emit(prefill_8k(llm, c, vocab, flops))
+        emit(prefill_8k(llm, c, vocab, flops, body_flops))
     if "c" in parts:
-        emit(offline_throughput(llm, c, vocab, args.requests, bandwidth, flops))
+        emit(offline_throughput(llm, c, vocab, args.requests, bandwidth, flops, body_flops))
     if "sweep" in parts:
         emit(concurrency_sweep(llm, vocab, [int(x) for x in args.sweep.split(",") if x], args.max_num_seqs))
 
@@ -296,7 +328,7 @@ def decode_batch1(llm, vocab: int, bandwidth: float) -> dict:
     return out
 
 
-def prefill_8k(llm, c: dict, vocab: int, flops: float) -> dict:
+def prefill_8k(llm, c: dict, vocab: int, flops: float, body_flops: float | None = None) -> dict:
     """(b) one 8k-token prefill against the matmul rate, and one layer's attention kernels.
 
     The matmul rate is measured in a short burst on an idle GPU. A prefill that starts right after
@@ -314,17 +346,20 @@ def prefill_8k(llm, c: dict, vocab: int, flops: float) -> dict:
     prefill()
     back_to_back_s = min(prefill() for _ in range(3))
     from_idle_s = min(time.sleep(IDLE_S) or prefill() for _ in range(3))
-    prefill_flops = 2 * c["body_params"] * 8192 + 2 * c["head_params"] + attention_flops(c, 0, 8192)
+    # The floor: the projections at their rate (FP8's with FP8 weights), the head and attention at bf16's.
+    floor_s = (2 * c["body_params"] * 8192 / (body_flops or flops)
+               + (2 * c["head_params"] + attention_flops(c, 0, 8192)) / flops)
     out = {"prefill_8k_ms": from_idle_s * 1e3,
-           "prefill_fraction_of_matmul_rate": prefill_flops / from_idle_s / flops,
+           "prefill_fraction_of_matmul_rate": floor_s / from_idle_s,
            "prefill_8k_ms_back_to_back": back_to_back_s * 1e3,
-           "prefill_fraction_back_to_back": prefill_flops / back_to_back_s / flops}
+           "prefill_fraction_back_to_back": floor_s / back_to_back_s}
     # Where (b)'s time goes: the attention kernel of one layer alone, against SDPA's flash kernel.
     out.update(prefill_attention_kernels(c))
     return out
 
 
-def offline_throughput(llm, c: dict, vocab: int, requests: int, bandwidth: float, flops: float) -> dict:
+def offline_throughput(llm, c: dict, vocab: int, requests: int, bandwidth: float, flops: float,
+                       body_flops: float | None = None) -> dict:
     """(c) `requests` prompts of 1024 tokens, 256 greedy tokens each, submitted at once."""
     from deepinfer import SamplingParams
 
@@ -332,7 +367,7 @@ def offline_throughput(llm, c: dict, vocab: int, requests: int, bandwidth: float
     params = SamplingParams(max_tokens=256, **GREEDY)
     run_s = timed(lambda: llm.generate(prompts, params, use_tqdm=False))
     batch = concurrent_requests(llm, 1024 + 256)
-    floor = throughput_floor(c, requests, 1024, 256, batch, bandwidth, flops)
+    floor = throughput_floor(c, requests, 1024, 256, batch, bandwidth, flops, body_flops)
     return {"throughput_requests": requests, "throughput_concurrency": batch, "throughput_s": run_s,
             "floor_s": floor, "time_over_floor": run_s / floor, "output_tok_s": requests * 256 / run_s,
             "total_tok_s": requests * 1280 / run_s}

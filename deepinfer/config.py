@@ -18,7 +18,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --dtype also takes these; ModelConfig stores the name they stand for.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "fp8")
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "triton")
 POLICIES = ("fcfs", "priority")
 SPEC_METHODS = ("ngram", "draft_model", "mtp", "replay")
@@ -62,7 +62,10 @@ class ModelConfig:
     quantization: str = "auto"
     """auto: on the CPU in bf16, GGUF 4-bit matrices (and a Q8_0 head) also keep a 4-bit copy
     for small batches and dense weights a oneDNN-packed copy for large ones | none: plain
-    dense dequantized weights only (the reference path)."""
+    dense dequantized weights only (the reference path) | fp8: the projections' weights kept as
+    FP8 e4m3 with one scale per output channel, quantized at load, and multiplied as FP8 with
+    the activations quantized per token (vLLM's dynamic FP8; layers/quantization/fp8.py); the
+    embeddings, the head and the norms stay in the model's dtype."""
     attention_backend: str = "auto"
     """auto (the platform's choice: triton on CUDA when Triton imports, cpu on the CPU) | reference
     (plain PyTorch, what the fast paths are checked against) | cpu | triton. Read once, by

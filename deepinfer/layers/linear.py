@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers.attention.metadata import current_backend
+from deepinfer.layers.quantization import fp8
 
 INT4_GROUP = 32
 # Above this many rows the dense bf16 matmul (oneDNN-packed, pack_dense) beats the int4 kernel.
@@ -148,11 +149,39 @@ def one_row_gemv(x: torch.Tensor) -> bool:
 class Linear(nn.Linear):
     """nn.Linear that may also hold an int4 copy of its weight and a oneDNN-packed copy of its
     dense weight (CPU, bf16; see the module docstring and pack_dense). `weight` stays the plain
-    dense tensor: what is loaded, and the reference path."""
+    dense tensor: what is loaded, and the reference path.
+
+    Or its weight is FP8 (layers/quantization/fp8.py): `weight` holds the float8_e4m3fn codes
+    and `weight_scale` their float32 multipliers, per output channel (`to_fp8`, from the loaded
+    weight) or per block of `weight_block` (`as_fp8_blocks`, before a checkpoint's FP8 blocks are
+    loaded into it); no dense copy is kept."""
 
     int4_weight: torch.Tensor | None = None
     int4_scales_zeros: torch.Tensor | None = None
     packed_weight: torch.Tensor | None = None
+    weight_scale: torch.Tensor | None = None
+    weight_block: tuple[int, int] | None = None
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    @torch.no_grad()
+    def to_fp8(self) -> None:
+        """Replace the (loaded) weight by FP8 codes with one scale per output channel."""
+        codes, scale = fp8.quantize_per_channel(self.weight)
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale = scale
+        self.int4_weight = self.int4_scales_zeros = self.packed_weight = None
+
+    def as_fp8_blocks(self, block: tuple[int, int]) -> None:
+        """Make room for a checkpoint's block-scaled FP8 weight: codes [out, in] and scales
+        [ceil(out / bn), ceil(in / bk)], filled by the loader."""
+        out, inner = self.weight.shape
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty(out, inner, dtype=fp8.FP8, device=device), requires_grad=False)
+        self.weight_scale = torch.ones(-(-out // block[0]), -(-inner // block[1]), device=device)
+        self.weight_block = block
 
     def set_int4(self, blocks: Int4Blocks) -> None:
         if not int4_available(self.weight.device, blocks.q.shape[1]):
@@ -170,6 +199,8 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), on the fastest copy of the weight for x's rows. A row-parallel
         layer passes no bias: it adds it once, after summing the ranks' products."""
+        if self.weight_scale is not None:
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         if one_row_gemv(x):
             # One row on the CUDA fast path: the Triton GEMV, faster than cuBLAS on every matrix
             # timed. A first multi-row version lost to cuBLAS at two rows on most of Llama-3-8B's

@@ -114,6 +114,14 @@ class CausalLM(nn.Module):
         if onednn_packing_available(self.head_weight()):
             self.head_packed = pack_dense(self.head_weight())
 
+    def quantize_fp8(self) -> None:
+        """quantization="fp8": every projection's loaded weight becomes FP8 codes with one scale
+        per output channel (layers/quantization/fp8.py); the embeddings and the head, which are
+        not `Linear`s, keep the model's dtype."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.to_fp8()
+
     def load_from(self, source, keep_int4: bool = False) -> None:
         """Fill the weights from a ModelSource (the runner's call); a model whose checkpoints
         need more than a stream of named tensors (DeepSeek-V4) reads its files itself."""

@@ -161,13 +161,15 @@ class ModelRunner:
         """Load weights (no source: keep the random init, for benchmarks of real shapes). Where
         the forward runs on host kernels, in bf16, GGUF 4-bit matrices (and a Q8_0 head) also
         keep a 4-bit copy for small-batch decode, and dense weights a oneDNN-packed copy for
-        larger batches."""
+        larger batches. With quantization="fp8" the projections become FP8 once loaded."""
         host_formats = (self.config.model.quantization == "auto" and self.platform.packs_weights_for_host_kernels
                         and self.dtype == torch.bfloat16)
         if source is not None:   # 4-bit copies on one rank only (models/base.py, load_weights)
             self.model.load_from(source, keep_int4=host_formats and self.group.size == 1)
         if host_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
             self.model.pack_weights()
+        if self.config.model.quantization == "fp8":
+            self.model.quantize_fp8()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def _lay_out_kv_cache(self) -> None:
