@@ -19,6 +19,7 @@ config.json); `check_load_format` says what `load_format` means for a source.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -50,10 +51,20 @@ class ModelSource:
     hf_config: dict
     tokenizer: Tokenizer | None   # None: loaded with skip_tokenizer_init
     generation_config: dict = field(default_factory=dict)
-    revision: str | None = None   # the hub revision asked for (it roots the prefix-cache keys)
+    revision: str | None = None   # the hub revision asked for
+    hf_overrides: dict = field(default_factory=dict)   # merged into hf_config (hf_overrides)
     # Produces the weights lazily, so that building a ModelSource (config + tokenizer) is cheap
     # and the dequantized weights exist only while the model copies them in.
     _weights: Callable[[bool], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+
+    @property
+    def revision_key(self) -> str | None:
+        """What roots the prefix-cache keys beside the name (types/block_hashes.hash_root): the
+        revision, and the config overrides, which change the KV of the same tokens (blocks of
+        an instance with other overrides must never be found in a shared store)."""
+        if not self.hf_overrides:
+            return self.revision
+        return f"{self.revision or ''}+hf_overrides={json.dumps(self.hf_overrides, sort_keys=True)}"
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -98,6 +109,7 @@ def load_model_source(model: str | None, *, skip_tokenizer_init: bool = False, t
     source = _load(model, skip_tokenizer_init or tokenizer is not None, revision)
     if hf_overrides:
         source.hf_config = {**source.hf_config, **hf_overrides}
+        source.hf_overrides = dict(hf_overrides)
         logger.info("config.json overridden (hf_overrides): %s", sorted(hf_overrides))
     if tokenizer is not None and not skip_tokenizer_init:
         source.tokenizer = _load_tokenizer(tokenizer, source)

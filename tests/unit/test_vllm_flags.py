@@ -175,6 +175,8 @@ def test_hf_overrides_reach_the_model(tiny_llama):
     a, b = (x.generate(prompt, greedy, use_tqdm=False)[0].outputs[0] for x in (base, moved))
     first = [next(iter(step.values())).logprob for step in (a.logprobs[0], b.logprobs[0])]
     assert abs(first[0] - first[1]) > 1e-4   # another norm epsilon: another forward
+    # ... so other KV for the same tokens: its blocks never match the plain model's (a shared store)
+    assert moved.engine.kv_manager.hash_root != base.engine.kv_manager.hash_root
 
 
 def test_override_generation_config_sets_the_default_sampling(tiny_llama, caplog):
