@@ -1,7 +1,7 @@
 """HumanEval Pass@1 of the embedded SmolLM2-135M-Instruct, greedy, at full coverage, three ways:
 
-  (a) through a real `deepinfer serve` subprocess (its /v1/completions route, `eval generate --model-url`)
-  (b) in-process, the offline `LLM` (`eval generate` without --model-url)
+  (a) through a real `deepinfer serve` subprocess (its /v1/completions route, `eval generate --base-url`)
+  (b) in-process, the offline `LLM` (`eval generate` without --base-url)
   (c) transformers: AutoModelForCausalLM from the same GGUF (`gguf_file=`), a plain greedy loop
       over the same prompt token ids, with the same max_tokens, EOS ids and stop strings (the
       text is cut at the first stop string, as the engine does), written to a run file of the

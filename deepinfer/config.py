@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,9 +30,9 @@ MAX_VERIFY_CHAIN = 16
 # The most rows a decode CUDA graph is captured for when max_cudagraph_capture_size is unset
 # (ModelConfig.graph_rows); a step with more rows runs eagerly.
 DEFAULT_MAX_GRAPH_ROWS = 512
-# auto: the model's dtype; fp8 (= fp8_e4m3, vLLM's names): float8 e4m3 with a scale of 1.0
-# (deepinfer/kv_cache/dtypes.py).
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# auto: the model's dtype; fp8 (= fp8_e4m3, vLLM's names): float8 e4m3 with a scale of 1.0;
+# fp8_e5m2: float8 e5m2 (deepinfer/kv_cache/dtypes.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 EXPERT_PARALLEL_DISPATCH = ("all_to_all", "all_reduce")
 KV_ROLES = ("both", "prefill", "decode")
@@ -54,7 +55,8 @@ class ModelConfig:
     """auto (the platform's default: bf16 on CUDA and CPU) | float32 | bfloat16 | float16;
     vLLM's aliases half (float16) and float (float32) are accepted."""
     max_model_len: int | None = None
-    """Longest prompt plus output, in tokens; unset: the model's own context length."""
+    """Longest prompt plus output, in tokens (the flag also takes 4k = 4,000 and 4K = 4,096);
+    unset (or auto, -1): the model's own context length."""
     seed: int = 0
     """vLLM's engine seed. deepinfer seeds sampling per request (SamplingParams.seed)."""
     served_model_name: str | None = None
@@ -84,6 +86,19 @@ class ModelConfig:
     SamplingParams' own defaults) | a directory holding a generation_config.json."""
     skip_tokenizer_init: bool = False
     """Load no tokenizer: prompts must be token ids, outputs carry token ids and empty text."""
+    tokenizer: str | None = None
+    """Where the tokenizer (and chat template) come from instead of the model: an HF directory
+    with a tokenizer.json, a .gguf file, or a hub id. Unset: the model's own."""
+    revision: str | None = None
+    """The revision (branch, tag or commit) of a hub model to download; it also roots the
+    prefix-cache keys. Unset: the default branch."""
+    hf_overrides: str | None = None
+    """A JSON object merged into the model's config.json before the model is built, e.g.
+    '{"rope_scaling": {...}}' (LLM also takes a dict)."""
+    override_generation_config: str | None = None
+    """A JSON object of default sampling settings, in generation_config.json's keys (temperature,
+    top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged over the model's
+    (generation_config auto or a directory), or the only ones (generation_config vllm)."""
 
     def graph_rows(self, max_num_seqs: int, rows_per_request: int) -> int:
         """The most rows a captured decode graph takes: max_cudagraph_capture_size, or a step of
@@ -112,6 +127,30 @@ class ModelConfig:
                              f"got {self.generation_config!r}")
         if self.trust_remote_code:
             logger.info("trust_remote_code has no effect: deepinfer never runs code from a model repository")
+        if self.revision is not None and (self.model is None or os.path.exists(os.path.expanduser(self.model))):
+            logger.warning("revision=%r is ignored: %s is not a hub model", self.revision,
+                           self.model or "the embedded model")
+        for name in ("hf_overrides", "override_generation_config"):   # a dict (LLM) is kept as its JSON text
+            object.__setattr__(self, name, json_object(name, getattr(self, name)))
+
+    def json_field(self, name: str) -> dict[str, Any]:
+        """A JSON-object field (hf_overrides, override_generation_config) as a dict; {} if unset."""
+        value = getattr(self, name)
+        return {} if value is None else json.loads(value)
+
+
+def json_object(name: str, value: Any) -> str | None:
+    """A flag's JSON object (text or a dict) as canonical JSON text; errors name the field."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return json.dumps(value, sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -127,7 +166,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     """Exact number of KV blocks, overriding the memory budget (tests, benchmarks)."""
     kv_cache_dtype: str = "auto"
-    """auto (the model's dtype) | fp8 = fp8_e4m3 (float8 e4m3 with a scale of 1.0)."""
+    """auto (the model's dtype) | fp8 = fp8_e4m3 (float8 e4m3 with a scale of 1.0) | fp8_e5m2
+    (float8 e5m2: attention then runs on the reference backend, the fast kernels read e4m3)."""
     swa_retention_s: float = 180.0
     """Seconds a cached sliding-window block is kept after its last use; older ones are never
     hit and are reused first. Full-attention blocks stay cached until evicted."""
@@ -291,6 +331,9 @@ class SchedulerConfig:
     """Split a long prompt over several steps, beside running decodes."""
     policy: str = "fcfs"
     """fcfs (arrival order) | priority (the request's priority, then arrival)."""
+    long_prefill_token_threshold: int = 0
+    """The most prompt tokens one request computes in a step (a long prompt's chunks are cut
+    to it, so it leaves budget to others); 0: no limit beyond max_num_batched_tokens."""
     structured_outputs_compile_timeout_s: float = 30.0
     """A request whose grammar is not compiled within this many seconds fails (alone); a
     request may set its own limit."""
@@ -308,6 +351,9 @@ class SchedulerConfig:
                              f"got {self.structured_outputs_compile_timeout_s}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        threshold = self.long_prefill_token_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0, got {threshold!r}")
 
     def with_batch_limits(self, limits: tuple[int, int]) -> SchedulerConfig:
         """This config with its unset (max_num_seqs, max_num_batched_tokens) taken from `limits`."""
@@ -471,7 +517,8 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
-        """Build from flat vLLM-style keyword arguments; unknown names are an error."""
+        """Build from flat vLLM-style keyword arguments; unknown names are an error. (vLLM's names
+        without a field here: vllm_compat.engine_config, what LLM and the CLI call.)"""
         speculative = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         parts: dict[str, dict[str, Any]] = {part: {} for part in _FLAT_PARTS}
         owners = {f.name: part for part, klass in _FLAT_PARTS.items() for f in dataclasses.fields(klass)}

@@ -24,17 +24,17 @@ from deepinfer_recipe import Encoder, parse_request
 from tqdm.auto import tqdm
 
 from deepinfer.chat import apply_template_kwargs, make_encoder, refuse_images
-from deepinfer.config import EngineConfig
 from deepinfer.engine.admission import EngineFacts, child_requests, to_request
 from deepinfer.engine.core import EngineCore
 from deepinfer.models.generation_config import default_sampling_overrides
-from deepinfer.models.loader import load_model_source
+from deepinfer.models.loader import check_load_format, model_source
 from deepinfer.models.registry import takes_images
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import RequestOutput
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.types import traffic_class as traffic
+from deepinfer.vllm_compat import engine_config
 
 logger = logging.getLogger(__name__)
 
@@ -57,25 +57,25 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, load_format: str = "auto", **kwargs: Any) -> None:
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-        self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        self.config = engine_config(model=model, **kwargs)   # vLLM's names translated (vllm_compat.py)
         if self.config.parallel.data_parallel_size > 1:
             # One engine core runs in this process; N cores behind one endpoint are the server's
             # (vLLM's offline data parallelism is a launcher of one LLM per rank, not this class).
             raise ValueError(f"data_parallel_size={self.config.parallel.data_parallel_size}: the offline LLM runs one "
                              "engine core; use `deepinfer serve --data-parallel-size N` for N engine cores behind "
                              "one server")
-        source = load_model_source(model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
+        source = model_source(self.config.model)
+        load_weights = check_load_format(load_format, source)
         self.model_id = self.config.model.served_model_name or source.name
         self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
         self.eos_token_ids = source.eos_token_ids
-        self.default_sampling_overrides = default_sampling_overrides(self.config.model.generation_config, source)
+        self.default_sampling_overrides = default_sampling_overrides(
+            self.config.model.generation_config, source, self.config.model.json_field("override_generation_config"))
         if self.default_sampling_overrides:
             logger.info("Default sampling parameters come from the model's generation config: %s "
                         "(generation_config='vllm' ignores them)", self.default_sampling_overrides)
         self.get_default_sampling_params()   # a bad value in generation_config.json fails here, not later
-        self.engine = EngineCore(self.config, source, load_weights=load_format == "auto")
+        self.engine = EngineCore(self.config, source, load_weights=load_weights)
         self.config = self.engine.config   # with the batch limits the platform filled in
         self.max_model_len = self.engine.max_model_len
         self._facts = EngineFacts(self.model_id, self.max_model_len, self.eos_token_ids,   # for admission

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deepinfer.cli.flags import add_dataclass_flags, dataclass_values
+from deepinfer.cli.flags import BooleanFlag, add_dataclass_flags, dataclass_values
 from deepinfer.config import (
     ATTENTION_BACKENDS,
     DTYPE_ALIASES,
@@ -27,11 +27,16 @@ from deepinfer.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from deepinfer.models.loader import FOREIGN_LOAD_FORMATS, LOAD_FORMATS
+from deepinfer.vllm_compat import TOKENIZER_MODES, human_readable_int_or_auto
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
-# vLLM's short spellings.
-_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
+# vLLM's short spellings, and its names for the same settings.
+_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
+            "num_kv_blocks": ["--num-gpu-blocks-override"], "policy": ["--scheduling-policy"]}
+# vLLM's value forms: 4k (4,000), 4K (4,096); auto / -1: the model's own.
+_TYPES = {"max_model_len": human_readable_int_or_auto, "max_num_batched_tokens": human_readable_int_or_auto}
 _CHOICES = {
     "dtype": [*DTYPES, *DTYPE_ALIASES],
     "quantization": QUANTIZATIONS,
@@ -51,14 +56,48 @@ _NOT_GENERATED = ("model", "served_model_name")
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for klass in ENGINE_PARTS:
         group = parser.add_argument_group(klass.__name__)
-        add_dataclass_flags(group, klass, skip=_NOT_GENERATED, aliases=_ALIASES, choices=_CHOICES)
+        add_dataclass_flags(group, klass, skip=_NOT_GENERATED, aliases=_ALIASES, choices=_CHOICES, types=_TYPES)
     parser.add_argument("--model", default=None, help="HF directory, .gguf file or hub id (default: the "
                         "embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                        help="dummy: random weights of the model's shape (speed measurements)")
+    parser.add_argument("--load-format", choices=[*LOAD_FORMATS, *FOREIGN_LOAD_FORMATS], default="auto",
+                        metavar="{" + ",".join(LOAD_FORMATS) + ",...}",
+                        help="auto | safetensors or gguf (the model must be that kind) | dummy: random weights of "
+                             "the model's shape (speed measurements); vLLM's other formats are accepted with a "
+                             "warning and load the model's files as auto does")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
                              '"verification": "adaptive"}\'; method ngram | draft_model (with "model": PATH) | mtp')
+    _add_vllm_compat_args(parser)
+
+
+# vLLM's engine flags without a deepinfer field: vllm_compat.engine_config translates them
+# (deepinfer/vllm_compat.py); None is "not given".
+VLLM_COMPAT = ("tokenizer_mode", "limit_mm_per_prompt", "compilation_config", "optimization_level",
+               "cuda_graph_sizes", "max_seq_len_to_capture", "swap_space", "disable_custom_all_reduce")
+
+
+def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM compatibility", "vLLM's flags without a setting of their own here: "
+                                      "translated, or accepted with a one-line warning saying what happens instead")
+    a = group.add_argument
+    a("--tokenizer-mode", choices=TOKENIZER_MODES, default=None,
+      help="auto / hf: the HF tokenizers library's fast tokenizer, the only one here (others: warned, it is used)")
+    a("--limit-mm-per-prompt", default=None, metavar="JSON",
+      help='e.g. \'{"image": 0}\'; the models here read text only (a limit above 0 is warned)')
+    a("--compilation-config", "-cc", default=None, metavar="JSON",
+      help='cudagraph_mode "NONE" = --enforce-eager; max_cudagraph_capture_size (or cudagraph_capture_sizes) = '
+           "--max-cudagraph-capture-size; torch.compile settings are warned (nothing is compiled here)")
+    a("-O", "--optimization-level", dest="optimization_level", default=None, metavar="LEVEL",
+      help="0: no CUDA graphs (--enforce-eager), as vLLM's -O0; 1-3: decode CUDA graphs, no torch.compile "
+           "(warned); a JSON object: a --compilation-config")
+    a("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+      help="the largest is --max-cudagraph-capture-size (graphs at 1, 2, 4, 8 and multiples of 16 up to it)")
+    a("--max-seq-len-to-capture", type=int, default=None, metavar="INT",
+      help="ignored, warned: the CUDA graphs here take any context length")
+    a("--swap-space", type=float, default=None, metavar="GIB",
+      help="ignored, warned: a preempted request is recomputed, nothing is swapped")
+    a("--disable-custom-all-reduce", action=BooleanFlag, default=None,
+      help="accepted: deepinfer's all-reduce is always NCCL's (gloo's on the CPU)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,6 +110,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     if names:
         out["served_model_name"] = names[0]
     out["load_format"] = args.load_format
+    for name in VLLM_COMPAT:
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
     if getattr(args, "speculative_config", None) is not None:
         out["speculative_config"] = args.speculative_config   # JSON text, parsed by EngineConfig
     return out

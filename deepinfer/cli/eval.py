@@ -24,13 +24,17 @@ def add_eval_args(parser: argparse.ArgumentParser) -> None:
                               help="sample every item of a task into a run file (appends, resumes)")
     gen.add_argument("--task", required=True, help="a shipped task (humaneval, mc_basics) or a task spec .json")
     gen.add_argument("--out", required=True, help="the run file (JSON lines); an existing one is resumed")
-    gen.add_argument("--samples", type=int, default=1, help="samples per item, K (default 1)")
-    gen.add_argument("--model-url", default=None,
+    gen.add_argument("--samples", type=int, default=1, help="samples per item, K")
+    # The names `bench serve` uses for the same things; the older spellings stay as aliases.
+    gen.add_argument("--base-url", "--model-url", dest="base_url", default=None,
                      help="a server's base URL (http://host:port): generate through its OpenAI routes; "
                           "without it the model runs in this process (--model and the engine flags)")
     gen.add_argument("--api-key", default=None, help="the server's API key")
-    gen.add_argument("--served-model", default=None, help="the model name to send (default: the server's first)")
-    gen.add_argument("--concurrency", type=int, default=8, help="requests in flight to the server (default 8)")
+    gen.add_argument("--served-model-name", "--served-model", dest="served_model_name", nargs="+", default=None,
+                     metavar="NAME", help="the model name to send (the first, as the server's own flag takes "
+                     "several; default: the first the server lists); in process: the engine's model id")
+    gen.add_argument("--concurrency", "--max-concurrency", dest="concurrency", type=int, default=8,
+                     help="requests in flight to the server")
     gen.add_argument("--batch-size", type=int, default=32, help="in-process chat tasks: samples per chat() call")
     gen.add_argument("--limit", type=int, default=None, help="only the first N items (a quick look; grade "
                      "will then report partial coverage)")
@@ -74,13 +78,14 @@ def _generate(args: argparse.Namespace) -> int:
     for value, flag in ((args.samples, "--samples"), (args.concurrency, "--concurrency"),
                         (args.batch_size, "--batch-size"), (args.limit, "--limit")):
         _positive(value, flag)
-    if args.model_url and args.model:
-        raise ValueError("--model-url and --model exclude each other (a server, or a model in this process)")
+    if args.base_url and args.model:
+        raise ValueError("--base-url and --model exclude each other (a server, or a model in this process)")
     task = load_task(args.task)
     settings = task_settings(task, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                              seed=args.sampling_seed)
-    if args.model_url:
-        client = ServerClient(args.model_url, api_key=args.api_key, model=args.served_model,
+    if args.base_url:
+        client = ServerClient(args.base_url, api_key=args.api_key,
+                              model=args.served_model_name[0] if args.served_model_name else None,
                               concurrency=args.concurrency)
     else:
         client = InProcessClient(engine_kwargs(args), batch_size=args.batch_size)

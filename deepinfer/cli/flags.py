@@ -25,6 +25,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import json
 import textwrap
 import types
 import typing
@@ -66,13 +67,15 @@ class BooleanFlag(argparse.Action):
 
 def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, klass: type, *,
                         skip: Sequence[str] = (), aliases: dict[str, Sequence[str]] | None = None,
-                        choices: dict[str, Sequence[Any]] | None = None) -> list[str]:
+                        choices: dict[str, Sequence[Any]] | None = None,
+                        types: dict[str, Any] | None = None) -> list[str]:
     """Add one flag per field of `klass` (but those in `skip`); returns the fields added.
 
     aliases: extra option strings of a field's flag (e.g. {"tensor_parallel_size": ["-tp"]}).
     choices: the values a field's flag accepts; anything else is an argparse error listing them.
+    types: a parser of a field's value other than its annotation's (e.g. `4k` for an int).
     """
-    aliases, choices = aliases or {}, choices or {}
+    aliases, choices, types = aliases or {}, choices or {}, types or {}
     hints = typing.get_type_hints(klass)
     docs = field_docs(klass)
     added = []
@@ -89,7 +92,7 @@ def add_dataclass_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
             parser.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name, action="store_false",
                                 help=f"the same as {flag_name(f.name)} false")
         else:
-            value_type = _optional_of(kind) if optional else kind
+            value_type = types.get(f.name) or (_optional_of(kind) if optional else kind)
             parser.add_argument(*option_strings, dest=f.name, type=value_type, default=default,
                                 nargs="+" if many else None, choices=choices.get(f.name),
                                 metavar=_metavar(kind, choices.get(f.name)), help=help_text)
@@ -111,12 +114,127 @@ def dataclass_values(klass: type, args: argparse.Namespace, *, skip: Sequence[st
     return values
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless its text already names one (the
+    generated flags' do): `--flag` switches say "off", unset values "unset"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not _shows_default(action) or "default" in text.lower():
+            return text
+        return f"{text} {_default_note(action)}".strip()
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    return bool(action.option_strings) and action.default is not argparse.SUPPRESS and not isinstance(
+        action, (argparse._HelpAction, argparse._VersionAction, argparse._StoreFalseAction))
+
+
+def _default_note(action: argparse.Action) -> str:
+    if isinstance(action, argparse._StoreTrueAction):
+        shown = "on" if action.default else "off"
+    elif isinstance(action.default, (list, tuple)):
+        shown = " ".join(map(str, action.default)) or "none"
+    else:
+        shown = _show_default(action.default)
+    return f"(default: {shown.replace('%', '%%')})"
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """DefaultsHelpFormatter for `parser` and every sub-command under it (an option without help
+    text gets its default as its text: argparse prints no help line for it otherwise)."""
+    parser.formatter_class = DefaultsHelpFormatter
+    for action in parser._actions:   # argparse offers no public walk over its actions
+        if action.help is None and _shows_default(action):
+            action.help = _default_note(action)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                show_defaults(sub)
+
+
 def parse_cli(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """parser.parse_args(argv), with the boolean flags' values written explicitly first."""
+    """parser.parse_args(argv), with a --config file's values as the defaults (apply_config_file)
+    and the boolean flags' values written explicitly first."""
     import sys
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    return parser.parse_args(explicit_booleans(argv, _boolean_options(parser)))
+    argv = apply_config_file(parser, explicit_booleans(argv, _boolean_options(parser)))
+    return parser.parse_args(argv)
+
+
+def apply_config_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """vLLM's `--config FILE`: a YAML mapping of flag names (max_model_len or max-model-len) to
+    values, for the command that takes --config (serve). The file's values become that command's
+    defaults, so the command line wins; an unknown key or a bad value is an argparse error naming
+    it. Returns argv without the --config option."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    at = next((i for i, token in enumerate(argv[:end]) if token == "--config" or token.startswith("--config=")), None)
+    if at is None:
+        return argv
+    command = parser
+    for token in argv[:at]:   # the sub-command the option belongs to
+        sub = next((a for a in command._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or token not in sub.choices:
+            break
+        command = sub.choices[token]
+    if "--config" not in command._option_string_actions:
+        return argv   # argparse names it as unrecognized
+    if argv[at] == "--config":
+        if at + 1 >= end:
+            command.error("argument --config: expected one argument")
+        path, rest = argv[at + 1], argv[:at] + argv[at + 2:]
+    else:
+        path, rest = argv[at].split("=", 1)[1], argv[:at] + argv[at + 1:]
+    for key, value in _read_config_file(command, path).items():
+        action = command._option_string_actions.get("--" + str(key).replace("_", "-"))
+        if action is None or action.dest in ("help", "config"):
+            command.error(f"--config {path}: {key!r} is not a flag of this command")
+        try:
+            command.set_defaults(**{action.dest: _config_value(action, value)})
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+            command.error(f"--config {path}: {key}: {e}")
+    return rest
+
+
+def _read_config_file(command: argparse.ArgumentParser, path: str) -> dict:
+    try:
+        import yaml
+    except ImportError:
+        command.error("--config needs PyYAML to read its file (a dependency of deepinfer): pip install pyyaml")
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except OSError as e:
+        command.error(f"--config {path}: {e.strerror}")
+    except yaml.YAMLError as e:
+        command.error(f"--config {path}: not valid YAML ({e})")
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        command.error(f"--config {path}: the file must be a mapping of flag names to values")
+    return values
+
+
+def _config_value(action: argparse.Action, value: Any) -> Any:
+    """A --config file's value as the action's parsed value."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        on = value if isinstance(value, bool) else parse_bool(str(value))
+        return on if isinstance(action, argparse._StoreTrueAction) else not on
+    if isinstance(action, BooleanFlag):
+        on = value if isinstance(value, bool) else parse_bool(str(value))
+        return (not on) if action.invert else on
+    convert = action.type or str
+
+    def one(item: Any) -> Any:
+        text = json.dumps(item) if isinstance(item, (dict, list)) else str(item)
+        parsed = convert(text)
+        if action.choices is not None and parsed not in action.choices:
+            raise ValueError(f"{item!r} is not one of {', '.join(map(str, action.choices))}")
+        return parsed
+
+    if action.nargs in ("+", "*"):
+        return [one(v) for v in (value if isinstance(value, list) else [value])]
+    return one(value)
 
 
 def explicit_booleans(argv: list[str], boolean_options: set[str]) -> list[str]:

@@ -8,7 +8,7 @@ import sys
 
 from deepinfer import envs
 from deepinfer.cli.args import add_engine_args, engine_kwargs
-from deepinfer.cli.flags import parse_cli
+from deepinfer.cli.flags import parse_cli, show_defaults
 from deepinfer.cli.server_args import add_server_args, serve_config
 
 
@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", allow_abbrev=False, help="OpenAI- and Anthropic-compatible HTTP server")
     serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                        help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--config", default=None, metavar="YAML",
+                       help="a YAML file of this command's flags (vLLM's --config): `max_model_len: 4096`, "
+                            "`enable_prefix_caching: false`, lists for several values; the command line wins")
     add_server_args(serve)
     add_engine_args(serve)
 
@@ -69,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.bench.serve import add_serve_bench_args
 
     add_serve_bench_args(bench_serve)
+    show_defaults(parser)
     return parser
 
 

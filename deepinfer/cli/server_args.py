@@ -9,6 +9,7 @@ from deepinfer.cli.args import engine_kwargs
 from deepinfer.cli.flags import BooleanFlag, add_dataclass_flags, dataclass_values
 from deepinfer.config import EngineConfig
 from deepinfer.entrypoints.options import LOG_LEVELS, REASONING_PARSERS, TOOL_CALL_PARSERS, ServerOptions
+from deepinfer.vllm_compat import engine_config
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -34,4 +35,4 @@ def serve_config(args: argparse.Namespace) -> tuple[EngineConfig, ServerOptions]
     kwargs.pop("load_format")   # not an engine field: run_server takes it (main._serve)
     if args.model_tag is not None:
         kwargs["model"] = args.model_tag
-    return EngineConfig.from_kwargs(**kwargs), options
+    return engine_config(**kwargs), options

@@ -77,7 +77,7 @@ class EngineCore:
         self.kv_manager = KVCacheManager(
             kv.groups, pool_blocks, kv.block_size, config.cache.enable_prefix_caching,
             replay=replay_config(config.cache, kv.groups), swa_retention_s=config.cache.swa_retention_s,
-            hash_root=hash_root(source.name, getattr(source, "revision", None), kv.block_size,
+            hash_root=hash_root(source.name, getattr(source, "revision_key", None), kv.block_size,
                                 config.cache.kv_cache_dtype, tp_rank=0))
         self.spec = None
         if config.speculative is not None:

@@ -127,9 +127,9 @@ class EngineCoreProc:
 
     def load(self) -> None:
         from deepinfer.engine.core import EngineCore
-        from deepinfer.models.loader import load_model_source
+        from deepinfer.models.loader import model_source
 
-        source = load_model_source(self.config.model.model, skip_tokenizer_init=self.config.model.skip_tokenizer_init)
+        source = model_source(self.config.model)
         if not self.load_weights:
             import torch
 

@@ -184,7 +184,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and partial.budget > 0:
             request = self.running[i]
-            num_new = min(self._target(request) - request.num_computed_tokens, partial.budget)
+            num_new = min(self._capped(self._target(request) - request.num_computed_tokens), partial.budget)
             # A token in flight that is the request's last: nothing more to compute for it.
             if num_new <= 0 or (request.num_samples_in_flight
                                 and self._at_length_limit(request, request.num_samples_in_flight)):
@@ -277,9 +277,16 @@ class Scheduler:
     def _first_chunk(self, num_new: int, budget: int) -> int | None:
         """Tokens of a waiting request's first chunk within the budget; None when the rest of its
         prompt must fit in one step (chunked prefill off) and does not."""
+        num_new = self._capped(num_new)
         if num_new > budget and not self.config.enable_chunked_prefill:
             return None
         return min(num_new, budget)
+
+    def _capped(self, num_new: int) -> int:
+        """long_prefill_token_threshold (vLLM's): a long prompt's chunk is cut to it, so that one
+        request cannot take a whole step's budget (0: no cap)."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if 0 < cap < num_new else num_new
 
     def _admit(self, partial: _PartialPlan, request: Request, num_new: int) -> None:
         """A waiting request starts running: the runner learns it whole, with its first chunk."""

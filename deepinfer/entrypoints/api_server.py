@@ -18,7 +18,9 @@ import sys
 import time
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import deepinfer
@@ -46,7 +48,7 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
                                max_pending_requests=options.max_pending_requests,
                                request_timeout_s=options.request_timeout_s,
                                max_engine_restarts=options.max_engine_restarts,
-                               log_requests=options.enable_log_requests,
+                               log_requests=options.enable_log_requests, log_stats=not options.disable_log_stats,
                                metrics_vllm_names=options.metrics_vllm_names, on_fatal=on_fatal)
     names = list(options.served_model_name) or [client.model_id]
     state = ServerState(client, names, options, takes_images=takes_images(source.hf_config),
@@ -56,7 +58,8 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     except Exception as e:   # no template: completions still work, chat routes say why not
         state.encoder_error = f"chat routes are unavailable for this model: {e}"
         logger.warning("%s", state.encoder_error)
-    state.sampling_defaults = default_sampling_overrides(config.model.generation_config, source)
+    state.sampling_defaults = default_sampling_overrides(config.model.generation_config, source,
+                                                         config.model.json_field("override_generation_config"))
     if state.sampling_defaults:
         logger.info("sampling defaults from the model's generation config (--generation-config %s): %s",
                     config.model.generation_config, state.sampling_defaults)
@@ -71,6 +74,9 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
             state.workers.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="deepinfer", version=deepinfer.__version__, lifespan=lifespan)
+    # --root-path, as vLLM sets it: the app's own, so a path that still carries the prefix (a
+    # proxy that forwards /llm/v1/...) and one the proxy stripped (/v1/...) both reach the routes.
+    app.root_path = options.root_path
     app.state.server = state
     # The last added runs first: HTTP metrics see every answer (401s and 413s too, as handler
     # "none": they never reach a route), then the size check answers before the key check.
@@ -78,6 +84,10 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
     app.add_middleware(BodySizeLimitMiddleware, limit=state.body_limit)
     app.add_middleware(HTTPMetricsMiddleware, metrics=client.metrics.http)
+    # Outermost (vLLM's defaults beside --allowed-origins): a browser's preflight is answered
+    # before the key check, and every answer, a 401 too, carries the CORS headers.
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins), allow_credentials=False,
+                       allow_methods=["*"], allow_headers=["*"])
 
     install_error_handlers(app, "server")
 
@@ -190,13 +200,29 @@ def _tokenize(state: ServerState, body: dict) -> dict:
     return result
 
 
-def run_server(config: EngineConfig, options: ServerOptions, *, load_format: str = "auto") -> None:
-    import uvicorn
+class AnnouncingServer(uvicorn.Server):
+    """uvicorn's server, saying where it serves once the port answers: its lifespan (the engine
+    core starting, the model loading) runs before the socket is bound, so a line logged before
+    run() came long before anyone could connect."""
 
-    from deepinfer.models.loader import load_model_source
+    def __init__(self, config: uvicorn.Config, model_name: str, root_path: str = "") -> None:
+        super().__init__(config)
+        self.model_name, self.root_path = model_name, root_path
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and not self.should_exit:
+            config = self.config
+            port = self.servers[0].sockets[0].getsockname()[1] if self.servers else config.port
+            logger.info("serving %s on %s://%s:%d%s", self.model_name, "https" if config.is_ssl else "http",
+                        config.host, port, self.root_path)
+
+
+def run_server(config: EngineConfig, options: ServerOptions, *, load_format: str = "auto") -> None:
+    from deepinfer.models.loader import model_source
 
     fatal: list[str] = []
-    server: uvicorn.Server | None = None
+    server: AnnouncingServer | None = None
 
     def on_fatal(reason: str) -> None:
         fatal.append(reason)
@@ -204,11 +230,12 @@ def run_server(config: EngineConfig, options: ServerOptions, *, load_format: str
             server.should_exit = True
 
     # The front end needs only config and tokenizer; the weights load in the core process.
-    source = load_model_source(config.model.model, skip_tokenizer_init=config.model.skip_tokenizer_init)
+    source = model_source(config.model)
     app = build_app(config, source, options, on_fatal=on_fatal, load_format=load_format)
-    logger.info("serving %s on http://%s:%d", app.state.server.model_name, options.host, options.port)
-    server = uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
-                                           log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5))
+    server = AnnouncingServer(uvicorn.Config(app, host=options.host, port=options.port,
+                                             ssl_keyfile=options.ssl_keyfile, ssl_certfile=options.ssl_certfile,
+                                             log_level=options.uvicorn_log_level, timeout_graceful_shutdown=5),
+                              app.state.server.model_name, options.root_path)
     server.run()
     if fatal:
         logger.critical("exiting: %s", fatal[0])

@@ -8,12 +8,22 @@ chat routes do with tools and reasoning. The CLI flags are generated from these 
 
 from __future__ import annotations
 
+import functools
+import json
+import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from deepinfer.entrypoints.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# vLLM's structured_outputs_config keys, and its backends (xgrammar is the one here).
+STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                           "reasoning_parser", "enable_in_reasoning")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LOG_LEVELS", "REASONING_PARSERS", "TOOL_CALL_PARSERS", "ServerOptions", "load_chat_template",
            "request_body_limit"]
@@ -27,6 +37,17 @@ class ServerOptions:
     """Address to listen on."""
     port: int = 8000
     """Port to listen on."""
+    root_path: str = ""
+    """The path prefix the server is reached under behind a proxy (ASGI root_path), e.g. /llm."""
+    ssl_keyfile: str | None = None
+    """The TLS private key file: with --ssl-certfile, the server speaks HTTPS."""
+    ssl_certfile: str | None = None
+    """The TLS certificate (chain) file: with --ssl-keyfile, the server speaks HTTPS."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    """Origins a browser may call the API from (CORS), or vLLM's JSON list ('["http://a"]'); * is any."""
+    api_server_count: int = 1
+    """vLLM's number of API server processes: one here (the engine core runs in a process of its
+    own, so HTTP never stalls it); a larger count is warned."""
     api_key: str | None = None
     """Require this key on every route but the probes (Authorization: Bearer KEY, or x-api-key)."""
     served_model_name: tuple[str, ...] = ()
@@ -53,6 +74,8 @@ class ServerOptions:
     """The most logprobs / top_logprobs a request may ask for; -1: no limit."""
     enable_log_requests: bool = False
     """Log one line per request (arrival, prompt length, sampling) at INFO."""
+    disable_log_stats: bool = False
+    """No periodic stats line (running, waiting, KV cache usage) in the log; /metrics is the same."""
     enable_auto_tool_choice: bool = False
     """Let the model decide when to call tools (tool_choice "auto")."""
     tool_call_parser: str | None = None
@@ -61,6 +84,11 @@ class ServerOptions:
     reasoning_parser: str | None = None
     """vLLM's reasoning parser name; accepted names are those whose format the recipe parses
     (entrypoints/parser_names.py)."""
+    structured_outputs_config: str | None = None
+    """vLLM's JSON object: backend (auto | xgrammar; another is warned, xgrammar runs),
+    disable_any_whitespace (the default of every request's JSON constraint), reasoning_parser (as
+    --reasoning-parser), disable_fallback (there is none to disable), disable_additional_properties
+    and enable_in_reasoning (warned: not applied here)."""
     max_engine_restarts: int = 3
     """Restart a dead engine core process this many times (each core, with --data-parallel-size),
     then exit non-zero so that a supervisor sees the failure."""
@@ -85,10 +113,12 @@ class ServerOptions:
             if value < low:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
-        for name in ("port", "max_pending_requests", "max_json_depth", "max_stop_sequences"):
+        for name in ("port", "max_pending_requests", "max_json_depth", "max_stop_sequences", "api_server_count"):
             at_least(name, 1)
         if self.max_request_body_bytes is not None:
             at_least("max_request_body_bytes", 1)
+        self._check_network()
+        self._check_structured_outputs()
         at_least("request_timeout_s", 0)
         at_least("max_engine_restarts", 0)
         at_least("max_logprobs", -1)
@@ -102,10 +132,80 @@ class ServerOptions:
                                  f"accepted: {', '.join(sorted(known))}")
         # Frozen: these normalisations are the only writes, so later code sees one form.
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
 
 
+    def _check_network(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both for HTTPS, or neither")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"--{name.replace('_', '-')} {path!r}: no such file")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path must start with / and not end with one (e.g. /llm), got {self.root_path!r}")
+        if self.api_server_count > 1:
+            logger.warning("--api-server-count %d: deepinfer runs one API server process (the engine core has its "
+                           "own process); the count is ignored", self.api_server_count)
+
+    def _check_structured_outputs(self) -> None:
+        config = self.structured_outputs
+        unknown = sorted(set(config) - set(STRUCTURED_OUTPUTS_KEYS))
+        if unknown:
+            raise ValueError(f"--structured-outputs-config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+        backend = config.get("backend", "auto")
+        if backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"--structured-outputs-config backend must be one of "
+                             f"{', '.join(STRUCTURED_OUTPUTS_BACKENDS)}, got {backend!r}")
+        if backend not in ("auto", "xgrammar"):
+            logger.warning("--structured-outputs-config backend %r: deepinfer's structured outputs are xgrammar's; "
+                           "xgrammar runs", backend)
+        for key in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties",
+                    "enable_in_reasoning"):
+            if not isinstance(config.get(key, False), bool):
+                raise ValueError(f"--structured-outputs-config {key} must be true or false, got {config[key]!r}")
+        for key in ("disable_additional_properties", "enable_in_reasoning"):
+            if config.get(key):
+                logger.warning("--structured-outputs-config %s: not applied here (a constraint covers the answer, "
+                               "after any reasoning, and a schema's additionalProperties stand as written)", key)
+        parser = config.get("reasoning_parser")
+        if parser:
+            if self.reasoning_parser not in (None, parser):
+                raise ValueError(f"--structured-outputs-config reasoning_parser {parser!r} and --reasoning-parser "
+                                 f"{self.reasoning_parser!r} differ; give one")
+            if parser not in REASONING_PARSERS:
+                raise ValueError(f"--structured-outputs-config reasoning_parser {parser!r} is not one deepinfer's "
+                                 f"recipe implements; accepted: {', '.join(sorted(REASONING_PARSERS))}")
+            object.__setattr__(self, "reasoning_parser", parser)
+
+    @functools.cached_property
+    def structured_outputs(self) -> dict[str, Any]:
+        """--structured-outputs-config as a dict ({} when unset)."""
+        if self.structured_outputs_config is None:
+            return {}
+        try:
+            value = json.loads(self.structured_outputs_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--structured-outputs-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--structured-outputs-config must be a JSON object")
+        return value
+
+
+def _origins(value) -> tuple[str, ...]:
+    """--allowed-origins as a tuple: origins, or vLLM's JSON list in one argument."""
+    origins = [value] if isinstance(value, str) else list(value)
+    if len(origins) == 1 and origins[0].strip().startswith("["):
+        try:
+            origins = json.loads(origins[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--allowed-origins is not a valid JSON list: {e}") from None
+    if not all(isinstance(o, str) and o for o in origins):
+        raise ValueError(f"--allowed-origins takes origins such as http://localhost:3000 or *, got {value!r}")
+    return tuple(origins)
 # The default body limit (max_request_body_bytes unset). A prompt that fits the context is a few
 # bytes per token (English text about four, CJK or emoji escaped as \uXXXX by a JSON library up to
 # twelve); 64 per token leaves room for the rarest spellings (runs of whitespace or punctuation

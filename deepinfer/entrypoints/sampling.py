@@ -7,6 +7,7 @@ validated fields become SamplingParams, with the limits that depend on the serve
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -213,6 +214,16 @@ def check_tool_schemas(tools) -> None:
             raise bad_request(f"{where}invalid JSON Schema for tool {tool.name!r}: {reason}", tool.schema_path) from None
 
 
+def _with_server_defaults(constraint: StructuredOutputsParams | None, fields, options: ServerOptions
+                          ) -> StructuredOutputsParams | None:
+    """--structured-outputs-config's disable_any_whitespace, for a constraint whose request did
+    not say (the request's own value wins)."""
+    if (constraint is None or not options.structured_outputs.get("disable_any_whitespace")
+            or "disable_any_whitespace" in (fields.structured_outputs or {})):
+        return constraint
+    return dataclasses.replace(constraint, disable_any_whitespace=True)
+
+
 def build(fields, *, options: ServerOptions, vocab_size: int, max_tokens: int | None,
           defaults: dict | None = None, logprobs: int | None = None, prompt_logprobs: int | None = None,
           stop: list[str] | None = None, n: int = 1, detokenize: bool = True,
@@ -243,7 +254,8 @@ def build(fields, *, options: ServerOptions, vocab_size: int, max_tokens: int | 
         "prompt_logprobs": prompt_logprobs,
         "stop": stop or None,
         "detokenize": detokenize,
-        "structured_outputs": structured_outputs(fields, response_format, tool_constraint),
+        "structured_outputs": _with_server_defaults(structured_outputs(fields, response_format, tool_constraint),
+                                                    fields, options),
         "presence_penalty": fields.presence_penalty or 0.0,
         "frequency_penalty": fields.frequency_penalty or 0.0,
         "min_tokens": fields.min_tokens,

@@ -55,14 +55,14 @@ class ServerState:
         return self.client.info.max_model_len
 
     def check_model(self, model) -> str:
-        """The served name to answer with; a named model we do not serve is a 404."""
-        if model is None:
-            return self.model_name
-        if not isinstance(model, str):
+        """The served name to answer with: the first --served-model-name, whichever of the names
+        the request gave (so a client that asked for an alias learns which model answered); a
+        named model we do not serve is a 404."""
+        if model is not None and not isinstance(model, str):
             raise APIError(400, f"model must be a string, got {model!r}", param="model")
-        if model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return model
+        return self.model_name
 
     def chat_encoder(self):
         if self.encoder is None:

@@ -104,7 +104,7 @@ class ServerClient:
         response = self._get("/v1/models")
         models = response.json().get("data") or []
         if not models:
-            raise ValueError(f"{self.base_url}/v1/models lists no model; pass --served-model")
+            raise ValueError(f"{self.base_url}/v1/models lists no model; pass --served-model-name")
         return models[0]["id"]
 
     def _engine_version(self) -> str:
@@ -122,9 +122,9 @@ class ServerClient:
         try:
             response = self.http.get(f"{self.base_url}{path}")
         except httpx.HTTPError as e:
-            raise ValueError(f"--model-url: cannot reach {self.base_url} ({e})") from None
+            raise ValueError(f"--base-url: cannot reach {self.base_url} ({e})") from None
         if response.status_code != 200:
-            raise ValueError(f"--model-url: GET {path} answered {response.status_code}: {response.text[:200]}")
+            raise ValueError(f"--base-url: GET {path} answered {response.status_code}: {response.text[:200]}")
         return response
 
     def run(self, jobs: list[Job], settings: Settings, chat: bool) -> Iterator[tuple[Job, Result]]:

@@ -151,11 +151,12 @@ class AsyncEngineClient:
     def __init__(self, config: EngineConfig, source: ModelSource, *, load_format: str = "auto",
                  max_pending_requests: int = 1024,
                  request_timeout_s: float = 0.0, max_engine_restarts: int = 3, log_requests: bool = False,
-                 metrics_vllm_names: bool = False, on_fatal: Callable[[str], None] | None = None) -> None:
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+                 log_stats: bool = True, metrics_vllm_names: bool = False,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        from deepinfer.models.loader import check_load_format
+
         self.config = config
-        self.load_weights = load_format == "auto"   # every core it starts (restarts too)
+        self.load_weights = check_load_format(load_format, source)   # every core it starts (restarts too)
         self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
         self.eos_token_ids = source.eos_token_ids
         self.vocab_size = source.hf_config["vocab_size"]
@@ -164,6 +165,7 @@ class AsyncEngineClient:
         self.request_timeout_s = request_timeout_s
         self.max_engine_restarts = max_engine_restarts
         self.log_requests = log_requests
+        self.log_stats = log_stats   # the periodic stats line (--disable-log-stats turns it off)
         self.on_fatal = on_fatal
         self.output_processor = OutputProcessor(self.tokenizer)
         self.traffic_classes = retention_classes(config.cache.kv_retention)   # what traffic_class may be
@@ -424,7 +426,7 @@ class AsyncEngineClient:
             self._expire_deadlines(now)
             for engine in self.engines:
                 self._supervise(engine)
-            if now - last_log >= STATS_LOG_INTERVAL_S:
+            if self.log_stats and now - last_log >= STATS_LOG_INTERVAL_S:
                 last_log = now
                 self._log_stats()
 

@@ -52,8 +52,16 @@ def read_generation_config(setting: str, source: ModelSource) -> dict[str, Any]:
     return read_json(path)   # its errors (ModelLoadError, a ValueError) name the file
 
 
-def default_sampling_overrides(setting: str, source: ModelSource) -> dict[str, Any]:
+def default_sampling_overrides(setting: str, source: ModelSource, override: dict[str, Any] | None = None
+                               ) -> dict[str, Any]:
     """{SamplingParams field: default} from the generation config `setting` names; {} for
-    `vllm` or when the file sets none of the sampling keys. null values are skipped."""
+    `vllm` or when the file sets none of the sampling keys. null values are skipped.
+    `override` (override_generation_config, vLLM's): generation-config keys set over the file's
+    (over nothing with `vllm`); a key that is not a sampling key is an error naming it."""
     config = read_generation_config(setting, source)
+    unknown = sorted(set(override or {}) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"override_generation_config: {', '.join(map(repr, unknown))} not among the keys it "
+                         f"sets ({', '.join(SAMPLING_KEYS)})")
+    config.update(override or {})
     return {field: config[key] for key, field in SAMPLING_KEYS.items() if config.get(key) is not None}

@@ -11,11 +11,16 @@ Whatever the source, the result looks like an HF checkpoint: `hf_config` is conf
 
 `load_model_source(model, skip_tokenizer_init=True)` (vLLM's option) reads no tokenizer at all, so
 a checkpoint without tokenizer files loads; `tokenizer` is None then and the EOS ids come from
-generation_config.json / config.json (`eos_token_ids`).
+generation_config.json / config.json (`eos_token_ids`). vLLM's other loading options, as
+ModelConfig has them (`model_source(config)`): `tokenizer` (the tokenizer and chat template from
+another directory, GGUF file or hub id), `revision` (of a hub model), `hf_overrides` (merged into
+config.json); `check_load_format` says what `load_format` means for a source.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +31,17 @@ from deepinfer.models.errors import ModelLoadError  # raised here; callers impor
 if TYPE_CHECKING:
     import torch
 
+    from deepinfer.config import ModelConfig
     from deepinfer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# load_format: auto (whatever the model is), safetensors or gguf (the model must be of that kind),
+# dummy (random weights of the model's shape). vLLM's other formats name files deepinfer does not
+# read; they are accepted with a warning, and the model's safetensors or GGUF load as with auto.
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+FOREIGN_LOAD_FORMATS = ("pt", "npcache", "tensorizer", "sharded_state", "bitsandbytes", "mistral",
+                        "runai_streamer", "fastsafetensors")
 
 
 @dataclass
@@ -36,9 +51,20 @@ class ModelSource:
     hf_config: dict
     tokenizer: Tokenizer | None   # None: loaded with skip_tokenizer_init
     generation_config: dict = field(default_factory=dict)
+    revision: str | None = None   # the hub revision asked for
+    hf_overrides: dict = field(default_factory=dict)   # merged into hf_config (hf_overrides)
     # Produces the weights lazily, so that building a ModelSource (config + tokenizer) is cheap
     # and the dequantized weights exist only while the model copies them in.
     _weights: Callable[[bool], Iterator[tuple[str, torch.Tensor]]] | None = field(default=None, repr=False)
+
+    @property
+    def revision_key(self) -> str | None:
+        """What roots the prefix-cache keys beside the name (types/block_hashes.hash_root): the
+        revision, and the config overrides, which change the KV of the same tokens (blocks of
+        an instance with other overrides must never be found in a shared store)."""
+        if not self.hf_overrides:
+            return self.revision
+        return f"{self.revision or ''}+hf_overrides={json.dumps(self.hf_overrides, sort_keys=True)}"
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
@@ -63,11 +89,34 @@ class ModelSource:
         return self._weights(keep_int4)
 
 
-def load_model_source(model: str | None, *, skip_tokenizer_init: bool = False) -> ModelSource:
+def model_source(config: ModelConfig) -> ModelSource:
+    """The source `config` describes: its model, tokenizer, revision and hf_overrides."""
+    return load_model_source(config.model, skip_tokenizer_init=config.skip_tokenizer_init,
+                             tokenizer=config.tokenizer, revision=config.revision,
+                             hf_overrides=config.json_field("hf_overrides"))
+
+
+def load_model_source(model: str | None, *, skip_tokenizer_init: bool = False, tokenizer: str | None = None,
+                      revision: str | None = None, hf_overrides: dict | None = None) -> ModelSource:
     """Resolve `model` (None/"default", a .gguf path, an HF directory, or a hub id) and load it.
 
     skip_tokenizer_init: read no tokenizer (ModelSource.tokenizer is None).
+    tokenizer: take the tokenizer (and its chat template) from this model instead.
+    revision: the hub revision to download (a local model has none: ModelConfig warns).
+    hf_overrides: merged into the model's config (a nested dict replaces the key's value whole).
     """
+    # With a tokenizer of its own the model's is not read (its files need not exist).
+    source = _load(model, skip_tokenizer_init or tokenizer is not None, revision)
+    if hf_overrides:
+        source.hf_config = {**source.hf_config, **hf_overrides}
+        source.hf_overrides = dict(hf_overrides)
+        logger.info("config.json overridden (hf_overrides): %s", sorted(hf_overrides))
+    if tokenizer is not None and not skip_tokenizer_init:
+        source.tokenizer = _load_tokenizer(tokenizer, source)
+    return source
+
+
+def _load(model: str | None, skip_tokenizer_init: bool, revision: str | None) -> ModelSource:
     if model is None or model == "default":
         from deepinfer.models.bundled import SMOLLM2_NAME, default_model_path
 
@@ -82,7 +131,45 @@ def load_model_source(model: str | None, *, skip_tokenizer_init: bool = False) -
         return _load_hf_dir(path, os.path.basename(os.path.normpath(path)), skip_tokenizer_init)
     if _looks_like_path(model):
         raise ModelLoadError(f"model file or directory not found: {path}")
-    return _load_hf_dir(_download_from_hub(model), model, skip_tokenizer_init)
+    source = _load_hf_dir(_download_from_hub(model, revision), model, skip_tokenizer_init)
+    source.revision = revision
+    return source
+
+
+def _load_tokenizer(name: str, source: ModelSource) -> Tokenizer:
+    """The tokenizer (and chat template) of `name`: a .gguf file, a directory with a
+    tokenizer.json (no config.json needed), or a hub id; the EOS ids the model's."""
+    from deepinfer.models.hf_loader import _load_tokenizer as load_from_directory
+
+    path = os.path.expanduser(name)
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"tokenizer {path} is a file but not a .gguf; pass a .gguf file or a directory "
+                                 "with a tokenizer.json")
+        tokenizer = _load_gguf(path, None, False).tokenizer
+    else:
+        if not os.path.isdir(path):
+            if _looks_like_path(name):
+                raise ModelLoadError(f"tokenizer file or directory not found: {path}")
+            path = _download_from_hub(name)
+        tokenizer = load_from_directory(path, source.hf_config, source.generation_config)
+    logger.info("tokenizer from %s (not the model's own)", path)
+    return tokenizer
+
+
+def check_load_format(load_format: str, source: ModelSource) -> bool:
+    """Whether weights load (False: dummy); refuses a format the source is not of."""
+    if load_format in FOREIGN_LOAD_FORMATS:
+        logger.warning("load_format=%r: deepinfer reads safetensors and GGUF files only; %s loads as with 'auto'",
+                       load_format, source.path)
+    elif load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS + FOREIGN_LOAD_FORMATS)}, "
+                         f"got {load_format!r}")
+    is_gguf = source.path.endswith(".gguf")
+    if (load_format == "gguf") != is_gguf and load_format in ("gguf", "safetensors"):
+        raise ModelLoadError(f"load_format={load_format!r}, but {source.path} is "
+                             f"{'a GGUF file' if is_gguf else 'a safetensors checkpoint'}")
+    return load_format != "dummy"
 
 
 def _looks_like_path(model: str) -> bool:
@@ -132,8 +219,8 @@ def _load_hf_dir(path: str, name: str, skip_tokenizer_init: bool) -> ModelSource
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 
 
-def _download_from_hub(repo_id: str) -> str:
-    """Snapshot an HF hub repo (or reuse the local hub cache) and return its directory."""
+def _download_from_hub(repo_id: str, revision: str | None = None) -> str:
+    """Snapshot an HF hub repo at `revision` (or reuse the local hub cache) and return its directory."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError as e:
@@ -142,10 +229,10 @@ def _download_from_hub(repo_id: str) -> str:
             "huggingface_hub: pip install huggingface_hub"
         ) from e
     try:
-        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+        return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, revision=revision)
     except Exception as online_error:  # offline, unknown repo, gated repo, ...
         try:  # a copy already in the local hub cache still works offline
-            return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+            return snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, revision=revision, local_files_only=True)
         except Exception:
             raise ModelLoadError(
                 f"{repo_id!r} is not a local file or directory, and downloading it from the HF hub "

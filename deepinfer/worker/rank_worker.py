@@ -59,7 +59,8 @@ class RankWorker:
 
         use_local_device(spec.local_device_index)   # before the platform reads the device
         platform = current_platform()
-        source = load_model_source(spec.model_path, skip_tokenizer_init=True)
+        source = load_model_source(spec.model_path, skip_tokenizer_init=True,
+                                   hf_overrides=spec.config.model.json_field("hf_overrides"))
         if not spec.load_weights:   # random weights of the engine seed, as rank 0's
             torch.manual_seed(spec.config.model.seed)
         self.group = init_distributed(spec.rank, spec.world_size, spec.master_addr, spec.master_port,

@@ -51,7 +51,7 @@ def http(vllm_line):
 def test_vllm_launch_line_flags_do_what_they_say(vllm_line, http):
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["smol", "other"]
     reply = http.post("/v1/chat/completions", json={"model": "other", "messages": HI, "max_tokens": 4}).json()
-    assert reply["model"] == "other"
+    assert reply["model"] == "smol"   # the first name answers, whichever the request used (issue 42 item 11)
     ids = http.post("/tokenize", json={"messages": HI}).json()["tokens"]
     assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("assistant\nZeta here. ")
     assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "logprobs": 6}).status_code == 400

@@ -225,8 +225,8 @@ def test_grade_refuses_pass_at_1_and_names_the_missing_item(tmp_path):
     (["grade", "--task", "mc_basics", "missing.jsonl"], "not found"),
     (["grade", "--task", "mc_basics", "BAD", "--samples", "0"], "--samples"),
     (["generate", "--task", "mc_basics", "--out", "o.jsonl", "--samples", "0"], "--samples"),
-    (["generate", "--task", "mc_basics", "--out", "o.jsonl", "--model-url", "http://x", "--model", "y"],
-     "--model-url and --model"),
+    (["generate", "--task", "mc_basics", "--out", "o.jsonl", "--base-url", "http://x", "--model", "y"],
+     "--base-url and --model"),
     (["generate", "--task", "mc_basics", "--out", "o.jsonl", "--model-url", "http://127.0.0.1:9"], "cannot reach"),
 ])
 def test_cli_errors_are_one_line_and_exit_2(tmp_path, args, needle):

@@ -52,7 +52,7 @@ def test_fp8_pages_are_a_quarter_of_float32_pages():
 
 
 def test_bad_kv_cache_dtype_names_the_choices(tiny_llama):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
         LLM(tiny_llama, kv_cache_dtype="int8")
 
 

@@ -178,6 +178,7 @@ class AttentionBackend(ABC):
                                                # together with the K/V write: one Triton kernel (fused/rotary.py)
     fused_activation: ClassVar[bool] = False   # act(gate) * up: one Triton kernel (fused/activation.py)
     fused_gemv: ClassVar[bool] = False         # one-row projections and head: Triton GEMV (fused/gemv.py)
+    e5m2_cache: ClassVar[bool] = True          # may hold K/V as float8 e5m2 (kv_cache/dtypes.py)
     short_cpu_norm: ClassVar[bool] = False     # RMSNorm as six eager ops (norm._rms_norm_cpu)
     short_cpu_rotary: ClassVar[bool] = False   # rotary in three eager ops, q and k rotated together
                                                # where they lie side by side (RotaryEmbedding.rotate)

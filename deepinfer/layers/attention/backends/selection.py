@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.kv_cache.dtypes import FP8_E5M2
 from deepinfer.layers.attention.backends.base import AttentionBackend
 from deepinfer.layers.attention.backends.cpu import CpuBackend
 from deepinfer.layers.attention.backends.reference import ReferenceBackend
@@ -51,8 +52,17 @@ def select_backend(config: EngineConfig, platform: Platform, kv_cache_dtype: tor
     if choice == AUTO:
         name, why = platform.default_attention_backend()
         cls, why = backend_class(name), f"auto on {platform.name}: {why}"
+        if kv_cache_dtype == FP8_E5M2 and not cls.e5m2_cache:
+            logger.warning("kv_cache_dtype=fp8_e5m2: the %s backend's kernels read and write e4m3 only, so "
+                           "attention runs on the reference backend (kv_cache_dtype=fp8 keeps the fast path)",
+                           cls.name)
+            cls, why = backend_class("reference"), "fp8_e5m2 KV cache"
     else:
         cls, why = backend_class(choice), "attention_backend set"
+    if kv_cache_dtype == FP8_E5M2 and not cls.e5m2_cache:
+        raise ValueError(f"kv_cache_dtype=fp8_e5m2 runs on the reference backend only (attention_backend="
+                         f"{cls.name!r} reads and writes fp8 as e4m3); use attention_backend='reference' or "
+                         "kv_cache_dtype='fp8'")
     cls.check_supported(platform, kv_cache_dtype)
     backend = cls(platform.device, kv_cache_dtype)
     logger.info("attention backend %s (%s); %s", backend.name, why, backend.describe())

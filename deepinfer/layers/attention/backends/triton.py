@@ -113,6 +113,7 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     fused_norm = True
     fused_rotary = True
+    e5m2_cache = False   # its kernels read and write fp8 as e4m3
     fused_activation = True
     fused_gemv = True
     needs_warm_up = True
