@@ -168,7 +168,10 @@ class Linear(nn.Linear):
 
     @torch.no_grad()
     def to_fp8(self) -> None:
-        """Replace the (loaded) weight by FP8 codes with one scale per output channel."""
+        """Replace the (loaded) weight by FP8 codes with one scale per output channel (a layer
+        already FP8, a checkpoint's blocks, stays as it is)."""
+        if self.is_fp8:
+            return
         codes, scale = fp8.quantize_per_channel(self.weight)
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_scale = scale

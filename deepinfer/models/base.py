@@ -122,9 +122,10 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.to_fp8()
 
-    def load_from(self, source, keep_int4: bool = False) -> None:
+    def load_from(self, source, keep_int4: bool = False, quantization: str = "auto") -> None:
         """Fill the weights from a ModelSource (the runner's call); a model whose checkpoints
-        need more than a stream of named tensors (DeepSeek-V4) reads its files itself."""
+        need more than a stream of named tensors (DeepSeek-V4) reads its files itself, and keeps
+        their quantized weights in their own format where `quantization` (ModelConfig's) says so."""
         self.load_weights(source.iter_weights(keep_int4=keep_int4))
 
     @torch.no_grad()

@@ -165,7 +165,8 @@ class ModelRunner:
         host_formats = (self.config.model.quantization == "auto" and self.platform.packs_weights_for_host_kernels
                         and self.dtype == torch.bfloat16)
         if source is not None:   # 4-bit copies on one rank only (models/base.py, load_weights)
-            self.model.load_from(source, keep_int4=host_formats and self.group.size == 1)
+            self.model.load_from(source, keep_int4=host_formats and self.group.size == 1,
+                                 quantization=self.config.model.quantization)
         if host_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
             self.model.pack_weights()
         if self.config.model.quantization == "fp8":

@@ -25,6 +25,8 @@ pytest.importorskip("transformers")
 from safetensors.torch import save_file
 from transformers import DeepseekV4ForCausalLM
 
+from deepinfer.layers.linear import Linear
+from deepinfer.layers.quantization.fp8 import dequantize
 from deepinfer.models.deepseek_v4 import V4ForCausalLM
 from deepinfer.models.deepseek_v4.weights import (
     DEEPSEEK,
@@ -231,12 +233,9 @@ def test_deepseek_layout_round_trip(reference, tmp_path, dtype):
         assert torch.equal(tensor, want), name
 
 
-def test_deepseek_layout_quantized(reference, tmp_path):
-    """FP8 / FP4 as released: each loaded value is its grid value times its scale, and within the
-    format's rounding of the original. e4m3 keeps 3 mantissa bits: |error| <= 2^-4 |w| for normal
-    values, <= 2^-10 s below the smallest normal (2^-6 s). e2m1 keeps 1: |error| <= |w| / 4 from
-    s up, <= s / 4 below (grid 0, 0.5 s, s)."""
-    cfg, state = reference
+def write_quantized(cfg, state: dict[str, torch.Tensor], directory):
+    """The state in DeepSeek's layout with FP8 / FP4 where the release has them, written sharded
+    to `directory`; (original, on_disk, expected loaded value, error bound) by DeepSeek's names."""
     original = deepseek_state(state)
     on_disk = dict(original)
     expected, bounds = {}, {}
@@ -255,7 +254,17 @@ def test_deepseek_layout_quantized(reference, tmp_path):
     config = {**cfg.to_dict(), "expert_dtype": "fp4",
               "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                       "activation_scheme": "dynamic", "weight_block_size": list(FP8_BLOCK)}}
-    write_sharded(tmp_path, on_disk, config)
+    write_sharded(directory, on_disk, config)
+    return original, on_disk, expected, bounds
+
+
+def test_deepseek_layout_quantized(reference, tmp_path):
+    """FP8 / FP4 as released: each loaded value is its grid value times its scale, and within the
+    format's rounding of the original. e4m3 keeps 3 mantissa bits: |error| <= 2^-4 |w| for normal
+    values, <= 2^-10 s below the smallest normal (2^-6 s). e2m1 keeps 1: |error| <= |w| / 4 from
+    s up, <= s / 4 below (grid 0, 0.5 s, s)."""
+    cfg, state = reference
+    original, on_disk, expected, bounds = write_quantized(cfg, state, tmp_path)
 
     loaded = {p.source: p.tensor for p in V4Checkpoint(str(tmp_path)).tensors()}
     assert loaded.keys() == {n for n in on_disk if not n.endswith(".scale")}
@@ -269,6 +278,29 @@ def test_deepseek_layout_quantized(reference, tmp_path):
     got = deepseek_state(ours.state_dict())
     for name, tensor in got.items():
         assert torch.equal(tensor, expected.get(name, on_disk[name])), name
+
+
+@torch.no_grad()
+def test_fp8_blocks_kept_in_their_own_format(reference, tmp_path):
+    """keep_fp8: every whole Linear whose checkpoint weight is FP8 holds the stored codes and
+    scales (no dense copy), the rest is loaded as before, and the model computes the same logits
+    as the dequantized load (float32: the reference product dequantizes to the same values)."""
+    cfg, state = reference
+    _, _, expected, _ = write_quantized(cfg, state, tmp_path)
+    dense, kept = fresh(cfg), fresh(cfg)
+    load_v4_weights(dense, str(tmp_path))
+    load_v4_weights(kept, str(tmp_path), keep_fp8=True)
+    fp8_layers = {n: m for n, m in kept.named_modules() if isinstance(m, Linear) and m.is_fp8}
+    dense_modules = dict(dense.named_modules())
+    assert {"model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_proj",
+            "model.layers.0.self_attn.o_b_proj", "model.layers.0.mlp.shared_experts.gate_proj"} <= set(fp8_layers)
+    for name, layer in fp8_layers.items():
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_block == FP8_BLOCK, name
+        back = dequantize(layer.weight, layer.weight_scale, layer.weight_block, torch.float32)
+        assert torch.equal(back, dense_modules[name].weight), name
+    assert len(fp8_layers) == sum(1 for n in expected if FP8_NAMES.search(n) and ".wo_a." not in n)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(kept(ids), dense(ids))
 
 
 def test_formats_decode_by_hand():

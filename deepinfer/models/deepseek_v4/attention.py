@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from deepinfer.distributed import ParallelGroup, current_tp_group
+from deepinfer.layers.linear import Linear
 from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from deepinfer.models.deepseek_v4.compressor import Compressor, visible_rows
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
@@ -79,10 +80,10 @@ class V4Attention(nn.Module):
         self.eps = cfg.rms_norm_eps
         hidden, width = cfg.hidden_size, cfg.num_heads * cfg.head_dim
         # Replicated: the low-rank query (the indexer reads it whole) and the one K=V head.
-        self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=False)
         self.q_a_norm = V4RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [width], bias=False, units=[cfg.num_heads])
-        self.kv_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.kv_proj = Linear(hidden, self.head_dim, bias=False)
         self.kv_norm = V4RMSNorm(self.head_dim, cfg.rms_norm_eps)
         # Split by groups: a rank's heads are exactly its groups' channels (parallel.py).
         self.o_a_proj = GroupedLinear(width // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups)

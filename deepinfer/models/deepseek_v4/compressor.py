@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.layers.linear import Linear
 from deepinfer.models.deepseek_v4.norm import V4RMSNorm
 from deepinfer.models.deepseek_v4.rope import V4Rotary
 from deepinfer.models.deepseek_v4.state import CompressorState
@@ -30,8 +31,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.dim, self.rate, self.overlap = dim, rate, overlap
         width = 2 * dim if overlap else dim
-        self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.kv_proj = Linear(hidden, width, bias=False)
+        self.gate_proj = Linear(hidden, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.kv_norm = V4RMSNorm(dim, eps)
         self.__dict__["rotary"] = rotary          # shared with the attention; not a submodule

@@ -154,11 +154,17 @@ class DeepseekV4ForCausalLM(CausalLM):
         """Drafts from the MTP layer (speculative_config method "mtp"; mtp_drafter.py)."""
         return propose_mtp_drafts(self, requests, model_states)
 
-    def load_from(self, source, keep_int4: bool = False) -> None:
-        """The checkpoint directory in either layout, FP8 / FP4 dequantized (weights.py). The MTP
-        layers are dropped when it has none (transformers saves none)."""
+    def load_from(self, source, keep_int4: bool = False, quantization: str = "auto") -> None:
+        """The checkpoint directory in either layout (weights.py). Its FP8 block weights stay FP8
+        with quantization "fp8", and with "auto" where the device multiplies block-scaled FP8
+        (layers/quantization/fp8.py, blockwise_supported); otherwise, and always the routed
+        experts' FP4, they are dequantized. The MTP layers are dropped when it has none
+        (transformers saves none)."""
+        from deepinfer.layers.quantization.fp8 import blockwise_supported
         from deepinfer.models.deepseek_v4.weights import V4Checkpoint, load_v4_weights
 
         if not any(entry.name.startswith("mtp.") for entry in V4Checkpoint(source.path).entries):
             self.mtp = nn.ModuleList()
-        load_v4_weights(self, source.path)
+        device = self.lm_head.weight.device
+        keep_fp8 = quantization == "fp8" or (quantization == "auto" and blockwise_supported(device))
+        load_v4_weights(self, source.path, keep_fp8=keep_fp8)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers.linear import Linear
 from deepinfer.models.deepseek_v4.compressor import Compressor, visible_rows
 from deepinfer.models.deepseek_v4.rope import V4Rotary
 from deepinfer.models.deepseek_v4.state import CompressorState
@@ -27,7 +28,7 @@ class _Scorer(nn.Module):
 
     def __init__(self, hidden: int, heads: int) -> None:
         super().__init__()
-        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+        self.weights_proj = Linear(hidden, heads, bias=False)
 
 
 class Indexer(Compressor):
@@ -35,7 +36,7 @@ class Indexer(Compressor):
                  eps: float, rotary: V4Rotary) -> None:
         super().__init__(hidden, dim, rate, overlap=True, eps=eps, rotary=rotary)
         self.heads, self.topk = heads, topk
-        self.q_b_proj = nn.Linear(q_lora_rank, heads * dim, bias=False)
+        self.q_b_proj = Linear(q_lora_rank, heads * dim, bias=False)
         self.scorer = _Scorer(hidden, heads)
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,

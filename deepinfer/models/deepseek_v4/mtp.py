@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from deepinfer.layers.linear import Linear
 from deepinfer.models.deepseek_v4.config import V4Config
 from deepinfer.models.deepseek_v4.decoder import V4DecoderLayer
 from deepinfer.models.deepseek_v4.hyper import HyperHead
@@ -31,8 +32,8 @@ class V4MTPLayer(V4DecoderLayer):
     def __init__(self, cfg: V4Config, layer_type: str, rotaries: dict[str, V4Rotary]) -> None:
         super().__init__(cfg, layer_type, "moe", rotaries)
         hidden = cfg.hidden_size
-        self.e_proj = nn.Linear(hidden, hidden, bias=False)
-        self.h_proj = nn.Linear(hidden, hidden, bias=False)
+        self.e_proj = Linear(hidden, hidden, bias=False)
+        self.h_proj = Linear(hidden, hidden, bias=False)
         self.enorm = V4RMSNorm(hidden, cfg.rms_norm_eps)
         self.hnorm = V4RMSNorm(hidden, cfg.rms_norm_eps)
         self.norm = V4RMSNorm(hidden, cfg.rms_norm_eps)

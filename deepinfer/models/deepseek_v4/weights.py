@@ -58,6 +58,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from deepinfer.layers.linear import Linear
 from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.errors import ModelLoadError
 from deepinfer.models.hf_loader import read_json, safetensors_files
@@ -287,6 +288,8 @@ class V4Tensor:
     source: str
     expert: int | None = None
     half: str | None = None
+    # Kept in its own format (FP8 codes as stored): the block scale's float32 multipliers.
+    scale: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -300,6 +303,7 @@ class CheckpointEntry:
     file: str
     scale: str | None = None
     scale_file: str | None = None
+    dtype: str = ""        # as the safetensors header spells it
 
 
 class V4Checkpoint:
@@ -334,10 +338,11 @@ class V4Checkpoint:
                 raise ModelLoadError(f"{source!r} is stored as {dtype_of[source]}, a quantized format, but "
                                      "the checkpoint has no scale for it")
             self.entries.append(CheckpointEntry(*target, source=source, file=file, scale=scale,
-                                                scale_file=file_of.get(scale)))
+                                                scale_file=file_of.get(scale), dtype=dtype_of[source]))
 
-    def tensors(self) -> Iterator[V4Tensor]:
-        """The entries' tensors, renamed and dequantized, shard by shard, one at a time."""
+    def tensors(self, kept: frozenset[str] = frozenset()) -> Iterator[V4Tensor]:
+        """The entries' tensors, renamed and dequantized, shard by shard, one at a time; those
+        named in `kept` (source names) as stored, with their scale's multipliers beside them."""
         from safetensors import safe_open
 
         by_file = defaultdict(list)
@@ -347,18 +352,24 @@ class V4Checkpoint:
             with safe_open(file, framework="pt") as shard:
                 for entry in entries:
                     tensor = shard.get_tensor(entry.source)
+                    if entry.scale is not None and entry.source in kept:
+                        scale = scale_multipliers(self._scale(entry, shard))
+                        yield V4Tensor(entry.name, tensor, entry.source, entry.expert, entry.half, scale)
+                        continue
                     if entry.scale is not None:
                         tensor = self._dequantized(entry, tensor, shard)
                     yield V4Tensor(entry.name, tensor, entry.source, entry.expert, entry.half)
 
-    def _dequantized(self, entry: CheckpointEntry, weight: torch.Tensor, shard) -> torch.Tensor:
+    def _scale(self, entry: CheckpointEntry, shard) -> torch.Tensor:
         from safetensors import safe_open
 
         if entry.scale_file == entry.file:
-            scale = shard.get_tensor(entry.scale)
-        else:
-            with safe_open(entry.scale_file, framework="pt") as other:
-                scale = other.get_tensor(entry.scale)
+            return shard.get_tensor(entry.scale)
+        with safe_open(entry.scale_file, framework="pt") as other:
+            return other.get_tensor(entry.scale)
+
+    def _dequantized(self, entry: CheckpointEntry, weight: torch.Tensor, shard) -> torch.Tensor:
+        scale = self._scale(entry, shard)
         try:
             return dequantize(weight, scale, self.fp8_block)
         except ValueError as e:
@@ -392,23 +403,55 @@ def configured_fp8_block(path: str) -> tuple[int, int]:
 # --- loading into a model -------------------------------------------------------------------
 
 @torch.no_grad()
-def load_v4_weights(model: nn.Module, path: str, fp8_block: tuple[int, int] | None = None) -> str:
+def load_v4_weights(model: nn.Module, path: str, fp8_block: tuple[int, int] | None = None,
+                    keep_fp8: bool = False) -> str:
     """Fill every parameter and persistent buffer of `model` (a V4ForCausalLM) from the checkpoint
     at `path`, each in its own dtype and device; returns the layout found. Checks the names
     before reading any tensor: an unknown one raises UnknownTensorError, missing ones
-    MissingTensorError."""
+    MissingTensorError. keep_fp8: the FP8 block weights of whole `Linear` layers stay FP8 (their
+    codes and scales, layers/quantization/fp8.py) instead of being dequantized."""
     checkpoint = V4Checkpoint(path, fp8_block)
+    kept = keep_fp8_linears(model, checkpoint) if keep_fp8 else frozenset()
     targets = model.state_dict(keep_vars=True)
     checkpoint.entries = _rank_entries(model, checkpoint.entries, targets)
     _check_coverage(checkpoint.entries, targets)
-    for piece in checkpoint.tensors():
+    for piece in checkpoint.tensors(kept):
+        if piece.scale is not None:   # kept FP8: codes and scales into the layer as stored
+            owner = _owner(model, piece.name)
+            _check_shape(piece, owner.weight)
+            owner.weight.copy_(piece.tensor)
+            _check_shape(replace(piece, tensor=piece.scale), owner.weight_scale)
+            owner.weight_scale.copy_(piece.scale)
+            continue
         piece = _rank_part(model, piece)
         slot = _slot(targets[piece.name], piece)
-        if tuple(slot.shape) != tuple(piece.tensor.shape):
-            raise ModelLoadError(f"{piece.source!r} has shape {tuple(piece.tensor.shape)}, but {piece.name}"
-                                 f"{_where(piece.expert, piece.half)} is {tuple(slot.shape)}")
+        _check_shape(piece, slot)
         slot.copy_(piece.tensor)
     return checkpoint.layout
+
+
+def _check_shape(piece: V4Tensor, slot: torch.Tensor) -> None:
+    if tuple(slot.shape) != tuple(piece.tensor.shape):
+        raise ModelLoadError(f"{piece.source!r} has shape {tuple(piece.tensor.shape)}, but {piece.name}"
+                             f"{_where(piece.expert, piece.half)} is {tuple(slot.shape)}")
+
+
+def keep_fp8_linears(model: nn.Module, checkpoint: V4Checkpoint) -> frozenset[str]:
+    """Turn the `Linear` layers whose checkpoint weight is FP8 into FP8 block layers, so the
+    loader copies codes and scales into them; returns those weights' source names. A layer split
+    over tensor-parallel ranks is left dense (its rank's slice may cut through a block), and so
+    are the routed experts (stacked, FP4 in the release)."""
+    kept = set()
+    for entry in checkpoint.entries:
+        if entry.scale is None or entry.dtype != "F8_E4M3" or entry.expert is not None:
+            continue
+        owner = _owner(model, entry.name)
+        split = getattr(getattr(owner, "group", None), "size", 1) > 1
+        if isinstance(owner, Linear) and entry.name.endswith(".weight") and not split:
+            if not owner.is_fp8:
+                owner.as_fp8_blocks(checkpoint.fp8_block)
+            kept.add(entry.source)
+    return frozenset(kept)
 
 
 # Tensor parallelism: the checkpoint holds whole tensors; a layer split over ranks keeps its rank's
