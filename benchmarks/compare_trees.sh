@@ -17,7 +17,8 @@ OUT=${OUT:-/tmp/compare-trees}
 ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT"
 run() {   # run <tree> <label> <stage> <round>
-  local tree=$1 label=$2 stage=$3 round=$4 json="$OUT/${stage}_${label}_${round}.json"
+  local tree=$1 label=$2 stage=$3 round=$4
+  local json="$OUT/${stage}_${label}_${round}.json"
   echo "=== $stage $label round $round ($(date -u +%H:%M:%S))"
   case $stage in
     fast_path)
