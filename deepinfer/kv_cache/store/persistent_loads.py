@@ -56,6 +56,7 @@ class StoreLoads:
             while wait and not load.done.is_set() and time.monotonic() < load.deadline:
                 load.done.wait(0.005)
                 self._copy_pieces(load)   # the reader may be waiting for these pieces' slots
+                self._free_copied_slots()   # (on CUDA they come free once their copies are done)
             if not load.done.is_set():
                 if time.monotonic() < load.deadline:
                     return   # in order: later loads wait behind this one
@@ -121,6 +122,14 @@ class StoreLoads:
         else:
             self._scatter(transfer.group_id, pages, block_ids, slots)
             self.staging.free(slots, "load")
+
+    def _free_copied_slots(self) -> None:
+        """CUDA: the slots of the copies done so far back to the reader while the step waits for
+        a load (wait_all); the loads those copies finish are reported by the next poll."""
+        done: list[int] = []
+        self._finished_copies(done)
+        with self._lock:
+            self._done.extend(done)
 
     def _finished_copies(self, done: list[int]) -> None:
         """CUDA: free the slots of copies that completed; loads whose last copy did are reported."""
