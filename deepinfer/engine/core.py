@@ -97,14 +97,29 @@ class EngineCore:
             source.tokenizer, hf_config["vocab_size"], f"{source.path}:{source.tokenizer.vocab_size}",
             compile_timeout_s=config.scheduler.structured_outputs_compile_timeout_s,
             unpack_on_host=self.platform.grammar_masks_as_host_bias)
-        self.async_scheduling = resolve_async_scheduling(config, self.platform)
-        parts = (self.scheduler, self.executor, self.structured, self.spec, self.kv_tier)
-        if self.async_scheduling:
-            chooses = self.spec is not None and self.spec.method.chooses_loop
-            self.loop = OverlappedLoop(*parts, loop_chooser=LoopChooser() if chooses else None)
-        else:
-            self.loop = PlainLoop(*parts)
+        self.loop = self._make_loop(resolve_async_scheduling(config, self.platform))
         self.platform.settle_host_threads()
+
+    def _make_loop(self, overlapped: bool) -> PlainLoop | OverlappedLoop:
+        parts = (self.scheduler, self.executor, self.structured, self.spec, self.kv_tier)
+        if not overlapped:
+            return PlainLoop(*parts)
+        chooses = self.spec is not None and self.spec.method.chooses_loop
+        return OverlappedLoop(*parts, loop_chooser=LoopChooser() if chooses else None)
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether the overlapped loop runs (else the plain one)."""
+        return isinstance(self.loop, OverlappedLoop)
+
+    @async_scheduling.setter
+    def async_scheduling(self, overlapped: bool) -> None:
+        """Switch loops while nothing is in flight (benchmarks compare both on one engine)."""
+        if overlapped == self.async_scheduling:
+            return
+        if self.loop.has_pending():
+            raise RuntimeError("the engine loop can only be switched while no step is in flight")
+        self.loop = self._make_loop(overlapped)
 
     @property
     def num_kv_blocks(self) -> int:

@@ -54,9 +54,18 @@ def test_engine_resolves_the_flag():
     assert resolve_async_scheduling(spec, cpu) is False
 
 
-def test_engine_runs_the_loop_it_resolved(engines):
+def test_engine_runs_the_loop_it_resolved_and_switches_between_calls(engines):
     plain, overlapped = engines
     assert isinstance(plain.engine.loop, PlainLoop) and isinstance(overlapped.engine.loop, OverlappedLoop)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = run(plain, PROMPTS[:2], params)
+    try:
+        plain.engine.async_scheduling = True   # what the benchmarks do to time both loops on one engine
+        assert isinstance(plain.engine.loop, OverlappedLoop) and plain.engine.async_scheduling
+        assert run(plain, PROMPTS[:2], params) == want
+    finally:
+        plain.engine.async_scheduling = False
+    assert isinstance(plain.engine.loop, PlainLoop)
 
 
 def test_overlapped_loop_launches_before_collecting(engines):
