@@ -139,18 +139,21 @@ class ModelConfig:
         return {} if value is None else json.loads(value)
 
 
-def json_object(name: str, value: Any) -> str | None:
-    """A flag's JSON object (text or a dict) as canonical JSON text; errors name the field."""
-    if value is None:
-        return None
+def parse_json_object(name: str, value: Any) -> dict:
+    """A flag's JSON object, given as text (the CLI) or a dict; errors name the field."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
-    return json.dumps(value, sort_keys=True)
+        raise ValueError(f"{name} must be a JSON object (or a dict), got {type(value).__name__}")
+    return value
+
+
+def json_object(name: str, value: Any) -> str | None:
+    """A flag's JSON object (text or a dict) as canonical JSON text."""
+    return None if value is None else json.dumps(parse_json_object(name, value), sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -481,13 +484,7 @@ class SpeculativeConfig:
         """From a dict, a JSON string (the CLI flag), an instance, or None (no speculation)."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict or a JSON object, got {type(value).__name__}")
+        value = parse_json_object("speculative_config", value)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
