@@ -78,7 +78,10 @@ def test_dropped_non_streaming_clients_are_aborted(server):
             await asyncio.gather(*(one() for _ in range(64)))
 
     asyncio.run(drop_all())
-    assert wait_until(lambda: running(server) == 0, timeout_s=2.0) < 2.0
+    # Run to max_tokens, the 64 requests would hold the engine for minutes. Aborted, the last one
+    # leaves within about 1.5-2.3 s of the clients' timeouts on the 2-core box (the tree before
+    # this bound measured 1.47-1.87 s, this one 1.59-2.33 s: 2 s was inside the noise).
+    assert wait_until(lambda: running(server) == 0, timeout_s=5.0) < 5.0
 
 
 def test_n_counts_as_n_pending_and_429_says_when_to_retry(http):
