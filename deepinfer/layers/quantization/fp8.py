@@ -40,7 +40,11 @@ ACTIVATION_GROUP = 128
 # _scaled_mm's shape rule: both dimensions of the weight multiples of this.
 ALIGNMENT = 16
 
-_blockwise_support: dict[str, bool] = {}
+# Per device: the scale layout block-scaled _scaled_mm takes there (False: none works).
+_blockwise_layout: dict[str, str | bool] = {}
+# Scale layouts to try, in order: as computed (row-major), or outer-dimension-major (each scale
+# matrix stored transposed), which some builds of the block-scaled GEMM ask for.
+SCALE_LAYOUTS = ("row_major", "outer_major")
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,22 +97,29 @@ def blockwise_fast(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int])
 
 def blockwise_supported(device: torch.device) -> bool:
     """Whether _scaled_mm multiplies 1 x 128-scaled activations by 128 x 128-scaled weights on
-    this device: asked once (a small product against the reference), then remembered."""
+    this device, with either scale layout: asked once (a small product against the reference),
+    then remembered."""
     key = str(device)
-    if key not in _blockwise_support:
-        try:
-            x = torch.randn(16, 256, device=device, dtype=torch.bfloat16)
-            w = torch.randn(256, 256, device=device)
-            codes, scale = quantize_blocks(w, (128, 128))
-            got = _blockwise_mm(x, codes, scale, None)
-            want = F.linear(x.float(), dequantize(codes, scale, (128, 128), torch.float32))
-            ok = bool(torch.allclose(got.float(), want, rtol=0.1, atol=0.5))
-        except (RuntimeError, NotImplementedError, ValueError) as e:
+    if key not in _blockwise_layout:
+        _blockwise_layout[key] = False
+        reasons = []
+        x = torch.randn(16, 256, device=device, dtype=torch.bfloat16)
+        codes, scale = quantize_blocks(torch.randn(256, 256, device=device), (128, 128))
+        want = F.linear(x.float(), dequantize(codes, scale, (128, 128), torch.float32))
+        for layout in SCALE_LAYOUTS:
+            try:
+                got = _blockwise_mm(x, codes, scale, None, layout)
+            except (RuntimeError, NotImplementedError, ValueError) as e:
+                reasons.append(f"{layout}: {str(e).splitlines()[0][:100]}")
+                continue
+            if torch.allclose(got.float(), want, rtol=0.1, atol=0.5):
+                _blockwise_layout[key] = layout
+                break
+            reasons.append(f"{layout}: wrong products")
+        if not _blockwise_layout[key]:
             logger.info("block-scaled FP8 GEMM not available on %s (%s); FP8 block weights are "
-                        "dequantized per product", device, str(e).splitlines()[0][:120])
-            ok = False
-        _blockwise_support[key] = ok
-    return _blockwise_support[key]
+                        "dequantized per product", device, "; ".join(reasons))
+    return bool(_blockwise_layout[key])
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +141,16 @@ def _per_channel_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                             out_dtype=x.dtype)
 
 
-def _blockwise_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+def _blockwise_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                  layout: str | None = None) -> torch.Tensor:
     xq, xs = quantize_rows(x, ACTIVATION_GROUP)
-    # scale_b is the transposed weight's: [in / 128, out / 128], outer dimension first.
-    y = torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=scale.t(), out_dtype=x.dtype)
+    # scale_b is the transposed weight's: [in / 128, out / 128].
+    scale_b = scale.t()
+    if (layout or _blockwise_layout.get(str(x.device))) == "outer_major":
+        xs, scale_b = xs.t().contiguous().t(), scale_b.t().contiguous().t()
+    else:
+        scale_b = scale_b.contiguous()
+    y = torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
     return y if bias is None else y + bias
 
 
