@@ -116,7 +116,7 @@ class FakeCore:
 
 
 def fake_client(num_engines: int) -> tuple[AsyncEngineClient, list[FakeCore]]:
-    source = SimpleNamespace(tokenizer=None, eos_token_ids=frozenset({1}), name="m",
+    source = SimpleNamespace(tokenizer=None, eos_token_ids=frozenset({1}), name="m", path="m",
                              hf_config={"vocab_size": 32, "max_position_embeddings": 64})
     client = AsyncEngineClient(EngineConfig.from_kwargs(data_parallel_size=num_engines), source)
     cores = [FakeCore() for _ in range(num_engines)]
