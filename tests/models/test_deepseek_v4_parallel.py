@@ -31,8 +31,8 @@ from deepinfer.distributed import building_with, init_distributed, shutdown_dist
 from deepinfer.executor.ranked import free_port  # noqa: E402
 from deepinfer.models.deepseek_v4 import V4ForCausalLM  # noqa: E402
 from deepinfer.models.deepseek_v4.engine import DeepseekV4ForCausalLM  # noqa: E402
+from deepinfer.models.deepseek_v4.loading import load_v4_weights  # noqa: E402
 from deepinfer.models.deepseek_v4.parallel import plan_dispatch, received_experts, token_share  # noqa: E402
-from deepinfer.models.deepseek_v4.weights import load_v4_weights  # noqa: E402
 from tests.models.test_deepseek_v4_layers import make_config, prompt, randomize  # noqa: E402
 from tests.models.test_deepseek_v4_weights import (  # noqa: E402
     FP4_NAMES,

@@ -28,6 +28,8 @@ from transformers import DeepseekV4ForCausalLM
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.quantization.fp8 import dequantize
 from deepinfer.models.deepseek_v4 import V4ForCausalLM
+from deepinfer.models.deepseek_v4.loading import load_v4_weights
+from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.deepseek_v4.weights import (
     DEEPSEEK,
     TRANSFORMERS,
@@ -36,7 +38,6 @@ from deepinfer.models.deepseek_v4.weights import (
     V4Checkpoint,
     dequantize_fp4_groups,
     dequantize_fp8_blocks,
-    load_v4_weights,
 )
 from deepinfer.models.errors import ModelLoadError
 from tests.models.test_deepseek_v4_layers import ATOL, make_config, randomize
@@ -300,6 +301,30 @@ def test_fp8_blocks_kept_in_their_own_format(reference, tmp_path):
         assert torch.equal(back, dense_modules[name].weight), name
     assert len(fp8_layers) == sum(1 for n in expected if FP8_NAMES.search(n) and ".wo_a." not in n)
     ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(kept(ids), dense(ids))
+
+
+@torch.no_grad()
+def test_fp4_experts_kept_in_their_own_format(reference, tmp_path):
+    """keep_fp4: the routed experts hold the stored e2m1 codes and ue8m0 exponents (half a byte
+    a weight, no dense copy), each expert dequantizes to the dense load's values, and the model
+    computes the same logits (float32: the reference loop dequantizes to the same values)."""
+    cfg, state = reference
+    write_quantized(cfg, state, tmp_path)
+    dense, kept = fresh(cfg), fresh(cfg)
+    load_v4_weights(dense, str(tmp_path))
+    load_v4_weights(kept, str(tmp_path), keep_fp4=True)
+    dense_modules = dict(dense.named_modules())
+    experts = {n: m for n, m in kept.named_modules() if isinstance(m, RoutedExperts)}
+    assert experts and all(m.fp4_group == FP4_GROUP for m in experts.values())
+    for name, module in experts.items():
+        assert module.gate_up_proj.dtype == torch.uint8
+        for part in ("gate_up_proj", "down_proj"):
+            whole = getattr(dense_modules[name], part)
+            assert getattr(module, part).shape[-1] * 2 == whole.shape[-1]
+            for j in range(whole.shape[0]):
+                assert torch.equal(module.expert_weight(part, j, torch.float32), whole[j]), (name, part, j)
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(7))
     assert torch.equal(kept(ids), dense(ids))
 
 

@@ -155,16 +155,20 @@ class DeepseekV4ForCausalLM(CausalLM):
         return propose_mtp_drafts(self, requests, model_states)
 
     def load_from(self, source, keep_int4: bool = False, quantization: str = "auto") -> None:
-        """The checkpoint directory in either layout (weights.py). Its FP8 block weights stay FP8
-        with quantization "fp8", and with "auto" where the device multiplies block-scaled FP8
-        (layers/quantization/fp8.py, blockwise_supported); otherwise, and always the routed
-        experts' FP4, they are dequantized. The MTP layers are dropped when it has none
-        (transformers saves none)."""
+        """The checkpoint directory in either layout (weights.py, loading.py). Its FP8 block
+        weights and FP4 routed experts stay in their own format with quantization "fp8", and with
+        "auto" where the device has a product for them (block-scaled FP8: fp8.blockwise_supported;
+        FP4 experts: the Triton kernel, moe.fp4_grouped_supported); otherwise they are
+        dequantized. The MTP layers are dropped when it has none (transformers saves none)."""
         from deepinfer.layers.quantization.fp8 import blockwise_supported
-        from deepinfer.models.deepseek_v4.weights import V4Checkpoint, load_v4_weights
+        from deepinfer.models.deepseek_v4.loading import load_v4_weights
+        from deepinfer.models.deepseek_v4.moe import fp4_grouped_supported
+        from deepinfer.models.deepseek_v4.weights import V4Checkpoint
 
         if not any(entry.name.startswith("mtp.") for entry in V4Checkpoint(source.path).entries):
             self.mtp = nn.ModuleList()
         device = self.lm_head.weight.device
+        probe = torch.empty(0, device=device, dtype=torch.bfloat16)
         keep_fp8 = quantization == "fp8" or (quantization == "auto" and blockwise_supported(device))
-        load_v4_weights(self, source.path, keep_fp8=keep_fp8)
+        keep_fp4 = quantization == "fp8" or (quantization == "auto" and fp4_grouped_supported(probe))
+        load_v4_weights(self, source.path, keep_fp8=keep_fp8, keep_fp4=keep_fp4)

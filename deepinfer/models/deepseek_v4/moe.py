@@ -23,6 +23,7 @@ from torch import nn
 
 from deepinfer.distributed import ParallelGroup, current_tp_group
 from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from deepinfer.layers.quantization import fp4
 from deepinfer.models.deepseek_v4.config import V4Config
 from deepinfer.models.deepseek_v4.parallel import check_group, expert_parallel_moe, rank_rows
 
@@ -94,6 +95,18 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
+def fp4_grouped_supported(x: torch.Tensor) -> bool:
+    """Where the FP4 experts' Triton kernel runs: CUDA, 16-bit activations, and a device on which
+    it compiled and matched the reference (layers/quantization/fp4_moe_triton.py, kernel_works)."""
+    if x.device.type != "cuda" or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        from deepinfer.layers.quantization.fp4_moe_triton import kernel_works
+    except ImportError:   # no Triton
+        return False
+    return kernel_works(x.device, x.dtype)
+
+
 class RoutedExperts(nn.Module):
     """The routed experts this rank holds: all of them, each with its 1/tp of the intermediate
     rows (tensor parallelism), or experts first_expert .. first_expert + num_local whole (expert
@@ -112,6 +125,33 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(self.num_local, hidden, inner))
         # The engine turns on the grouped GEMM (engine.py); the reference loops over experts.
         self.grouped = False
+        # FP4 (as_fp4): the two parameters hold e2m1 codes, these their ue8m0 exponents per group.
+        self.fp4_group: int | None = None
+        self.gate_up_exps: torch.Tensor | None = None
+        self.down_exps: torch.Tensor | None = None
+
+    def as_fp4(self, group: int) -> None:
+        """Keep the experts as a checkpoint's FP4 stores them (layers/quantization/fp4.py), for the
+        loader to fill: gate_up_proj / down_proj become uint8 codes [E, rows, inputs / 2] and
+        gate_up_exps / down_exps the exponent bytes [E, rows, inputs / group]; the wider copies
+        are freed."""
+        device = self.gate_up_proj.device
+        for name in ("gate_up_proj", "down_proj"):
+            experts, rows, inputs = getattr(self, name).shape
+            if inputs % group or group % 2:
+                raise ValueError(f"FP4 experts: {name}'s {inputs} inputs are not whole groups of {group}")
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, inputs // 2, dtype=torch.uint8, device=device),
+                                             requires_grad=False))
+            setattr(self, name.replace("_proj", "_exps"),
+                    torch.full((experts, rows, inputs // group), fp4.UE8M0_BIAS, dtype=torch.uint8, device=device))
+        self.fp4_group = group
+
+    def expert_weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `expert`'s gate_up_proj or down_proj in `dtype` (dequantized when FP4)."""
+        weight = getattr(self, name)[expert]
+        if self.fp4_group is None:
+            return weight
+        return fp4.dequantize(weight, getattr(self, name.replace("_proj", "_exps"))[expert], dtype)
 
     def local_expert(self, expert: int) -> int | None:
         """This rank's index of checkpoint expert `expert`; None when another rank holds it (an
@@ -138,31 +178,42 @@ class RoutedExperts(nn.Module):
         return tensor[..., rows, :]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.grouped and grouped_mm_supported(x):
+        if self.grouped and self.fp4_group is not None and fp4_grouped_supported(x):
+            return self.forward_grouped(x, ids, weights)
+        if self.grouped and self.fp4_group is None and grouped_mm_supported(x):
             return self.forward_grouped(x, ids, weights)
         return self.forward_loop(x, ids, weights)
 
     def forward_grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every routed expert in two grouped GEMMs: the (token, slot) pairs sorted by expert,
-        each expert's rows one group (offs: cumulative row counts). No host sync, whatever the
-        routing, so it also fits a CUDA graph."""
+        each expert's rows one group (counts per expert). No host sync, whatever the routing, so
+        it also fits a CUDA graph. torch's grouped GEMM for dense experts; for FP4 experts the
+        Triton kernel that reads their codes (layers/quantization/fp4_moe_triton.py)."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        offs = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).cumsum(0).to(torch.int32)
-        gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        if self.fp4_group is None:
+            offs = counts.cumsum(0).to(torch.int32)
+            gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        else:
+            from deepinfer.layers.quantization.fp4_moe_triton import fp4_grouped_mm
+
+            gate, up = fp4_grouped_mm(x[token], self.gate_up_proj, self.gate_up_exps, counts).chunk(2, dim=-1)
+            y = fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps, counts)
         y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
     def forward_loop(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The reference: one pair of matmuls per expert that has tokens."""
+        """The reference: one pair of matmuls per expert that has tokens (FP4 experts dequantized
+        one at a time)."""
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
             token, slot = torch.nonzero(ids == expert, as_tuple=True)
-            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            gate, up = F.linear(x[token], self.expert_weight("gate_up_proj", expert, x.dtype)).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.expert_weight("down_proj", expert, x.dtype))
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         return out
 

@@ -53,21 +53,16 @@ import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from deepinfer.layers.linear import Linear
-from deepinfer.models.deepseek_v4.moe import RoutedExperts
+from deepinfer.layers.quantization.fp4 import dequantize as dequantize_fp4_groups
 from deepinfer.models.errors import ModelLoadError
 from deepinfer.models.hf_loader import read_json, safetensors_files
 
 TRANSFORMERS, DEEPSEEK = "transformers", "deepseek"
 DEFAULT_FP8_BLOCK = (128, 128)
-# e2m1 by code 0..15: bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa (code 1 = 0.5 is
-# the one subnormal).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP8_STORAGE = {torch.float8_e4m3fn}
 # The release stores FP4 as int8; DeepSeek's convert.py views those bytes unchanged as
 # torch.float4_e2m1fn_x2, so a checkpoint in that dtype reads the same way.
@@ -106,27 +101,6 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tupl
                          f"scale of {(*weight.shape[:-2], *grid)}, not {tuple(scale.shape)}")
     multipliers = scale_multipliers(scale).repeat_interleave(block_rows, dim=-2)[..., :rows, :]
     return weight.float() * multipliers.repeat_interleave(block_cols, dim=-1)[..., :cols]
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """Two e2m1 codes per byte [..., C/2] -> float32 [..., C]. Column 2k is byte k's low nibble
-    (DeepSeek's convert.py and transformers' FP4 dequantization both read it so)."""
-    codes = packed.contiguous().view(torch.uint8)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    return table[torch.stack((codes & 0xF, codes >> 4), dim=-1).long()].flatten(-2)
-
-
-def dequantize_fp4_groups(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 [..., R, C/2] times one multiplier per group of C / G consecutive columns of a
-    row, scale [..., R, G] (G = C / 32 in the release)."""
-    values = unpack_e2m1(packed)
-    groups = scale.shape[-1]
-    if scale.shape[:-1] != values.shape[:-1] or groups == 0 or values.shape[-1] % groups:
-        raise ValueError(f"an FP4 weight of {tuple(values.shape)} values (packed {tuple(packed.shape)}) "
-                         f"needs a scale of {tuple(values.shape[:-1])} x groups dividing "
-                         f"{values.shape[-1]}, not {tuple(scale.shape)}")
-    grouped = values.unflatten(-1, (groups, values.shape[-1] // groups))
-    return (grouped * scale_multipliers(scale)[..., None]).flatten(-2)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, fp8_block: tuple[int, int]) -> torch.Tensor:
@@ -288,7 +262,7 @@ class V4Tensor:
     source: str
     expert: int | None = None
     half: str | None = None
-    # Kept in its own format (FP8 codes as stored): the block scale's float32 multipliers.
+    # Kept in its own format (loading.py): the weight's scale tensor as stored.
     scale: torch.Tensor | None = None
 
 
@@ -342,7 +316,7 @@ class V4Checkpoint:
 
     def tensors(self, kept: frozenset[str] = frozenset()) -> Iterator[V4Tensor]:
         """The entries' tensors, renamed and dequantized, shard by shard, one at a time; those
-        named in `kept` (source names) as stored, with their scale's multipliers beside them."""
+        named in `kept` (source names) as stored, with their scale as stored beside them."""
         from safetensors import safe_open
 
         by_file = defaultdict(list)
@@ -353,12 +327,26 @@ class V4Checkpoint:
                 for entry in entries:
                     tensor = shard.get_tensor(entry.source)
                     if entry.scale is not None and entry.source in kept:
-                        scale = scale_multipliers(self._scale(entry, shard))
-                        yield V4Tensor(entry.name, tensor, entry.source, entry.expert, entry.half, scale)
+                        yield V4Tensor(entry.name, tensor, entry.source, entry.expert, entry.half,
+                                       self._scale(entry, shard))
                         continue
                     if entry.scale is not None:
                         tensor = self._dequantized(entry, tensor, shard)
                     yield V4Tensor(entry.name, tensor, entry.source, entry.expert, entry.half)
+
+    def group_size(self, entry: CheckpointEntry) -> int:
+        """An FP4 weight's inputs per scale (the release's 32), from the headers' shapes: two
+        codes a byte, one scale a group."""
+        from safetensors import safe_open
+
+        with safe_open(entry.file, framework="pt") as shard:
+            packed = shard.get_slice(entry.source).get_shape()[-1]
+        with safe_open(entry.scale_file, framework="pt") as shard:
+            groups = shard.get_slice(entry.scale).get_shape()[-1]
+        if not groups or (2 * packed) % groups:
+            raise ModelLoadError(f"{entry.source!r}: {2 * packed} FP4 inputs do not split into its scale's "
+                                 f"{groups} groups")
+        return 2 * packed // groups
 
     def _scale(self, entry: CheckpointEntry, shard) -> torch.Tensor:
         from safetensors import safe_open
@@ -398,161 +386,3 @@ def configured_fp8_block(path: str) -> tuple[int, int]:
     config = read_json(os.path.join(path, "config.json"), required=False) or {}
     block = (config.get("quantization_config") or {}).get("weight_block_size")
     return (int(block[0]), int(block[1])) if block else DEFAULT_FP8_BLOCK
-
-
-# --- loading into a model -------------------------------------------------------------------
-
-@torch.no_grad()
-def load_v4_weights(model: nn.Module, path: str, fp8_block: tuple[int, int] | None = None,
-                    keep_fp8: bool = False) -> str:
-    """Fill every parameter and persistent buffer of `model` (a V4ForCausalLM) from the checkpoint
-    at `path`, each in its own dtype and device; returns the layout found. Checks the names
-    before reading any tensor: an unknown one raises UnknownTensorError, missing ones
-    MissingTensorError. keep_fp8: the FP8 block weights of whole `Linear` layers stay FP8 (their
-    codes and scales, layers/quantization/fp8.py) instead of being dequantized."""
-    checkpoint = V4Checkpoint(path, fp8_block)
-    kept = keep_fp8_linears(model, checkpoint) if keep_fp8 else frozenset()
-    targets = model.state_dict(keep_vars=True)
-    checkpoint.entries = _rank_entries(model, checkpoint.entries, targets)
-    _check_coverage(checkpoint.entries, targets)
-    for piece in checkpoint.tensors(kept):
-        if piece.scale is not None:   # kept FP8: codes and scales into the layer as stored
-            owner = _owner(model, piece.name)
-            _check_shape(piece, owner.weight)
-            owner.weight.copy_(piece.tensor)
-            _check_shape(replace(piece, tensor=piece.scale), owner.weight_scale)
-            owner.weight_scale.copy_(piece.scale)
-            continue
-        piece = _rank_part(model, piece)
-        slot = _slot(targets[piece.name], piece)
-        _check_shape(piece, slot)
-        slot.copy_(piece.tensor)
-    return checkpoint.layout
-
-
-def _check_shape(piece: V4Tensor, slot: torch.Tensor) -> None:
-    if tuple(slot.shape) != tuple(piece.tensor.shape):
-        raise ModelLoadError(f"{piece.source!r} has shape {tuple(piece.tensor.shape)}, but {piece.name}"
-                             f"{_where(piece.expert, piece.half)} is {tuple(slot.shape)}")
-
-
-def keep_fp8_linears(model: nn.Module, checkpoint: V4Checkpoint) -> frozenset[str]:
-    """Turn the `Linear` layers whose checkpoint weight is FP8 into FP8 block layers, so the
-    loader copies codes and scales into them; returns those weights' source names. A layer split
-    over tensor-parallel ranks is left dense (its rank's slice may cut through a block), and so
-    are the routed experts (stacked, FP4 in the release)."""
-    kept = set()
-    for entry in checkpoint.entries:
-        if entry.scale is None or entry.dtype != "F8_E4M3" or entry.expert is not None:
-            continue
-        owner = _owner(model, entry.name)
-        split = getattr(getattr(owner, "group", None), "size", 1) > 1
-        if isinstance(owner, Linear) and entry.name.endswith(".weight") and not split:
-            if not owner.is_fp8:
-                owner.as_fp8_blocks(checkpoint.fp8_block)
-            kept.add(entry.source)
-    return frozenset(kept)
-
-
-# Tensor parallelism: the checkpoint holds whole tensors; a layer split over ranks keeps its rank's
-# part (layers/parallel.py, deepseek_v4/parallel.py), cut here after dequantization (FP8 blocks and
-# FP4 groups do not line up with every rank's slice).
-
-def _rank_entries(model: nn.Module, entries: list[CheckpointEntry],
-                  targets: dict[str, torch.Tensor]) -> list[CheckpointEntry]:
-    """The entries this rank reads: under expert parallelism a DeepSeek-layout routed expert of
-    another rank is never read, and this rank's are renumbered to its local experts."""
-    kept = []
-    for entry in entries:
-        owner = _owner(model, entry.name) if entry.expert is not None and entry.name in targets else None
-        if isinstance(owner, RoutedExperts):
-            local = owner.local_expert(entry.expert)
-            if local is None:
-                continue
-            entry = replace(entry, expert=local)
-        kept.append(entry)
-    return kept
-
-
-def _rank_part(model: nn.Module, piece: V4Tensor) -> V4Tensor:
-    """This rank's part of a whole checkpoint tensor: its owner module's `rank_part` (a module
-    split over ranks has one); the tensor itself where the module is replicated."""
-    owner = _owner(model, piece.name)
-    if isinstance(owner, RoutedExperts):   # two stacked tensors, and one expert's halves
-        part = piece.half or piece.name.rpartition(".")[2]
-        return replace(piece, tensor=owner.rank_part(piece.tensor, part))
-    if hasattr(owner, "rank_part"):
-        return replace(piece, tensor=owner.rank_part(piece.tensor, 0))
-    return piece
-
-
-def _owner(model: nn.Module, name: str) -> nn.Module:
-    return model.get_submodule(name.rpartition(".")[0])
-
-
-def _slot(target: torch.Tensor, piece: V4Tensor) -> torch.Tensor:
-    if piece.expert is None:
-        return target
-    rows = target[piece.expert]
-    if piece.half is None:
-        return rows
-    inner = rows.shape[0] // 2     # gate_up_proj[j] is [gate rows; up rows]
-    return rows[:inner] if piece.half == "gate" else rows[inner:]
-
-
-def _where(expert: int | None, half: str | None) -> str:
-    if expert is None:
-        return ""
-    return f"[expert {expert}]" if half is None else f"[expert {expert} {half}]"
-
-
-def _halves(name: str) -> tuple[str | None, ...]:
-    return ("gate", "up") if name.endswith("gate_up_proj") else (None,)
-
-
-def _check_coverage(entries: list[CheckpointEntry], targets: dict[str, torch.Tensor]) -> None:
-    provided: dict[str, set[tuple[int | None, str | None]]] = defaultdict(set)
-    for entry in entries:
-        target = targets.get(entry.name)
-        if target is None:
-            raise UnknownTensorError(f"checkpoint tensor {entry.source!r} (our name {entry.name!r}) has no "
-                                     "place in this model")
-        if entry.expert is not None and (target.dim() != 3 or entry.expert >= target.shape[0]):
-            raise UnknownTensorError(f"checkpoint tensor {entry.source!r}: {entry.name} has no expert "
-                                     f"{entry.expert}")
-        slot = (entry.expert, entry.half)
-        if slot in provided[entry.name]:
-            raise ModelLoadError(f"{entry.name}{_where(*slot)} is in the checkpoint twice ({entry.source!r})")
-        provided[entry.name].add(slot)
-
-    # Tied parameters (lm_head = embed_tokens) are one tensor under two names: either name fills it.
-    names_of = defaultdict(list)
-    for name, tensor in targets.items():
-        names_of[id(tensor)].append(name)
-    missing = []
-    for names in names_of.values():
-        gaps = [_gaps(name, provided.get(name, set()), targets[name]) for name in names]
-        if all(gaps):
-            missing.append(gaps[0])
-    if not missing:
-        return
-    hint = ""
-    if all(m.startswith("mtp.") for m in missing) and not any(e.name.startswith("mtp.") for e in entries):
-        hint = ("; the checkpoint has no MTP layers (transformers drops them): build "
-                "V4ForCausalLM(cfg, with_mtp=False)")
-    shown = ", ".join(missing[:SHOWN_MISSING]) + (", ..." if len(missing) > SHOWN_MISSING else "")
-    raise MissingTensorError(f"the checkpoint lacks {len(missing)} of the model's tensors: {shown}{hint}")
-
-
-def _gaps(name: str, slots: set[tuple[int | None, str | None]], target: torch.Tensor) -> str:
-    """'' when `slots` fill `name`, else what is missing (for a stacked tensor: which experts)."""
-    if (None, None) in slots:
-        return ""
-    if not slots:
-        return name
-    wanted = [(j, half) for j in range(target.shape[0]) for half in _halves(name)]
-    absent = [slot for slot in wanted if slot not in slots]
-    if not absent:
-        return ""
-    listed = ", ".join(f"{j}" if half is None else f"{j} {half}" for j, half in absent[:4])
-    return f"{name} (expert {listed}{', ...' if len(absent) > 4 else ''})"

@@ -1,0 +1,81 @@
+"""The FP4 grouped MoE kernel (deepinfer/layers/quantization/fp4_moe_triton.py) against its
+reference: each expert's rows times its dequantized weight (fp4.dequantize), F.linear.
+
+Experts with no rows, with fewer rows than a tile and with several tiles; output widths that are
+not a multiple of the tile (masked columns). float32 to the summation order (the weights are
+exact e2m1 values times powers of two), bf16 within its rounding.
+Runs on a GPU, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
+
+LOW = torch.float16 if INTERPRETED else torch.bfloat16
+
+# The kernel module imports triton: only after the skip above.
+from deepinfer.layers.quantization import fp4  # noqa: E402
+from deepinfer.layers.quantization.fp4_moe_triton import fp4_grouped_mm  # noqa: E402
+
+
+def reference(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    out, start = [], 0
+    for e, n in enumerate(counts):
+        w = fp4.dequantize(codes[e], exps[e], torch.float32)
+        out.append(F.linear(x[start:start + n].float(), w))
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+@pytest.mark.parametrize("counts,n,k", [([3, 0, 21, 1], 96, 256),    # an expert without rows; one of 2 tiles
+                                        ([16, 16], 64, 128),         # whole tiles
+                                        ([5, 40, 0, 0, 7], 70, 128)])  # masked columns
+def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype):
+    torch.manual_seed(sum(counts) + n + k)
+    experts = len(counts)
+    codes, exps = fp4.quantize(torch.randn(experts, n, k, device=DEVICE), 32)
+    x = torch.randn(sum(counts), k, device=DEVICE).to(dtype)
+    got = fp4_grouped_mm(x, codes, exps, torch.tensor(counts, device=DEVICE))
+    want = reference(x, codes, exps, counts)
+    assert got.dtype == dtype and got.shape == (sum(counts), n)
+    tol = {"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_fp4_grouped_mm_refuses_shapes_it_cannot_tile():
+    codes, exps = fp4.quantize(torch.randn(2, 32, 96, device=DEVICE), 32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        fp4_grouped_mm(torch.randn(4, 96, device=DEVICE), codes, exps, torch.tensor([2, 2], device=DEVICE))
+
+
+def test_fp4_experts_grouped_forward_matches_their_loop():
+    """RoutedExperts with FP4 weights: the grouped forward (two kernel launches, no host sync)
+    against the reference loop over experts."""
+    from types import SimpleNamespace
+
+    from deepinfer.models.deepseek_v4.moe import RoutedExperts
+
+    torch.manual_seed(3)
+    cfg = SimpleNamespace(num_experts=6, hidden_size=128, moe_intermediate_size=128, swiglu_limit=7.0)
+    experts = RoutedExperts(cfg).to(DEVICE)
+    experts.as_fp4(32)
+    for name in ("gate_up_proj", "down_proj"):
+        codes, exps = fp4.quantize(torch.randn(getattr(experts, name).shape[:-1] + (128,), device=DEVICE) * 0.1, 32)
+        getattr(experts, name).data.copy_(codes)
+        getattr(experts, name.replace("_proj", "_exps")).copy_(exps)
+    x = torch.randn(9, 128, device=DEVICE)
+    ids = torch.randint(0, 6, (9, 2), device=DEVICE)
+    weights = torch.rand(9, 2, device=DEVICE)
+    torch.testing.assert_close(experts.forward_grouped(x, ids, weights), experts.forward_loop(x, ids, weights),
+                               atol=1e-3, rtol=1e-4)
+
+
+def test_the_kernel_checks_itself_before_the_engine_relies_on_it():
+    from deepinfer.layers.quantization.fp4_moe_triton import kernel_works
+
+    assert kernel_works(torch.device(DEVICE), LOW)
