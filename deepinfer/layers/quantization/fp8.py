@@ -18,8 +18,9 @@ Two ways to multiply, chosen per call by what the inputs allow (`fp8_linear`):
              per-channel). It reads half the bytes of a bf16 weight and, on Hopper, runs on the
              FP8 tensor cores. Its products differ from the reference by the activations'
              rounding to FP8 (three mantissa bits), which tests bound.
-Block-scaled scaled mm needs a torch build and device that implement it; `blockwise_supported`
-asks once per device with a small product and the reference serves where it is missing.
+Block-scaled products run on torch's _scaled_mm where the build and device implement it, else on
+CUDA on a Triton kernel of the same recipe (fp8_block_triton.py); `block_product_available` asks
+once per device with a small product against the reference, which serves where neither runs.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ ALIGNMENT = 16
 
 # Per device: the scale layout block-scaled _scaled_mm takes there (False: none works).
 _blockwise_layout: dict[str, str | bool] = {}
+# Per device: whether the Triton block-scaled kernel runs there and agrees with the reference.
+_triton_block_works: dict[str, bool] = {}
 # Scale layouts to try, in order: as computed (row-major), or outer-dimension-major (each scale
 # matrix stored transposed), which some builds of the block-scaled GEMM ask for.
 SCALE_LAYOUTS = ("row_major", "outer_major")
@@ -89,10 +92,44 @@ def per_channel_fast(x: torch.Tensor, codes: torch.Tensor) -> bool:
 
 
 def blockwise_fast(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int]) -> bool:
-    """Whether a block-scaled product runs as a scaled mm: 128 x 128 weight blocks, inputs a
-    multiple of 128, bf16 activations, and a device whose _scaled_mm takes block scales."""
+    """Whether a block-scaled product runs as an FP8 GEMM: 128 x 128 weight blocks, inputs a
+    multiple of 128, bf16 activations, and a device with a block-scaled product."""
     return (block == (128, 128) and x.dtype == torch.bfloat16 and _scaled_mm_shape_ok(x, codes)
-            and codes.shape[1] % ACTIVATION_GROUP == 0 and blockwise_supported(x.device))
+            and codes.shape[1] % ACTIVATION_GROUP == 0 and block_product_available(x.device))
+
+
+def block_product_available(device: torch.device) -> bool:
+    """Whether this device multiplies block-scaled FP8: torch's _scaled_mm, else (CUDA) the
+    Triton kernel; each checked once against the reference."""
+    if blockwise_supported(device):
+        return True
+    return device.type == "cuda" and _triton_block_kernel_works(device)
+
+
+def _triton_block_kernel_works(device: torch.device) -> bool:
+    """Whether the Triton kernel (fp8_block_triton.py) compiles on this device and matches the
+    dequantized reference on a small product: asked once a device, so a Triton or a card without
+    FP8 dots sends the block weights to the reference instead of failing a step."""
+    key = str(device)
+    if key not in _triton_block_works:
+        try:
+            from deepinfer.layers.quantization.fp8_block_triton import block_fp8_mm
+
+            generator = torch.Generator(device=device).manual_seed(0)
+            codes, scale = quantize_blocks(torch.randn(256, 384, device=device, generator=generator), (128, 128))
+            x = torch.randn(24, 384, device=device, generator=generator).to(torch.bfloat16)
+            xq, xs = quantize_rows(x, ACTIVATION_GROUP)
+            got = block_fp8_mm(xq, xs, codes, scale, torch.bfloat16).float()
+            want = F.linear(x.float(), dequantize(codes, scale, (128, 128), torch.float32))
+            _triton_block_works[key] = bool(torch.allclose(got, want, atol=1.0, rtol=0.05))
+            if not _triton_block_works[key]:
+                logger.warning("the block-scaled FP8 kernel gave wrong products on %s; FP8 block weights are "
+                               "dequantized per product", device)
+        except Exception as e:   # no Triton, or a card that cannot build it: the reference serves
+            logger.warning("the block-scaled FP8 kernel does not run on %s (%s); FP8 block weights are "
+                           "dequantized per product", device, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
+            _triton_block_works[key] = False
+    return _triton_block_works[key]
 
 
 def blockwise_supported(device: torch.device) -> bool:
@@ -144,6 +181,11 @@ def _per_channel_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 def _blockwise_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                   layout: str | None = None) -> torch.Tensor:
     xq, xs = quantize_rows(x, ACTIVATION_GROUP)
+    if layout is None and not _blockwise_layout.get(str(x.device)):   # torch has none: the Triton kernel
+        from deepinfer.layers.quantization.fp8_block_triton import block_fp8_mm
+
+        y = block_fp8_mm(xq, xs, codes, scale, x.dtype)
+        return y if bias is None else y + bias
     # scale_b is the transposed weight's: [in / 128, out / 128].
     scale_b = scale.t()
     if (layout or _blockwise_layout.get(str(x.device))) == "outer_major":

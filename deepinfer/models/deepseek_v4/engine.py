@@ -157,10 +157,10 @@ class DeepseekV4ForCausalLM(CausalLM):
     def load_from(self, source, keep_int4: bool = False, quantization: str = "auto") -> None:
         """The checkpoint directory in either layout (weights.py, loading.py). Its FP8 block
         weights and FP4 routed experts stay in their own format with quantization "fp8", and with
-        "auto" where the device has a product for them (block-scaled FP8: fp8.blockwise_supported;
+        "auto" where the device has a product for them (block-scaled FP8: fp8.block_product_available;
         FP4 experts: the Triton kernel, moe.fp4_grouped_supported); otherwise they are
         dequantized. The MTP layers are dropped when it has none (transformers saves none)."""
-        from deepinfer.layers.quantization.fp8 import blockwise_supported
+        from deepinfer.layers.quantization.fp8 import block_product_available
         from deepinfer.models.deepseek_v4.loading import load_v4_weights
         from deepinfer.models.deepseek_v4.moe import fp4_grouped_supported
         from deepinfer.models.deepseek_v4.weights import V4Checkpoint
@@ -169,6 +169,6 @@ class DeepseekV4ForCausalLM(CausalLM):
             self.mtp = nn.ModuleList()
         device = self.lm_head.weight.device
         probe = torch.empty(0, device=device, dtype=torch.bfloat16)
-        keep_fp8 = quantization == "fp8" or (quantization == "auto" and blockwise_supported(device))
+        keep_fp8 = quantization == "fp8" or (quantization == "auto" and block_product_available(device))
         keep_fp4 = quantization == "fp8" or (quantization == "auto" and fp4_grouped_supported(probe))
         load_v4_weights(self, source.path, keep_fp8=keep_fp8, keep_fp4=keep_fp4)

@@ -1,0 +1,53 @@
+"""The block-scaled FP8 Triton kernel (deepinfer/layers/quantization/fp8_block_triton.py) against the
+dequantized reference: activations quantized per row and 128 inputs, weights per 128 x 128 block,
+ragged shapes (masked rows and columns). FP8 needs a GPU with FP8 tensor cores (Hopper); under
+Triton's interpreter, which has no FP8 dot, the same kernel runs on float16 codes (every e4m3 value
+is one), which checks its tiling and scaling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
+
+FP8_DOT = not INTERPRETED and torch.cuda.get_device_capability()[0] >= 9
+
+# The kernel module imports triton: only after the skip above.
+from deepinfer.layers.quantization import fp8  # noqa: E402
+from deepinfer.layers.quantization.fp8_block_triton import block_fp8_mm  # noqa: E402
+
+CASES = [(1, 256, 384), (24, 200, 256), (130, 512, 1024)] + ([] if INTERPRETED else [(7, 1536, 7168)])
+
+
+@pytest.mark.parametrize("m,n,k", CASES)
+def test_block_fp8_mm_matches_the_dequantized_reference(m, n, k):
+    torch.manual_seed(m + n + k)
+    codes, scale = fp8.quantize_blocks(torch.randn(n, k, device=DEVICE) * 0.05, (128, 128))
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    xq, xs = fp8.quantize_rows(x, 128)
+    if not FP8_DOT:   # the same values as float16 codes
+        xq, codes = xq.to(torch.float16), codes.to(torch.float16)
+    got = block_fp8_mm(xq, xs, codes, scale, torch.float16 if INTERPRETED else torch.bfloat16).float()
+    # The reference with the same activation rounding: exact up to float32 sums and the output's rounding.
+    xr = (xq.float().view(m, -1, 128) * xs[..., None]).view(m, k)
+    want = F.linear(xr, fp8.dequantize(codes.float(), scale, (128, 128), torch.float32))
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not FP8_DOT, reason="FP8 tensor cores: Hopper or later")
+def test_a_linear_with_block_weights_runs_the_kernel_where_torch_has_none():
+    from deepinfer.layers.linear import Linear
+
+    assert fp8.block_product_available(torch.device(DEVICE))
+    layer = Linear(512, 384, bias=False).to(DEVICE)
+    codes, scale = fp8.quantize_blocks(torch.randn(384, 512, device=DEVICE) * 0.05, (128, 128))
+    layer.as_fp8_blocks((128, 128))
+    layer.weight.data.copy_(codes)
+    layer.weight_scale.copy_(scale)
+    x = torch.randn(5, 512, device=DEVICE).to(torch.bfloat16)
+    assert fp8.blockwise_fast(x, layer.weight, (128, 128))
+    got = layer(x).float()
+    want = F.linear(x.float(), fp8.dequantize(codes, scale, (128, 128), torch.float32))
+    torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)
