@@ -125,10 +125,11 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(self.num_local, hidden, inner))
         # The engine turns on the grouped GEMM (engine.py); the reference loops over experts.
         self.grouped = False
-        # FP4 (as_fp4): the two parameters hold e2m1 codes, these their ue8m0 exponents per group.
+        # FP4 (as_fp4): the two parameters hold e2m1 codes, these their ue8m0 exponents per group
+        # (buffers, so they move with the module; not in its state dict: the loader fills them).
         self.fp4_group: int | None = None
-        self.gate_up_exps: torch.Tensor | None = None
-        self.down_exps: torch.Tensor | None = None
+        self.register_buffer("gate_up_exps", None, persistent=False)
+        self.register_buffer("down_exps", None, persistent=False)
 
     def as_fp4(self, group: int) -> None:
         """Keep the experts as a checkpoint's FP4 stores them (layers/quantization/fp4.py), for the
