@@ -19,8 +19,8 @@ Two ways to multiply, chosen per call by what the inputs allow (`fp8_linear`):
              FP8 tensor cores. Its products differ from the reference by the activations'
              rounding to FP8 (three mantissa bits), which tests bound.
 Block-scaled products run on torch's _scaled_mm where the build and device implement it, else on
-CUDA on a Triton kernel of the same recipe (fp8_block_triton.py); `block_product_available` asks
-once per device with a small product against the reference, which serves where neither runs.
+CUDA on a Triton kernel of the same recipe (fp8_block_triton.py); `block_path` asks once per device
+with a small product against the reference, which serves where neither runs.
 """
 
 from __future__ import annotations
@@ -41,14 +41,12 @@ ACTIVATION_GROUP = 128
 # _scaled_mm's shape rule: both dimensions of the weight multiples of this.
 ALIGNMENT = 16
 
-# Per device: the scale layout block-scaled _scaled_mm takes there (False: none works).
-_blockwise_layout: dict[str, str | bool] = {}
-# Per device: whether the Triton block-scaled kernel runs there and agrees with the reference.
-_triton_block_works: dict[str, bool] = {}
-# Scale layouts to try, in order: as computed (row-major), or outer-dimension-major (each scale
-# matrix stored transposed), which some builds of the block-scaled GEMM ask for.
-SCALE_LAYOUTS = ("row_major", "outer_major")
-
+# The ways to multiply block-scaled FP8, tried in this order on each device (block_path): torch's
+# _scaled_mm with the scales as computed (row-major) or each scale matrix stored transposed
+# (outer-dimension-major, which some builds ask for), then the Triton kernel (CUDA).
+BLOCK_PATHS = ("row_major", "outer_major", "triton")
+# Per device: the first of BLOCK_PATHS that ran and matched the reference, or None.
+_block_paths: dict[str, str | None] = {}
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes [out, in] float8_e4m3fn, scale [out, 1] float32) with codes * scale ~ weight: each
@@ -99,64 +97,38 @@ def blockwise_fast(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int])
 
 
 def block_product_available(device: torch.device) -> bool:
-    """Whether this device multiplies block-scaled FP8: torch's _scaled_mm, else (CUDA) the
-    Triton kernel; each checked once against the reference."""
-    if blockwise_supported(device):
-        return True
-    return device.type == "cuda" and _triton_block_kernel_works(device)
+    """Whether this device multiplies block-scaled FP8 (block_path)."""
+    return block_path(device) is not None
 
 
-def _triton_block_kernel_works(device: torch.device) -> bool:
-    """Whether the Triton kernel (fp8_block_triton.py) compiles on this device and matches the
-    dequantized reference on a small product: asked once a device, so a Triton or a card without
-    FP8 dots sends the block weights to the reference instead of failing a step."""
+def block_path(device: torch.device) -> str | None:
+    """The first of BLOCK_PATHS that runs on this device and matches the dequantized reference on
+    a small product, found once a device; None: none does, and FP8 block weights are dequantized
+    per product. A build or a card that cannot run one (no block-scaled _scaled_mm, no Triton, no
+    FP8 dots) is thus never asked to in a step."""
     key = str(device)
-    if key not in _triton_block_works:
-        try:
-            from deepinfer.layers.quantization.fp8_block_triton import block_fp8_mm
-
-            generator = torch.Generator(device=device).manual_seed(0)
-            codes, scale = quantize_blocks(torch.randn(256, 384, device=device, generator=generator), (128, 128))
-            x = torch.randn(24, 384, device=device, generator=generator).to(torch.bfloat16)
-            xq, xs = quantize_rows(x, ACTIVATION_GROUP)
-            got = block_fp8_mm(xq, xs, codes, scale, torch.bfloat16).float()
-            want = F.linear(x.float(), dequantize(codes, scale, (128, 128), torch.float32))
-            _triton_block_works[key] = bool(torch.allclose(got, want, atol=1.0, rtol=0.05))
-            if not _triton_block_works[key]:
-                logger.warning("the block-scaled FP8 kernel gave wrong products on %s; FP8 block weights are "
-                               "dequantized per product", device)
-        except Exception as e:   # no Triton, or a card that cannot build it: the reference serves
-            logger.warning("the block-scaled FP8 kernel does not run on %s (%s); FP8 block weights are "
-                           "dequantized per product", device, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
-            _triton_block_works[key] = False
-    return _triton_block_works[key]
-
-
-def blockwise_supported(device: torch.device) -> bool:
-    """Whether _scaled_mm multiplies 1 x 128-scaled activations by 128 x 128-scaled weights on
-    this device, with either scale layout: asked once (a small product against the reference),
-    then remembered."""
-    key = str(device)
-    if key not in _blockwise_layout:
-        _blockwise_layout[key] = False
-        reasons = []
-        x = torch.randn(16, 256, device=device, dtype=torch.bfloat16)
-        codes, scale = quantize_blocks(torch.randn(256, 256, device=device), (128, 128))
+    if key not in _block_paths:
+        generator = torch.Generator(device=device).manual_seed(0)
+        codes, scale = quantize_blocks(torch.randn(256, 384, device=device, generator=generator), (128, 128))
+        x = torch.randn(24, 384, device=device, generator=generator).to(torch.bfloat16)
         want = F.linear(x.float(), dequantize(codes, scale, (128, 128), torch.float32))
-        for layout in SCALE_LAYOUTS:
-            try:
-                got = _blockwise_mm(x, codes, scale, None, layout)
-            except (RuntimeError, NotImplementedError, ValueError) as e:
-                reasons.append(f"{layout}: {str(e).splitlines()[0][:100]}")
+        reasons, _block_paths[key] = [], None
+        for path in BLOCK_PATHS:
+            if path == "triton" and device.type != "cuda":
                 continue
-            if torch.allclose(got.float(), want, rtol=0.1, atol=0.5):
-                _blockwise_layout[key] = layout
+            try:
+                got = _blockwise_mm(x, codes, scale, None, path)
+            except Exception as e:   # not in this build, or cannot be compiled here
+                reasons.append(f"{path}: {str(e).splitlines()[0][:100] if str(e) else type(e).__name__}")
+                continue
+            if torch.allclose(got.float(), want, rtol=0.05, atol=0.5):
+                _block_paths[key] = path
                 break
-            reasons.append(f"{layout}: wrong products")
-        if not _blockwise_layout[key]:
-            logger.info("block-scaled FP8 GEMM not available on %s (%s); FP8 block weights are "
-                        "dequantized per product", device, "; ".join(reasons))
-    return bool(_blockwise_layout[key])
+            reasons.append(f"{path}: wrong products")
+        if _block_paths[key] is None:
+            logger.info("no block-scaled FP8 GEMM on %s (%s); FP8 block weights are dequantized per product",
+                        device, "; ".join(reasons))
+    return _block_paths[key]
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,20 +151,20 @@ def _per_channel_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
 
 
 def _blockwise_mm(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                  layout: str | None = None) -> torch.Tensor:
+                  path: str | None = None) -> torch.Tensor:
+    """The block-scaled product by `path` (default: the device's, block_path)."""
+    path = path or _block_paths[str(x.device)]
     xq, xs = quantize_rows(x, ACTIVATION_GROUP)
-    if layout is None and not _blockwise_layout.get(str(x.device)):   # torch has none: the Triton kernel
+    if path == "triton":
         from deepinfer.layers.quantization.fp8_block_triton import block_fp8_mm
 
         y = block_fp8_mm(xq, xs, codes, scale, x.dtype)
-        return y if bias is None else y + bias
-    # scale_b is the transposed weight's: [in / 128, out / 128].
-    scale_b = scale.t()
-    if (layout or _blockwise_layout.get(str(x.device))) == "outer_major":
-        xs, scale_b = xs.t().contiguous().t(), scale_b.t().contiguous().t()
     else:
-        scale_b = scale_b.contiguous()
-    y = torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
+        # scale_b is the transposed weight's: [in / 128, out / 128].
+        scale_b = scale.t().contiguous()
+        if path == "outer_major":
+            xs, scale_b = xs.t().contiguous().t(), scale.t()
+        y = torch._scaled_mm(xq, codes.t(), scale_a=xs, scale_b=scale_b, out_dtype=x.dtype)
     return y if bias is None else y + bias
 
 
