@@ -64,11 +64,12 @@ def _load_kept(model: nn.Module, piece: V4Tensor, targets: dict[str, torch.Tenso
     """A weight kept in its own format: its codes and its scale into the layer as stored."""
     owner = _owner(model, piece.name)
     if isinstance(owner, RoutedExperts):   # FP4 codes and ue8m0 exponents, this rank's experts
-        part = piece.half or piece.name.rpartition(".")[2]
+        param = piece.name.rpartition(".")[2]       # gate_up_proj or down_proj
+        part = piece.half or param
         codes = replace(piece, tensor=owner.rank_part(piece.tensor.view(torch.uint8), part))
         exps = replace(piece, tensor=owner.rank_part(fp4.scale_exponents(piece.scale), part))
         pairs = [(codes, _slot(targets[piece.name], codes)),
-                 (exps, _slot(getattr(owner, piece.name.rpartition(".")[2].replace("_proj", "_exps")), exps))]
+                 (exps, _slot(getattr(owner, owner.exponents_name(param)), exps))]
     else:   # FP8 codes and block multipliers
         pairs = [(piece, owner.weight), (replace(piece, tensor=scale_multipliers(piece.scale)), owner.weight_scale)]
     for value, slot in pairs:

@@ -143,16 +143,21 @@ class RoutedExperts(nn.Module):
                 raise ValueError(f"FP4 experts: {name}'s {inputs} inputs are not whole groups of {group}")
             setattr(self, name, nn.Parameter(torch.empty(experts, rows, inputs // 2, dtype=torch.uint8, device=device),
                                              requires_grad=False))
-            setattr(self, name.replace("_proj", "_exps"),
+            setattr(self, self.exponents_name(name),
                     torch.full((experts, rows, inputs // group), fp4.UE8M0_BIAS, dtype=torch.uint8, device=device))
         self.fp4_group = group
+
+    @staticmethod
+    def exponents_name(name: str) -> str:
+        """The FP4 exponents' buffer of gate_up_proj / down_proj."""
+        return name.replace("_proj", "_exps")
 
     def expert_weight(self, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert `expert`'s gate_up_proj or down_proj in `dtype` (dequantized when FP4)."""
         weight = getattr(self, name)[expert]
         if self.fp4_group is None:
             return weight
-        return fp4.dequantize(weight, getattr(self, name.replace("_proj", "_exps"))[expert], dtype)
+        return fp4.dequantize(weight, getattr(self, self.exponents_name(name))[expert], dtype)
 
     def local_expert(self, expert: int) -> int | None:
         """This rank's index of checkpoint expert `expert`; None when another rank holds it (an
@@ -179,9 +184,8 @@ class RoutedExperts(nn.Module):
         return tensor[..., rows, :]
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.grouped and self.fp4_group is not None and fp4_grouped_supported(x):
-            return self.forward_grouped(x, ids, weights)
-        if self.grouped and self.fp4_group is None and grouped_mm_supported(x):
+        grouped = fp4_grouped_supported(x) if self.fp4_group is not None else grouped_mm_supported(x)
+        if self.grouped and grouped:
             return self.forward_grouped(x, ids, weights)
         return self.forward_loop(x, ids, weights)
 
