@@ -69,10 +69,10 @@ _DRAFTERS = {DraftSource.NGRAM: _ngram, DraftSource.REPLAY: _replay, DraftSource
              DraftSource.DRAFT_MODEL: _draft_model}
 
 
-def build_drafter(config: EngineConfig, executor: Executor, source: ModelSource, load_weights: bool = True) -> Drafter:
+def build_drafter(config: EngineConfig, method: SpeculativeMethod, executor: Executor, source: ModelSource,
+                  load_weights: bool = True) -> Drafter:
     """`executor` runs the target model (MTP drafts with its head; a draft model gets as many
     KV blocks as it has, and random weights where the target has them: load_weights=False)."""
-    method = SpeculativeMethod.resolve(config.speculative)
     return _DRAFTERS[method.source](config, executor, source, load_weights)
 
 
@@ -82,10 +82,11 @@ def build_speculative_decoder(config: EngineConfig, executor: Executor, source: 
     """The drafter first (it may fail fast on a bad config), then, for adaptive verification, the
     step-cost profile (unless given one)."""
     spec = config.speculative
-    drafter = build_drafter(config, executor, source, load_weights)
-    if SpeculativeMethod.resolve(spec).adaptive and cost_model is None:
+    method = SpeculativeMethod.resolve(spec)
+    drafter = build_drafter(config, method, executor, source, load_weights)
+    if method.adaptive and cost_model is None:
         from deepinfer.spec_decode.cost_model import profile_step_cost
 
         cost_model = profile_step_cost(executor.profile_verify_step, spec.num_speculative_tokens,
                                        config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens)
-    return SpeculativeDecoder(spec, drafter, max_model_len, cost_model)
+    return SpeculativeDecoder(method, drafter, max_model_len, cost_model)

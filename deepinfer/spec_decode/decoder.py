@@ -54,9 +54,11 @@ def _grammar_prefix(grammar, token_ids: list[int]) -> int:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, drafter: Drafter, max_model_len: int,
+    def __init__(self, config: SpeculativeConfig | SpeculativeMethod, drafter: Drafter, max_model_len: int,
                  cost_model: StepCostModel | None = None) -> None:
-        self.method = SpeculativeMethod.resolve(config)
+        """`config`: the method resolved (build_speculative_decoder's), or the config to resolve."""
+        self.method = config if isinstance(config, SpeculativeMethod) else SpeculativeMethod.resolve(config)
+        config = self.method.config
         if self.method.adaptive and cost_model is None:
             raise ValueError("adaptive verification needs a step-cost model")
         self.config = config
