@@ -52,12 +52,36 @@ def shape(name: str, layers: int, max_len: int) -> dict:
 
 
 def randomize(model, seed: int = 0) -> None:
-    """Normal weights (std 0.02), unit norm weights, hash tables of distinct experts per token."""
+    """Normal weights (std 0.02), unit norm weights, hash tables of distinct experts per token.
+    Weights in V4's own formats (--quantization fp8) get the codes of such normal weights, in
+    place (CUDA graphs captured at start keep reading the same tensors)."""
     import torch
 
-    g = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    from deepinfer.layers.linear import Linear
+    from deepinfer.layers.quantization import fp4, fp8
+    from deepinfer.models.deepseek_v4.moe import RoutedExperts
+
+    device = model.lm_head.weight.device
+    g = torch.Generator(device=device).manual_seed(seed)
+    quantized = set()
     with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear) and module.is_fp8:
+                weight = torch.empty(module.weight.shape, device=device).normal_(0.0, 0.02, generator=g)
+                codes, scale = fp8.quantize_blocks(weight, module.weight_block)
+                module.weight.copy_(codes)
+                module.weight_scale.copy_(scale)
+                quantized.add(id(module.weight))
+            elif isinstance(module, RoutedExperts) and module.fp4_group is not None:
+                for name in ("gate_up_proj", "down_proj"):
+                    codes, exps = getattr(module, name), getattr(module, module.exponents_name(name))
+                    for e in range(codes.shape[0]):
+                        weight = torch.empty(codes.shape[1], 2 * codes.shape[2], device=device)
+                        codes[e], exps[e] = fp4.quantize(weight.normal_(0.0, 0.02, generator=g), module.fp4_group)
+                    quantized.add(id(codes))
         for name, p in model.named_parameters():
+            if id(p) in quantized:
+                continue
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                 p.fill_(1.0)
             elif p.dim() >= 2:
@@ -68,12 +92,41 @@ def randomize(model, seed: int = 0) -> None:
                 b.copy_(experts.argsort(dim=-1)[:, :b.shape[1]])
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def active_bytes(model) -> int:
-    """Weight bytes one token reads: all but the routed experts it is not routed to."""
-    cfg = model.cfg
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * model.lm_head.weight.element_size()
-    return total - cfg.num_layers * (cfg.num_experts - cfg.experts_per_token) * per_expert
+    """Weight bytes one token reads, in the formats held (scales and exponents included): all
+    but the routed experts it is not routed to."""
+    import torch
+
+    from deepinfer.models.deepseek_v4.moe import RoutedExperts
+
+    total = _nbytes(model.parameters()) + _nbytes(getattr(m, name) for m in model.modules()
+                                                  for name in ("weight_scale", "gate_up_exps", "down_exps")
+                                                  if isinstance(getattr(m, name, None), torch.Tensor))
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            held = _nbytes([module.gate_up_proj, module.down_proj, module.gate_up_exps, module.down_exps])
+            total -= held * (module.num_local - model.cfg.experts_per_token) // module.num_local
+    return total
+
+
+def active_params(model) -> int:
+    """Weights one token multiplies (an FP4 byte holds two): the prefill floor's FLOPs / 2 / tokens."""
+    import torch
+
+    from deepinfer.models.deepseek_v4.moe import RoutedExperts
+
+    total = 0
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            n = p.numel() * (2 if p.dtype == torch.uint8 else 1)
+            if isinstance(module, RoutedExperts):
+                n = n * model.cfg.experts_per_token // module.num_local
+            total += n
+    return total
 
 
 def main() -> None:
@@ -86,6 +139,8 @@ def main() -> None:
     parser.add_argument("--modes", default="triton,reference", help="attention paths, in this order")
     parser.add_argument("--experts", choices=["grouped", "loop"], default="grouped")
     parser.add_argument("--shape", choices=["flash", "tiny"], default="flash")
+    parser.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
+                        help="fp8: the weights in V4's own formats (FP8 blocks, FP4 experts; engine.quantize_fp8)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -108,7 +163,7 @@ def main() -> None:
     llm = LLM(write_config_dir(config), load_format="dummy", dtype="bfloat16", max_model_len=max_len,
               attention_backend="reference",
               skip_tokenizer_init=True, max_num_seqs=args.batch, max_num_batched_tokens=max(args.prefill, 2048),
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, quantization=args.quantization)
     runner = llm.engine.executor.runner
     model = runner.model
     randomize(model)
@@ -153,7 +208,7 @@ def main() -> None:
         if cuda:
             row["roofline_step_ms"] = weights / bandwidth * 1e3
             row["decode_fraction_of_roofline"] = row["roofline_step_ms"] / row["decode_b1_step_ms"]
-            row["prefill_floor_ms"] = 2 * weights / model.lm_head.weight.element_size() * args.prefill / flops * 1e3
+            row["prefill_floor_ms"] = 2 * active_params(model) * args.prefill / flops * 1e3
             row["prefill_fraction_of_floor"] = row["prefill_floor_ms"] / row["prefill_ms"]
         result["modes"][mode] = row
         print(f"  {mode}: {row}", flush=True)

@@ -177,6 +177,17 @@ class Linear(nn.Linear):
         self.weight_scale = scale
         self.int4_weight = self.int4_scales_zeros = self.packed_weight = None
 
+    @torch.no_grad()
+    def to_fp8_blocks(self, block: tuple[int, int]) -> None:
+        """Replace the (loaded) weight by FP8 codes with one scale per `block` (DeepSeek-V4's own
+        format, made from a dense weight: `--quantization fp8` on a V4 model); FP8 stays as it is."""
+        if self.is_fp8:
+            return
+        codes, scale = fp8.quantize_blocks(self.weight, block)
+        self.weight = nn.Parameter(codes, requires_grad=False)
+        self.weight_scale, self.weight_block = scale, block
+        self.int4_weight = self.int4_scales_zeros = self.packed_weight = None
+
     def as_fp8_blocks(self, block: tuple[int, int]) -> None:
         """Make room for a checkpoint's block-scaled FP8 weight: codes [out, in] and scales
         [ceil(out / bn), ceil(in / bk)], filled by the loader."""

@@ -29,10 +29,12 @@ from torch import nn
 from deepinfer.kv_cache.specs import CompressedSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers.attention.backends.base import AttentionBackend
 from deepinfer.layers.attention.metadata import get_forward_context
-from deepinfer.layers.linear import onednn_packing_available, pack_dense
+from deepinfer.layers.linear import Linear, onednn_packing_available, pack_dense
 from deepinfer.layers.parallel import ParallelLMHead, gather_logits
 from deepinfer.models.base import CausalLM
+from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
+from deepinfer.models.deepseek_v4.indexer import Indexer
 from deepinfer.models.deepseek_v4.model import V4Model
 from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
@@ -44,6 +46,10 @@ from deepinfer.types.drafter import Draft, DraftRequest
 
 if TYPE_CHECKING:
     from deepinfer.config import ParallelConfig
+
+# The formats of V4's released checkpoints (weights.py): FP8 weights' scale blocks, FP4 experts' groups.
+V4_FP8_BLOCK = (128, 128)
+V4_FP4_GROUP = 32
 
 
 def _layer_kv(cfg: V4Config) -> list[LayerKV]:
@@ -122,6 +128,24 @@ class DeepseekV4ForCausalLM(CausalLM):
         their memory for a speed-up not measured on V4 yet."""
         if onednn_packing_available(self.head_weight()):
             self.head_packed = pack_dense(self.head_weight())
+
+    def quantize_fp8(self) -> None:
+        """quantization="fp8": the weights take the formats V4's checkpoints ship them in
+        (weights.py): FP8 with 128 x 128 block scales for the projections a checkpoint stores in FP8
+        (all but the compressors' and the indexer's kv / gate / weights projections, which it keeps
+        in BF16), FP4 in groups of 32 for the routed experts. Weights loaded in those formats stay
+        as they are; a dummy or BF16 model gets them here (benchmarks of real shapes)."""
+        bf16_in_checkpoint = set()
+        for module in self.modules():
+            if isinstance(module, Compressor):
+                bf16_in_checkpoint |= {id(module.kv_proj), id(module.gate_proj)}
+            if isinstance(module, Indexer):
+                bf16_in_checkpoint.add(id(module.scorer.weights_proj))
+        for module in self.modules():
+            if isinstance(module, Linear) and id(module) not in bf16_in_checkpoint:
+                module.to_fp8_blocks(V4_FP8_BLOCK)
+            elif isinstance(module, RoutedExperts) and (module.expert_parallel or module.group.size == 1):
+                module.to_fp4(V4_FP4_GROUP)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -147,6 +147,19 @@ class RoutedExperts(nn.Module):
                     torch.full((experts, rows, inputs // group), fp4.UE8M0_BIAS, dtype=torch.uint8, device=device))
         self.fp4_group = group
 
+    @torch.no_grad()
+    def to_fp4(self, group: int) -> None:
+        """Replace the (loaded) dense experts by FP4 codes and exponents (fp4.quantize), one
+        expert at a time so no float32 copy of every expert exists at once."""
+        if self.fp4_group is not None:
+            return
+        dense = {name: getattr(self, name).data for name in ("gate_up_proj", "down_proj")}
+        self.as_fp4(group)
+        for name, weight in dense.items():
+            codes, exps = getattr(self, name), getattr(self, self.exponents_name(name))
+            for expert in range(weight.shape[0]):
+                codes[expert], exps[expert] = fp4.quantize(weight[expert], group)
+
     @staticmethod
     def exponents_name(name: str) -> str:
         """The FP4 exponents' buffer of gate_up_proj / down_proj."""

@@ -39,10 +39,10 @@ integrations/finegrained_fp8.py `Fp8Dequantize` for the same nibble order and th
 [128, 128] FP8 scale grids; quantizers/quantizer_finegrained_fp8.py, which renames V4's `.scale`
 to `weight_scale_inv`, the name a scale also goes by here).
 
-Everything quantized is dequantized here, at load, in float32 and then cast to each parameter's
-own dtype. This is the CPU path and the default; the GPU keeps the dequantized weights too for
-now, since deepinfer has no FP8 / FP4 kernel for V4 yet. The FP8 block comes from config.json's
-`quantization_config.weight_block_size` (128 x 128 without one); the FP4 group from the scale's
+Read for the dequantized path, everything quantized is dequantized here, at load, in float32 and
+then cast to each parameter's own dtype (the CPU's path). Where the device multiplies them,
+loading.py keeps the FP8 blocks and FP4 experts as stored instead (engine.py, load_from). The
+FP8 block comes from config.json's `quantization_config.weight_block_size` (128 x 128 without one); the FP4 group from the scale's
 shape. Reading goes shard by shard, one tensor at a time (a scale in another shard is read from
 there alongside its weight), so the checkpoint is never held in memory next to the model.
 """
