@@ -114,6 +114,11 @@ class CausalLM(nn.Module):
         if onednn_packing_available(self.head_weight()):
             self.head_packed = pack_dense(self.head_weight())
 
+    def reserve_request_state(self, max_requests: int, rows_per_request: int) -> None:
+        """Allocate what the model keeps per request on the device beside its KV pages, for up to
+        max_requests requests of up to rows_per_request tokens a step (the runner calls it before
+        sizing the KV pool). Most models keep nothing there; DeepSeek-V4 its compressors' rings."""
+
     def quantize_fp8(self) -> None:
         """quantization="fp8": every projection's loaded weight becomes FP8 codes with one scale
         per output channel (layers/quantization/fp8.py); the embeddings and the head, which are

@@ -61,8 +61,20 @@ from deepinfer.types.plan import (
     RunnerResult,
     SchedulerPlan,
 )
-from deepinfer.worker.input_batch import StepInputs, build_step_inputs, max_sliding_window, num_decode_rows
-from deepinfer.worker.request_states import RunnerRequestState, StepChunk, step_chunks, update_states
+from deepinfer.worker.input_batch import (
+    MAX_CONTINUATION_ROWS,
+    StepInputs,
+    build_step_inputs,
+    max_sliding_window,
+    num_decode_rows,
+)
+from deepinfer.worker.request_states import (
+    RunnerRequestState,
+    StepChunk,
+    release_model_state,
+    step_chunks,
+    update_states,
+)
 from deepinfer.worker.spec.draft_verification import PendingVerdicts, verify_chunks
 from deepinfer.worker.spec.verify_chain import ChainStart, ChainVerdicts, build_verify_chain
 from deepinfer.worker.start_up_steps import StartUpSteps
@@ -192,6 +204,9 @@ class ModelRunner:
                                   or engine_backend)
         self.start_up_steps = StartUpSteps(self.model, self.kv_layout, self.block_size, self.attention_backend,
                                            self.platform)
+        # Before the KV pool is sized, so what the model keeps per request comes out of its budget.
+        rows_per_request = max(1 + (self.speculation.k if self.speculation is not None else 0), MAX_CONTINUATION_ROWS)
+        self.model.reserve_request_state(self.config.scheduler.max_num_seqs, rows_per_request)
 
     def _size_kv_pool(self) -> None:
         """The KV pool's blocks, from the memory left (after the activation peak, where the
@@ -553,6 +568,8 @@ class ModelRunner:
         logits = (step.row_logits if step.row_logits is not None else step.logits if step.logits is not None
                   else self.model.compute_logits(step.hidden))
         logits.argmax(dim=-1).tolist()   # .tolist() waits for the device
+        for chunk in chunks:   # throwaway requests: what the model took for them goes back
+            release_model_state(chunk.model_state)
         return time.perf_counter() - start
 
     def supports_mtp(self) -> bool:

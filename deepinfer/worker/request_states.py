@@ -79,10 +79,21 @@ class StepChunk:
     model_state: dict = field(default_factory=dict)   # the request's (RunnerRequestState.model_state)
 
 
+def release_model_state(model_state: dict) -> None:
+    """Give back what a model holds for a request outside its model_state: each value with a
+    release() (DeepSeek-V4's compressor ring slot, models/deepseek_v4/rings.py)."""
+    for value in list(model_state.values()):
+        release = getattr(value, "release", None)
+        if callable(release):
+            release()
+
+
 def update_states(states: dict[str, RunnerRequestState], plan: SchedulerPlan, device: torch.device) -> None:
     # Finished first: a request preempted and readmitted by one schedule is also new.
     for request_id in plan.finished_request_ids:
-        states.pop(request_id, None)
+        state = states.pop(request_id, None)
+        if state is not None:
+            release_model_state(state.model_state)
     for new in plan.new_requests:
         states[new.request_id] = RunnerRequestState.from_new(new, device)
     for cached in plan.cached_requests:

@@ -18,7 +18,7 @@ from deepinfer.layers.attention import forward_context
 from deepinfer.layers.attention.backends import AttentionBackend
 from deepinfer.platforms import Platform
 from deepinfer.worker.input_batch import build_step_inputs
-from deepinfer.worker.request_states import StepChunk
+from deepinfer.worker.request_states import StepChunk, release_model_state
 
 
 class StartUpSteps:
@@ -53,6 +53,7 @@ class StartUpSteps:
         inputs = self._inputs([chunk], {"profile": [0] * tokens}, caches)
         with forward_context(inputs.attention):
             hidden = self.model(inputs.input_ids, inputs.positions)
+        release_model_state(chunk.model_state)
         logits = self.model.compute_logits(hidden[:rows])
         torch.softmax(logits, dim=-1).sum().item()      # the sampler's largest temporary
         del caches, inputs, hidden, logits
@@ -79,4 +80,6 @@ class StartUpSteps:
         inputs = self._inputs(chunks, token_ids, caches, decode_splits=decode_splits)
         with forward_context(inputs.attention):
             self.model(inputs.input_ids, inputs.positions)
+        for chunk in chunks:   # throwaway requests: what the model took for them goes back
+            release_model_state(chunk.model_state)
         self.platform.synchronize()

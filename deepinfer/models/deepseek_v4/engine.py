@@ -42,6 +42,7 @@ from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
 from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
 from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged, chunk_rows
 from deepinfer.models.deepseek_v4.parallel import check_parallel_sizes
+from deepinfer.models.deepseek_v4.rings import ProjectionRings
 from deepinfer.types.drafter import Draft, DraftRequest
 
 if TYPE_CHECKING:
@@ -90,6 +91,15 @@ class DeepseekV4ForCausalLM(CausalLM):
         # The MTP layers: the drafter of speculative_config method "mtp" (mtp_drafter.py).
         self.mtp = nn.ModuleList([V4MTPLayer(self.cfg, t, self.model.rotaries) for t in self.cfg.mtp_layer_types])
         self.layer_kv = _layer_kv(self.cfg)
+        # Each request's recent compressor projections between steps (rings.py), allocated by
+        # reserve_request_state once the runner knows how many requests it runs.
+        compressors = {}
+        for i, layer in enumerate(self.model.layers):
+            if layer.self_attn.compressor is not None:
+                compressors[(i, "compressor")] = layer.self_attn.compressor
+                if self.layer_kv[i].index is not None:
+                    compressors[(i, "indexer")] = layer.self_attn.compressor.indexer
+        self.rings = ProjectionRings(compressors)
         for module in self.modules():   # routed experts as grouped GEMMs where torch has them
             if isinstance(module, RoutedExperts):
                 module.grouped = True
@@ -119,8 +129,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         if engine_backend is not None and engine_backend.model_kernels:
             from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
 
-            return V4KernelStepBackend(device, kv_cache_dtype)
-        return V4StepBackend(device, kv_cache_dtype)
+            return V4KernelStepBackend(device, kv_cache_dtype, self.rings)
+        return V4StepBackend(device, kv_cache_dtype, self.rings)
+
+    def reserve_request_state(self, max_requests: int, rows_per_request: int) -> None:
+        """The compressors' rings (rings.py) for max_requests requests writing up to
+        rows_per_request positions a step; called before the KV pool is sized from what is left."""
+        self.rings.allocate(max_requests, rows_per_request, self.lm_head.weight.device, self.lm_head.weight.dtype)
 
     def pack_weights(self) -> None:
         """The head only (CPU, bf16), as before the attention's and the shared expert's projections

@@ -13,10 +13,11 @@ halves ("Ca") of the kv and the gate projections (before position_bias) of the b
 where no compression block is unfinished (bs is a multiple of every rate), so the tail is all a
 resumed request needs: its next step rebuilds exactly the state a request that never stopped has.
 
-Between steps a request also keeps, in RunnerRequestState.model_state, each compressor's
-projections of its latest tokens (`_Recent`, by position): the unfinished block's and, when
-overlapping, the block's before. Kept by position, they stay right when a step's last tokens
-are dropped (rejected drafts): a chunk reads only positions below its own start.
+Between steps a request also keeps each compressor's projections of its latest tokens: the
+unfinished block's and, when overlapping, the block's before, in its slot of the compressors'
+rings on the device (rings.py; the slot is in RunnerRequestState.model_state). Kept by position,
+they stay right when a step's last tokens are dropped (rejected drafts): a chunk reads only
+positions below its own start.
 
 SWA Bounded Replay (StepChunk.window_floor / write_floor) applies to the window: it gathers no
 row below the floor. The replayed chunk's compressed rows are recomputed for its own queries,
@@ -38,11 +39,12 @@ from deepinfer.layers.attention.backends.base import (
 )
 from deepinfer.models.deepseek_v4.attention import V4Attention
 from deepinfer.models.deepseek_v4.compressor import Compressor
+from deepinfer.models.deepseek_v4.rings import ProjectionRings, RequestSlot
 from deepinfer.models.deepseek_v4.state import CompressorState, LayerState
 from deepinfer.worker.request_states import StepChunk
 
-# Positions of projections kept beyond what the next chunk needs, so that a chunk may start
-# that many tokens before the last one's end (rejected drafts of speculative decoding).
+# Positions kept beyond what the next chunk needs (the MTP drafter's streams, mtp_drafter.py), so
+# that a chunk may start that many tokens before the last one's end (rejected drafts).
 ROLLBACK_SLACK = 16
 
 
@@ -55,17 +57,12 @@ class LayerKV:
     index: int | None = None
 
 
-@dataclass
-class _Recent:
-    """A compressor's projections (kv, gate without position_bias) of positions [start, start + n)."""
+@dataclass(kw_only=True)
+class V4Metadata(AttentionMetadata):
+    """The step's metadata with the compressors' rings, where each request's recent projections
+    live between steps (rings.py)."""
 
-    start: int
-    kv: torch.Tensor      # [n, width]
-    gate: torch.Tensor
-
-    @property
-    def end(self) -> int:
-        return self.start + self.kv.shape[0]
+    rings: ProjectionRings
 
 
 class V4StepBackend(AttentionBackend):
@@ -76,9 +73,14 @@ class V4StepBackend(AttentionBackend):
     # Whether the model's forward takes the Triton path (paged_kernels.py) on this backend's steps.
     kernels = False
 
+    def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None,
+                 rings: ProjectionRings | None = None) -> None:
+        super().__init__(device, kv_cache_dtype)
+        self.rings = rings
+
     def build_metadata(self, step: StepLayout) -> AttentionMetadata:
         groups = [GroupMetadata(slot_mapping=m) for m in step.slot_mappings]
-        return AttentionMetadata(groups=groups, **step.metadata_fields(self))
+        return V4Metadata(groups=groups, rings=self.rings, **step.metadata_fields(self))
 
     def write_kv(self, *args, **kwargs):
         raise NotImplementedError("the DeepSeek-V4 model writes its KV itself (paged.py)")
@@ -118,11 +120,12 @@ def attend_paged(attn: V4Attention, x: torch.Tensor, positions: torch.Tensor, me
 class _ChunkPages:
     """One chunk's view of the pages: the chunk covers positions [start, end) of its request."""
 
-    def __init__(self, meta: AttentionMetadata, chunk: StepChunk) -> None:
+    def __init__(self, meta: V4Metadata, chunk: StepChunk) -> None:
         self.meta, self.chunk = meta, chunk
         self.start, self.end = chunk.start, chunk.start + chunk.num_tokens
         self.bs = meta.block_size
-        self.recent: dict = chunk.model_state
+        self.rings = meta.rings
+        self.slot: RequestSlot = meta.rings.slot(chunk.model_state, chunk.start)
         self._tables: dict[int, np.ndarray] = {}   # a group's block table as numpy, built once per chunk
 
     def _cache(self, index: int) -> torch.Tensor:
@@ -174,10 +177,8 @@ class _ChunkPages:
             state.rows = self._cache(index)[rows, 0][None]
         pending_from = done * rate
         needed_from = pending_from - rate if compressor.overlap and done else pending_from
-        recent: _Recent | None = self.recent.get(key)
-        if recent is not None and recent.start <= needed_from and recent.end >= self.start:
-            kv = recent.kv[needed_from - recent.start:self.start - recent.start]
-            gate = recent.gate[needed_from - recent.start:self.start - recent.start]
+        if self.slot.first <= needed_from < self.start:   # the ring holds them (rings.py)
+            kv, gate = self.rings.read(key, self.slot, needed_from, self.start)
             if pending_from < self.start:
                 state.pending_kv = kv[pending_from - needed_from:][None]
                 state.pending_gate = gate[pending_from - needed_from:][None]
@@ -214,14 +215,14 @@ class _ChunkPages:
             held = state.rows[0, new - state.skipped_rows]
             cache[self._compressed_rows(index, rate, tail, new), 0] = held.to(cache.dtype)
 
-        # Projections of positions [known_from, end): the recent ones before the chunk, then its own.
-        recent: _Recent | None = self.recent.get(key)
-        if recent is not None and recent.start <= self.start <= recent.end:
-            known_from = recent.start
-            kv = torch.cat([recent.kv[:self.start - recent.start], state.call_kv[0]])
-            gate = torch.cat([recent.gate[:self.start - recent.start], state.call_gate[0]])
+        # Projections of positions [known_from, end): the ring's before the chunk, then its own.
+        known_from = max(self.slot.first, self.start - rate)
+        kv, gate = state.call_kv[0], state.call_gate[0]
+        if known_from < self.start:
+            before_kv, before_gate = self.rings.read(key, self.slot, known_from, self.start)
+            kv, gate = torch.cat([before_kv, kv]), torch.cat([before_gate, gate])
         else:
-            known_from, kv, gate = self.start, state.call_kv[0], state.call_gate[0]
+            known_from = self.start
         if tail:
             for boundary in range((self.start // self.bs + 1) * self.bs, self.end + 1, self.bs):
                 if boundary <= self.chunk.write_floor or boundary - rate < known_from:
@@ -229,6 +230,4 @@ class _ChunkPages:
                 ca = slice(boundary - rate - known_from, boundary - known_from)
                 saved = torch.cat([kv[ca, :d], gate[ca, :d]]).to(cache.dtype)
                 cache[self._tail_rows(index, rate, tail, boundary // self.bs - 1), 0] = saved
-        keep = (2 * rate if compressor.overlap else rate) + ROLLBACK_SLACK
-        cut = max(self.end - keep, known_from) - known_from
-        self.recent[key] = _Recent(known_from + cut, kv[cut:].clone(), gate[cut:].clone())
+        self.rings.write(key, self.slot, self.start, state.call_kv[0], state.call_gate[0])

@@ -1,0 +1,120 @@
+"""Each request's latest compressor projections, on the device: what a V4 compressor carries from
+one step to the next, held for every request in one pair of tensors per compressor, so that a
+step updates it from the step's own inputs (no per-request work on the host) and a CUDA graph of
+decode steps can replay the update.
+
+Per compressor (a main layer's CSA or HCA compressor, or a CSA layer's indexer; keyed by
+(layer, "compressor" | "indexer")) two tensors kv, gate [slots, length, width]: slot s holds its
+request's projections (kv_proj and gate_proj outputs, gate without position_bias) of position p
+in row p % length. A chunk reads the positions of the unfinished block before it (< rate) and,
+when blocks overlap, the block before that (rate more): `span` = 2 * rate or rate positions. A
+step may also write positions it later drops (rejected drafts, rolled back), and writes up to
+`slack` positions of one request; so length = span + slack, and a row is overwritten only once
+no chunk reads it any more.
+
+A request takes a slot on its first chunk (`slot`, which records that chunk's start: the ring
+holds nothing below it) and gives it back when the runner drops its state (RequestSlot.release,
+called through request_states.release_model_state). Slot 0 is never given out: the padding rows of a CUDA
+graph and the tokens whose projections need not be kept write there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SLOT_KEY = "projection_ring_slot"   # the request's RequestSlot in its model_state
+
+
+@dataclass
+class RequestSlot:
+    index: int
+    first: int              # the first position whose projections the slot holds
+    rings: ProjectionRings
+
+    def release(self) -> None:
+        """Give the slot back (the runner dropped the request's state)."""
+        if self.index:
+            self.rings.free.append(self.index)
+            self.index = 0
+
+
+class ProjectionRings:
+    def __init__(self, compressors: dict, slack: int = 17) -> None:
+        """compressors: key -> Compressor (dim, rate, overlap, kv_proj). Nothing is allocated until
+        `allocate` (the runner's reserve_request_state, before it sizes the KV pool)."""
+        self.compressors = compressors
+        self.slack = slack
+        self.kv: dict = {}
+        self.gate: dict = {}
+        self.free: list[int] = []
+        self.num_slots = 0
+
+    def span(self, key) -> int:
+        c = self.compressors[key]
+        return 2 * c.rate if c.overlap else c.rate
+
+    def length(self, key) -> int:
+        return self.span(key) + self.slack
+
+    def allocate(self, max_requests: int, rows_per_request: int, device: torch.device, dtype: torch.dtype) -> None:
+        """Rings for max_requests requests (and the padding slot) that each write up to
+        rows_per_request positions a step."""
+        self.slack = max(self.slack, rows_per_request)
+        self.num_slots = max_requests + 1
+        for key, c in self.compressors.items():
+            width = c.kv_proj.out_features
+            shape = (self.num_slots, self.length(key), width)
+            self.kv[key] = torch.zeros(shape, dtype=dtype, device=device)
+            self.gate[key] = torch.zeros(shape, dtype=dtype, device=device)
+        self.free = list(range(self.num_slots - 1, 0, -1))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in [*self.kv.values(), *self.gate.values()])
+
+    @staticmethod
+    def bytes_for(compressors: dict, max_requests: int, slack: int, dtype: torch.dtype) -> int:
+        rings = ProjectionRings(compressors, slack)
+        item = torch.empty(0, dtype=dtype).element_size()
+        return sum(2 * (max_requests + 1) * rings.length(k) * c.kv_proj.out_features * item
+                   for k, c in compressors.items())
+
+    def slot(self, model_state: dict, start: int) -> RequestSlot:
+        """The request's slot, taken on its first chunk (which starts at `start`)."""
+        held = model_state.get(SLOT_KEY)
+        if held is not None and held.index:
+            return held
+        if not self.num_slots:
+            raise RuntimeError("DeepSeek-V4: the compressor rings were never allocated (reserve_request_state)")
+        if not self.free:
+            raise RuntimeError(f"DeepSeek-V4: every one of the {self.num_slots - 1} compressor ring slots is taken "
+                               "(more requests in flight than max_num_seqs)")
+        held = RequestSlot(self.free.pop(), start, self)
+        model_state[SLOT_KEY] = held
+        return held
+
+    def rows(self, key, slot: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat row numbers (into kv[key].view(-1, width)) of `positions` in `slot`."""
+        length = self.length(key)
+        return slot * length + positions % length
+
+    def flat(self, key) -> tuple[torch.Tensor, torch.Tensor]:
+        kv, gate = self.kv[key], self.gate[key]
+        return kv.view(-1, kv.shape[-1]), gate.view(-1, gate.shape[-1])
+
+    def read(self, key, slot: RequestSlot, low: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections of positions [low, high) of a request: (kv, gate) [high - low, width]."""
+        kv, gate = self.flat(key)
+        rows = self.rows(key, slot.index, torch.arange(low, high, device=kv.device))
+        return kv[rows], gate[rows]
+
+    def write(self, key, slot: RequestSlot, start: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """Keep the projections of positions [start, start + n) (their last `length` only)."""
+        length = self.length(key)
+        cut = max(kv.shape[0] - length, 0)
+        flat_kv, flat_gate = self.flat(key)
+        rows = self.rows(key, slot.index, torch.arange(start + cut, start + kv.shape[0], device=flat_kv.device))
+        flat_kv[rows] = kv[cut:].to(flat_kv.dtype)
+        flat_gate[rows] = gate[cut:].to(flat_gate.dtype)
+
