@@ -17,8 +17,10 @@ pytest.importorskip("transformers")
 from test_deepseek_v4_engine import GREEDY, check, engine, write_checkpoint  # noqa: E402
 from test_deepseek_v4_layers import prompt  # noqa: E402
 
+from deepinfer.layers.attention import forward_context  # noqa: E402
 from deepinfer.layers.attention.backends.cpu import CpuBackend  # noqa: E402
 from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend  # noqa: E402
+from deepinfer.worker.cuda_graphs import DecodeGraphs  # noqa: E402
 
 CASES = [("r4_16", 0), ("r2_8", 2)]
 
@@ -61,3 +63,71 @@ def test_prefix_hits_match_transformers(checkpoint):
     bs = llm.config.cache.block_size
     assert outputs[0].num_cached_tokens == 67 // bs * bs > 0
     check(outputs, follow_up, hf)
+
+
+def test_prefix_hit_resuming_with_one_token(checkpoint):
+    """A hit that leaves one prompt token: the request's first chunk is a decode row at a block
+    boundary, whose overlapping compressors start from the tail rows copied into its ring
+    (paged_kernels.seed_rings)."""
+    directory, hf, cfg, seed = checkpoint
+    first = prompt(cfg, 75, seed)[0].tolist()
+    llm = kernel_engine(directory)
+    llm.generate([first], GREEDY, use_tqdm=False)
+    bs = llm.config.cache.block_size
+    follow_up = [first[:4 * bs] + [first[-1]]]
+    outputs = llm.generate(follow_up, GREEDY, use_tqdm=False)
+    assert outputs[0].num_cached_tokens == 4 * bs
+    check(outputs, follow_up, hf)
+
+
+class _EagerReplay:
+    """Stands where a captured CUDA graph stands in worker/cuda_graphs.py's DecodeGraphs: its
+    replay() runs the forward on the bucket's static metadata (decode_graphs.V4GraphBuffers), so
+    what a graph would read, every row pooling and saving with its writes masked, runs on the CPU."""
+
+    def __init__(self, graphs: DecodeGraphs, bucket: int) -> None:
+        self.graphs, self.bucket = graphs, bucket
+        self.graph, self.logits = self, None    # DecodeGraphs' entry: .graph.replay(), then .logits
+
+    def replay(self) -> None:
+        meta = self.graphs.attention_buffers.metadata(self.bucket)
+        ids, pos = self.graphs.input_ids[:self.bucket], self.graphs.positions[:self.bucket]
+        with forward_context(meta):
+            self.logits = self.graphs.model.compute_logits(self.graphs.model(ids, pos))
+
+
+def graph_metadata_engine(directory: str, **kwargs):
+    """A kernel engine whose decode steps run on V4GraphBuffers' metadata (_EagerReplay)."""
+    llm = kernel_engine(directory, **kwargs)
+    runner = llm.engine.executor.runner
+    graphs = DecodeGraphs(runner.model, runner.attention_backend, len(runner.groups), 1, 8, runner.max_blocks_per_seq,
+                          runner.block_size, runner.layer_to_group, runner.layer_to_slot, runner.kv_caches,
+                          runner.device)
+    graphs.attention_buffers.fill_for_capture()
+    for bucket in graphs.buckets:
+        graphs.graphs[bucket] = _EagerReplay(graphs, bucket)
+    runner.decode_graphs = graphs
+    return llm, graphs
+
+
+def test_graph_decode_steps_match_transformers(checkpoint):
+    """Decode steps as a CUDA graph replays them (V4GraphBuffers: padding rows, every row pooling
+    with masked writes, compressed rows read from the pages), three requests of different lengths."""
+    directory, hf, cfg, seed = checkpoint
+    prompts = [prompt(cfg, n, seed + n)[0].tolist() for n in (40, 75, 101)]
+    llm, graphs = graph_metadata_engine(directory)
+    check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, hf)
+    assert graphs.num_replays > 0
+
+
+def test_graph_decode_steps_verify_drafts_losslessly(checkpoint):
+    """n-gram drafts verified as decode rows of one request in a graph step (one segment of
+    several rows, step_compressor.py), most rejected on random weights: the rings roll back."""
+    directory, hf, cfg, seed = checkpoint
+    pattern = prompt(cfg, 12, seed)[0].tolist()
+    prompts = [pattern * 5, (pattern[::-1] * 4)[:41]]
+    llm, graphs = graph_metadata_engine(directory, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                       "verification": "fixed"})
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.spec_decode_stats.num_draft_tokens > 0 and graphs.num_replays > 0
+    check(outputs, prompts, hf)

@@ -93,13 +93,15 @@ class DeepseekV4ForCausalLM(CausalLM):
         self.layer_kv = _layer_kv(self.cfg)
         # Each request's recent compressor projections between steps (rings.py), allocated by
         # reserve_request_state once the runner knows how many requests it runs.
-        compressors = {}
+        compressors, kv_index = {}, {}
         for i, layer in enumerate(self.model.layers):
             if layer.self_attn.compressor is not None:
                 compressors[(i, "compressor")] = layer.self_attn.compressor
+                kv_index[(i, "compressor")] = self.layer_kv[i].compressed
                 if self.layer_kv[i].index is not None:
                     compressors[(i, "indexer")] = layer.self_attn.compressor.indexer
-        self.rings = ProjectionRings(compressors)
+                    kv_index[(i, "indexer")] = self.layer_kv[i].index
+        self.rings = ProjectionRings(compressors, kv_index)
         for module in self.modules():   # routed experts as grouped GEMMs where torch has them
             if isinstance(module, RoutedExperts):
                 module.grouped = True
@@ -122,14 +124,15 @@ class DeepseekV4ForCausalLM(CausalLM):
     def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype,
                               engine_backend: AttentionBackend | None = None) -> V4StepBackend:
         """The Triton kernels (paged_kernels.py) where the engine's backend runs model kernels
-        (attention_backend "triton", or "auto" on CUDA), else the reference path (paged.py)."""
+        (attention_backend "triton", or "auto" on CUDA), with decode steps in CUDA graphs when
+        the model has no MTP layers (decode_graphs.py), else the reference path (paged.py)."""
         if kv_cache_dtype != self.lm_head.weight.dtype:
             raise ValueError(f"kv_cache_dtype {str(kv_cache_dtype).removeprefix('torch.')}: DeepSeek-V4 keeps its "
                              "KV in the model's dtype for now (kv_cache_dtype='auto')")
         if engine_backend is not None and engine_backend.model_kernels:
             from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
 
-            return V4KernelStepBackend(device, kv_cache_dtype, self.rings)
+            return V4KernelStepBackend(device, kv_cache_dtype, self.rings, decode_graphs=not self.has_mtp)
         return V4StepBackend(device, kv_cache_dtype, self.rings)
 
     def reserve_request_state(self, max_requests: int, rows_per_request: int) -> None:

@@ -211,7 +211,9 @@ class RoutedExperts(nn.Module):
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0])
+        # Counted by index_add_, not bincount (which sizes its output from the largest id: a host sync).
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
         if self.fp4_group is None:
             offs = counts.cumsum(0).to(torch.int32)
             gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)

@@ -5,17 +5,17 @@ Where paged.py runs the reference layer per request chunk on gathered state, thi
   1. projects q, the K=V rows, the indexer's queries and weights for all tokens of the step at
      once (they are per token), and writes every token's K=V row to the window pages first, so
      the attention kernel finds all window keys there (no gathered window);
-  2. runs each compressor per chunk (its state is per request: pending block, overlap), from
-     projections computed once for the step, without gathering the rows before the chunk
-     (CompressorState.skipped_rows): the kernels read those from the pages. The rows a chunk
-     completes are written to the pages as paged.py writes them (not below the write floor) and
-     also handed to the kernels in one per-step tensor, with where each chunk's start
-     (first_new, new_off), so a replayed chunk attends its recomputed rows as the reference does;
+  2. runs each compressor over the whole step (step_compressor.py): the rows completed in the
+     step are pooled on the device from the step's projections and each request's ring
+     (rings.py), written to the pages (not below the write floor) and handed to the kernels as
+     the step's new rows, with where each chunk's start (first_new, new_off), so a replayed
+     chunk attends its recomputed rows as the reference does;
   3. CSA: scores every token against its complete index keys (triton_indexer.index_scores) and
      picks the top-k by a stable sort (ties to the earlier row, the reference's rule);
   4. attends (triton_attention.sparse_attention): window rows + picked (CSA) or all complete
      (HCA) compressed rows + sinks, then rotates back and projects out, all tokens at once.
-What stays a Python loop per chunk is step 2 (the compressors' bookkeeping, a few small ops).
+Nothing in a decode step's forward waits for the host, so decode steps replay as CUDA graphs
+(decode_graphs.py); the host's part of a step is its metadata (V4KernelStepBackend).
 
 The reference path (paged.py) stays the CPU path and is the CUDA path under
 attention_backend="reference"; V4KernelStepBackend is chosen when the engine's backend is one
@@ -24,87 +24,61 @@ with model_kernels (Triton).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import numpy as np
 import torch
 
 from deepinfer.layers.attention.backends.base import AttentionMetadata, GroupMetadata, StepLayout
 from deepinfer.models.deepseek_v4.attention import V4Attention
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.norm import unit_rms
-from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, _ChunkPages, chunk_rows
+from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend
+from deepinfer.models.deepseek_v4.rings import ProjectionRings
+from deepinfer.models.deepseek_v4.step_compressor import compress_step
+from deepinfer.models.deepseek_v4.step_metadata import (
+    V4KernelMetadata,
+    padded_tables,
+    seed_rings,
+    token_layout,
+)
 from deepinfer.models.deepseek_v4.triton_attention import sparse_attention
 from deepinfer.models.deepseek_v4.triton_indexer import index_scores, select_topk
 
 
-@dataclass(kw_only=True)
-class V4KernelMetadata(AttentionMetadata):
-    """Per token of the step (row order): its chunk (row of the tables), position and window
-    floor; per KV group, the chunks' block tables as one padded [chunks, blocks] int32 tensor."""
-
-    tok_chunk: torch.Tensor
-    tok_pos: torch.Tensor
-    tok_floor: torch.Tensor
-    tables: list[torch.Tensor]
-    lows: dict = field(default_factory=dict)     # window -> [T] first key position per token
-
-    def window_low(self, window: int) -> torch.Tensor:
-        if window not in self.lows:
-            self.lows[window] = torch.maximum(torch.clamp_min(self.tok_pos - (window - 1), 0),
-                                              self.tok_floor).to(torch.int32).contiguous()
-        return self.lows[window]
-
-
 class V4KernelStepBackend(V4StepBackend):
-    """V4StepBackend whose metadata also carries what the Triton kernels read."""
+    """V4StepBackend whose metadata also carries what the Triton kernels and the step's
+    compressors read."""
 
     name = "deepseek_v4_triton"
     kernels = True
 
+    def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None,
+                 rings: ProjectionRings | None = None, decode_graphs: bool = False) -> None:
+        super().__init__(device, kv_cache_dtype, rings)
+        # Decode steps replay as CUDA graphs (decode_graphs.py) unless the model keeps host state
+        # per step (the MTP layers' streams, mtp_drafter.keep_streams).
+        self.supports_decode_graphs = decode_graphs
+
+    def decode_graph_buffers(self, *, num_groups: int, max_batch: int, max_blocks_per_seq: int, num_kv_heads: int,
+                             block_size: int, layer_to_group: list[int], layer_to_slot: list[int],
+                             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device):
+        from deepinfer.models.deepseek_v4.decode_graphs import V4GraphBuffers
+
+        return V4GraphBuffers(self, self.rings, num_groups, max_batch, max_blocks_per_seq, block_size,
+                              layer_to_group, layer_to_slot, kv_caches, device)
+
     def build_metadata(self, step: StepLayout) -> AttentionMetadata:
         groups = [GroupMetadata(slot_mapping=m) for m in step.slot_mappings]
-        rows = chunk_rows(step)
-        chunk_of = np.concatenate([np.full(b - a, i, dtype=np.int32) for i, (_, a, b) in enumerate(rows)] or
-                                  [np.zeros(0, np.int32)])
-        pos = np.concatenate([np.arange(c.start, c.start + b - a, dtype=np.int32) for c, a, b in rows] or
-                             [np.zeros(0, np.int32)])
-        floor = np.concatenate([np.full(b - a, c.window_floor, dtype=np.int32) for c, a, b in rows] or
-                               [np.zeros(0, np.int32)])
-        tables = []
-        for per_chunk in step.block_tables:
-            width = max([len(t) for t in per_chunk] + [1])
-            table = np.zeros((max(len(per_chunk), 1), width), dtype=np.int32)
-            for i, t in enumerate(per_chunk):
-                table[i, :len(t)] = t
-            tables.append(step.to_device(table))
-        return V4KernelMetadata(groups=groups, tok_chunk=step.to_device(chunk_of), tok_pos=step.to_device(pos),
-                                tok_floor=step.to_device(floor), tables=tables, **step.metadata_fields(self))
+        tokens = token_layout(step, self.rings)
+        tables = [step.to_device(t) for t in padded_tables(step)]
+        meta = V4KernelMetadata(groups=groups, rings=self.rings, tables=tables,
+                                **{name: step.to_device(a) for name, a in tokens.device.items()},
+                                host_pos=tokens.pos, chunk_starts=tokens.chunk_starts, **step.metadata_fields(self))
+        seed_rings(meta, tokens.new_slots)
+        return meta
 
 
-def _compress_step(compressor: Compressor, x: torch.Tensor, pages: list[_ChunkPages], rows, index: int,
-                   key, meta: V4KernelMetadata) -> dict:
-    """Run one compressor over every chunk (projections once for the step), write what each chunk
-    completed, and describe the compressed keys for the kernels (triton_attention's `comp`)."""
-    kv_all, gate_all = compressor.kv_proj(x), compressor.gate_proj(x)
-    new, first_new, new_off, offset, most = [], [], [], 0, 0
-    for p, (_, a, b) in zip(pages, rows):
-        state = p.compressor_state(index, compressor, key, gather_rows=False)
-        held = compressor.compress(x[None, a:b], state, projected=(kv_all[None, a:b], gate_all[None, a:b]))
-        p.write_compressor(index, compressor, state, key)
-        first_new.append(state.skipped_rows)
-        new_off.append(offset)
-        offset += held.shape[1]
-        most = max(most, state.num_rows)
-        if held.shape[1]:
-            new.append(held[0])
+def _compress(compressor: Compressor, x: torch.Tensor, meta: V4KernelMetadata, index: int, key) -> dict:
     cache = meta.kv_caches[meta.layer_to_slot[index]][0]
-    new_rows = torch.cat(new) if new else cache.new_zeros(1, compressor.dim)
-    starts = torch.tensor([first_new, new_off], dtype=torch.int32).to(x.device, non_blocking=True)
-    per_page = meta.block_size // compressor.rate
-    return dict(cache=cache, table=meta.tables[meta.layer_to_group[index]], new_rows=new_rows.contiguous(),
-                first_new=starts[0], new_off=starts[1], rate=compressor.rate, per_page=per_page,
-                page_rows=per_page + (2 * compressor.rate if compressor.overlap else 0), max_rows=most)
+    return compress_step(compressor, x, meta, meta.rings, key, cache, meta.tables[meta.layer_to_group[index]])
 
 
 def attend_paged_kernels(attn: V4Attention, x: torch.Tensor, positions: torch.Tensor, meta: V4KernelMetadata,
@@ -121,14 +95,12 @@ def attend_paged_kernels(attn: V4Attention, x: torch.Tensor, positions: torch.Te
     window_cache = meta.kv_caches[meta.layer_to_slot[kv.window]][0]
     window_cache[meta.groups[meta.layer_to_group[kv.window]].slot_mapping, 0] = kv_rows.to(window_cache.dtype)
 
-    rows = chunk_rows(meta.step)
     comp = picks = None
     if attn.compressor is not None:
-        pages = [_ChunkPages(meta, c) for c, _, _ in rows]
-        comp = _compress_step(attn.compressor, x, pages, rows, kv.compressed, (layer, "compressor"), meta)
+        comp = _compress(attn.compressor, x, meta, kv.compressed, (layer, "compressor"))
         if kv.index is not None:
             indexer = attn.compressor.indexer
-            keys = _compress_step(indexer, x, pages, rows, kv.index, (layer, "indexer"), meta)
+            keys = _compress(indexer, x, meta, kv.index, (layer, "indexer"))
             qi = indexer.q_b_proj(q_residual).view(1, tokens, indexer.heads, indexer.dim)
             qi = indexer.rotary.rotate(qi, positions)[0].contiguous()
             weights = (indexer.scorer.weights_proj(x).float() * indexer.heads ** -0.5).contiguous()

@@ -41,10 +41,12 @@ class RequestSlot:
 
 
 class ProjectionRings:
-    def __init__(self, compressors: dict, slack: int = 17) -> None:
-        """compressors: key -> Compressor (dim, rate, overlap, kv_proj). Nothing is allocated until
+    def __init__(self, compressors: dict, kv_index: dict | None = None, slack: int = 17) -> None:
+        """compressors: key -> Compressor (dim, rate, overlap, kv_proj); kv_index: key -> the index
+        of its KV kind in the model's kv_cache_specs (its pages). Nothing is allocated until
         `allocate` (the runner's reserve_request_state, before it sizes the KV pool)."""
         self.compressors = compressors
+        self.kv_index = kv_index or {}
         self.slack = slack
         self.kv: dict = {}
         self.gate: dict = {}
@@ -75,7 +77,7 @@ class ProjectionRings:
 
     @staticmethod
     def bytes_for(compressors: dict, max_requests: int, slack: int, dtype: torch.dtype) -> int:
-        rings = ProjectionRings(compressors, slack)
+        rings = ProjectionRings(compressors, slack=slack)
         item = torch.empty(0, dtype=dtype).element_size()
         return sum(2 * (max_requests + 1) * rings.length(k) * c.kv_proj.out_features * item
                    for k, c in compressors.items())
