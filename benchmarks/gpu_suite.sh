@@ -33,6 +33,18 @@ for stage in "$@"; do
     fast_path)
       timeout "${FAST_PATH_TIMEOUT:-420}" python3 benchmarks/gpu_fast_path.py --requests "${REQUESTS:-1000}" \
         --out "$OUT/gpu_fast_path.json" --plot "$OUT/gpu_throughput_vs_concurrency.png" ${FAST_PATH_ARGS:-} ;;
+    fast_path_fp8)   # the same with --quantization fp8 (FP8 weights, per-channel scales)
+      timeout "${FAST_PATH_TIMEOUT:-420}" python3 benchmarks/gpu_fast_path.py --requests "${REQUESTS:-1000}" \
+        --quantization fp8 --out "$OUT/gpu_fast_path_fp8.json" ${FAST_PATH_ARGS:-} ;;
+    quant)   # FP8 block and FP4 expert products against bf16 at V4-Flash shapes
+      timeout "${QUANT_TIMEOUT:-200}" python3 benchmarks/quant_gemm_speed.py --out "$OUT/quant_gemm.json" ;;
+    v4)   # V4-Flash width, 4 layers: CUDA graphs in bf16 and in V4's own formats, then eager bf16
+      v4_rc=0
+      for run in "graphs_bf16:" "graphs_fp8:--quantization fp8" "eager_bf16:--enforce-eager"; do
+        timeout "${V4_TIMEOUT:-240}" python3 benchmarks/v4_gpu_speed.py --modes triton ${run#*:} \
+          --out "$OUT/v4_speed_${run%%:*}.json" ${V4_ARGS:-} || v4_rc=1
+      done
+      (exit $v4_rc) ;;
     kernels)
       timeout 90 python3 benchmarks/attention_kernels.py && timeout 60 python3 benchmarks/fused_kernels.py ;;
     structured)
@@ -52,7 +64,7 @@ for stage in "$@"; do
         --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
       (exit $swa_rc) ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, structured, spec, spec_replay, swa)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, v4, structured, spec, spec_replay, swa)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"

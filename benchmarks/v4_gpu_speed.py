@@ -139,6 +139,7 @@ def main() -> None:
     parser.add_argument("--modes", default="triton,reference", help="attention paths, in this order")
     parser.add_argument("--experts", choices=["grouped", "loop"], default="grouped")
     parser.add_argument("--shape", choices=["flash", "tiny"], default="flash")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
                         help="fp8: the weights in V4's own formats (FP8 blocks, FP4 experts; engine.quantize_fp8)")
     parser.add_argument("--out", default=None)
@@ -158,12 +159,15 @@ def main() -> None:
     cuda = platform.name == "cuda"
     max_len = max(args.prefill, args.context + args.steps) + 64
     config = shape(args.shape, args.layers, max_len)
-    # Built on the reference path: the start-up profile then sizes the KV pool for its peak (the
-    # dense logits of the 8k prefill), the larger of the two paths'.
+    # Built on the reference path when it is measured: the start-up profile then sizes the KV pool
+    # for its peak (the dense logits of the 8k prefill), the larger of the two paths'. Built on
+    # the Triton path otherwise, which then captures its decode graphs at start (unless
+    # --enforce-eager); a swap to the reference path runs without them.
+    modes = args.modes.split(",")
     llm = LLM(write_config_dir(config), load_format="dummy", dtype="bfloat16", max_model_len=max_len,
-              attention_backend="reference",
+              attention_backend="reference" if "reference" in modes else "auto",
               skip_tokenizer_init=True, max_num_seqs=args.batch, max_num_batched_tokens=max(args.prefill, 2048),
-              enable_prefix_caching=False, quantization=args.quantization)
+              enable_prefix_caching=False, quantization=args.quantization, enforce_eager=args.enforce_eager)
     runner = llm.engine.executor.runner
     model = runner.model
     randomize(model)
@@ -194,10 +198,17 @@ def main() -> None:
     one = random_prompts(1, args.context, vocab, seed=1)
     long = random_prompts(1, args.prefill, vocab, seed=2)
     batch = random_prompts(args.batch, 512, vocab, seed=3)
-    for mode in args.modes.split(","):
+    graphs = runner.decode_graphs
+    result["decode_graphs"] = graphs is not None
+    for mode in modes:
         # The runner builds every step's metadata with its backend, and the model takes the path
-        # that backend says (engine.py): swapping it switches the path, same weights and KV pools.
-        runner.attention_backend = paths[mode](runner.device, runner.kv_cache_dtype)
+        # that backend says (engine.py): swapping it switches the path, same weights and KV pools
+        # (and the requests' compressor rings); the graphs replay the backend they were built with.
+        if type(runner.attention_backend) is not paths[mode]:
+            runner.attention_backend = paths[mode](runner.device, runner.kv_cache_dtype, model.rings)
+            runner.decode_graphs = None
+        elif graphs is not None:
+            runner.decode_graphs = graphs
         run(one, 4)()   # warm-up (and the kernels' compiles)
         run(batch[:2], 2)()
         step_s = min(timed(run(one, 1 + args.steps)) - timed(run(one, 1)) for _ in range(2)) / args.steps

@@ -131,3 +131,15 @@ def test_graph_decode_steps_verify_drafts_losslessly(checkpoint):
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.spec_decode_stats.num_draft_tokens > 0 and graphs.num_replays > 0
     check(outputs, prompts, hf)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_decode_graphs_match_transformers(checkpoint):
+    """The engine's own CUDA graphs of V4 decode steps (captured at start), three requests."""
+    directory, hf, cfg, seed = checkpoint
+    prompts = [prompt(cfg, n, seed + n)[0].tolist() for n in (40, 75, 101)]
+    llm = kernel_engine(directory, enforce_eager=False, max_num_seqs=4)
+    graphs = llm.engine.executor.runner.decode_graphs
+    assert graphs is not None
+    check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, hf)
+    assert graphs.num_replays > 0
