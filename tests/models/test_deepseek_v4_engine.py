@@ -132,16 +132,21 @@ def test_loads_what_transformers_saves(checkpoint, tmp_path):
     check(engine(str(tmp_path)).generate([ids], GREEDY, use_tqdm=False), [ids], hf)
 
 
+def write_mtp_checkpoint(directory: str, hf, cfg, seed: int) -> None:
+    """transformers' weights plus a random MTP layer (transformers has none), in DeepSeek's names."""
+    ours = V4ForCausalLM(cfg.to_dict())
+    randomize(ours.mtp, seed + 100, cfg)
+    tensors = {**hf.state_dict(), **{f"mtp.{k}": v for k, v in ours.mtp.state_dict().items()}}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(directory, "model.safetensors"))
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**cfg.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}, f)
+
+
 def test_mtp_drafts_are_lossless(checkpoint, tmp_path):
     """With the checkpoint's MTP layer (random, as transformers has none) drafting 3 tokens a
     step, verified every step: greedy output identical to decoding without drafts."""
     _, hf, cfg, seed = checkpoint
-    ours = V4ForCausalLM(cfg.to_dict())
-    randomize(ours.mtp, seed + 100, cfg)
-    tensors = {**hf.state_dict(), **{f"mtp.{k}": v for k, v in ours.mtp.state_dict().items()}}
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp_path, "model.safetensors"))
-    with open(os.path.join(tmp_path, "config.json"), "w") as f:
-        json.dump({**cfg.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}, f)
+    write_mtp_checkpoint(str(tmp_path), hf, cfg, seed)
     prompts = [prompt(cfg, n, seed)[0].tolist() for n in LENGTHS]
     llm = engine(str(tmp_path), speculative_config={"method": "mtp", "num_speculative_tokens": 3,
                                                    "verification": "fixed"})

@@ -14,7 +14,7 @@ import torch
 from tests.triton_support import INTERPRETED  # skips this module without a way to run Triton
 
 pytest.importorskip("transformers")
-from test_deepseek_v4_engine import GREEDY, check, engine, write_checkpoint  # noqa: E402
+from test_deepseek_v4_engine import GREEDY, check, engine, write_checkpoint, write_mtp_checkpoint  # noqa: E402
 from test_deepseek_v4_layers import prompt  # noqa: E402
 
 from deepinfer.layers.attention import forward_context  # noqa: E402
@@ -128,6 +128,19 @@ def test_graph_decode_steps_verify_drafts_losslessly(checkpoint):
     prompts = [pattern * 5, (pattern[::-1] * 4)[:41]]
     llm, graphs = graph_metadata_engine(directory, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                                        "verification": "fixed"})
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.spec_decode_stats.num_draft_tokens > 0 and graphs.num_replays > 0
+    check(outputs, prompts, hf)
+
+
+def test_graph_decode_steps_with_mtp_drafts_are_lossless(checkpoint, tmp_path):
+    """MTP drafts (the drafter reads the main streams each step keeps in the rings) verified in
+    graph decode steps: greedy output identical to transformers' without drafts."""
+    _, hf, cfg, seed = checkpoint
+    write_mtp_checkpoint(str(tmp_path), hf, cfg, seed)
+    prompts = [prompt(cfg, n, seed)[0].tolist() for n in (40, 75)]
+    llm, graphs = graph_metadata_engine(str(tmp_path), speculative_config={
+        "method": "mtp", "num_speculative_tokens": 3, "verification": "fixed"})
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.spec_decode_stats.num_draft_tokens > 0 and graphs.num_replays > 0
     check(outputs, prompts, hf)

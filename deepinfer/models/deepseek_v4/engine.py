@@ -40,7 +40,7 @@ from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
 from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
 from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
-from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged, chunk_rows
+from deepinfer.models.deepseek_v4.paged import LayerKV, V4StepBackend, attend_paged
 from deepinfer.models.deepseek_v4.parallel import check_parallel_sizes
 from deepinfer.models.deepseek_v4.rings import ProjectionRings
 from deepinfer.types.drafter import Draft, DraftRequest
@@ -101,7 +101,8 @@ class DeepseekV4ForCausalLM(CausalLM):
                 if self.layer_kv[i].index is not None:
                     compressors[(i, "indexer")] = layer.self_attn.compressor.indexer
                     kv_index[(i, "indexer")] = self.layer_kv[i].index
-        self.rings = ProjectionRings(compressors, kv_index)
+        self.rings = ProjectionRings(compressors, kv_index, streams_window=self.cfg.sliding_window if len(self.mtp) else 0,
+                                     stream_shape=(self.cfg.hc_mult, self.cfg.hidden_size))
         for module in self.modules():   # routed experts as grouped GEMMs where torch has them
             if isinstance(module, RoutedExperts):
                 module.grouped = True
@@ -124,15 +125,15 @@ class DeepseekV4ForCausalLM(CausalLM):
     def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype,
                               engine_backend: AttentionBackend | None = None) -> V4StepBackend:
         """The Triton kernels (paged_kernels.py) where the engine's backend runs model kernels
-        (attention_backend "triton", or "auto" on CUDA), with decode steps in CUDA graphs when
-        the model has no MTP layers (decode_graphs.py), else the reference path (paged.py)."""
+        (attention_backend "triton", or "auto" on CUDA), with decode steps in CUDA graphs
+        (decode_graphs.py), else the reference path (paged.py)."""
         if kv_cache_dtype != self.lm_head.weight.dtype:
             raise ValueError(f"kv_cache_dtype {str(kv_cache_dtype).removeprefix('torch.')}: DeepSeek-V4 keeps its "
                              "KV in the model's dtype for now (kv_cache_dtype='auto')")
         if engine_backend is not None and engine_backend.model_kernels:
             from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
 
-            return V4KernelStepBackend(device, kv_cache_dtype, self.rings, decode_graphs=not self.has_mtp)
+            return V4KernelStepBackend(device, kv_cache_dtype, self.rings, decode_graphs=True)
         return V4StepBackend(device, kv_cache_dtype, self.rings)
 
     def reserve_request_state(self, max_requests: int, rows_per_request: int) -> None:
@@ -178,8 +179,7 @@ class DeepseekV4ForCausalLM(CausalLM):
             attend = lambda h, layer=layer, kv=kv, i=i: attend_fn(layer.self_attn, h[0], positions, meta, kv, i)[None]
             streams = layer.run(streams, attend, ids)
         if len(self.mtp):   # the MTP drafter reads the latest streams of each request
-            for chunk, a, b in chunk_rows(meta.step):
-                keep_streams(chunk.model_state, chunk.start, streams[0, a:b], self.cfg.sliding_window)
+            keep_streams(meta, streams[0])
         if logits_rows is not None:
             streams = streams[:, logits_rows]
         return self.model.norm(self.model.hc_head(streams))[0]
@@ -209,6 +209,7 @@ class DeepseekV4ForCausalLM(CausalLM):
 
         if not any(entry.name.startswith("mtp.") for entry in V4Checkpoint(source.path).entries):
             self.mtp = nn.ModuleList()
+            self.rings.streams_window = 0   # no MTP drafter: no streams to keep
         device = self.lm_head.weight.device
         probe = torch.empty(0, device=device, dtype=torch.bfloat16)
         keep_fp8 = quantization == "fp8" or (quantization == "auto" and block_product_available(device))

@@ -6,9 +6,11 @@ n, not yet run through the model), it runs at position n - 1 with t_n: draft 1, 
 n + 1. Draft j + 1 runs the same layer at the next position, on its own output streams and
 draft j (DeepSeek's recursive use of one MTP layer). The layer's attention is a sliding window
 over its own rows, so each proposal first rebuilds that window over the W positions before n - 1
-from the main model's streams, which every forward keeps per request (`keep_streams`) for the
-latest W + slack positions, by position (a verify step's rejected positions are cut off by the
-next chunk's start, as paged.py's projections are). Drafts are only proposals: whatever they
+from the main model's streams, which every forward keeps in the request's ring slot
+(`keep_streams`, rings.py) for the latest W + slack positions, by position (a verify step's
+rejected positions are cut off by the next chunk's start, as the compressors' projections are).
+Kept on the device from the step's tensors alone, they do not stop decode steps from replaying
+as CUDA graphs. Drafts are only proposals: whatever they
 are, verification keeps the output identical to decoding without them.
 
 Under tensor parallelism every rank proposes (executor/ranked.py sends it the call): the MTP
@@ -19,38 +21,30 @@ the same streams and tokens, so every rank runs the same number of layer calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from deepinfer.models.deepseek_v4.paged import ROLLBACK_SLACK
+from deepinfer.models.deepseek_v4.paged import chunk_rows
+from deepinfer.models.deepseek_v4.rings import SLOT_KEY, ProjectionRings, RequestSlot
 from deepinfer.models.deepseek_v4.state import LayerState
 from deepinfer.types.drafter import Draft, DraftRequest
 
-STREAMS_KEY = "mtp_streams"
 
-
-@dataclass
-class _Streams:
-    """The main model's last-layer streams of positions [start, start + n): [n, hc_mult, hidden]."""
-
-    start: int
-    streams: torch.Tensor
-
-    @property
-    def end(self) -> int:
-        return self.start + self.streams.shape[0]
-
-
-def keep_streams(model_state: dict, start: int, streams: torch.Tensor, window: int) -> None:
-    """After a forward over positions [start, start + len(streams)): keep the latest streams."""
-    old: _Streams | None = model_state.get(STREAMS_KEY)
-    if old is not None and old.start <= start <= old.end:
-        streams = torch.cat([old.streams[:start - old.start], streams])
-        start = old.start
-    keep = window + ROLLBACK_SLACK
-    cut = max(streams.shape[0] - keep, 0)
-    model_state[STREAMS_KEY] = _Streams(start + cut, streams[cut:].clone())
+def keep_streams(meta, streams: torch.Tensor) -> None:
+    """After a forward: each request's latest main streams [T, hc_mult, hidden] into its ring
+    slot (rings.py). The Triton path's metadata has every token's slot and segment on the
+    device (step_metadata.py); the reference path's chunks are written one by one."""
+    rings: ProjectionRings = meta.rings
+    length = rings.streams_length
+    if meta.backend.kernels:
+        positions = meta.tok_pos.long()
+        rings.write_streams(meta.tok_slot, positions, positions >= meta.seg_end - length, streams)
+        return
+    for chunk, a, b in chunk_rows(meta.step):
+        slot = chunk.model_state[SLOT_KEY]
+        positions = torch.arange(chunk.start, chunk.start + b - a, device=streams.device)
+        keep = positions >= chunk.start + b - a - length
+        rings.write_streams(torch.full_like(positions, slot.index), positions, keep, streams[a:b])
 
 
 @torch.no_grad()
@@ -61,13 +55,13 @@ def propose(model, requests: Sequence[DraftRequest], model_states: dict[str, dic
     device = model.lm_head.weight.device
     drafts: dict[str, Draft] = {}
     for request in requests:
-        kept: _Streams | None = model_states.get(request.request_id, {}).get(STREAMS_KEY)
+        slot: RequestSlot | None = model_states.get(request.request_id, {}).get(SLOT_KEY)
         n = len(request.token_ids) - 1            # position of the last sampled token
-        if kept is None or request.max_drafts < 1 or not kept.start < n <= kept.end:
+        if slot is None or not slot.index or request.max_drafts < 1 or not slot.first < n <= slot.end:
             continue
         # Rebuild the MTP layer's window: positions [first, n - 1), then run n - 1 with t_n.
-        first = max(kept.start, n - window)
-        streams = kept.streams[first - kept.start:n - kept.start][None]         # [1, L, N, hidden]
+        first = max(slot.first, n - window)
+        streams = model.rings.read_streams(slot, first, n)[None]                    # [1, L, N, hidden]
         next_ids = torch.tensor([list(request.token_ids[first + 1:n + 1])], device=device)
         positions = torch.arange(first, n, device=device)
         state = LayerState()

@@ -43,10 +43,6 @@ from deepinfer.models.deepseek_v4.rings import ProjectionRings, RequestSlot
 from deepinfer.models.deepseek_v4.state import CompressorState, LayerState
 from deepinfer.worker.request_states import StepChunk
 
-# Positions kept beyond what the next chunk needs (the MTP drafter's streams, mtp_drafter.py), so
-# that a chunk may start that many tokens before the last one's end (rejected drafts).
-ROLLBACK_SLACK = 16
-
 
 @dataclass(frozen=True)
 class LayerKV:
@@ -80,6 +76,8 @@ class V4StepBackend(AttentionBackend):
 
     def build_metadata(self, step: StepLayout) -> AttentionMetadata:
         groups = [GroupMetadata(slot_mapping=m) for m in step.slot_mappings]
+        for chunk in step.ordered:   # each request's ring slot, and the end of what this step runs
+            self.rings.slot(chunk.model_state, chunk.start).end = chunk.start + chunk.num_tokens
         return V4Metadata(groups=groups, rings=self.rings, **step.metadata_fields(self))
 
     def write_kv(self, *args, **kwargs):

@@ -53,8 +53,7 @@ class V4KernelStepBackend(V4StepBackend):
     def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None,
                  rings: ProjectionRings | None = None, decode_graphs: bool = False) -> None:
         super().__init__(device, kv_cache_dtype, rings)
-        # Decode steps replay as CUDA graphs (decode_graphs.py) unless the model keeps host state
-        # per step (the MTP layers' streams, mtp_drafter.keep_streams).
+        # Decode steps replay as CUDA graphs (decode_graphs.py).
         self.supports_decode_graphs = decode_graphs
 
     def decode_graph_buffers(self, *, num_groups: int, max_batch: int, max_blocks_per_seq: int, num_kv_heads: int,

@@ -12,6 +12,9 @@ step may also write positions it later drops (rejected drafts, rolled back), and
 `slack` positions of one request; so length = span + slack, and a row is overwritten only once
 no chunk reads it any more.
 
+With MTP layers (mtp_drafter.py) one more ring per slot keeps the main model's last streams of
+the latest sliding_window + slack positions, which the MTP drafter rebuilds its window from.
+
 A request takes a slot on its first chunk (`slot`, which records that chunk's start: the ring
 holds nothing below it) and gives it back when the runner drops its state (RequestSlot.release,
 called through request_states.release_model_state). Slot 0 is never given out: the padding rows of a CUDA
@@ -32,6 +35,7 @@ class RequestSlot:
     index: int
     first: int              # the first position whose projections the slot holds
     rings: ProjectionRings
+    end: int = 0            # the end of the latest chunk run (its backend's metadata sets it)
 
     def release(self) -> None:
         """Give the slot back (the runner dropped the request's state)."""
@@ -41,13 +45,18 @@ class RequestSlot:
 
 
 class ProjectionRings:
-    def __init__(self, compressors: dict, kv_index: dict | None = None, slack: int = 17) -> None:
+    def __init__(self, compressors: dict, kv_index: dict | None = None, slack: int = 17,
+                 streams_window: int = 0, stream_shape: tuple[int, ...] = ()) -> None:
         """compressors: key -> Compressor (dim, rate, overlap, kv_proj); kv_index: key -> the index
-        of its KV kind in the model's kv_cache_specs (its pages). Nothing is allocated until
-        `allocate` (the runner's reserve_request_state, before it sizes the KV pool)."""
+        of its KV kind in the model's kv_cache_specs (its pages); streams_window: positions of
+        main streams (stream_shape each) the MTP drafter reads, 0 without MTP layers. Nothing is
+        allocated until `allocate` (the runner's reserve_request_state, before it sizes the KV
+        pool)."""
         self.compressors = compressors
         self.kv_index = kv_index or {}
         self.slack = slack
+        self.streams_window, self.stream_shape = streams_window, stream_shape
+        self.streams: torch.Tensor | None = None
         self.kv: dict = {}
         self.gate: dict = {}
         self.free: list[int] = []
@@ -70,17 +79,18 @@ class ProjectionRings:
             shape = (self.num_slots, self.length(key), width)
             self.kv[key] = torch.zeros(shape, dtype=dtype, device=device)
             self.gate[key] = torch.zeros(shape, dtype=dtype, device=device)
+        if self.streams_window:
+            self.streams = torch.zeros(self.num_slots, self.streams_length, *self.stream_shape, dtype=dtype,
+                                       device=device)
         self.free = list(range(self.num_slots - 1, 0, -1))
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.kv.values(), *self.gate.values()])
+    @property
+    def streams_length(self) -> int:
+        return self.streams_window + self.slack
 
-    @staticmethod
-    def bytes_for(compressors: dict, max_requests: int, slack: int, dtype: torch.dtype) -> int:
-        rings = ProjectionRings(compressors, slack=slack)
-        item = torch.empty(0, dtype=dtype).element_size()
-        return sum(2 * (max_requests + 1) * rings.length(k) * c.kv_proj.out_features * item
-                   for k, c in compressors.items())
+    def nbytes(self) -> int:
+        held = [*self.kv.values(), *self.gate.values()] + ([] if self.streams is None else [self.streams])
+        return sum(t.numel() * t.element_size() for t in held)
 
     def slot(self, model_state: dict, start: int) -> RequestSlot:
         """The request's slot, taken on its first chunk (which starts at `start`)."""
@@ -120,3 +130,16 @@ class ProjectionRings:
         flat_kv[rows] = kv[cut:].to(flat_kv.dtype)
         flat_gate[rows] = gate[cut:].to(flat_gate.dtype)
 
+
+    def write_streams(self, slots: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
+                      streams: torch.Tensor) -> None:
+        """The main streams [T, ...] of tokens at `positions` [T] of requests in `slots` [T]; the
+        tokens not `keep` (not among their request's last streams_length) go to the padding slot."""
+        length = self.streams_length
+        rows = torch.where(keep, slots, 0) * length + positions % length
+        self.streams.view(-1, *self.stream_shape)[rows] = streams.to(self.streams.dtype)
+
+    def read_streams(self, slot: RequestSlot, low: int, high: int) -> torch.Tensor:
+        """The main streams of positions [low, high) of a request: [high - low, ...]."""
+        rows = slot.index * self.streams_length + torch.arange(low, high, device=self.streams.device) % self.streams_length
+        return self.streams.view(-1, *self.stream_shape)[rows]

@@ -110,6 +110,7 @@ def token_layout(step: StepLayout, rings: ProjectionRings) -> TokenLayout:
         if (held is None or not held.index) and first_chunk.start > 0:
             new_slots.append((i, slot))
         seg_end = rows[j][0].start + rows[j][0].num_tokens
+        slot.end = seg_end
         for k in range(i, j + 1):
             c, a, b = rows[k]
             chunk_of[a:b] = k
