@@ -190,10 +190,10 @@ class Linear(nn.Linear):
 
     def as_fp8_blocks(self, block: tuple[int, int]) -> None:
         """Make room for a checkpoint's block-scaled FP8 weight: codes [out, in] and scales
-        [ceil(out / bn), ceil(in / bk)], filled by the loader."""
+        [ceil(out / bn), ceil(in / bk)], filled by the loader (zero codes until then)."""
         out, inner = self.weight.shape
         device = self.weight.device
-        self.weight = nn.Parameter(torch.empty(out, inner, dtype=fp8.FP8, device=device), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(out, inner, dtype=fp8.FP8, device=device), requires_grad=False)
         self.weight_scale = torch.ones(-(-out // block[0]), -(-inner // block[1]), device=device)
         self.weight_block = block
 

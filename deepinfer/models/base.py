@@ -114,6 +114,13 @@ class CausalLM(nn.Module):
         if onednn_packing_available(self.head_weight()):
             self.head_packed = pack_dense(self.head_weight())
 
+    @classmethod
+    def build(cls, hf_config: dict[str, Any], quantization: str = "auto", dummy: bool = False) -> CausalLM:
+        """The model for the runner to fill (weights loaded, or random when `dummy`), built in the
+        default device and dtype. A model whose checkpoints keep quantized formats may build those
+        layers in them directly, so their wider copies never exist (DeepSeek-V4)."""
+        return cls(hf_config)
+
     def reserve_request_state(self, max_requests: int, rows_per_request: int) -> None:
         """Allocate what the model keeps per request on the device beside its KV pages, for up to
         max_requests requests of up to rows_per_request tokens a step (the runner calls it before

@@ -165,7 +165,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), building_with(self.group):
-                self.model = cls(self.hf_config).eval()
+                self.model = cls.build(self.hf_config, self.config.model.quantization, source is None).eval()
         finally:
             torch.set_default_dtype(previous_dtype)
 

@@ -29,14 +29,13 @@ from torch import nn
 from deepinfer.kv_cache.specs import CompressedSpec, KVCacheSpec, SlidingWindowSpec
 from deepinfer.layers.attention.backends.base import AttentionBackend
 from deepinfer.layers.attention.metadata import get_forward_context
-from deepinfer.layers.linear import Linear, onednn_packing_available, pack_dense
+from deepinfer.layers.linear import onednn_packing_available, pack_dense
 from deepinfer.layers.parallel import ParallelLMHead, gather_logits
 from deepinfer.models.base import CausalLM
-from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
-from deepinfer.models.deepseek_v4.indexer import Indexer
+from deepinfer.models.deepseek_v4.formats import checkpoint_formats, prepare_layer, to_native
 from deepinfer.models.deepseek_v4.model import V4Model
-from deepinfer.models.deepseek_v4.moe import RoutedExperts
+from deepinfer.models.deepseek_v4.moe import RoutedExperts, fp4_grouped_supported
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
 from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
 from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
@@ -48,9 +47,18 @@ from deepinfer.types.drafter import Draft, DraftRequest
 if TYPE_CHECKING:
     from deepinfer.config import ParallelConfig
 
-# The formats of V4's released checkpoints (weights.py): FP8 weights' scale blocks, FP4 experts' groups.
-V4_FP8_BLOCK = (128, 128)
-V4_FP4_GROUP = 32
+
+def fp8_block_available(device: torch.device) -> bool:
+    """Whether `device` multiplies block-scaled FP8 (fp8.block_path)."""
+    from deepinfer.layers.quantization.fp8 import block_product_available
+
+    return block_product_available(device)
+
+
+def fp4_experts_available(device: torch.device) -> bool:
+    """Whether `device` runs the FP4 experts' kernel (moe.fp4_grouped_supported)."""
+    return fp4_grouped_supported(torch.empty(0, device=device, dtype=torch.bfloat16))
+
 
 
 def _layer_kv(cfg: V4Config) -> list[LayerKV]:
@@ -80,16 +88,23 @@ def kv_cache_specs_for(cfg: V4Config, dtype: torch.dtype) -> list[KVCacheSpec]:
 
 
 class DeepseekV4ForCausalLM(CausalLM):
-    def __init__(self, hf_config: dict[str, Any]) -> None:
+    def __init__(self, hf_config: dict[str, Any], fp8: bool = False, fp4: bool = False) -> None:
+        """fp8 / fp4: build the layers a checkpoint keeps in FP8 / the routed experts in FP4 in
+        those formats, layer by layer (formats.py; `build` decides)."""
         super().__init__(hf_config)
         self.cfg = V4Config.from_hf(hf_config)
         self.tie_word_embeddings = self.cfg.tie_word_embeddings
-        self.model = V4Model(self.cfg)
+        prepare = (lambda layer: prepare_layer(layer, fp8, fp4)) if fp8 or fp4 else None
+        self.model = V4Model(self.cfg, prepare)
         self.lm_head = ParallelLMHead(self.cfg.hidden_size, self.cfg.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # The MTP layers: the drafter of speculative_config method "mtp" (mtp_drafter.py).
-        self.mtp = nn.ModuleList([V4MTPLayer(self.cfg, t, self.model.rotaries) for t in self.cfg.mtp_layer_types])
+        self.mtp = nn.ModuleList()
+        for t in self.cfg.mtp_layer_types:
+            self.mtp.append(V4MTPLayer(self.cfg, t, self.model.rotaries))
+            if prepare is not None:
+                prepare(self.mtp[-1])
         self.layer_kv = _layer_kv(self.cfg)
         # Each request's recent compressor projections between steps (rings.py), allocated by
         # reserve_request_state once the runner knows how many requests it runs.
@@ -106,6 +121,19 @@ class DeepseekV4ForCausalLM(CausalLM):
         for module in self.modules():   # routed experts as grouped GEMMs where torch has them
             if isinstance(module, RoutedExperts):
                 module.grouped = True
+
+    @classmethod
+    def build(cls, hf_config: dict[str, Any], quantization: str = "auto", dummy: bool = False) -> DeepseekV4ForCausalLM:
+        """Built in the formats the weights will be held in (load_from's choice, formats.py): a
+        checkpoint's FP8 / FP4 formats where the device multiplies them ("auto") or always
+        ("fp8"); random weights of a real shape with "fp8" in both."""
+        fp8, fp4 = checkpoint_formats(hf_config)
+        if quantization == "fp8":
+            return cls(hf_config, fp8=fp8 or dummy, fp4=fp4 or dummy)
+        if quantization != "auto" or dummy or not (fp8 or fp4):
+            return cls(hf_config)
+        device = torch.get_default_device()
+        return cls(hf_config, fp8=fp8 and fp8_block_available(device), fp4=fp4 and fp4_experts_available(device))
 
     @classmethod
     def check_parallel(cls, hf_config: dict[str, Any], parallel: ParallelConfig) -> None:
@@ -150,21 +178,8 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def quantize_fp8(self) -> None:
         """quantization="fp8": the weights take the formats V4's checkpoints ship them in
-        (weights.py): FP8 with 128 x 128 block scales for the projections a checkpoint stores in FP8
-        (all but the compressors' and the indexer's kv / gate / weights projections, which it keeps
-        in BF16), FP4 in groups of 32 for the routed experts. Weights loaded in those formats stay
-        as they are; a dummy or BF16 model gets them here (benchmarks of real shapes)."""
-        bf16_in_checkpoint = set()
-        for module in self.modules():
-            if isinstance(module, Compressor):
-                bf16_in_checkpoint |= {id(module.kv_proj), id(module.gate_proj)}
-            if isinstance(module, Indexer):
-                bf16_in_checkpoint.add(id(module.scorer.weights_proj))
-        for module in self.modules():
-            if isinstance(module, Linear) and id(module) not in bf16_in_checkpoint:
-                module.to_fp8_blocks(V4_FP8_BLOCK)
-            elif isinstance(module, RoutedExperts) and (module.expert_parallel or module.group.size == 1):
-                module.to_fp4(V4_FP4_GROUP)
+        (formats.py): FP8 128 x 128 blocks, FP4 experts. Layers built or loaded in them stay."""
+        to_native(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -202,16 +217,13 @@ class DeepseekV4ForCausalLM(CausalLM):
         "auto" where the device has a product for them (block-scaled FP8: fp8.block_product_available;
         FP4 experts: the Triton kernel, moe.fp4_grouped_supported); otherwise they are
         dequantized. The MTP layers are dropped when it has none (transformers saves none)."""
-        from deepinfer.layers.quantization.fp8 import block_product_available
         from deepinfer.models.deepseek_v4.loading import load_v4_weights
-        from deepinfer.models.deepseek_v4.moe import fp4_grouped_supported
         from deepinfer.models.deepseek_v4.weights import V4Checkpoint
 
         if not any(entry.name.startswith("mtp.") for entry in V4Checkpoint(source.path).entries):
             self.mtp = nn.ModuleList()
             self.rings.streams_window = 0   # no MTP drafter: no streams to keep
         device = self.lm_head.weight.device
-        probe = torch.empty(0, device=device, dtype=torch.bfloat16)
-        keep_fp8 = quantization == "fp8" or (quantization == "auto" and block_product_available(device))
-        keep_fp4 = quantization == "fp8" or (quantization == "auto" and fp4_grouped_supported(probe))
+        keep_fp8 = quantization == "fp8" or (quantization == "auto" and fp8_block_available(device))
+        keep_fp4 = quantization == "fp8" or (quantization == "auto" and fp4_experts_available(device))
         load_v4_weights(self, source.path, keep_fp8=keep_fp8, keep_fp4=keep_fp4)

@@ -20,6 +20,7 @@ from torch import nn
 
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.quantization import fp4
+from deepinfer.layers.quantization.fp8 import FP8
 from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.deepseek_v4.weights import (
     SHOWN_MISSING,
@@ -56,6 +57,11 @@ def load_v4_weights(model: nn.Module, path: str, fp8_block: tuple[int, int] | No
         piece = _rank_part(model, piece)
         slot = _slot(targets[piece.name], piece)
         _check_shape(piece, slot)
+        if slot.dtype in (FP8, torch.uint8) and piece.tensor.is_floating_point():
+            # Built in the checkpoint's formats (formats.py) from config.json, but this tensor
+            # is stored wide: copying it would cast values into codes.
+            raise ModelLoadError(f"{piece.name}: config.json says the checkpoint stores it quantized "
+                                 f"({slot.dtype}), but it is {piece.tensor.dtype}")
         slot.copy_(piece.tensor)
     return checkpoint.layout
 

@@ -4,6 +4,7 @@ through a V4State for the reference's own use and the tests."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,15 +27,20 @@ def build_rotaries(cfg: V4Config) -> dict[str, V4Rotary]:
 
 
 class V4Model(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
+    def __init__(self, cfg: V4Config, prepare_layer: Callable[[nn.Module], None] | None = None) -> None:
+        """prepare_layer: called on each decoder layer as soon as it is built (the engine's
+        formats.prepare_layer: layers held in FP8 / FP4 never exist whole in BF16)."""
         super().__init__()
         self.cfg = cfg
         check_group(cfg, current_tp_group())   # a clear error before any layer is built
         self.rotaries = nn.ModuleDict(build_rotaries(cfg))
         # The vocabulary is split over tensor-parallel ranks (a plain embedding on one rank).
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([V4DecoderLayer(cfg, t, m, self.rotaries)
-                                     for t, m in zip(cfg.layer_types, cfg.mlp_types)])
+        self.layers = nn.ModuleList()
+        for t, m in zip(cfg.layer_types, cfg.mlp_types):
+            self.layers.append(V4DecoderLayer(cfg, t, m, self.rotaries))
+            if prepare_layer is not None:
+                prepare_layer(self.layers[-1])
         self.norm = V4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hidden_size, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
 

@@ -134,14 +134,17 @@ class RoutedExperts(nn.Module):
     def as_fp4(self, group: int) -> None:
         """Keep the experts as a checkpoint's FP4 stores them (layers/quantization/fp4.py), for the
         loader to fill: gate_up_proj / down_proj become uint8 codes [E, rows, inputs / 2] and
-        gate_up_exps / down_exps the exponent bytes [E, rows, inputs / group]; the wider copies
-        are freed."""
+        gate_up_exps / down_exps the exponent bytes [E, rows, inputs / group] (zero codes until
+        then); the wider copies are freed. Experts already FP4 in groups of `group` stay."""
+        if self.fp4_group == group:
+            return
         device = self.gate_up_proj.device
         for name in ("gate_up_proj", "down_proj"):
             experts, rows, inputs = getattr(self, name).shape
+            inputs *= 2 if self.fp4_group else 1      # already FP4 (in other groups): two a byte
             if inputs % group or group % 2:
                 raise ValueError(f"FP4 experts: {name}'s {inputs} inputs are not whole groups of {group}")
-            setattr(self, name, nn.Parameter(torch.empty(experts, rows, inputs // 2, dtype=torch.uint8, device=device),
+            setattr(self, name, nn.Parameter(torch.zeros(experts, rows, inputs // 2, dtype=torch.uint8, device=device),
                                              requires_grad=False))
             setattr(self, self.exponents_name(name),
                     torch.full((experts, rows, inputs // group), fp4.UE8M0_BIAS, dtype=torch.uint8, device=device))

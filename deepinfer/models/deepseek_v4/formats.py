@@ -1,0 +1,83 @@
+"""The formats DeepSeek-V4's checkpoints keep their weights in, and the layers held in them.
+
+A released checkpoint (config.json: `quantization_config` with fmt e4m3, `expert_dtype` "fp4";
+weights.py) stores the projections below in FP8 with 128 x 128 block scales and the routed
+experts in FP4 with a power-of-two scale per 32 inputs; the compressors' and the indexer's
+kv / gate / weights projections, the router, norms, embeddings and head stay BF16 (or float32).
+Where the device multiplies those formats (layers/quantization/), the model holds these layers in
+them: built that way layer by layer (`prepare_layer`, so a layer's BF16 copy exists only while it
+is built, never the whole model's), filled by the loader (loading.py) or, for random weights,
+left at zero codes. `quantization="fp8"` asks for the same formats from any V4 model (`to_native`
+from loaded BF16 weights: quantize_fp8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from deepinfer.layers.linear import Linear
+from deepinfer.models.deepseek_v4.compressor import Compressor
+from deepinfer.models.deepseek_v4.indexer import Indexer
+from deepinfer.models.deepseek_v4.moe import RoutedExperts
+
+FP8_BLOCK = (128, 128)   # the FP8 weights' scale blocks
+FP4_GROUP = 32           # the FP4 experts' inputs per scale
+
+
+def checkpoint_formats(hf_config: dict[str, Any]) -> tuple[bool, bool]:
+    """(FP8 projections, FP4 experts): what a checkpoint of this config.json stores."""
+    quant = hf_config.get("quantization_config") or {}
+    fp8 = quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3"
+    return fp8, fp8 and hf_config.get("expert_dtype") == "fp4"
+
+
+def _whole(module: nn.Module) -> bool:
+    """Not split over tensor-parallel ranks (a rank's slice may cut through a block or a group)."""
+    group = getattr(module, "group", None)
+    return group is None or group.size == 1 or getattr(module, "expert_parallel", False)
+
+
+def fp8_linears(module: nn.Module, whole_only: bool) -> Iterator[Linear]:
+    """The Linear layers under `module` a checkpoint stores in FP8 (with whole_only, those not
+    split over ranks: the ones a checkpoint's blocks load into as they are)."""
+    bf16 = set()
+    for m in module.modules():
+        if isinstance(m, Compressor):
+            bf16 |= {id(m.kv_proj), id(m.gate_proj)}
+        if isinstance(m, Indexer):
+            bf16.add(id(m.scorer.weights_proj))
+    for m in module.modules():
+        if isinstance(m, Linear) and id(m) not in bf16 and (_whole(m) or not whole_only):
+            yield m
+
+
+def routed_experts(module: nn.Module, whole_only: bool = True) -> Iterator[RoutedExperts]:
+    for m in module.modules():
+        if isinstance(m, RoutedExperts) and (_whole(m) or not whole_only):
+            yield m
+
+
+def prepare_layer(layer: nn.Module, fp8: bool, fp4: bool) -> None:
+    """Make room in the checkpoint's formats (zero codes) for what a loader will fill: right
+    after the layer is built, before the next one is."""
+    if fp8:
+        for linear in fp8_linears(layer, whole_only=True):
+            linear.as_fp8_blocks(FP8_BLOCK)
+    if fp4:
+        for experts in routed_experts(layer):
+            experts.as_fp4(FP4_GROUP)
+
+
+@torch.no_grad()
+def to_native(model: nn.Module) -> None:
+    """The loaded weights into the checkpoint's formats (quantization="fp8"): FP8 blocks for the
+    projections (per rank where split: this rank's own blocks), FP4 for the whole experts;
+    layers already in them stay."""
+    for linear in fp8_linears(model, whole_only=False):
+        linear.to_fp8_blocks(FP8_BLOCK)
+    for experts in routed_experts(model):
+        experts.to_fp4(FP4_GROUP)
