@@ -69,7 +69,7 @@ class V4KernelStepBackend(V4StepBackend):
         tokens = token_layout(step, self.rings)
         tables = [step.to_device(t) for t in padded_tables(step)]
         meta = V4KernelMetadata(groups=groups, rings=self.rings, tables=tables,
-                                **{name: step.to_device(a) for name, a in tokens.device.items()},
+                                **tokens.to_device(step),
                                 host_pos=tokens.pos, chunk_starts=tokens.chunk_starts, **step.metadata_fields(self))
         seed_rings(meta, tokens.new_slots)
         return meta

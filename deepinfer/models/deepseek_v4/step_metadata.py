@@ -78,12 +78,24 @@ class V4KernelMetadata(V4Metadata):
         return int(self.host_pos.max() + 1) // rate if len(self.host_pos) else 0
 
 
+# V4KernelMetadata's per-token fields, in the two dtypes they are copied in (one copy each).
+INT32_FIELDS = ("tok_chunk", "tok_pos", "tok_floor")
+INT64_FIELDS = ("tok_slot", "seg_start", "seg_row", "seg_end", "tok_write_floor")
+
+
 @dataclass
 class TokenLayout:
     pos: np.ndarray
     chunk_starts: np.ndarray
-    device: dict                         # V4KernelMetadata's per-token fields, as numpy
+    fields: dict                         # name -> numpy array, INT32_FIELDS and INT64_FIELDS
     new_slots: list                      # (chunk row, slot) of requests whose slot is new, at start > 0
+
+    def to_device(self, step: StepLayout) -> dict[str, torch.Tensor]:
+        out = {}
+        for names, dtype in ((INT32_FIELDS, np.int32), (INT64_FIELDS, np.int64)):
+            packed = step.to_device(np.stack([self.fields[n] for n in names]).astype(dtype))
+            out.update(zip(names, packed))
+        return out
 
 
 def token_layout(step: StepLayout, rings: ProjectionRings) -> TokenLayout:
@@ -107,7 +119,12 @@ def token_layout(step: StepLayout, rings: ProjectionRings) -> TokenLayout:
         first_chunk, a0, _ = rows[i]
         held = first_chunk.model_state.get(SLOT_KEY)
         slot = rings.slot(first_chunk.model_state, first_chunk.start)
-        if (held is None or not held.index) and first_chunk.start > 0:
+        if (held is None or not held.index) and first_chunk.start > 0 and rings.compressors:
+            # Resuming at a block boundary (a prefix hit) leaves no compression block unfinished
+            # (the block size is a multiple of every rate); anywhere else the state is lost.
+            if first_chunk.start % step.block_size:
+                raise RuntimeError(f"DeepSeek-V4: request {first_chunk.request_id} resumes at position "
+                                   f"{first_chunk.start}, inside a KV block, without its compressor state")
             new_slots.append((i, slot))
         seg_end = rows[j][0].start + rows[j][0].num_tokens
         slot.end = seg_end
@@ -124,8 +141,7 @@ def token_layout(step: StepLayout, rings: ProjectionRings) -> TokenLayout:
         out["seg_row"][a0:a_end] = a0
         out["seg_end"][a0:a_end] = seg_end
         i = j + 1
-    device = dict(out, tok_chunk=chunk_of, tok_pos=pos.astype(np.int32), tok_floor=floor)
-    return TokenLayout(pos, starts, device, new_slots)
+    return TokenLayout(pos, starts, dict(out, tok_chunk=chunk_of, tok_pos=pos, tok_floor=floor), new_slots)
 
 
 def padded_tables(step: StepLayout) -> list[np.ndarray]:
@@ -159,9 +175,6 @@ def seed_rings(meta: V4KernelMetadata, new_slots: list) -> None:
         ring_kv, ring_gate = rings.flat(key)
         for chunk_row, slot in new_slots:
             chunk = chunks[chunk_row]
-            if chunk.start % bs:
-                raise RuntimeError(f"DeepSeek-V4: request {chunk.request_id} resumes at position {chunk.start}, "
-                                   "inside a KV block, without its compressor state")
             block = chunk.block_ids[meta.layer_to_group[index]][chunk.start // bs - 1]
             first = block * (per_page + 2 * rate) + per_page
             saved = cache[first:first + 2 * rate, 0]
