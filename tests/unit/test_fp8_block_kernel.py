@@ -21,15 +21,18 @@ from deepinfer.layers.quantization.fp8_block_triton import block_fp8_mm  # noqa:
 CASES = [(1, 256, 384), (24, 200, 256), (130, 512, 1024)] + ([] if INTERPRETED else [(7, 1536, 7168)])
 
 
+@pytest.mark.parametrize("splits", [1, None, 3], ids=["whole", "chosen", "3-splits"])
 @pytest.mark.parametrize("m,n,k", CASES)
-def test_block_fp8_mm_matches_the_dequantized_reference(m, n, k):
+def test_block_fp8_mm_matches_the_dequantized_reference(m, n, k, splits):
+    """Whole inputs, split as the kernel chooses for the shape (decode shapes split), and in 3
+    runs of input blocks (uneven where the blocks do not divide)."""
     torch.manual_seed(m + n + k)
     codes, scale = fp8.quantize_blocks(torch.randn(n, k, device=DEVICE) * 0.05, (128, 128))
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
     xq, xs = fp8.quantize_rows(x, 128)
     if not FP8_DOT:   # the same values as float16 codes
         xq, codes = xq.to(torch.float16), codes.to(torch.float16)
-    got = block_fp8_mm(xq, xs, codes, scale, torch.float16 if INTERPRETED else torch.bfloat16).float()
+    got = block_fp8_mm(xq, xs, codes, scale, torch.float16 if INTERPRETED else torch.bfloat16, splits).float()
     # The reference with the same activation rounding: exact up to float32 sums and the output's rounding.
     xr = (xq.float().view(m, -1, 128) * xs[..., None]).view(m, k)
     want = F.linear(xr, fp8.dequantize(codes.float(), scale, (128, 128), torch.float32))
