@@ -385,3 +385,49 @@ def test_quantized_weight_without_scale(reference, tmp_path):
     with pytest.raises(ModelLoadError,
                        match=r"'layers\.0\.attn\.wq_a\.weight' is stored as F8_E4M3.*no scale"):
         load_v4_weights(fresh(cfg), str(tmp_path))
+
+
+@torch.no_grad()
+def test_built_in_the_checkpoint_formats(reference, tmp_path):
+    """quantization="fp8" on a checkpoint whose config.json declares V4's formats: the engine's
+    model holds the FP8 projections and the FP4 experts in those formats from the moment each
+    layer is built (formats.prepare_layer: no BF16 copy of the model first), and loading fills
+    them with the stored codes: each dequantizes to the dense load's weight."""
+    from deepinfer.models.deepseek_v4.engine import DeepseekV4ForCausalLM as EngineV4
+
+    cfg, state = reference
+    write_quantized(cfg, state, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    built = EngineV4.build(config, "fp8")
+    q_a = built.model.layers[0].self_attn.q_a_proj
+    assert q_a.is_fp8 and not q_a.weight.any()                  # zero codes until loaded
+    load_v4_weights(built, str(tmp_path), keep_fp8=True, keep_fp4=True)
+    # (The release's experts are built FP4 in groups of 32; these tiny ones, of 24 inputs, are
+    # made FP4 by the loader in the checkpoint's groups of 8.)
+    experts = [m for m in built.modules() if isinstance(m, RoutedExperts)]
+    assert experts and all(m.fp4_group == FP4_GROUP and m.gate_up_proj.dtype == torch.uint8 for m in experts)
+    dense = EngineV4(config)
+    load_v4_weights(dense, str(tmp_path))
+    dense_modules = dict(dense.named_modules())
+    for name, module in built.named_modules():
+        if isinstance(module, Linear) and module.is_fp8:
+            back = dequantize(module.weight, module.weight_scale, module.weight_block, torch.float32)
+            assert torch.equal(back, dense_modules[name].weight.float()), name
+        elif isinstance(module, RoutedExperts):
+            for part in ("gate_up_proj", "down_proj"):
+                whole = getattr(dense_modules[name], part)
+                for j in range(whole.shape[0]):
+                    assert torch.equal(module.expert_weight(part, j, torch.float32), whole[j].float()), (name, j)
+    assert EngineV4.build(config, "auto").model.layers[0].self_attn.q_a_proj.weight.dtype != torch.float8_e4m3fn
+
+
+def test_wide_tensor_for_a_declared_quantized_layer_is_refused(reference, tmp_path):
+    """config.json declares FP8 / FP4 but the files hold BF16: the model built in those formats
+    refuses the tensor (naming it) instead of casting its values into codes."""
+    from deepinfer.models.deepseek_v4.engine import DeepseekV4ForCausalLM as EngineV4
+
+    cfg, state = reference
+    config = {**cfg.to_dict(), "expert_dtype": "fp4", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
+    write_sharded(tmp_path, deepseek_state(state), config)
+    with pytest.raises(ModelLoadError, match="says the checkpoint stores it quantized"):
+        load_v4_weights(EngineV4.build(config, "fp8"), str(tmp_path), keep_fp8=True, keep_fp4=True)

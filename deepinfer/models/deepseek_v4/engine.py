@@ -33,7 +33,7 @@ from deepinfer.layers.linear import onednn_packing_available, pack_dense
 from deepinfer.layers.parallel import ParallelLMHead, gather_logits
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
-from deepinfer.models.deepseek_v4.formats import checkpoint_formats, prepare_layer, to_native
+from deepinfer.models.deepseek_v4.formats import checkpoint_formats, fp8_block_of, prepare_layer, to_native
 from deepinfer.models.deepseek_v4.model import V4Model
 from deepinfer.models.deepseek_v4.moe import RoutedExperts, fp4_grouped_supported
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
@@ -94,7 +94,8 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__(hf_config)
         self.cfg = V4Config.from_hf(hf_config)
         self.tie_word_embeddings = self.cfg.tie_word_embeddings
-        prepare = (lambda layer: prepare_layer(layer, fp8, fp4)) if fp8 or fp4 else None
+        block = fp8_block_of(hf_config) if fp8 else None
+        prepare = (lambda layer: prepare_layer(layer, block, fp4)) if fp8 or fp4 else None
         self.model = V4Model(self.cfg, prepare)
         self.lm_head = ParallelLMHead(self.cfg.hidden_size, self.cfg.vocab_size)
         if self.tie_word_embeddings:

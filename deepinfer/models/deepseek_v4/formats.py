@@ -35,6 +35,12 @@ def checkpoint_formats(hf_config: dict[str, Any]) -> tuple[bool, bool]:
     return fp8, fp8 and hf_config.get("expert_dtype") == "fp4"
 
 
+def fp8_block_of(hf_config: dict[str, Any]) -> tuple[int, int]:
+    """The FP8 weights' scale block: config.json's weight_block_size, else the release's."""
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+    return (int(block[0]), int(block[1])) if block else FP8_BLOCK
+
+
 def _whole(module: nn.Module) -> bool:
     """Not split over tensor-parallel ranks (a rank's slice may cut through a block or a group)."""
     group = getattr(module, "group", None)
@@ -61,15 +67,18 @@ def routed_experts(module: nn.Module, whole_only: bool = True) -> Iterator[Route
             yield m
 
 
-def prepare_layer(layer: nn.Module, fp8: bool, fp4: bool) -> None:
+def prepare_layer(layer: nn.Module, fp8: tuple[int, int] | None, fp4: bool) -> None:
     """Make room in the checkpoint's formats (zero codes) for what a loader will fill: right
-    after the layer is built, before the next one is."""
-    if fp8:
+    after the layer is built, before the next one is. fp8: the FP8 scale block (None: no FP8).
+    FP4 experts take the release's group of 32 where their inputs hold whole groups (the loader
+    regroups them as the checkpoint's scales say, loading.keep_fp4_experts)."""
+    if fp8 is not None:
         for linear in fp8_linears(layer, whole_only=True):
-            linear.as_fp8_blocks(FP8_BLOCK)
+            linear.as_fp8_blocks(fp8)
     if fp4:
         for experts in routed_experts(layer):
-            experts.as_fp4(FP4_GROUP)
+            if experts.down_proj.shape[-1] % FP4_GROUP == 0 and experts.gate_up_proj.shape[-1] % FP4_GROUP == 0:
+                experts.as_fp4(FP4_GROUP)
 
 
 @torch.no_grad()
