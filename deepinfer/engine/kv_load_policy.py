@@ -10,7 +10,12 @@ from this engine's own loads and prefill steps:
   load time(n blocks)  = overhead + n * per_block, fitted to each finished load: queued
                          (KVTierLink.start_loads) to reported loaded (poll); it includes the
                          wait for the step that hands the load over and the poll that sees it
-  recompute time(n)    = n * block_size * prefill seconds per token, from prefill steps
+  recompute time(n)    = per_token * N + per_pair * N (N + 1) / 2, N = n * block_size: the
+                         prefix's own prefill, whose attention grows with its length (query i
+                         attends i + 1 keys); fitted to prefill steps as
+                         step time = per_token * tokens + per_pair * (query, key) pairs
+                         (a chunk of L tokens from position s has L (s + (L + 1) / 2) pairs), so
+                         a short prefix is not priced at a long one's rate or the other way
 
 A hit is loaded when the first is smaller, or while either is unmeasured (a fresh engine loads,
 as it always did). Used by KVTierLink for the persistent store only: the host tier (RAM) is
@@ -42,10 +47,18 @@ EXPLORE_EVERY = 16
 MIN_SIZE_SPREAD = 0.25
 
 
+# The two prefill features must not move together this much (squared correlation) to be told
+# apart; otherwise the steps are priced per token alone.
+MAX_FEATURE_CORRELATION = 0.98
+
+
 class KVLoadPolicy:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self.prefill_s_per_token: float | None = None
+        # Exponentially weighted sums over prefill steps (x: tokens, a: attention pairs,
+        # d: seconds) for the fit d = per_token * x + per_pair * a.
+        self._pw = self._xx = self._xa = self._aa = self._xd = self._ad = 0.0
+        self._fixed_rate: float | None = None   # a per-token rate set from outside (prefill_s_per_token)
         # Exponentially weighted sums over finished loads (n: blocks, t: seconds) for the
         # straight-line fit t = overhead + n * per_block.
         self._w = self._n = self._t = self._nn = self._nt = 0.0
@@ -74,9 +87,39 @@ class KVLoadPolicy:
         est = self.load_estimate()
         return None if est is None else est[0] + num_blocks * est[1]
 
+    def prefill_estimate(self) -> tuple[float, float] | None:
+        """(seconds per token, seconds per attention pair) of prefill, None until a step was
+        timed. The pairs' term is 0 while the steps seen cannot tell it from the tokens'."""
+        if self._fixed_rate is not None:
+            return self._fixed_rate, 0.0
+        if self._pw <= 0:
+            return None
+        det = self._xx * self._aa - self._xa * self._xa
+        if det > (1 - MAX_FEATURE_CORRELATION) * self._xx * self._aa:
+            per_token = (self._xd * self._aa - self._ad * self._xa) / det
+            per_pair = (self._ad * self._xx - self._xd * self._xa) / det
+            if per_token >= 0 and per_pair >= 0:
+                return per_token, per_pair
+        return self._xd / self._xx, 0.0
+
+    @property
+    def prefill_s_per_token(self) -> float | None:
+        """Prefill seconds per token, averaged over the steps seen (whatever their contexts)."""
+        if self._fixed_rate is not None or self._pw <= 0:
+            return self._fixed_rate
+        return self._xd / self._xx
+
+    @prefill_s_per_token.setter
+    def prefill_s_per_token(self, rate: float | None) -> None:
+        """Price prefill at a flat rate per token (tests and operators that know it)."""
+        self._fixed_rate = rate
+
     def recompute_seconds(self, num_blocks: int) -> float | None:
-        s = self.prefill_s_per_token
-        return None if s is None else num_blocks * self.block_size * s
+        est = self.prefill_estimate()
+        if est is None:
+            return None
+        tokens = num_blocks * self.block_size
+        return est[0] * tokens + est[1] * tokens * (tokens + 1) / 2
 
     # ----------------------------------------------------------------------------- samples
     def load_started(self, request_id: str, num_blocks: int, now: float) -> None:
@@ -109,13 +152,23 @@ class KVLoadPolicy:
         self._last_done = done_at
         if plan.num_scheduled_tokens < MIN_PREFILL_TOKENS:
             return   # most steps (decode): not a prefill sample, and nothing to count
-        decode = [c for c in plan.chunks if c.is_generating]
-        prefill = sum(c.num_tokens for c in plan.chunks) - sum(c.num_tokens for c in decode)
-        if prefill < MIN_PREFILL_TOKENS or len(decode) > prefill * MAX_DECODE_ROWS_PER_PREFILL_TOKEN:
+        chunks = [c for c in plan.chunks if not c.is_generating]
+        prefill = sum(c.num_tokens for c in chunks)
+        decode_rows = len(plan.chunks) - len(chunks)
+        if prefill < MIN_PREFILL_TOKENS or decode_rows > prefill * MAX_DECODE_ROWS_PER_PREFILL_TOKEN:
             return
-        rate = max(done_at - start, 0.0) / prefill
-        old = self.prefill_s_per_token
-        self.prefill_s_per_token = rate if old is None else (1 - PREFILL_WEIGHT) * old + PREFILL_WEIGHT * rate
+        pairs = sum(c.num_tokens * (c.start + (c.num_tokens + 1) / 2) for c in chunks)
+        seconds = max(done_at - start, 0.0)
+        # Each step's equation scaled by 1 / tokens, so a long step does not outweigh the rest by
+        # its size alone; older steps fade (PREFILL_WEIGHT) so the fit follows a changing load.
+        x, a, d = 1.0, pairs / prefill, seconds / prefill
+        keep = 1 - PREFILL_WEIGHT
+        self._pw = keep * self._pw + 1
+        self._xx = keep * self._xx + x * x
+        self._xa = keep * self._xa + x * a
+        self._aa = keep * self._aa + a * a
+        self._xd = keep * self._xd + x * d
+        self._ad = keep * self._ad + a * d
 
     # ----------------------------------------------------------------------------- decision
     def should_load(self, num_blocks: int) -> bool:

@@ -111,3 +111,34 @@ def test_prefill_steps_are_timed_in_either_loop_and_others_are_not():
     # Overlapped: queued at 10.2, while the step above ran until 10.5; its result came at 11.0.
     policy.observe_step(plan(prefill=1000, decode_rows=2), 10.2, 11.0)
     assert policy.prefill_s_per_token == pytest.approx(0.5 / 1000)
+
+
+def test_recompute_is_priced_by_the_prefix_length_attention_included():
+    """Prefill steps of different contexts (chunks from position 0 and from deep in a prompt)
+    whose time is 1 us a token + 2 ns a (query, key) pair: the fit recovers both, and a long
+    prefix is priced above its length times a short one's rate, so a store that is slower than
+    recomputing short prefixes still serves long ones."""
+    per_token, per_pair = 1e-6, 2e-9
+    policy = KVLoadPolicy(BS)
+    t = 0.0
+    for start, length in [(0, 512), (4096, 512), (0, 2048), (16384, 1024), (8192, 256), (0, 4096)]:
+        pairs = length * (start + (length + 1) / 2)
+        seconds = per_token * length + per_pair * pairs
+        policy.observe_step(SchedulerPlan([], [], [ScheduledChunk("p", start, length, True)], [], length), t,
+                            t + seconds)
+        t += seconds + 1.0
+    assert policy.prefill_estimate() == (pytest.approx(per_token), pytest.approx(per_pair))
+    tokens = 2048 * BS
+    assert policy.recompute_seconds(2048) == pytest.approx(per_token * tokens + per_pair * tokens * (tokens + 1) / 2)
+    load(policy, 64, 64 * 1e-4)                          # 0.1 ms a block to load
+    assert not policy.should_load(4)                    # 64 tokens: ~0.07 ms to compute, 0.4 ms to load
+    assert policy.should_load(2048)                     # 32k tokens: 1.1 s to compute, 0.2 s to load
+
+
+def test_steps_of_one_context_length_are_priced_per_token():
+    """Prefills all from position 0 of one length cannot tell attention from the rest: a flat
+    rate per token, the mean seen."""
+    policy = KVLoadPolicy(BS)
+    for i in range(3):
+        policy.observe_step(plan(prefill=1000), 10.0 * i, 10.0 * i + 0.5)
+    assert policy.prefill_estimate() == (pytest.approx(0.5 / 1000), 0.0)
