@@ -121,10 +121,11 @@ class CausalLM(nn.Module):
         layers in them directly, so their wider copies never exist (DeepSeek-V4)."""
         return cls(hf_config)
 
-    def reserve_request_state(self, max_requests: int, rows_per_request: int) -> None:
+    def reserve_request_state(self, max_requests: int, rows_per_request: int, graphs: bool = False) -> None:
         """Allocate what the model keeps per request on the device beside its KV pages, for up to
         max_requests requests of up to rows_per_request tokens a step (the runner calls it before
-        sizing the KV pool). Most models keep nothing there; DeepSeek-V4 its compressors' rings."""
+        sizing the KV pool; `graphs`: the runner replays decode steps as CUDA graphs). Most models
+        keep nothing there; DeepSeek-V4 its compressors' rings."""
 
     def quantize_fp8(self) -> None:
         """quantization="fp8": every projection's loaded weight becomes FP8 codes with one scale

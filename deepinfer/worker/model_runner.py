@@ -206,7 +206,8 @@ class ModelRunner:
                                            self.platform)
         # Before the KV pool is sized, so what the model keeps per request comes out of its budget.
         rows_per_request = max(1 + (self.speculation.k if self.speculation is not None else 0), MAX_CONTINUATION_ROWS)
-        self.model.reserve_request_state(self.config.scheduler.max_num_seqs, rows_per_request)
+        graphs = self.attention_backend.supports_decode_graphs and not self.config.model.enforce_eager
+        self.model.reserve_request_state(self.config.scheduler.max_num_seqs, rows_per_request, graphs)
 
     def _size_kv_pool(self) -> None:
         """The KV pool's blocks, from the memory left (after the activation peak, where the

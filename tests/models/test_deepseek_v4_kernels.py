@@ -156,3 +156,18 @@ def test_captured_decode_graphs_match_transformers(checkpoint):
     assert graphs is not None
     check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, hf)
     assert graphs.num_replays > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_captured_graphs_with_mtp_drafts_are_lossless(checkpoint, tmp_path):
+    """Decode and verify steps in the engine's captured graphs, MTP proposals in the drafter's
+    (mtp_ring.MTPDraftGraphs): greedy output identical to transformers' without drafts."""
+    _, hf, cfg, seed = checkpoint
+    write_mtp_checkpoint(str(tmp_path), hf, cfg, seed)
+    prompts = [prompt(cfg, n, seed)[0].tolist() for n in (40, 75)]
+    llm = kernel_engine(str(tmp_path), enforce_eager=False, max_num_seqs=4, speculative_config={
+        "method": "mtp", "num_speculative_tokens": 3, "verification": "fixed"})
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    runner = llm.engine.executor.runner
+    assert runner.decode_graphs.num_replays > 0 and runner.model.mtp_graphs.num_replays > 0
+    check(outputs, prompts, hf)

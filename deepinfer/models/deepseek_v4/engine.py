@@ -118,7 +118,9 @@ class DeepseekV4ForCausalLM(CausalLM):
                     compressors[(i, "indexer")] = layer.self_attn.compressor.indexer
                     kv_index[(i, "indexer")] = self.layer_kv[i].index
         self.rings = ProjectionRings(compressors, kv_index, streams_window=self.cfg.sliding_window if len(self.mtp) else 0,
-                                     stream_shape=(self.cfg.hc_mult, self.cfg.hidden_size))
+                                     stream_shape=(self.cfg.hc_mult, self.cfg.hidden_size),
+                                     mtp_row_width=self.cfg.head_dim)
+        self.mtp_graphs = None   # the MTP drafter's CUDA graphs (mtp_ring.MTPDraftGraphs), where replayed
         for module in self.modules():   # routed experts as grouped GEMMs where torch has them
             if isinstance(module, RoutedExperts):
                 module.grouped = True
@@ -165,10 +167,15 @@ class DeepseekV4ForCausalLM(CausalLM):
             return V4KernelStepBackend(device, kv_cache_dtype, self.rings, decode_graphs=True)
         return V4StepBackend(device, kv_cache_dtype, self.rings)
 
-    def reserve_request_state(self, max_requests: int, rows_per_request: int) -> None:
+    def reserve_request_state(self, max_requests: int, rows_per_request: int, graphs: bool = False) -> None:
         """The compressors' rings (rings.py) for max_requests requests writing up to
-        rows_per_request positions a step; called before the KV pool is sized from what is left."""
+        rows_per_request positions a step; called before the KV pool is sized from what is left.
+        graphs: the MTP drafter's proposals replay as CUDA graphs (mtp_ring.MTPDraftGraphs)."""
         self.rings.allocate(max_requests, rows_per_request, self.lm_head.weight.device, self.lm_head.weight.dtype)
+        if graphs and len(self.mtp) and self.lm_head.weight.device.type == "cuda":
+            from deepinfer.models.deepseek_v4.mtp_ring import MTPDraftGraphs
+
+            self.mtp_graphs = MTPDraftGraphs(self)
 
     def pack_weights(self) -> None:
         """The head only (CPU, bf16), as before the attention's and the shared expert's projections

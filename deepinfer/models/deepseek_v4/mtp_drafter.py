@@ -1,19 +1,20 @@
-"""DeepSeek-V4's MTP layer as a drafter (`speculative_config={"method": "mtp"}`), reference path.
+"""DeepSeek-V4's MTP layer as a drafter (`speculative_config={"method": "mtp"}`).
 
 The MTP layer at position p reads the main model's last streams at p and the token at p + 1,
 and predicts the token at p + 2 (mtp.py). To draft after the last sampled token t_n (position
 n, not yet run through the model), it runs at position n - 1 with t_n: draft 1, the token at
 n + 1. Draft j + 1 runs the same layer at the next position, on its own output streams and
-draft j (DeepSeek's recursive use of one MTP layer). The layer's attention is a sliding window
-over its own rows. A proposal carries that window on from the last one (rows of positions whose
-main streams and next token are final: the few accepted since, then n - 1 with t_n), or, the
-first time, builds it over the W positions before n - 1; either way from the main model's
-streams, which every forward keeps in the request's ring slot
-(`keep_streams`, rings.py) for the latest W + slack positions, by position (a verify step's
-rejected positions are cut off by the next chunk's start, as the compressors' projections are).
-Kept on the device from the step's tensors alone, they do not stop decode steps from replaying
-as CUDA graphs. Drafts are only proposals: whatever they
-are, verification keeps the output identical to decoding without them.
+draft j (DeepSeek's recursive use of one MTP layer).
+
+Every forward keeps each request's main streams in its ring slot (`keep_streams`, rings.py) for
+the latest W + slack positions, by position (a verify step's rejected positions are cut off by
+the next chunk's start, as the compressors' projections are), on the device from the step's
+tensors alone, so decode steps still replay as CUDA graphs. The MTP layer's own window (its K=V
+rows) is kept in the rings too: a proposal computes only the positions accepted since the last
+one, then the drafts, for every request in one batch (mtp_ring.py), replayed as a CUDA graph
+where the model captures them; a request's first proposal builds the window over the W
+positions before n - 1 first (`_fill`). Drafts are only proposals: whatever they are,
+verification keeps the output identical to decoding without them.
 
 Under tensor parallelism every rank proposes (executor/ranked.py sends it the call): the MTP
 layer's attention and MoE are split as the main layers' and meet in the same collectives, on
@@ -23,13 +24,12 @@ the same streams and tokens, so every rank runs the same number of layer calls.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from deepinfer.models.deepseek_v4.mtp_ring import draft_batch, mtp_rows
 from deepinfer.models.deepseek_v4.paged import chunk_rows
 from deepinfer.models.deepseek_v4.rings import SLOT_KEY, ProjectionRings, RequestSlot
-from deepinfer.models.deepseek_v4.state import LayerState
 from deepinfer.types.drafter import Draft, DraftRequest
 
 
@@ -50,58 +50,54 @@ def keep_streams(meta, streams: torch.Tensor) -> None:
         rings.write_streams(torch.full_like(positions, slot.index), positions, keep, streams[a:b])
 
 
-MTP_KEY = "mtp_window"   # the request's _MTPWindow in its model_state
-
-
-@dataclass
-class _MTPWindow:
-    """The MTP layer's own window over positions before `end`: rows of main streams and sampled
-    tokens only (never of drafts), so they stay right whatever later verification rejects."""
-
-    end: int
-    state: LayerState
+MTP_KEY = "mtp_window"   # the request's (m, low) in its model_state: MTP rows final below m, none below low
 
 
 @torch.no_grad()
 def propose(model, requests: Sequence[DraftRequest], model_states: dict[str, dict]) -> dict[str, Draft]:
-    """Drafts of every request whose main streams are known up to its last sampled token."""
-    layer = model.mtp[0]
-    # A sliding-window layer's state is its window alone, which a proposal can carry on from;
-    # another kind (not in the release) has compressor state and is rebuilt at every proposal.
-    incremental = layer.self_attn.compressor is None
+    """Drafts of every request whose main streams are known up to its last sampled token, all
+    requests in one batch (mtp_ring.draft_batch; a CUDA graph where the model replays them)."""
     window = model.cfg.sliding_window
     device = model.lm_head.weight.device
-    drafts: dict[str, Draft] = {}
+    k = max((r.max_drafts for r in requests), default=0)
+    ready = []   # (request, model_state, slot, n, m, low)
     for request in requests:
         model_state = model_states.get(request.request_id, {})
         slot: RequestSlot | None = model_state.get(SLOT_KEY)
         n = len(request.token_ids) - 1            # position of the last sampled token
         if slot is None or not slot.index or request.max_drafts < 1 or not slot.first < n <= slot.end:
             continue
-        # The layer's rows of positions [start, n - 1) from the main streams and the tokens after
-        # them, then n - 1 with t_n: carried on from the window kept by the last proposal, or
-        # rebuilt over the W positions before n - 1.
-        kept: _MTPWindow | None = model_state.get(MTP_KEY) if incremental else None
-        if kept is not None and kept.end <= n and n - kept.end <= model.rings.streams_length:
-            start, state = kept.end, LayerState(window=kept.state.window)
-        else:
-            start, state = max(slot.first, n - window), LayerState()
-        streams = model.rings.read_streams(slot, start, n)[None]                    # [1, L, N, hidden]
-        next_ids = torch.tensor([list(request.token_ids[start + 1:n + 1])], device=device)
-        positions = torch.arange(start, n, device=device)
-        logits, out = layer(streams, next_ids, positions, state, model.model.embed_tokens, model.head_logits)
-        if incremental:   # the drafts below replace state.window with new tensors: this one stays
-            model_state[MTP_KEY] = _MTPWindow(n, LayerState(window=state.window))
-        tokens, confidences = [], []
-        for step in range(request.max_drafts):
-            probs = torch.softmax(logits[0, -1].float(), dim=-1)
-            token = int(probs.argmax())
-            tokens.append(token)
-            confidences.append(float(probs[token]))
-            if step + 1 == request.max_drafts:
-                break
-            position = torch.tensor([n + step], device=device)
-            logits, out = layer(out[:, -1:], torch.tensor([[token]], device=device), position, state,
-                                model.model.embed_tokens, model.head_logits)
-        drafts[request.request_id] = Draft(tokens, confidences)
+        kept = model_state.get(MTP_KEY)
+        if kept is not None and 1 <= n - kept[0] <= k + 1:
+            m, low = kept
+        else:   # the first proposal (or a gap): the window's rows over the W positions before n - 1
+            low, m = max(slot.first, n - window), n - 1
+            _fill(model, request, slot, low, m, device)
+        ready.append((request, model_state, slot, n, m, low))
+    if not ready:
+        return {}
+    c = k + 1
+    ids = [list(req.token_ids[m + 1:n + 1]) for req, _, _, n, m, _ in ready]
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    args = dict(slots=as_tensor([slot.index for _, _, slot, _, _, _ in ready]),
+                firsts=as_tensor([m for *_, m, _ in ready]), counts=as_tensor([len(i) for i in ids]),
+                next_ids=as_tensor([i + [0] * (c - len(i)) for i in ids]), lows=as_tensor([low for *_, low in ready]))
+    graphs = model.mtp_graphs
+    tokens, probs = graphs.run(**args, k=k) if graphs is not None else draft_batch(model, **args, k=k)
+    tokens, probs = tokens.tolist(), probs.tolist()
+    drafts: dict[str, Draft] = {}
+    for i, (request, model_state, _, n, _, low) in enumerate(ready):
+        model_state[MTP_KEY] = (n, low)
+        drafts[request.request_id] = Draft(tokens[i][:request.max_drafts], probs[i][:request.max_drafts])
     return drafts
+
+
+def _fill(model, request: DraftRequest, slot: RequestSlot, low: int, end: int, device: torch.device) -> None:
+    """The MTP layer's rows of positions [low, end) of one request into its ring, eagerly."""
+    if end <= low:
+        return
+    positions = torch.arange(low, end, device=device)
+    slots = torch.full_like(positions, slot.index)
+    next_ids = torch.tensor(list(request.token_ids[low + 1:end + 1]), dtype=torch.long, device=device)
+    mtp_rows(model, model.rings.streams_at(slots, positions), next_ids, positions, slots,
+             torch.full_like(positions, low), torch.ones_like(positions, dtype=torch.bool))

@@ -12,8 +12,9 @@ step may also write positions it later drops (rejected drafts, rolled back), and
 `slack` positions of one request; so length = span + slack, and a row is overwritten only once
 no chunk reads it any more.
 
-With MTP layers (mtp_drafter.py) one more ring per slot keeps the main model's last streams of
-the latest sliding_window + slack positions, which the MTP drafter rebuilds its window from.
+With MTP layers (mtp_drafter.py) two more rings per slot keep, for the latest sliding_window +
+slack positions, the main model's last streams (what the MTP layer reads) and the MTP layer's own
+K=V rows (its window, mtp_ring.py).
 
 A request takes a slot on its first chunk (`slot`, which records that chunk's start: the ring
 holds nothing below it) and gives it back when the runner drops its state (RequestSlot.release,
@@ -46,10 +47,11 @@ class RequestSlot:
 
 class ProjectionRings:
     def __init__(self, compressors: dict, kv_index: dict | None = None, slack: int = 17,
-                 streams_window: int = 0, stream_shape: tuple[int, ...] = ()) -> None:
+                 streams_window: int = 0, stream_shape: tuple[int, ...] = (), mtp_row_width: int = 0) -> None:
         """compressors: key -> Compressor (dim, rate, overlap, kv_proj); kv_index: key -> the index
         of its KV kind in the model's kv_cache_specs (its pages); streams_window: positions of
-        main streams (stream_shape each) the MTP drafter reads, 0 without MTP layers. Nothing is
+        main streams (stream_shape each) the MTP drafter reads, and of its layer's K=V rows
+        (mtp_row_width each), 0 without MTP layers. Nothing is
         allocated until `allocate` (the runner's reserve_request_state, before it sizes the KV
         pool)."""
         self.compressors = compressors
@@ -57,6 +59,9 @@ class ProjectionRings:
         self.slack = slack
         self.streams_window, self.stream_shape = streams_window, stream_shape
         self.streams: torch.Tensor | None = None
+        # The MTP layer's own K=V rows of the same positions (mtp_ring.py), mtp_row_width wide.
+        self.mtp_row_width = mtp_row_width
+        self.mtp_rows: torch.Tensor | None = None
         self.kv: dict = {}
         self.gate: dict = {}
         self.free: list[int] = []
@@ -82,6 +87,8 @@ class ProjectionRings:
         if self.streams_window:
             self.streams = torch.zeros(self.num_slots, self.streams_length, *self.stream_shape, dtype=dtype,
                                        device=device)
+            self.mtp_rows = torch.zeros(self.num_slots, self.streams_length, self.mtp_row_width, dtype=dtype,
+                                        device=device)
         self.free = list(range(self.num_slots - 1, 0, -1))
 
     @property
@@ -89,7 +96,7 @@ class ProjectionRings:
         return self.streams_window + self.slack
 
     def nbytes(self) -> int:
-        held = [*self.kv.values(), *self.gate.values()] + ([] if self.streams is None else [self.streams])
+        held = [*self.kv.values(), *self.gate.values()] + [t for t in (self.streams, self.mtp_rows) if t is not None]
         return sum(t.numel() * t.element_size() for t in held)
 
     def slot(self, model_state: dict, start: int) -> RequestSlot:
@@ -139,7 +146,6 @@ class ProjectionRings:
         rows = torch.where(keep, slots, 0) * length + positions % length
         self.streams.view(-1, *self.stream_shape)[rows] = streams.to(self.streams.dtype)
 
-    def read_streams(self, slot: RequestSlot, low: int, high: int) -> torch.Tensor:
-        """The main streams of positions [low, high) of a request: [high - low, ...]."""
-        rows = slot.index * self.streams_length + torch.arange(low, high, device=self.streams.device) % self.streams_length
-        return self.streams.view(-1, *self.stream_shape)[rows]
+    def streams_at(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The main streams of `positions` [N] of the requests in `slots` [N]: [N, ...]."""
+        return self.streams.view(-1, *self.stream_shape)[slots * self.streams_length + positions % self.streams_length]
