@@ -60,7 +60,6 @@ def fp4_experts_available(device: torch.device) -> bool:
     return fp4_grouped_supported(torch.empty(0, device=device, dtype=torch.bfloat16))
 
 
-
 def _layer_kv(cfg: V4Config) -> list[LayerKV]:
     n = cfg.num_layers
     compressed = [i for i, t in enumerate(cfg.layer_types) if t != SLIDING]
