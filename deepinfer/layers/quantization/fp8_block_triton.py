@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 BLOCK = 128   # the weight's scale block, in both dimensions, and the kernel's N and K tiles
-# Programs a split-K grid aims at: about two per SM of an H100 / H200 (132 SMs).
+# Programs a split-K grid aims at: about two per SM of a Hopper card, so every SM has work.
 TARGET_PROGRAMS = 264
 
 
