@@ -555,3 +555,36 @@ def test_shutdown_flushes_within_a_bounded_time(tmp_path):
     assert time.monotonic() - start < 2.5
     stats = worker.stats()
     assert 1 <= stats.written_blocks < 10 and stats.written_blocks + stats.dropped_saves <= 10
+
+
+class _CountingDirStore(DirStore):
+    """The dir store, recording the keys each look-up asks about."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[int] = []
+
+    def exists(self, keys, sizes):
+        self.asked.append(len(keys))
+        return super().exists(keys, sizes)
+
+
+def test_look_ups_ask_the_store_only_past_the_blocks_seen_there(tmp_path):
+    """A second look-up of a prefix (a conversation's next turn) asks the store about the new
+    blocks only; once the seen blocks age past KNOWN_TTL_S it asks about all of them again. A seen block another instance dropped since fails its load
+    (covered by the loads' own tests): the request recomputes."""
+    from deepinfer.kv_cache.store import persistent
+
+    groups = [full(0, (0,))]
+    store = _CountingDirStore(str(tmp_path), RETENTION)
+    sched, worker = connector(store, groups)
+    hashes = chain(6)
+    save_all(sched, worker, random_caches(8, torch.bfloat16), groups, hashes[:4], [1, 2, 3, 4])
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
+    assert store.asked[-2:] == [6, 2]          # the second asks past the four it saw
+    for key in sched._known:                   # seen longer ago than KNOWN_TTL_S
+        sched._known[key] -= persistent.KNOWN_TTL_S
+    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
+    assert store.asked[-1] == 6
+    worker.close()

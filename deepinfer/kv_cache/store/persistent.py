@@ -9,7 +9,8 @@ its bytes reach a device block: a bad entry is dropped, counted, and its load fa
 request recomputes.
 
 Scheduler side (StoreTierScheduler): look-ups ask the backend (dir: a stat per block, Redis: one
-pipelined STRLEN), stopping at the first miss; there are no pins (another instance may drop an
+pipelined STRLEN) about the blocks after those it saw there within KNOWN_TTL_S, stopping at the
+first miss; there are no pins (another instance may drop an
 entry at any time: the load then fails, and the request recomputes). Blocks this side saw in the
 store within KNOWN_TTL_S are not offered for saving again (a block loaded from the store is
 published like any computed block); that memory is cleared when a store call fails (a Redis may
@@ -175,18 +176,29 @@ class StoreTierScheduler(TierSchedulerBase):
             return 0
         keys = [(gk, h) for h in hashes for gk, _ in groups]
         sizes = [layout.entry_bytes for _ in hashes for _, layout in groups]
-        states = self.health.call("look-up", lambda: self.backend.exists(keys, sizes), None)
-        if states is None:
-            return 0
+        per_block = len(groups)
+        # The leading blocks this side saw in the store within KNOWN_TTL_S are not asked again (a
+        # multi-turn conversation's prefix costs the store nothing per turn); should another
+        # instance have dropped one since, its load fails and the request recomputes.
+        now = time.monotonic()
+        known = 0
+        while known < len(hashes) and all(self._is_known(k, now) for k in keys[known * per_block:(known + 1) * per_block]):
+            known += 1
+        asked = keys[known * per_block:]
+        states = [PRESENT] * (known * per_block)
+        if asked:
+            found = self.health.call("look-up", lambda: self.backend.exists(asked, sizes[known * per_block:]), None)
+            if found is None:
+                return 0
+            states += found
         bad = [k for k, s in zip(keys, states) if s == WRONG_SIZE]
         if bad:   # truncated (or foreign) entries: drop them; the request computes those blocks
             self._stats.corrupt_entries += len(bad)
             self.health.call("delete", lambda: self.backend.delete(bad), None)
         n = 0
-        per_block = len(groups)
         while n < len(hashes) and all(s == PRESENT for s in states[n * per_block:(n + 1) * per_block]):
             n += 1
-        self._remember(keys[:n * per_block], time.monotonic())
+        self._remember(keys[:n * per_block], now)
         return n * self.block_size
 
     def touch(self, request_hashes: Sequence[bytes], group_ids: Sequence[int], traffic_class: str) -> None:
