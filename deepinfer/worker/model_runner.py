@@ -368,7 +368,7 @@ class ModelRunner:
         # Graphs replay decode rows only: a one-token chunk under a live window floor is a
         # prefill row (input_batch.is_decode_row), so its step runs eagerly.
         rows = num_decode_rows(chunks, max_sliding_window(self.groups)) if graphs is not None else None
-        bucket = graphs.bucket_for(rows) if rows is not None else None
+        bucket = graphs.bucket_for(rows) if rows is not None and graphs.attention_buffers.accepts(chunks) else None
         # A graph replays with its bucket's split count; eager steps pick theirs the same way.
         decode_splits = self.decode_splits(bucket if bucket is not None else len(chunks))
         inputs = build_step_inputs(chunks, token_ids, self.groups, self.block_size,

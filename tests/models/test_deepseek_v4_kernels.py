@@ -21,6 +21,7 @@ from deepinfer.layers.attention import forward_context  # noqa: E402
 from deepinfer.layers.attention.backends.cpu import CpuBackend  # noqa: E402
 from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend  # noqa: E402
 from deepinfer.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from deepinfer.worker.request_states import StepChunk  # noqa: E402
 
 CASES = [("r4_16", 0), ("r2_8", 2)]
 
@@ -118,6 +119,10 @@ def test_graph_decode_steps_match_transformers(checkpoint):
     llm, graphs = graph_metadata_engine(directory)
     check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, hf)
     assert graphs.num_replays > 0
+    # A step reaching past the positions the graphs' indexer scores runs eagerly.
+    limit = graphs.attention_buffers.max_positions
+    row = StepChunk("r", limit - 1, 1, [], True)
+    assert graphs.attention_buffers.accepts([row]) and not graphs.attention_buffers.accepts([StepChunk("r", limit, 1, [], True)])
 
 
 def test_graph_decode_steps_verify_drafts_losslessly(checkpoint):

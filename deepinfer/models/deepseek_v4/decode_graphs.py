@@ -11,7 +11,8 @@ the null block, so whatever they write lands where nothing reads.
 What the host decides per step on an eager step, a graph decides per row on the device: every
 row pools a compressed block and saves a KV block's tail, and the writes of the rows that
 complete none go to the null block; every compressed row a token reads is in the pages by then
-(first_new past any row); the indexer scores as many rows as max_model_len holds.
+(first_new past any row); the indexer scores as many rows as GRAPH_CONTEXT (or max_model_len,
+if shorter) holds, and a step reaching past that runs eagerly (`accepts`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from deepinfer.layers.attention.backends.base import AttentionMetadata, DecodeGr
 from deepinfer.models.deepseek_v4.rings import ProjectionRings
 from deepinfer.models.deepseek_v4.step_compressor import ALL_IN_PAGES
 from deepinfer.models.deepseek_v4.step_metadata import V4KernelMetadata
+
+# The longest context a graph replays: its indexer scores this many positions' rows for every
+# token (a [batch, GRAPH_CONTEXT / 4] sort per CSA layer), so a 1M-token max_model_len does not
+# make every decode step sort 262k scores; longer contexts' steps run eagerly, scoring their own.
+GRAPH_CONTEXT = 65536
 
 # The per-row fields copied from a step's metadata into the buffers, with their padding value
 # (None: the row's own index).
@@ -63,6 +69,7 @@ class V4GraphBuffers(DecodeGraphBuffers):
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
         self.backend, self.rings = backend, rings
         self.block_size, self.max_blocks = block_size, max_blocks_per_seq
+        self.max_positions = min(max_blocks_per_seq * block_size, GRAPH_CONTEXT)
         self.layer_to_group, self.layer_to_slot, self.kv_caches = layer_to_group, layer_to_slot, kv_caches
         b = max_batch
         self.rows = {name: torch.zeros(b, dtype=torch.int32 if name in ("tok_chunk", "tok_pos", "tok_floor")
@@ -89,7 +96,10 @@ class V4GraphBuffers(DecodeGraphBuffers):
             block_size=self.block_size, rings=self.rings, tables=[t[:bucket] for t in self.tables],
             **{name: t[:bucket] for name, t in self.rows.items()}, all_rows=self.all_rows[:bucket],
             first_new_all=self.first_new[:bucket], new_off_all=self.new_off[:bucket],
-            max_positions=self.max_blocks * self.block_size)
+            max_positions=self.max_positions)
+
+    def accepts(self, chunks) -> bool:
+        return all(c.start + c.num_tokens <= self.max_positions for c in chunks)
 
     def fill_for_capture(self) -> None:
         self._pad_from(0)

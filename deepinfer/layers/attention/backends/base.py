@@ -160,6 +160,11 @@ class DecodeGraphBuffers(ABC):
     def clear_after_capture(self) -> None:
         """Leave the buffers as padding rows (nothing to attend to)."""
 
+    def accepts(self, chunks: list[StepChunk]) -> bool:
+        """Whether the graphs can replay a step of these chunks (all decode rows already): the
+        buffers' own limits, none by default."""
+        return True
+
     @abstractmethod
     def load(self, meta: AttentionMetadata, bucket: int) -> None:
         """Copy a decode step's metadata (built by this backend) into the buffers' first rows and
