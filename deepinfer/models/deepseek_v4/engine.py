@@ -35,7 +35,7 @@ from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
 from deepinfer.models.deepseek_v4.formats import checkpoint_formats, fp8_block_of, prepare_layer, to_native
 from deepinfer.models.deepseek_v4.model import V4Model
-from deepinfer.models.deepseek_v4.moe import RoutedExperts, fp4_grouped_supported
+from deepinfer.models.deepseek_v4.moe import RoutedExperts, fp4_grouped_supported, grouped_mm_supported
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
 from deepinfer.models.deepseek_v4.mtp_drafter import keep_streams
 from deepinfer.models.deepseek_v4.mtp_drafter import propose as propose_mtp_drafts
@@ -156,15 +156,27 @@ class DeepseekV4ForCausalLM(CausalLM):
                               engine_backend: AttentionBackend | None = None) -> V4StepBackend:
         """The Triton kernels (paged_kernels.py) where the engine's backend runs model kernels
         (attention_backend "triton", or "auto" on CUDA), with decode steps in CUDA graphs
-        (decode_graphs.py), else the reference path (paged.py)."""
+        (decode_graphs.py) where the MoE is capturable, else the reference path (paged.py)."""
         if kv_cache_dtype != self.lm_head.weight.dtype:
             raise ValueError(f"kv_cache_dtype {str(kv_cache_dtype).removeprefix('torch.')}: DeepSeek-V4 keeps its "
                              "KV in the model's dtype for now (kv_cache_dtype='auto')")
         if engine_backend is not None and engine_backend.model_kernels:
             from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
 
-            return V4KernelStepBackend(device, kv_cache_dtype, self.rings, decode_graphs=True)
+            return V4KernelStepBackend(device, kv_cache_dtype, self.rings, decode_graphs=self._moe_capturable(device))
         return V4StepBackend(device, kv_cache_dtype, self.rings)
+
+    def _moe_capturable(self, device: torch.device) -> bool:
+        """Whether every MoE layer runs without waiting for the host (a CUDA graph can hold it):
+        the grouped products (the reference loop asks which experts have tokens; float32 on CUDA
+        has no grouped GEMM) and no expert-parallel dispatch (its counts cross the host)."""
+        probe = torch.empty(0, device=device, dtype=self.lm_head.weight.dtype)
+        for experts in self.modules():
+            if isinstance(experts, RoutedExperts):
+                fast = fp4_grouped_supported(probe) if experts.fp4_group is not None else grouped_mm_supported(probe)
+                if experts.expert_parallel or not (experts.grouped and fast):
+                    return False
+        return True
 
     def reserve_request_state(self, max_requests: int, rows_per_request: int, graphs: bool = False) -> None:
         """The compressors' rings (rings.py) for max_requests requests writing up to
