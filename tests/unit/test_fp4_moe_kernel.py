@@ -34,7 +34,8 @@ def reference(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor, counts: 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
 @pytest.mark.parametrize("counts,n,k", [([3, 0, 21, 1], 96, 256),    # an expert without rows; one of 2 tiles
                                         ([16, 16], 64, 128),         # whole tiles
-                                        ([5, 40, 0, 0, 7], 70, 128)])  # masked columns
+                                        ([5, 40, 0, 0, 7], 70, 128),   # masked columns
+                                        ([150, 0, 70], 64, 128)])    # prefill-sized: 64-row tiles
 def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype):
     torch.manual_seed(sum(counts) + n + k)
     experts = len(counts)

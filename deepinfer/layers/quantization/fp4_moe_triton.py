@@ -32,12 +32,14 @@ _works: dict[str, bool] = {}
 
 @triton.jit
 def _e2m1(code):
-    """e2m1 codes (int32, 0..15) -> float32 values."""
+    """e2m1 codes (int32, 0..15) -> float32 values, built as float32 bits (no exp2 per weight):
+    exponent e > 0 is 2^(e - 1) * (1 + m / 2), bits ((e + 126) << 23) | (m << 22); e = 0 is m / 2,
+    bits of 0.5 (126 << 23) or 0; bit 3 the sign."""
     exponent = (code >> 1) & 3
-    mantissa = (code & 1).to(tl.float32)
-    normal = (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32))
-    value = tl.where(exponent == 0, 0.5 * mantissa, normal)
-    return tl.where((code & 8) != 0, -value, value)
+    mantissa = code & 1
+    bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
+    bits = bits | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -80,7 +82,8 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
         packed = tl.load(code_rows + (k0 // 2 + half)[None, :], mask=col_ok[:, None], other=0).to(tl.int32)
         codes = tl.interleave(packed & 0xF, packed >> 4)                  # [BLOCK_N, BLOCK_K]
         exps = tl.load(exp_rows + (k0 // GROUP + groups)[None, :], mask=col_ok[:, None], other=127)
-        scale = tl.exp2(exps.to(tl.float32) - 127.0)                       # [BLOCK_N, BLOCK_K / GROUP]
+        # 2^(byte - 127) as float32 bits: the byte is the exponent field (ue8m0 writes 1..254 here).
+        scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)     # [BLOCK_N, BLOCK_K / GROUP]
         values = tl.reshape(_e2m1(codes), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
         w = tl.reshape(values, (BLOCK_N, BLOCK_K)).to(a.dtype)
         acc += tl.dot(a, tl.trans(w))
@@ -89,15 +92,20 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
 
 
 def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor, counts: torch.Tensor,
-                   block_m: int = 16, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+                   block_m: int | None = None, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
     """x [rows, K] sorted by expert, expert e's rows being counts[e] consecutive ones (counts [E],
-    on x's device); codes uint8 [E, N, K/2], exponents uint8 [E, N, K/G] -> [rows, N] in x's dtype."""
+    on x's device); codes uint8 [E, N, K/2], exponents uint8 [E, N, K/G] -> [rows, N] in x's dtype.
+    block_m (None: by the rows an expert has on average, from the shapes alone): each program
+    decodes its weight tile once for BLOCK_M rows, so many rows an expert (prefill) take taller
+    tiles, few (decode) short ones that waste no rows."""
     rows, k = x.shape
     num_experts, n, packed_k = codes.shape
     group = k // exponents.shape[-1]
     if packed_k * 2 != k or k % block_k or block_k % group:
         raise ValueError(f"fp4_grouped_mm: inputs {k} must be twice the codes' {packed_k} and a multiple of "
                          f"{block_k}, itself a multiple of the scale group {group}")
+    if block_m is None:
+        block_m = 64 if rows >= 64 * num_experts else 16
     x = x.contiguous()
     counts = counts.to(torch.int32)
     ends = counts.cumsum(0, dtype=torch.int32)
