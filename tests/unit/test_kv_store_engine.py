@@ -130,7 +130,11 @@ def test_redis_stopped_mid_run_costs_only_recomputation(tiny_llama, redis_server
             out = b.generate([FOLLOW_UP], GREEDY, use_tqdm=False)[0]
             assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == expected
             time.sleep(0.25)
-    assert b.engine.stats().kv_tier["store_errors"] >= 3
+    # The first request's blocks were seen in the store moments before (persistent.KNOWN_TTL_S),
+    # so it is not looked up: its load meets the outage, fails, and the request recomputes; the
+    # two after it look up (the failed load made its blocks unknown) and meet it there.
+    tier = b.engine.stats().kv_tier
+    assert tier["store_errors"] >= 2 and tier["failed_loads"] > 0
     # One warning for the outage from each side that met it (the scheduler's look-ups, the
     # worker's writes), however many calls failed.
     down = [r for r in caplog.records if "unavailable" in r.getMessage()]
