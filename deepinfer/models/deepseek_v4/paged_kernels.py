@@ -49,6 +49,10 @@ class V4KernelStepBackend(V4StepBackend):
 
     name = "deepseek_v4_triton"
     kernels = True
+    # One-row projections (batch-1 decode) on the Triton GEMV, as the Llama path runs them
+    # (linear.one_row_gemv): cuBLAS's one-row kernels read V4's projections far below the copy
+    # bandwidth (benchmarks/quant_gemm_speed.py's bf16 column).
+    fused_gemv = True
 
     def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None,
                  rings: ProjectionRings | None = None, decode_graphs: bool = False) -> None:
