@@ -33,7 +33,13 @@ from deepinfer.layers.linear import onednn_packing_available, pack_dense
 from deepinfer.layers.parallel import ParallelLMHead, gather_logits
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
-from deepinfer.models.deepseek_v4.formats import checkpoint_formats, fp8_block_of, prepare_layer, to_native
+from deepinfer.models.deepseek_v4.formats import (
+    checkpoint_formats,
+    fp8_block_of,
+    kept_formats,
+    prepare_layer,
+    to_native,
+)
 from deepinfer.models.deepseek_v4.model import V4Model
 from deepinfer.models.deepseek_v4.moe import RoutedExperts, fp4_grouped_supported, grouped_mm_supported
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
@@ -46,18 +52,6 @@ from deepinfer.types.drafter import Draft, DraftRequest
 
 if TYPE_CHECKING:
     from deepinfer.config import ParallelConfig
-
-
-def fp8_block_available(device: torch.device) -> bool:
-    """Whether `device` multiplies block-scaled FP8 (fp8.block_path)."""
-    from deepinfer.layers.quantization.fp8 import block_product_available
-
-    return block_product_available(device)
-
-
-def fp4_experts_available(device: torch.device) -> bool:
-    """Whether `device` runs the FP4 experts' kernel (moe.fp4_grouped_supported)."""
-    return fp4_grouped_supported(torch.empty(0, device=device, dtype=torch.bfloat16))
 
 
 def _layer_kv(cfg: V4Config) -> list[LayerKV]:
@@ -130,12 +124,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         checkpoint's FP8 / FP4 formats where the device multiplies them ("auto") or always
         ("fp8"); random weights of a real shape with "fp8" in both."""
         fp8, fp4 = checkpoint_formats(hf_config)
-        if quantization == "fp8":
-            return cls(hf_config, fp8=fp8 or dummy, fp4=fp4 or dummy)
-        if quantization != "auto" or dummy or not (fp8 or fp4):
+        if dummy:   # random weights take V4's formats when asked for them
+            fp8 = fp4 = quantization == "fp8"
+        if not (fp8 or fp4):
             return cls(hf_config)
-        device = torch.get_default_device()
-        return cls(hf_config, fp8=fp8 and fp8_block_available(device), fp4=fp4 and fp4_experts_available(device))
+        keep_fp8, keep_fp4 = kept_formats(quantization, torch.get_default_device())
+        return cls(hf_config, fp8=fp8 and keep_fp8, fp4=fp4 and keep_fp4)
 
     @classmethod
     def check_parallel(cls, hf_config: dict[str, Any], parallel: ParallelConfig) -> None:
@@ -242,7 +236,5 @@ class DeepseekV4ForCausalLM(CausalLM):
         if not any(entry.name.startswith("mtp.") for entry in V4Checkpoint(source.path).entries):
             self.mtp = nn.ModuleList()
             self.rings.streams_window = 0   # no MTP drafter: no streams to keep
-        device = self.lm_head.weight.device
-        keep_fp8 = quantization == "fp8" or (quantization == "auto" and fp8_block_available(device))
-        keep_fp4 = quantization == "fp8" or (quantization == "auto" and fp4_experts_available(device))
+        keep_fp8, keep_fp4 = kept_formats(quantization, self.lm_head.weight.device)
         load_v4_weights(self, source.path, keep_fp8=keep_fp8, keep_fp4=keep_fp4)

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from deepinfer.layers.linear import Linear
+from deepinfer.layers.quantization.fp8 import block_product_available
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.indexer import Indexer
-from deepinfer.models.deepseek_v4.moe import RoutedExperts
+from deepinfer.models.deepseek_v4.moe import RoutedExperts, fp4_grouped_supported
 
 FP8_BLOCK = (128, 128)   # the FP8 weights' scale blocks
 FP4_GROUP = 32           # the FP4 experts' inputs per scale
@@ -33,6 +34,18 @@ def checkpoint_formats(hf_config: dict[str, Any]) -> tuple[bool, bool]:
     quant = hf_config.get("quantization_config") or {}
     fp8 = quant.get("quant_method") == "fp8" or quant.get("fmt") == "e4m3"
     return fp8, fp8 and hf_config.get("expert_dtype") == "fp4"
+
+
+def kept_formats(quantization: str, device: torch.device) -> tuple[bool, bool]:
+    """(FP8 blocks, FP4 experts): whether a checkpoint's quantized layers are held as stored, not
+    dequantized: always with quantization "fp8", with "auto" where the device multiplies them
+    (fp8.block_product_available; the FP4 experts' kernel, moe.fp4_grouped_supported)."""
+    if quantization == "fp8":
+        return True, True
+    if quantization != "auto":
+        return False, False
+    return (block_product_available(device),
+            fp4_grouped_supported(torch.empty(0, device=device, dtype=torch.bfloat16)))
 
 
 def fp8_block_of(hf_config: dict[str, Any]) -> tuple[int, int]:

@@ -23,7 +23,7 @@ import torch
 
 from deepinfer.models.deepseek_v4.attention import V4Attention
 from deepinfer.models.deepseek_v4.norm import unit_rms
-from deepinfer.models.deepseek_v4.rings import ProjectionRings
+from deepinfer.models.deepseek_v4.rings import ProjectionRings, ring_rows
 
 
 def ring_attend(attn: V4Attention, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -37,7 +37,7 @@ def ring_attend(attn: V4Attention, x: torch.Tensor, positions: torch.Tensor, slo
     q = attn.rotary.rotate(unit_rms(q, attn.eps), positions)[0]                 # [N, H, D]
     kv = attn.rotary.rotate(attn.kv_norm(attn.kv_proj(x))[None, :, None], positions)[0, :, 0]
     length = ring.shape[1]
-    ring.view(-1, ring.shape[-1])[torch.where(keep, slots, 0) * length + positions % length] = kv.to(ring.dtype)
+    ring.view(-1, ring.shape[-1])[ring_rows(slots, positions, length, keep)] = kv.to(ring.dtype)
     keys = ring[slots].to(q.dtype)                                               # [N, length, D]
     # The position row r holds for a query at p: the latest p' <= p with p' = r (mod length).
     held = positions[:, None] - (positions[:, None] - torch.arange(length, device=x.device)) % length

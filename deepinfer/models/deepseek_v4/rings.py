@@ -31,6 +31,15 @@ import torch
 SLOT_KEY = "projection_ring_slot"   # the request's RequestSlot in its model_state
 
 
+def ring_rows(slots, positions: torch.Tensor, length: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Flat row numbers of `positions` in the `slots` (an index or a tensor broadcasting with
+    them) of a ring `length` rows a slot; with `keep`, the positions not kept go to the padding
+    slot 0 (a write whose row no one reads)."""
+    if keep is not None:
+        slots = torch.where(keep, slots, 0)
+    return slots * length + positions % length
+
+
 @dataclass
 class RequestSlot:
     index: int
@@ -95,10 +104,6 @@ class ProjectionRings:
     def streams_length(self) -> int:
         return self.streams_window + self.slack
 
-    def nbytes(self) -> int:
-        held = [*self.kv.values(), *self.gate.values()] + [t for t in (self.streams, self.mtp_rows) if t is not None]
-        return sum(t.numel() * t.element_size() for t in held)
-
     def slot(self, model_state: dict, start: int) -> RequestSlot:
         """The request's slot, taken on its first chunk (which starts at `start`)."""
         held = model_state.get(SLOT_KEY)
@@ -113,11 +118,6 @@ class ProjectionRings:
         model_state[SLOT_KEY] = held
         return held
 
-    def rows(self, key, slot: int | torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat row numbers (into kv[key].view(-1, width)) of `positions` in `slot`."""
-        length = self.length(key)
-        return slot * length + positions % length
-
     def flat(self, key) -> tuple[torch.Tensor, torch.Tensor]:
         kv, gate = self.kv[key], self.gate[key]
         return kv.view(-1, kv.shape[-1]), gate.view(-1, gate.shape[-1])
@@ -125,7 +125,7 @@ class ProjectionRings:
     def read(self, key, slot: RequestSlot, low: int, high: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The projections of positions [low, high) of a request: (kv, gate) [high - low, width]."""
         kv, gate = self.flat(key)
-        rows = self.rows(key, slot.index, torch.arange(low, high, device=kv.device))
+        rows = ring_rows(slot.index, torch.arange(low, high, device=kv.device), self.length(key))
         return kv[rows], gate[rows]
 
     def write(self, key, slot: RequestSlot, start: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
@@ -133,19 +133,17 @@ class ProjectionRings:
         length = self.length(key)
         cut = max(kv.shape[0] - length, 0)
         flat_kv, flat_gate = self.flat(key)
-        rows = self.rows(key, slot.index, torch.arange(start + cut, start + kv.shape[0], device=flat_kv.device))
+        rows = ring_rows(slot.index, torch.arange(start + cut, start + kv.shape[0], device=flat_kv.device), length)
         flat_kv[rows] = kv[cut:].to(flat_kv.dtype)
         flat_gate[rows] = gate[cut:].to(flat_gate.dtype)
-
 
     def write_streams(self, slots: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor,
                       streams: torch.Tensor) -> None:
         """The main streams [T, ...] of tokens at `positions` [T] of requests in `slots` [T]; the
         tokens not `keep` (not among their request's last streams_length) go to the padding slot."""
-        length = self.streams_length
-        rows = torch.where(keep, slots, 0) * length + positions % length
+        rows = ring_rows(slots, positions, self.streams_length, keep)
         self.streams.view(-1, *self.stream_shape)[rows] = streams.to(self.streams.dtype)
 
     def streams_at(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The main streams of `positions` [N] of the requests in `slots` [N]: [N, ...]."""
-        return self.streams.view(-1, *self.stream_shape)[slots * self.streams_length + positions % self.streams_length]
+        return self.streams.view(-1, *self.stream_shape)[ring_rows(slots, positions, self.streams_length)]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.models.deepseek_v4.compressor import Compressor
-from deepinfer.models.deepseek_v4.rings import ProjectionRings
+from deepinfer.models.deepseek_v4.rings import ProjectionRings, ring_rows
 
 # first_new of a graph step: every compressed row a token reads is in the pages by then.
 ALL_IN_PAGES = 2 ** 30
@@ -41,10 +41,10 @@ def _sources(meta, rows: torch.Tensor, positions: torch.Tensor, step_kv: torch.T
     seg_start = meta.seg_start[rows][:, None]
     in_step = positions >= seg_start
     step_rows = (meta.seg_row[rows][:, None] + positions - seg_start).clamp(0, step_kv.shape[0] - 1)
-    ring_rows = meta.tok_slot[rows][:, None] * length + positions % length
+    held = ring_rows(meta.tok_slot[rows][:, None], positions, length)
     pick = in_step[..., None]
-    return (torch.where(pick, step_kv[step_rows], ring_kv[ring_rows]),
-            torch.where(pick, step_gate[step_rows], ring_gate[ring_rows]))
+    return (torch.where(pick, step_kv[step_rows], ring_kv[held]),
+            torch.where(pick, step_gate[step_rows], ring_gate[held]))
 
 
 def _page_rows(meta, table: torch.Tensor, rows: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ def compress_step(compressor: Compressor, x: torch.Tensor, meta, rings: Projecti
     rows = meta.pooling_rows(rate)                               # [C]
     p = pos[rows]
     block = p // rate
-    span = 2 * rate if overlap else rate
+    span = rings.span(key)
     positions = (block * rate - (rate if overlap else 0))[:, None] + torch.arange(span, device=x.device)
     src_kv, src_gate = _sources(meta, rows, positions, kv, gate, ring_kv, ring_gate, length)
     if overlap:
@@ -103,10 +103,9 @@ def compress_step(compressor: Compressor, x: torch.Tensor, meta, rings: Projecti
         cache[first[:, None] + torch.arange(tail, device=x.device), 0] = saved
 
     # 4. the rings: each request's last `length` positions (the others into the padding slot)
-    keep = pos >= meta.seg_end - length
-    ring_rows = torch.where(keep, meta.tok_slot, 0) * length + pos % length
-    ring_kv[ring_rows] = kv.to(ring_kv.dtype)
-    ring_gate[ring_rows] = gate.to(ring_gate.dtype)
+    kept_rows = ring_rows(meta.tok_slot, pos, length, keep=pos >= meta.seg_end - length)
+    ring_kv[kept_rows] = kv.to(ring_kv.dtype)
+    ring_gate[kept_rows] = gate.to(ring_gate.dtype)
 
     first_new, new_off = meta.new_row_starts(rate)
     return dict(cache=cache, table=table, new_rows=pooled.contiguous() if pooled.shape[0] else cache.new_zeros(1, d),

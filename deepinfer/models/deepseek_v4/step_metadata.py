@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.layers.attention.backends.base import StepLayout
 from deepinfer.models.deepseek_v4.paged import V4Metadata, chunk_rows
-from deepinfer.models.deepseek_v4.rings import SLOT_KEY, ProjectionRings
+from deepinfer.models.deepseek_v4.rings import SLOT_KEY, ProjectionRings, ring_rows
 
 
 @dataclass(kw_only=True)
@@ -37,24 +37,24 @@ class V4KernelMetadata(V4Metadata):
     tables: list[torch.Tensor]
     host_pos: np.ndarray | None = None        # positions (None: a graph's metadata)
     chunk_starts: np.ndarray | None = None    # each chunk's first position
-    lows: dict = field(default_factory=dict)  # window -> [T] first key position per token
-    cached: dict = field(default_factory=dict)
+    cached: dict = field(default_factory=dict)   # what the step's layers ask, computed once
 
     def window_low(self, window: int) -> torch.Tensor:
-        if window not in self.lows:
-            self.lows[window] = torch.maximum(torch.clamp_min(self.tok_pos - (window - 1), 0),
-                                              self.tok_floor).to(torch.int32).contiguous()
-        return self.lows[window]
+        """[T] each token's first window key position."""
+        return self._once(("low", window), lambda: torch.maximum(
+            torch.clamp_min(self.tok_pos - (window - 1), 0), self.tok_floor).to(torch.int32).contiguous())
 
     def _once(self, key, make):
         if key not in self.cached:
             self.cached[key] = make()
         return self.cached[key]
 
+    def _pooling_host(self, rate: int) -> np.ndarray:
+        return self._once(("pool_host", rate), lambda: np.flatnonzero((self.host_pos + 1) % rate == 0))
+
     def pooling_rows(self, rate: int) -> torch.Tensor:
         """The rows whose token completes a compressed block: p + 1 a multiple of rate."""
-        return self._once(("pool", rate), lambda: self.step.to_device(
-            np.flatnonzero((self.host_pos + 1) % rate == 0)))
+        return self._once(("pool", rate), lambda: self.step.to_device(self._pooling_host(rate)))
 
     def tail_rows(self) -> torch.Tensor:
         """The rows whose token ends a KV block."""
@@ -66,9 +66,8 @@ class V4KernelMetadata(V4Metadata):
         among the step's new rows (triton_attention's first_new and new_off): how many rows
         before the chunk's first pool a block."""
         def make():
-            pooling = np.flatnonzero((self.host_pos + 1) % rate == 0)
             first_rows = [a for _, a, _ in chunk_rows(self.step)]
-            both = np.stack([self.chunk_starts // rate, np.searchsorted(pooling, first_rows)])
+            both = np.stack([self.chunk_starts // rate, np.searchsorted(self._pooling_host(rate), first_rows)])
             both = self.step.to_device(both.astype(np.int32))
             return both[0], both[1]
         return self._once(("starts", rate), make)
@@ -178,6 +177,7 @@ def seed_rings(meta: V4KernelMetadata, new_slots: list) -> None:
             block = chunk.block_ids[meta.layer_to_group[index]][chunk.start // bs - 1]
             first = block * (per_page + 2 * rate) + per_page
             saved = cache[first:first + 2 * rate, 0]
-            ring_rows = rings.rows(key, slot.index, torch.arange(chunk.start - rate, chunk.start, device=cache.device))
-            ring_kv[ring_rows, :d] = saved[:rate].to(ring_kv.dtype)
-            ring_gate[ring_rows, :d] = saved[rate:].to(ring_gate.dtype)
+            rows = ring_rows(slot.index, torch.arange(chunk.start - rate, chunk.start, device=cache.device),
+                             rings.length(key))
+            ring_kv[rows, :d] = saved[:rate].to(ring_kv.dtype)
+            ring_gate[rows, :d] = saved[rate:].to(ring_gate.dtype)
