@@ -3,7 +3,7 @@
     python benchmarks/v4_gpu_speed.py [--layers 4] [--context 1024] [--steps 32] [--prefill 8192]
         [--batch 64] [--modes triton,reference] [--experts grouped|loop] [--shape flash|tiny]
         [--quantization auto|fp8] [--enforce-eager] [--routed-experts N] [--offline N]
-        [--out v4_speed.json]
+        [--profile] [--out v4_speed.json]
 
 The first --layers layers of V4-Flash's schedule (4: sliding, sliding, CSA, HCA; the first 3
 MoE layers hash-routed), hidden 4096, 64 heads of 512, 256 experts of 2048, vocab 129280, bf16,
@@ -21,6 +21,9 @@ densely), on the same engine and weights, in one run (the routed experts run as 
   decode batch N   --batch requests of 512 tokens decoding --steps tokens: output tokens / s
 then the Triton path's speed-up over the reference, and (CUDA, flash shape) the kernels alone at
 these shapes (v4_kernel_times.py: one layer's attention and indexer, in ms).
+--profile (CUDA) adds, per mode, the GPU kernels of a batch-1 decode step and of the prefill
+(torch.profiler: kernels per step, their summed time, the costliest names), where the time the
+figures above lose goes.
 --shape tiny runs a small config on any device (checks the script; "triton" on the CPU only under
 TRITON_INTERPRET=1).
 """
@@ -132,6 +135,38 @@ def active_params(model) -> int:
     return total
 
 
+def _kernel_times(fn) -> dict[str, list[float]]:
+    """{kernel name: [launches, summed device ms]} of the GPU kernels fn runs (CUDA graphs'
+    kernels included: the profiler traces them one by one)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us() / 1e3
+    return kernels
+
+
+def kernel_profile(fn, baseline=None, per: int = 1) -> dict:
+    """The kernels of fn (less those of baseline: fn's run without the part measured), per `per`
+    repetitions: their count, summed time and the 25 costliest names."""
+    kernels = _kernel_times(fn)
+    for name, (count, ms) in (_kernel_times(baseline) if baseline else {}).items():
+        kernels.setdefault(name, [0, 0.0])
+        kernels[name][0] -= count
+        kernels[name][1] -= ms
+    rows = sorted(({"name": n, "count": c / per, "ms": t / per} for n, (c, t) in kernels.items()),
+                  key=lambda r: -r["ms"])
+    return {"kernels": sum(r["count"] for r in rows), "kernel_ms": sum(r["ms"] for r in rows), "top": rows[:25]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -148,6 +183,7 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
                         help="fp8: the weights in V4's own formats (FP8 blocks, FP4 experts; engine.quantize_fp8)")
+    parser.add_argument("--profile", action="store_true", help="the kernels of a decode step and the prefill")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -233,8 +269,15 @@ def main() -> None:
             row["decode_fraction_of_roofline"] = row["roofline_step_ms"] / row["decode_b1_step_ms"]
             row["prefill_floor_ms"] = 2 * active_params(model) * args.prefill / flops * 1e3
             row["prefill_fraction_of_floor"] = row["prefill_floor_ms"] / row["prefill_ms"]
+        if args.profile and cuda:
+            row["profile"] = {"decode_b1_step": kernel_profile(run(one, 1 + args.steps), run(one, 1), args.steps),
+                              "prefill": kernel_profile(run(long, 1))}
         result["modes"][mode] = row
-        print(f"  {mode}: {row}", flush=True)
+        print(f"  {mode}: { {k: v for k, v in row.items() if k != 'profile'} }", flush=True)
+        for name, part in row.get("profile", {}).items():
+            print(f"  {mode} {name}: {part['kernels']:.0f} kernels, {part['kernel_ms']:.3f} ms of kernels; costliest:")
+            for top in part["top"][:12]:
+                print(f"    {top['ms']:8.3f} ms  x{top['count']:<6.1f} {top['name'][:110]}")
         write_json(args.out, result)
     modes = result["modes"]
     if "triton" in modes and "reference" in modes:   # > 1: the Triton path is faster

@@ -9,7 +9,8 @@ is the even column; e2m1 as fp4.py says; times 2^(exponent - 127) per group of G
 to the activations' dtype and multiplies on the tensor cores, accumulating in float32.
 
 The grid is (tiles, N / BLOCK_N) with `tiles` an upper bound known from the shapes alone (every
-expert's rows in BLOCK_M tiles: at most ceil(rows / BLOCK_M) + E); a program finds its expert by a
+expert's rows in BLOCK_M tiles: at most ceil(rows / BLOCK_M) plus one per expert with rows, of
+which there are at most min(E, rows): at decode a handful, not E); a program finds its expert by a
 binary search over the cumulative tile counts, computed on the device, and the programs past the
 last tile return at once. Nothing waits for the host, so the product fits a CUDA graph.
 """
@@ -114,7 +115,7 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    grid = (triton.cdiv(rows, block_m) + num_experts, triton.cdiv(n, block_n))
+    grid = (triton.cdiv(rows, block_m) + min(num_experts, rows), triton.cdiv(n, block_n))
     _fp4_grouped_kernel[grid](x, codes, exponents, out, starts, ends, tile_ends, num_experts, n, k,
                               x.stride(0), codes.stride(0), codes.stride(1), exponents.stride(0),
                               exponents.stride(1), out.stride(0),
