@@ -19,7 +19,12 @@ LOW = torch.float16 if INTERPRETED else torch.bfloat16
 
 # The kernel module imports triton: only after the skip above.
 from deepinfer.layers.quantization import fp4  # noqa: E402
-from deepinfer.layers.quantization.fp4_moe_triton import fp4_grouped_mm  # noqa: E402
+from deepinfer.layers.quantization.fp4_moe_triton import TileConfig, fp4_grouped_mm  # noqa: E402
+
+# Both ways to multiply (float32 multiply-adds for a few rows an expert, tensor-core dots for
+# many), with one-row, short and tall tiles; None: the tiling the kernel picks from the shapes.
+CONFIGS = {"default": None, "gemv-1": TileConfig(1, 32, 64, dot=False), "gemv-4": TileConfig(4, 16, 128, dot=False),
+           "dot-16": TileConfig(16, 64, 128, dot=True), "dot-64": TileConfig(64, 32, 64, dot=True)}
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -31,17 +36,18 @@ def reference(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor, counts: 
     return torch.cat(out)
 
 
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
 @pytest.mark.parametrize("counts,n,k", [([3, 0, 21, 1], 96, 256),    # an expert without rows; one of 2 tiles
                                         ([16, 16], 64, 128),         # whole tiles
                                         ([5, 40, 0, 0, 7], 70, 128),   # masked columns
                                         ([150, 0, 70], 64, 128)])    # prefill-sized: 64-row tiles
-def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype):
+def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype, config):
     torch.manual_seed(sum(counts) + n + k)
     experts = len(counts)
     codes, exps = fp4.quantize(torch.randn(experts, n, k, device=DEVICE), 32)
     x = torch.randn(sum(counts), k, device=DEVICE).to(dtype)
-    got = fp4_grouped_mm(x, codes, exps, torch.tensor(counts, device=DEVICE))
+    got = fp4_grouped_mm(x, codes, exps, torch.tensor(counts, device=DEVICE), config)
     want = reference(x, codes, exps, counts)
     assert got.dtype == dtype and got.shape == (sum(counts), n)
     tol = {"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
@@ -49,9 +55,18 @@ def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype):
 
 
 def test_fp4_grouped_mm_refuses_shapes_it_cannot_tile():
-    codes, exps = fp4.quantize(torch.randn(2, 32, 96, device=DEVICE), 32)
-    with pytest.raises(ValueError, match="multiple of 128"):
+    # 96 inputs in groups of 48: no power-of-two block holds whole groups.
+    codes, exps = fp4.quantize(torch.randn(2, 32, 96, device=DEVICE), 48)
+    with pytest.raises(ValueError, match="whole scale groups of 48"):
         fp4_grouped_mm(torch.randn(4, 96, device=DEVICE), codes, exps, torch.tensor([2, 2], device=DEVICE))
+
+
+def test_fp4_grouped_mm_shrinks_its_k_block_to_small_experts():
+    """96 inputs in groups of 32 (a small model's experts): tiled by 32."""
+    codes, exps = fp4.quantize(torch.randn(2, 32, 96, device=DEVICE), 32)
+    x = torch.randn(5, 96, device=DEVICE)
+    got = fp4_grouped_mm(x, codes, exps, torch.tensor([2, 3], device=DEVICE))
+    torch.testing.assert_close(got, reference(x, codes, exps, [2, 3]), atol=1e-3, rtol=1e-4)
 
 
 def test_fp4_experts_grouped_forward_matches_their_loop():

@@ -4,9 +4,11 @@
                                   starts[e] <= r < ends[e]
 
 W[e] is read as stored (uint8 [E, N, K/2] codes, uint8 [E, N, K/G] ue8m0 exponents): each
-program loads a BLOCK_N x BLOCK_K tile of codes, decodes it in registers (the low nibble of a byte
-is the even column; e2m1 as fp4.py says; times 2^(exponent - 127) per group of G inputs), casts it
-to the activations' dtype and multiplies on the tensor cores, accumulating in float32.
+program loads a BLOCK_K / 2 x BLOCK_N tile of code bytes and decodes it in registers (e2m1 as
+fp4.py says, times 2^(exponent - 127) per group of G inputs) into the weights of the even inputs
+(low nibbles) and of the odd ones (high nibbles), then multiplies: on the tensor cores in the
+activations' dtype when an expert has many rows (prefill), as float32 multiply-adds when it has a
+few (decode, where the bytes read are the cost), accumulating in float32 either way.
 
 The grid is (tiles, N / BLOCK_N) with `tiles` an upper bound known from the shapes alone (every
 expert's rows in BLOCK_M tiles: at most ceil(rows / BLOCK_M) plus one per expert with rows, of
@@ -18,6 +20,8 @@ last tile return at once. Nothing waits for the host, so the product fits a CUDA
 from __future__ import annotations
 
 import logging
+import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +52,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                         num_experts, N, K,
                         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tile >= tl.load(tile_ends_ptr + num_experts - 1):
@@ -71,55 +75,101 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < row_end
     col_ok = cols < N
+    # A K block's codes are read as [BLOCK_K / 2 bytes, BLOCK_N]: byte p of a row holds inputs 2p
+    # (low nibble) and 2p + 1 (high), so the low nibbles multiply the even inputs and the high the
+    # odd ones, two products of BLOCK_K / 2 with no interleaving of the decoded values.
     half = tl.arange(0, BLOCK_K // 2)
-    groups = tl.arange(0, BLOCK_K // GROUP)
-    ks = tl.arange(0, BLOCK_K)
-    code_rows = codes_ptr + expert.to(tl.int64) * stride_ce + cols[:, None].to(tl.int64) * stride_cn
-    exp_rows = exps_ptr + expert.to(tl.int64) * stride_se + cols[:, None].to(tl.int64) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+    code_cols = codes_ptr + expert.to(tl.int64) * stride_ce + cols[None, :].to(tl.int64) * stride_cn
+    exp_cols = exps_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:   # products summed over K in registers, reduced once at the end
+        partial = tl.zeros((BLOCK_M, BLOCK_K // 2, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
-                    mask=row_ok[:, None], other=0.0)
-        packed = tl.load(code_rows + (k0 // 2 + half)[None, :], mask=col_ok[:, None], other=0).to(tl.int32)
-        codes = tl.interleave(packed & 0xF, packed >> 4)                  # [BLOCK_N, BLOCK_K]
-        exps = tl.load(exp_rows + (k0 // GROUP + groups)[None, :], mask=col_ok[:, None], other=127)
+        byte = k0 // 2 + half
+        packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
+        # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached).
+        exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
         # 2^(byte - 127) as float32 bits: the byte is the exponent field (ue8m0 writes 1..254 here).
-        scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)     # [BLOCK_N, BLOCK_K / GROUP]
-        values = tl.reshape(_e2m1(codes), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * scale[:, :, None]
-        w = tl.reshape(values, (BLOCK_N, BLOCK_K)).to(a.dtype)
-        acc += tl.dot(a, tl.trans(w))
+        scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
+        w_odd = _e2m1(packed >> 4) * scale
+        a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
+        a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
+        if USE_DOT:
+            if IEEE:
+                acc += tl.dot(a_even, w_even, input_precision="ieee")
+                acc += tl.dot(a_odd, w_odd, input_precision="ieee")
+            else:
+                acc += tl.dot(a_even, w_even.to(a_even.dtype))
+                acc += tl.dot(a_odd, w_odd.to(a_odd.dtype))
+        else:
+            partial += a_even.to(tl.float32)[:, :, None] * w_even[None, :, :]
+            partial += a_odd.to(tl.float32)[:, :, None] * w_odd[None, :, :]
+    if not USE_DOT:
+        acc = tl.sum(partial, axis=1)
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+class TileConfig(NamedTuple):
+    """One launch's tiling: BLOCK_M rows of one expert share a decoded weight tile of BLOCK_N
+    outputs x BLOCK_K inputs; `dot`: the product on the tensor cores (BLOCK_M >= 16), else as
+    broadcast multiply-adds in float32 (a few rows an expert: a GEMV, nothing wasted on padding
+    rows to the tensor cores' 16)."""
+    block_m: int
+    block_n: int
+    block_k: int
+    dot: bool
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def default_config(rows: int, num_experts: int) -> TileConfig:
+    """The tiling for `rows` rows over `num_experts` experts, from the shapes alone (a CUDA graph
+    replays one launch whatever the routing): by the rows an expert with rows has on average."""
+    per_expert = rows / max(1, min(num_experts, rows))
+    if per_expert <= 1:      # batch-1 decode: every expert one row
+        return TileConfig(1, 32, 256, dot=False)
+    if per_expert < 8:       # decode batches
+        return TileConfig(4, 32, 64, dot=False)
+    if per_expert < 64:
+        return TileConfig(16, 64, 128, dot=True)
+    return TileConfig(128, 128, 128, dot=True, num_warps=8)
+
+
 def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor, counts: torch.Tensor,
-                   block_m: int | None = None, block_n: int = 64, block_k: int = 128) -> torch.Tensor:
+                   config: TileConfig | None = None) -> torch.Tensor:
     """x [rows, K] sorted by expert, expert e's rows being counts[e] consecutive ones (counts [E],
     on x's device); codes uint8 [E, N, K/2], exponents uint8 [E, N, K/G] -> [rows, N] in x's dtype.
-    block_m (None: by the rows an expert has on average, from the shapes alone): each program
-    decodes its weight tile once for BLOCK_M rows, so many rows an expert (prefill) take taller
-    tiles, few (decode) short ones that waste no rows."""
+    config (None: default_config): each program decodes its weight tile once for BLOCK_M rows, so
+    many rows an expert (prefill) take tall tiles, few (decode) short ones that waste no rows."""
     rows, k = x.shape
     num_experts, n, packed_k = codes.shape
     group = k // exponents.shape[-1]
-    if packed_k * 2 != k or k % block_k or block_k % group:
-        raise ValueError(f"fp4_grouped_mm: inputs {k} must be twice the codes' {packed_k} and a multiple of "
-                         f"{block_k}, itself a multiple of the scale group {group}")
-    if block_m is None:
-        block_m = 64 if rows >= 64 * num_experts else 16
+    config = config or default_config(rows, num_experts)
+    # The K block shrinks to a power of two dividing K (small models' experts); it must still hold
+    # whole scale groups.
+    config = config._replace(block_k=math.gcd(config.block_k, k))
+    if packed_k * 2 != k or config.block_k % group or config.block_k < 32:
+        raise ValueError(f"fp4_grouped_mm: inputs {k} must be twice the codes' {packed_k} and have a "
+                         f"power-of-two divisor of at least 32 holding whole scale groups of {group}")
     x = x.contiguous()
     counts = counts.to(torch.int32)
     ends = counts.cumsum(0, dtype=torch.int32)
     starts = ends - counts
-    tile_ends = ((counts + block_m - 1) // block_m).cumsum(0, dtype=torch.int32)
+    tile_ends = ((counts + config.block_m - 1) // config.block_m).cumsum(0, dtype=torch.int32)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
-    grid = (triton.cdiv(rows, block_m) + min(num_experts, rows), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(rows, config.block_m) + min(num_experts, rows), triton.cdiv(n, config.block_n))
     _fp4_grouped_kernel[grid](x, codes, exponents, out, starts, ends, tile_ends, num_experts, n, k,
                               x.stride(0), codes.stride(0), codes.stride(1), exponents.stride(0),
                               exponents.stride(1), out.stride(0),
-                              GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                              GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                              BLOCK_K=config.block_k, USE_DOT=config.dot, IEEE=x.dtype == torch.float32,
+                              num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 

@@ -1,0 +1,112 @@
+"""Tilings of the FP4 experts' kernel at V4-Flash's expert shapes, against bf16 and the roofline (CUDA).
+
+    python benchmarks/fp4_moe_tune.py [--tokens 1,64,8192] [--out fp4_moe_tune.json]
+
+For each token count (1: batch-1 decode, 64: a decode batch, 8192: a prefill), the tokens are
+routed to 6 of 256 experts (uniformly: every expert about the same rows), and each product of
+the routed experts, gate/up (4096 -> 2 x 2048) and down (2048 -> 4096), is timed over the
+candidate tilings of fp4_moe_triton.TileConfig that suit that many rows an expert; each
+candidate's products are first checked against the dequantized weights' (a tiling that gives
+wrong products is reported, never timed). Beside them: the tiling the kernel picks by itself
+(default_config), torch._grouped_mm on the same experts in bf16, and the roofline (the bytes of
+the experts with rows, codes and exponents / measured copy bandwidth). default_config's table is
+set from this script's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_common import machine_info, print_table, write_json
+from quant_gemm_speed import EXPERTS, HIDDEN, INNER, TOP_K, cuda_time
+
+
+def candidates(per_expert: float):
+    """Tilings worth timing when an expert has `per_expert` rows on average."""
+    from deepinfer.layers.quantization.fp4_moe_triton import TileConfig
+
+    found = []
+    if per_expert < 16:   # multiply-adds: a partial sum of M x K/2 x N floats a program
+        for m, n, k, warps in itertools.product((1, 2, 4, 8), (16, 32, 64), (128, 256), (4, 8)):
+            if m <= max(1, 3 * per_expert) and m * k // 2 * n <= 64 * 32 * warps:
+                found.append(TileConfig(m, n, k, dot=False, num_warps=warps))
+    for m, n, k, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (3, 4)):
+        if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64):
+            found.append(TileConfig(m, n, k, dot=True, num_warps=4 if m < 64 else 8, num_stages=stages))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="1,64,8192")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as F
+    from gpu_reference_baseline import copy_bandwidth
+
+    from deepinfer.layers.quantization import fp4
+    from deepinfer.layers.quantization.fp4_moe_triton import default_config, fp4_grouped_mm
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    products = {"gate_up": (2 * INNER, HIDDEN), "down": (HIDDEN, INNER)}
+    weights = {}
+    for name, (n, k) in products.items():
+        dense = torch.randn(EXPERTS, n, k, device=device, dtype=torch.bfloat16) * 0.02
+        codes, exps = zip(*(fp4.quantize(dense[e], 32) for e in range(EXPERTS)))
+        weights[name] = dense, torch.stack(codes), torch.stack(exps)
+    result = {"benchmark": "fp4_moe_tune", "machine": machine_info(), "torch": torch.__version__,
+              "copy_bandwidth": bandwidth, "rows": []}
+    for tokens in [int(t) for t in args.tokens.split(",")]:
+        ids = torch.stack([torch.randperm(EXPERTS, device=device)[:TOP_K] for _ in range(tokens)]).flatten()
+        counts = torch.bincount(ids, minlength=EXPERTS)
+        rows, used = tokens * TOP_K, int((counts > 0).sum())
+        offs = counts.cumsum(0).to(torch.int32)
+        for name, (n, k) in products.items():
+            dense, codes, exps = weights[name]
+            x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+            check = slice(0, int(counts[0]) + int(counts[1]))   # the first two experts' rows
+            want = torch.cat([F.linear(x[:int(counts[0])].float(), fp4.dequantize(codes[0], exps[0])),
+                              F.linear(x[int(counts[0]):check.stop].float(), fp4.dequantize(codes[1], exps[1]))])
+            roofline = used * (codes[0].numel() + exps[0].numel()) / bandwidth
+            base = {"tokens": tokens, "product": name, "experts_used": used,
+                    "bf16_ms": cuda_time(lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offs)) * 1e3,
+                    "roofline_ms": roofline * 1e3}
+            timed = []
+            chosen = default_config(rows, EXPERTS)
+            for config in dict.fromkeys([chosen, *candidates(rows / min(EXPERTS, rows))]):
+                try:
+                    got = fp4_grouped_mm(x, codes, exps, counts, config)[check].float()
+                    if not torch.allclose(got, want, atol=0.05, rtol=0.02):
+                        print(f"  {tokens} {name} {config}: WRONG products", flush=True)
+                        continue
+                    ms = cuda_time(lambda: fp4_grouped_mm(x, codes, exps, counts, config)) * 1e3
+                except Exception as e:   # out of resources (shared memory, registers): skipped
+                    print(f"  {tokens} {name} {config}: {type(e).__name__}", flush=True)
+                    continue
+                timed.append({"config": config._asdict(), "ms": ms, "default": config == chosen})
+            timed.sort(key=lambda t: t["ms"])
+            default_ms = next((t["ms"] for t in timed if t["default"]), None)
+            row = {**base, "best_ms": timed[0]["ms"] if timed else None, "best": timed[0]["config"] if timed else None,
+                   "default_ms": default_ms, "default": chosen._asdict(), "top": timed[:8]}
+            row["best_fraction_of_roofline"] = row["roofline_ms"] / row["best_ms"] if timed else None
+            result["rows"].append(row)
+            print({k: v for k, v in row.items() if k != "top"}, flush=True)
+            write_json(args.out, result)
+    print()
+    print_table(result["rows"], [("tokens", "tokens", ""), ("product", "product", ""), ("experts_used", "experts", ""),
+                                 ("best_ms", "best ms", ".4f"), ("default_ms", "default ms", ".4f"),
+                                 ("roofline_ms", "roofline ms", ".4f"), ("bf16_ms", "bf16 ms", ".4f"),
+                                 ("best", "best tiling", "")])
+    write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
