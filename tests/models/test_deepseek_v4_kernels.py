@@ -81,6 +81,24 @@ def test_prefix_hit_resuming_with_one_token(checkpoint):
     check(outputs, follow_up, hf)
 
 
+@pytest.fixture
+def unfused(monkeypatch):
+    """The Triton path with the ops around its kernels in PyTorch: norms, rope, mHC and the
+    compressors' steps as their references (the fused kernels' tests above run with them on)."""
+    for name in ("fused_norm", "fused_rotary", "fused_hyper", "fused_compressor"):
+        monkeypatch.setattr(V4KernelStepBackend, name, False)
+
+
+def test_unfused_ops_match_transformers(checkpoint, unfused):
+    directory, hf, cfg, seed = checkpoint
+    prompts = [prompt(cfg, n, seed)[0].tolist() for n in (40, 75)]
+    llm = kernel_engine(directory, max_num_batched_tokens=19, enable_chunked_prefill=True)
+    check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, hf)
+    llm, graphs = graph_metadata_engine(directory)
+    check(llm.generate(prompts, GREEDY, use_tqdm=False), prompts, hf)
+    assert graphs.num_replays > 0
+
+
 class _EagerReplay:
     """Stands where a captured CUDA graph stands in worker/cuda_graphs.py's DecodeGraphs: its
     replay() runs the forward on the bucket's static metadata (decode_graphs.V4GraphBuffers), so

@@ -32,7 +32,7 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     heads, stride_xt, stride_xh, stride_rt, stride_rh,
     n_cols, eps, weight_offset,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     # Row -> (token, head); a 2D input has heads == 1 and a head stride of 0.
@@ -40,7 +40,8 @@ def _rms_norm_kernel(
     head = row % heads
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset   # a constant
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset   # a constant
     if USE_PDL:   # see fused/__init__.py: nothing from earlier kernels is read before this
         gdc_wait()
         gdc_launch_dependents()
@@ -58,7 +59,9 @@ def _rms_norm_kernel(
     # Masked columns were loaded as 0, so they add nothing to the sum of squares.
     mean_square = tl.sum(xf * xf, axis=0) / n_cols
     rstd = tl.rsqrt(mean_square + eps)
-    out = xf * rstd * w
+    out = xf * rstd
+    if HAS_WEIGHT:
+        out = out * w
     tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -75,9 +78,10 @@ def _num_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, residual: torch.Tensor | None = None,
              weight_offset: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(x) * (weight + weight_offset) over the last dim, in a new tensor of x's shape.
+    """rms_norm(x) * (weight + weight_offset) over the last dim, in a new tensor of x's shape
+    (weight None: no scaling, as DeepSeek-V4's per-head query norm).
 
     With `residual`: first `residual += x` in place, then the norm of that sum; returns
     (normed, residual). x may be [rows, n] or [tokens, heads, n] with any leading strides.
@@ -97,10 +101,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if rows:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, out,
+            x, residual if residual is not None else x, weight if weight is not None else x, out,
             heads, stride_xt, stride_xh, stride_rt, stride_rh,
             n, eps, weight_offset,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_num_warps(block),
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, BLOCK=block, num_warps=_num_warps(block),
             USE_PDL=pdl_enabled(), **pdl_launch(),
         )
     out = out.view(shape)

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepinfer.layers.attention.metadata import current_backend
+
 
 def v4_inverse_frequencies(rope_dim: int, params: dict[str, Any]) -> torch.Tensor:
     """One frequency per channel pair, [rope_dim // 2], for "default" or "yarn" rope."""
@@ -61,7 +63,12 @@ class V4Rotary(nn.Module):
         return angles.cos() * self.scale, angles.sin() * self.scale
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x [B, T, H, D] (H may be 1); positions [T], one per token, shared by the batch."""
+        """x [B, T, H, D] (H may be 1); positions [T], one per token, shared by the batch. Where
+        the forward's backend turns on fused_rotary (V4's Triton path), one Triton kernel
+        (triton_rope.py) with this as its reference."""
+        if current_backend().fused_rotary:
+            from deepinfer.models.deepseek_v4.triton_rope import rotate
+            return rotate(x, positions, self.inv_freq, self.scale, self.rope_dim, inverse)
         cos, sin = self.cos_sin(positions)
         if inverse:
             sin = -sin

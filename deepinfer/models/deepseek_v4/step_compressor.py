@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.layers.attention.metadata import current_backend
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.rings import ProjectionRings, ring_rows
 
@@ -57,23 +58,45 @@ def _page_rows(meta, table: torch.Tensor, rows: torch.Tensor, page: torch.Tensor
 def compress_step(compressor: Compressor, x: torch.Tensor, meta, rings: ProjectionRings, key, cache: torch.Tensor,
                   table: torch.Tensor) -> dict:
     """Run the compressor over the step (module docstring); returns the compressed keys as the
-    kernels read them (triton_attention.sparse_attention's `comp`)."""
+    kernels read them (triton_attention.sparse_attention's `comp`). Where the forward's backend
+    turns on fused_compressor, parts 2-4 are three Triton kernels (triton_compressor.py) with
+    _pool_tails_rings as their reference."""
+    rate, d = compressor.rate, compressor.dim
+    bs = meta.block_size
+    per_page = bs // rate
+    length = rings.length(key)
+    ring_kv, ring_gate = rings.flat(key)
+    kv, gate = compressor.kv_proj(x), compressor.gate_proj(x)
+    rows = meta.pooling_rows(rate)
+    if current_backend().fused_compressor:
+        from deepinfer.models.deepseek_v4.triton_compressor import compress_step_fused
+
+        pooled = compress_step_fused(compressor, kv, gate, meta, ring_kv, ring_gate, length, cache, table, rows,
+                                     meta.tail_rows() if compressor.overlap else None)
+    else:
+        pooled = _pool_tails_rings(compressor, kv, gate, meta, rings.span(key), ring_kv, ring_gate, length, cache,
+                                   table, rows)
+    first_new, new_off = meta.new_row_starts(rate)
+    return dict(cache=cache, table=table, new_rows=pooled.contiguous() if pooled.shape[0] else cache.new_zeros(1, d),
+                first_new=first_new, new_off=new_off, rate=rate, per_page=per_page,
+                page_rows=per_page + (2 * rate if compressor.overlap else 0), max_rows=meta.rows_bound(rate))
+
+
+def _pool_tails_rings(compressor: Compressor, kv: torch.Tensor, gate: torch.Tensor, meta, span: int,
+                      ring_kv: torch.Tensor, ring_gate: torch.Tensor, length: int, cache: torch.Tensor,
+                      table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Parts 2-4 in PyTorch, for the step's projections kv, gate; returns the pooled rows."""
     rate, d, overlap = compressor.rate, compressor.dim, compressor.overlap
     bs = meta.block_size
     per_page = bs // rate
     tail = 2 * rate if overlap else 0
     page_rows = per_page + tail
-    length = rings.length(key)
-    ring_kv, ring_gate = rings.flat(key)
-    kv, gate = compressor.kv_proj(x), compressor.gate_proj(x)
     pos = meta.tok_pos.long()
 
     # 2. the blocks completed in the step
-    rows = meta.pooling_rows(rate)                               # [C]
     p = pos[rows]
     block = p // rate
-    span = rings.span(key)
-    positions = (block * rate - (rate if overlap else 0))[:, None] + torch.arange(span, device=x.device)
+    positions = (block * rate - (rate if overlap else 0))[:, None] + torch.arange(span, device=kv.device)
     src_kv, src_gate = _sources(meta, rows, positions, kv, gate, ring_kv, ring_gate, length)
     if overlap:
         slots_kv = torch.cat([src_kv[:, :rate, :d], src_kv[:, rate:, d:]], dim=1)
@@ -94,20 +117,17 @@ def compress_step(compressor: Compressor, x: torch.Tensor, meta, rings: Projecti
     if overlap:
         rows_t = meta.tail_rows()
         p_t = pos[rows_t]
-        ca_positions = (p_t + 1 - rate)[:, None] + torch.arange(rate, device=x.device)
+        ca_positions = (p_t + 1 - rate)[:, None] + torch.arange(rate, device=kv.device)
         ca_kv, ca_gate = _sources(meta, rows_t, ca_positions, kv, gate, ring_kv, ring_gate, length)
         saved = torch.cat([ca_kv[..., :d], ca_gate[..., :d]], dim=1).to(cache.dtype)    # [C, 2 * rate, d]
         save = ((p_t + 1) % bs == 0) & (p_t + 1 > meta.tok_write_floor[rows_t])
         first = _page_rows(meta, table, rows_t, p_t // bs) * page_rows + per_page
         first = torch.where(save, first, per_page)                  # the null block's tail
-        cache[first[:, None] + torch.arange(tail, device=x.device), 0] = saved
+        cache[first[:, None] + torch.arange(tail, device=kv.device), 0] = saved
 
     # 4. the rings: each request's last `length` positions (the others into the padding slot)
     kept_rows = ring_rows(meta.tok_slot, pos, length, keep=pos >= meta.seg_end - length)
     ring_kv[kept_rows] = kv.to(ring_kv.dtype)
     ring_gate[kept_rows] = gate.to(ring_gate.dtype)
 
-    first_new, new_off = meta.new_row_starts(rate)
-    return dict(cache=cache, table=table, new_rows=pooled.contiguous() if pooled.shape[0] else cache.new_zeros(1, d),
-                first_new=first_new, new_off=new_off, rate=rate, per_page=per_page, page_rows=page_rows,
-                max_rows=meta.rows_bound(rate))
+    return pooled

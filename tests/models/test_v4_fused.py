@@ -1,0 +1,90 @@
+"""DeepSeek-V4's fused ops on its Triton path against their PyTorch references: mHC's stream
+mixing (triton_hyper.py vs hyper.py), the rope (triton_rope.py vs rope.py) and the two norms
+(layers/fused/rms_norm.py vs norm.py). Stream counts that are and are not powers of two, token
+counts around the kernels' blocks, float32 (to the summation order) and bf16 (within its
+rounding). The whole model on this path is checked against transformers by
+test_deepseek_v4_kernels.py. Runs on a GPU, or on the CPU under Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
+
+from deepinfer.layers.fused.rms_norm import rms_norm  # noqa: E402
+from deepinfer.models.deepseek_v4 import triton_hyper, triton_rope  # noqa: E402
+from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead  # noqa: E402
+from deepinfer.models.deepseek_v4.norm import V4RMSNorm, unit_rms  # noqa: E402
+from deepinfer.models.deepseek_v4.rope import V4Rotary  # noqa: E402
+
+LOW = torch.float16 if INTERPRETED else torch.bfloat16
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), LOW: dict(atol=2e-2, rtol=2e-2)}
+
+
+def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() > 1 else 1.0))
+    return module.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+@pytest.mark.parametrize("streams,hidden,tokens", [(4, 64, 1), (3, 96, 17), (2, 32, 5)])
+def test_hyper_connection_matches_its_reference(streams, hidden, tokens, dtype):
+    hc = randomized(HyperConnection(hidden, streams, iters=20, eps=1e-6, norm_eps=1e-6), streams + hidden)
+    x = torch.randn(1, tokens, streams, hidden, device=DEVICE).to(dtype)
+    want = hc(x)   # outside a forward: the reference
+    got = triton_hyper.hc_pre(x, hc.fn, hc.base, hc.scale, hc.eps, hc.norm_eps, hc.iters)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g.float(), w.float(), **TOL[dtype])
+    block_in, post, comb = want
+    out = torch.randn(1, tokens, hidden, device=DEVICE).to(dtype)
+    torch.testing.assert_close(triton_hyper.hc_merge(x, out, post, comb).float(),
+                               HyperConnection.merge(x, out, post, comb).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+def test_hyper_head_matches_its_reference(dtype):
+    head = randomized(HyperHead(48, 3, eps=1e-6, norm_eps=1e-6), 3)
+    x = torch.randn(1, 7, 3, 48, device=DEVICE).to(dtype)
+    got = triton_hyper.hc_head(x, head.hc_fn, head.hc_base, head.hc_scale, head.eps, head.norm_eps)
+    torch.testing.assert_close(got.float(), head(x).float(), **TOL[dtype])
+
+
+def test_hyper_mixing_splits_long_rows():
+    """Rows of 4 x 4096 inputs: the projection split over many programs, summed back."""
+    hc = randomized(HyperConnection(4096, 4, iters=20, eps=1e-6, norm_eps=1e-6), 0)
+    x = torch.randn(1, 2, 4, 4096, device=DEVICE)
+    for g, w in zip(triton_hyper.hc_pre(x, hc.fn, hc.base, hc.scale, hc.eps, hc.norm_eps, hc.iters), hc(x)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+@pytest.mark.parametrize("heads,dim,rope_dim", [(20, 48, 16), (1, 64, 64), (3, 24, 8)])
+def test_rope_matches_its_reference(heads, dim, rope_dim, dtype, inverse):
+    params = {"rope_theta": 10000.0, "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+              "attention_factor": 1.2}
+    rotary = V4Rotary(rope_dim, params).to(DEVICE)
+    x = torch.randn(1, 9, heads, dim, device=DEVICE).to(dtype)
+    positions = torch.tensor([0, 1, 2, 7, 63, 64, 300, 4095, 70000], device=DEVICE)
+    got = triton_rope.rotate(x, positions, rotary.inv_freq, rotary.scale, rope_dim, inverse)
+    want = rotary.rotate(x, positions, inverse)
+    assert got.dtype == dtype
+    if dtype == torch.float32:   # the same float32 ops in the same order
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+def test_norms_match_their_references(dtype):
+    norm = randomized(V4RMSNorm(40, 1e-6), 1)
+    x = torch.randn(3, 5, 40, device=DEVICE).to(dtype)
+    torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps).float(), norm(x).float(), **TOL[dtype])
+    heads = torch.randn(1, 5, 4, 40, device=DEVICE).to(dtype)
+    torch.testing.assert_close(rms_norm(heads, None, 1e-6).float(), unit_rms(heads, 1e-6).float(), **TOL[dtype])
