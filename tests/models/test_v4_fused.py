@@ -1,6 +1,7 @@
 """DeepSeek-V4's fused ops on its Triton path against their PyTorch references: mHC's stream
-mixing (triton_hyper.py vs hyper.py), the rope (triton_rope.py vs rope.py) and the two norms
-(layers/fused/rms_norm.py vs norm.py). Stream counts that are and are not powers of two, token
+mixing (triton_hyper.py vs hyper.py), the rope (triton_rope.py vs rope.py), the two norms
+(layers/fused/rms_norm.py vs norm.py) and the clamped SwiGLU (layers/fused/activation.py vs
+moe.py). Stream counts that are and are not powers of two, token
 counts around the kernels' blocks, float32 (to the summation order) and bf16 (within its
 rounding). The whole model on this path is checked against transformers by
 test_deepseek_v4_kernels.py. Runs on a GPU, or on the CPU under Triton's interpreter.
@@ -13,9 +14,11 @@ import torch
 
 from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
 
+from deepinfer.layers.fused.activation import gated_act  # noqa: E402
 from deepinfer.layers.fused.rms_norm import rms_norm  # noqa: E402
 from deepinfer.models.deepseek_v4 import triton_hyper, triton_rope  # noqa: E402
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead  # noqa: E402
+from deepinfer.models.deepseek_v4.moe import clamped_swiglu  # noqa: E402
 from deepinfer.models.deepseek_v4.norm import V4RMSNorm, unit_rms  # noqa: E402
 from deepinfer.models.deepseek_v4.rope import V4Rotary  # noqa: E402
 
@@ -88,3 +91,12 @@ def test_norms_match_their_references(dtype):
     torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps).float(), norm(x).float(), **TOL[dtype])
     heads = torch.randn(1, 5, 4, 40, device=DEVICE).to(dtype)
     torch.testing.assert_close(rms_norm(heads, None, 1e-6).float(), unit_rms(heads, 1e-6).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("limit", [0.0, 1.5])
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+def test_clamped_swiglu_matches_its_reference(dtype, limit):
+    gate_up = (torch.randn(6, 2, 80, device=DEVICE) * 3).to(dtype)
+    gate, up = gate_up[:, 0], gate_up[:, 1]   # rows strided over both halves
+    got = gated_act(gate, up, "silu", limit)
+    torch.testing.assert_close(got.float(), clamped_swiglu(gate, up, limit).float(), **TOL[dtype])

@@ -139,12 +139,27 @@ def default_config(rows: int, num_experts: int) -> TileConfig:
     return TileConfig(128, 128, 128, dot=True, num_warps=8)
 
 
+class ExpertTiles(NamedTuple):
+    """Each expert's first and end row and the cumulative count of its BLOCK_M-row tiles."""
+    starts: torch.Tensor
+    ends: torch.Tensor
+    tile_ends: torch.Tensor
+
+
+def expert_tiles(counts: torch.Tensor, block_m: int) -> ExpertTiles:
+    """The tiles of experts with counts[e] rows each (the two products of a MoE layer share them)."""
+    counts = counts.to(torch.int32)
+    ends = counts.cumsum(0, dtype=torch.int32)
+    return ExpertTiles(ends - counts, ends, ((counts + block_m - 1) // block_m).cumsum(0, dtype=torch.int32))
+
+
 def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor, counts: torch.Tensor,
-                   config: TileConfig | None = None) -> torch.Tensor:
+                   config: TileConfig | None = None, tiles: ExpertTiles | None = None) -> torch.Tensor:
     """x [rows, K] sorted by expert, expert e's rows being counts[e] consecutive ones (counts [E],
     on x's device); codes uint8 [E, N, K/2], exponents uint8 [E, N, K/G] -> [rows, N] in x's dtype.
     config (None: default_config): each program decodes its weight tile once for BLOCK_M rows, so
-    many rows an expert (prefill) take tall tiles, few (decode) short ones that waste no rows."""
+    many rows an expert (prefill) take tall tiles, few (decode) short ones that waste no rows.
+    tiles: expert_tiles(counts, config.block_m), when the caller has them."""
     rows, k = x.shape
     num_experts, n, packed_k = codes.shape
     group = k // exponents.shape[-1]
@@ -156,10 +171,7 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
         raise ValueError(f"fp4_grouped_mm: inputs {k} must be twice the codes' {packed_k} and have a "
                          f"power-of-two divisor of at least 32 holding whole scale groups of {group}")
     x = x.contiguous()
-    counts = counts.to(torch.int32)
-    ends = counts.cumsum(0, dtype=torch.int32)
-    starts = ends - counts
-    tile_ends = ((counts + config.block_m - 1) // config.block_m).cumsum(0, dtype=torch.int32)
+    starts, ends, tile_ends = tiles if tiles is not None else expert_tiles(counts, config.block_m)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.distributed import ParallelGroup, current_tp_group
+from deepinfer.layers.attention.metadata import current_backend
 from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from deepinfer.layers.quantization import fp4
 from deepinfer.models.deepseek_v4.config import V4Config
@@ -29,6 +30,11 @@ from deepinfer.models.deepseek_v4.parallel import check_group, expert_parallel_m
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate clamped to <= limit) * (up clamped to +-limit); one Triton kernel where the
+    forward's backend turns on fused_activation (layers/fused/activation.py)."""
+    if current_backend().fused_activation:
+        from deepinfer.layers.fused.activation import gated_act
+        return gated_act(gate, up, "silu", limit)
     if limit:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return F.silu(gate) * up
@@ -222,10 +228,14 @@ class RoutedExperts(nn.Module):
             gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
             y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
         else:
-            from deepinfer.layers.quantization.fp4_moe_triton import fp4_grouped_mm
+            from deepinfer.layers.quantization.fp4_moe_triton import default_config, expert_tiles, fp4_grouped_mm
 
-            gate, up = fp4_grouped_mm(x[token], self.gate_up_proj, self.gate_up_exps, counts).chunk(2, dim=-1)
-            y = fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps, counts)
+            config = default_config(flat.shape[0], counts.shape[0])
+            tiles = expert_tiles(counts, config.block_m)
+            gate, up = fp4_grouped_mm(x[token], self.gate_up_proj, self.gate_up_exps, counts, config,
+                                      tiles).chunk(2, dim=-1)
+            y = fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps, counts, config,
+                               tiles)
         y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 

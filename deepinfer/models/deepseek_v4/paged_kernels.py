@@ -58,6 +58,7 @@ class V4KernelStepBackend(V4StepBackend):
     # triton_hyper.py, triton_compressor.py).
     fused_norm = True
     fused_rotary = True
+    fused_activation = True
     fused_hyper = True
     fused_compressor = True
 
