@@ -83,9 +83,9 @@ def test_prefix_hit_resuming_with_one_token(checkpoint):
 
 @pytest.fixture
 def unfused(monkeypatch):
-    """The Triton path with the ops around its kernels in PyTorch: norms, rope, mHC and the
-    compressors' steps as their references (the fused kernels' tests above run with them on)."""
-    for name in ("fused_norm", "fused_rotary", "fused_hyper", "fused_compressor"):
+    """The Triton path with the ops around its kernels in PyTorch: norms, rope, SwiGLU, mHC, the
+    compressors' steps and the router as their references (the tests above run them fused)."""
+    for name in ("fused_norm", "fused_rotary", "fused_activation", "fused_v4_ops"):
         monkeypatch.setattr(V4KernelStepBackend, name, False)
 
 

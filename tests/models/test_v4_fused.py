@@ -1,13 +1,15 @@
 """DeepSeek-V4's fused ops on its Triton path against their PyTorch references: mHC's stream
 mixing (triton_hyper.py vs hyper.py), the rope (triton_rope.py vs rope.py), the two norms
-(layers/fused/rms_norm.py vs norm.py) and the clamped SwiGLU (layers/fused/activation.py vs
-moe.py). Stream counts that are and are not powers of two, token
+(layers/fused/rms_norm.py vs norm.py), the clamped SwiGLU (layers/fused/activation.py vs
+moe.py) and the router (triton_router.py vs moe.Router). Stream counts that are and are not powers of two, token
 counts around the kernels' blocks, float32 (to the summation order) and bf16 (within its
 rounding). The whole model on this path is checked against transformers by
 test_deepseek_v4_kernels.py. Runs on a GPU, or on the CPU under Triton's interpreter.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,9 +18,9 @@ from tests.triton_support import DEVICE, INTERPRETED  # skips this module withou
 
 from deepinfer.layers.fused.activation import gated_act  # noqa: E402
 from deepinfer.layers.fused.rms_norm import rms_norm  # noqa: E402
-from deepinfer.models.deepseek_v4 import triton_hyper, triton_rope  # noqa: E402
+from deepinfer.models.deepseek_v4 import triton_hyper, triton_rope, triton_router  # noqa: E402
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead  # noqa: E402
-from deepinfer.models.deepseek_v4.moe import clamped_swiglu  # noqa: E402
+from deepinfer.models.deepseek_v4.moe import Router, clamped_swiglu  # noqa: E402
 from deepinfer.models.deepseek_v4.norm import V4RMSNorm, unit_rms  # noqa: E402
 from deepinfer.models.deepseek_v4.rope import V4Rotary  # noqa: E402
 
@@ -100,3 +102,29 @@ def test_clamped_swiglu_matches_its_reference(dtype, limit):
     gate, up = gate_up[:, 0], gate_up[:, 1]   # rows strided over both halves
     got = gated_act(gate, up, "silu", limit)
     torch.testing.assert_close(got.float(), clamped_swiglu(gate, up, limit).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("hashed", [False, True])
+@pytest.mark.parametrize("func", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_router_matches_its_reference(func, hashed):
+    cfg = SimpleNamespace(experts_per_token=6, scoring_func=func, routed_scaling_factor=1.5, num_experts=40,
+                          hidden_size=24, vocab_size=50)
+    router = Router(cfg, hashed=hashed)
+    g = torch.Generator().manual_seed(len(func) + hashed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g))
+        if hashed:
+            router.tid2eid.copy_(torch.stack([torch.randperm(40, generator=g)[:6] for _ in range(50)]))
+        else:
+            router.e_score_correction_bias.copy_(torch.randn(40, generator=g) * 0.1)
+    router = router.to(DEVICE)
+    x = torch.randn(9, 24, device=DEVICE)
+    token_ids = torch.randint(0, 50, (9,), device=DEVICE)
+    want_ids, want_w = router(x, token_ids)
+    logits = torch.nn.functional.linear(x, router.weight)
+    ids, w = triton_router.route(logits, func, 6, 1.5, None if hashed else router.e_score_correction_bias,
+                                 router.tid2eid if hashed else None, token_ids)
+    # The same experts (in any order) with the same weights.
+    order, want_order = ids.sort(dim=1), want_ids.sort(dim=1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices), atol=1e-6, rtol=1e-5)

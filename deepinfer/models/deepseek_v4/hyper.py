@@ -12,7 +12,7 @@ shrinks them. Then
   block_in = sum_j pre_j X_j
   X'_k     = post_k * block(block_in) + sum_j comb[j, k] X_j
 HyperHead collapses the streams once more before the final norm (pre weights only).
-Everything here runs in float32. Where the forward's backend turns on fused_hyper (V4's Triton
+Everything here runs in float32. Where the forward's backend turns on fused_v4_ops (V4's Triton
 path), each side of a block is Triton kernels (triton_hyper.py) with these ops as their reference.
 """
 
@@ -46,7 +46,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, L, N, hidden] -> (block input [B, L, hidden], post [B, L, N], comb [B, L, N, N])."""
-        if current_backend().fused_hyper:
+        if current_backend().fused_v4_ops:
             from deepinfer.models.deepseek_v4.triton_hyper import hc_pre
             return hc_pre(x, self.fn, self.base, self.scale, self.eps, self.norm_eps, self.iters)
         n = self.streams
@@ -63,7 +63,7 @@ class HyperConnection(nn.Module):
     @staticmethod
     def merge(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """The new streams from the old x [B, L, N, hidden] and the block output out [B, L, hidden]."""
-        if current_backend().fused_hyper:
+        if current_backend().fused_v4_ops:
             from deepinfer.models.deepseek_v4.triton_hyper import hc_merge
             return hc_merge(x, out, post, comb)
         dtype = x.dtype
@@ -81,7 +81,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if current_backend().fused_hyper:
+        if current_backend().fused_v4_ops:
             from deepinfer.models.deepseek_v4.triton_hyper import hc_head
             return hc_head(x, self.hc_fn, self.hc_base, self.hc_scale, self.eps, self.norm_eps)
         mixes = F.linear(unit_rms(x.flatten(2).float(), self.norm_eps), self.hc_fn.float())

@@ -78,11 +78,18 @@ class Router(nn.Module):
         raise ValueError(f"scoring_func {self.func!r} is not supported")
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (expert ids [T, k], weights [T, k])."""
-        s = self.scores(F.linear(x, self.weight))
+        """x [T, hidden] -> (expert ids [T, k], weights [T, k]). After the projection, one Triton
+        kernel where the forward's backend turns on fused_v4_ops (triton_router.py)."""
+        if self.hashed and token_ids is None:
+            raise ValueError("a hash-routed layer needs the token ids")
+        logits = F.linear(x, self.weight)
+        if current_backend().fused_v4_ops:
+            from deepinfer.models.deepseek_v4.triton_router import route
+            return route(logits, self.func, self.top_k, self.scaling,
+                         None if self.hashed else self.e_score_correction_bias,
+                         self.tid2eid if self.hashed else None, token_ids)
+        s = self.scores(logits)
         if self.hashed:
-            if token_ids is None:
-                raise ValueError("a hash-routed layer needs the token ids")
             ids = self.tid2eid[token_ids.reshape(-1)].long()
         else:
             ids = torch.topk(s + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices

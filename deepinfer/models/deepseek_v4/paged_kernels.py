@@ -54,13 +54,13 @@ class V4KernelStepBackend(V4StepBackend):
     # bandwidth (benchmarks/quant_gemm_speed.py's bf16 column).
     fused_gemv = True
     # The ops around the kernels in Triton too: at decode their launches, not their bytes, set
-    # the step's time (V4RMSNorm, rope, mHC, compressors: norm.py, triton_rope.py,
-    # triton_hyper.py, triton_compressor.py).
+    # the step's time (V4RMSNorm, rope, SwiGLU, mHC, compressors, router: norm.py,
+    # triton_rope.py, layers/fused/activation.py, triton_hyper.py, triton_compressor.py,
+    # triton_router.py).
     fused_norm = True
     fused_rotary = True
     fused_activation = True
-    fused_hyper = True
-    fused_compressor = True
+    fused_v4_ops = True
 
     def __init__(self, device: torch.device | None = None, kv_cache_dtype: torch.dtype | None = None,
                  rings: ProjectionRings | None = None, decode_graphs: bool = False) -> None:

@@ -59,7 +59,7 @@ def compress_step(compressor: Compressor, x: torch.Tensor, meta, rings: Projecti
                   table: torch.Tensor) -> dict:
     """Run the compressor over the step (module docstring); returns the compressed keys as the
     kernels read them (triton_attention.sparse_attention's `comp`). Where the forward's backend
-    turns on fused_compressor, parts 2-4 are three Triton kernels (triton_compressor.py) with
+    turns on fused_v4_ops, parts 2-4 are three Triton kernels (triton_compressor.py) with
     _pool_tails_rings as their reference."""
     rate, d = compressor.rate, compressor.dim
     bs = meta.block_size
@@ -68,7 +68,7 @@ def compress_step(compressor: Compressor, x: torch.Tensor, meta, rings: Projecti
     ring_kv, ring_gate = rings.flat(key)
     kv, gate = compressor.kv_proj(x), compressor.gate_proj(x)
     rows = meta.pooling_rows(rate)
-    if current_backend().fused_compressor:
+    if current_backend().fused_v4_ops:
         from deepinfer.models.deepseek_v4.triton_compressor import compress_step_fused
 
         pooled = compress_step_fused(compressor, kv, gate, meta, ring_kv, ring_gate, length, cache, table, rows,

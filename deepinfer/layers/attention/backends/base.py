@@ -183,10 +183,8 @@ class AttentionBackend(ABC):
                                                # together with the K/V write: one Triton kernel (fused/rotary.py)
     fused_activation: ClassVar[bool] = False   # act(gate) * up: one Triton kernel (fused/activation.py)
     fused_gemv: ClassVar[bool] = False         # one-row projections and head: Triton GEMV (fused/gemv.py)
-    fused_hyper: ClassVar[bool] = False        # DeepSeek-V4's mHC stream mixing: Triton kernels
-                                               # (models/deepseek_v4/triton_hyper.py)
-    fused_compressor: ClassVar[bool] = False   # DeepSeek-V4's compressors over a step: Triton kernels
-                                               # (models/deepseek_v4/triton_compressor.py)
+    fused_v4_ops: ClassVar[bool] = False       # DeepSeek-V4's mHC mixing, compressor steps and router:
+                                               # Triton kernels (models/deepseek_v4/triton_*.py)
     e5m2_cache: ClassVar[bool] = True          # may hold K/V as float8 e5m2 (kv_cache/dtypes.py)
     short_cpu_norm: ClassVar[bool] = False     # RMSNorm as six eager ops (norm._rms_norm_cpu)
     short_cpu_rotary: ClassVar[bool] = False   # rotary in three eager ops, q and k rotated together
@@ -213,7 +211,7 @@ class AttentionBackend(ABC):
         """What this backend turns on, for the start-up log line."""
         fused = [name for name, on in (("norm", self.fused_norm), ("rotary + KV write", self.fused_rotary),
                                        ("activation", self.fused_activation), ("GEMV", self.fused_gemv),
-                                       ("mHC", self.fused_hyper), ("compressors", self.fused_compressor)) if on]
+                                       ("V4 mHC, compressors, router", self.fused_v4_ops)) if on]
         short = [name for name, on in (("norm", self.short_cpu_norm), ("rotary", self.short_cpu_rotary),
                                        ("flat layers", self.flat_cpu_layers)) if on]
         parts = [f"fused kernels: {', '.join(fused) or 'none'}"]
