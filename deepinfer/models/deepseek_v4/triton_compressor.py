@@ -38,6 +38,25 @@ def _source(step_ptr, ring_ptr, q, in_step, step_row, ring_row, cols, stride, ok
 
 
 @triton.jit
+def _slots(kv_ptr, gate_ptr, ring_kv_ptr, ring_gate_ptr, bias_ptr, q, in_step, step_row, ring_row, cols, bias_row,
+           width, ok, dead):
+    """A chunk of a block's slots at channels `cols`: (kv, gate + position_bias; dead slots -1e30)."""
+    kv = _source(kv_ptr, ring_kv_ptr, q, in_step, step_row, ring_row, cols, width, ok)
+    g = _source(gate_ptr, ring_gate_ptr, q, in_step, step_row, ring_row, cols, width, ok)
+    g = g + tl.load(bias_ptr + bias_row + cols, mask=ok, other=0.0)
+    return kv, tl.where(dead, -1.0e30, g)
+
+
+@triton.jit
+def _online_pool(m, l, acc, kv, g):
+    """One chunk of slots [S, C] into the running per-channel softmax (max m, sum l) and weighted sum acc."""
+    m_new = tl.maximum(m, tl.max(g, axis=0))
+    alpha = tl.exp(m - m_new)
+    w = tl.exp(g - m_new[None, :])
+    return m_new, l * alpha + tl.sum(w, axis=0), acc * alpha + tl.sum(w * kv, axis=0)
+
+
+@triton.jit
 def _pool_kernel(rows_ptr, pos_ptr, seg_start_ptr, seg_row_ptr, slot_ptr, chunk_ptr, write_floor_ptr,
                  kv_ptr, gate_ptr, ring_kv_ptr, ring_gate_ptr, bias_ptr, norm_w_ptr, cos_ptr, sin_ptr,
                  table_ptr, cache_ptr, out_ptr,
@@ -54,7 +73,7 @@ def _pool_kernel(rows_ptr, pos_ptr, seg_start_ptr, seg_row_ptr, slot_ptr, chunk_
     pair = tl.arange(0, HALF_PAD)
     pair_ok = pair < D // 2
     first = block * RATE - (SPAN - RATE)   # overlap (SPAN = 2 RATE): from the block before
-    m = tl.full((HALF_PAD,), -1.0e30, tl.float32)
+    m_even = tl.full((HALF_PAD,), -1.0e30, tl.float32)
     m_odd = tl.full((HALF_PAD,), -1.0e30, tl.float32)
     l_even = tl.zeros((HALF_PAD,), tl.float32)
     l_odd = tl.zeros((HALF_PAD,), tl.float32)
@@ -76,26 +95,12 @@ def _pool_kernel(rows_ptr, pos_ptr, seg_start_ptr, seg_row_ptr, slot_ptr, chunk_
         dead = ~s_ok[:, None]
         if SPAN > RATE:
             dead = dead | ((s < RATE) & (block == 0))[:, None]   # block 0 has no Ca
-        for parity in tl.static_range(2):
-            cols = cols_even + parity
-            kv = _source(kv_ptr, ring_kv_ptr, q, in_step, step_row, ring_row, cols, width, ok)
-            g = _source(gate_ptr, ring_gate_ptr, q, in_step, step_row, ring_row, cols, width, ok)
-            g = g + tl.load(bias_ptr + bias_row + cols, mask=ok, other=0.0)
-            g = tl.where(dead, -1.0e30, g)
-            if parity == 0:
-                m_new = tl.maximum(m, tl.max(g, axis=0))
-                alpha = tl.exp(m - m_new)
-                w = tl.exp(g - m_new[None, :])
-                l_even = l_even * alpha + tl.sum(w, axis=0)
-                acc_even = acc_even * alpha + tl.sum(w * kv, axis=0)
-                m = m_new
-            else:
-                m_new = tl.maximum(m_odd, tl.max(g, axis=0))
-                alpha = tl.exp(m_odd - m_new)
-                w = tl.exp(g - m_new[None, :])
-                l_odd = l_odd * alpha + tl.sum(w, axis=0)
-                acc_odd = acc_odd * alpha + tl.sum(w * kv, axis=0)
-                m_odd = m_new
+        kv, g = _slots(kv_ptr, gate_ptr, ring_kv_ptr, ring_gate_ptr, bias_ptr, q, in_step, step_row, ring_row,
+                       cols_even, bias_row, width, ok, dead)
+        m_even, l_even, acc_even = _online_pool(m_even, l_even, acc_even, kv, g)
+        kv, g = _slots(kv_ptr, gate_ptr, ring_kv_ptr, ring_gate_ptr, bias_ptr, q, in_step, step_row, ring_row,
+                       cols_even + 1, bias_row, width, ok, dead)
+        m_odd, l_odd, acc_odd = _online_pool(m_odd, l_odd, acc_odd, kv, g)
     kind = out_ptr.dtype.element_ty
     # The pooled row rounded as the reference's sum is, then kv_norm (float32, rounded once).
     even = (acc_even / l_even).to(kind).to(tl.float32)
