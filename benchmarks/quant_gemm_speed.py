@@ -12,6 +12,7 @@ path's reason when it does not. Then, per row count (1: batch-1 decode, 64: a de
               o_b, the shared expert's gate / up and down);
   fp4 experts the routed experts' two grouped products over FP4 codes (fp4_moe_triton.py) for
               rows tokens routed to 6 of 256 experts, against torch._grouped_mm on bf16 experts;
+  gemv        (one row) the FP8 and bf16 weights on the Triton GEMV, as batch-1 decode runs them;
 each beside its roofline: the bytes the weights it reads take / the measured copy bandwidth.
 """
 
@@ -98,6 +99,10 @@ def main() -> None:
             row = {"rows": rows, "product": f"fp8 block {name} {inner}->{out}", "quantized_ms": fp8_s * 1e3,
                    "bf16_ms": bf16_s * 1e3, "quantized_roofline_ms": (codes.numel() + scale.numel() * 4) / bandwidth * 1e3,
                    "bf16_roofline_ms": wb.numel() * 2 / bandwidth * 1e3}
+            if rows == 1:   # batch-1 decode runs one-row products on the Triton GEMV (layers/fused/gemv.py)
+                from deepinfer.layers.fused.gemv import gemv
+                row["fp8_gemv_ms"] = cuda_time(lambda: gemv(xi, codes, scale=scale, block=(128, 128))) * 1e3
+                row["bf16_gemv_ms"] = cuda_time(lambda: gemv(xi, wb)) * 1e3
             result["rows"].append(row)
             print(row, flush=True)
         # The routed experts: rows tokens x TOP_K picks over EXPERTS experts, spread evenly.
@@ -128,7 +133,8 @@ def main() -> None:
     print()
     print_table(result["rows"], [("rows", "rows", ""), ("product", "product", ""),
                                  ("quantized_ms", "quantized ms", ".4f"), ("quantized_roofline_ms", "its roofline", ".4f"),
-                                 ("bf16_ms", "bf16 ms", ".4f"), ("bf16_roofline_ms", "its roofline", ".4f")])
+                                 ("bf16_ms", "bf16 ms", ".4f"), ("bf16_roofline_ms", "its roofline", ".4f"),
+                                 ("fp8_gemv_ms", "fp8 GEMV ms", ".4f"), ("bf16_gemv_ms", "bf16 GEMV ms", ".4f")])
     write_json(args.out, result)
 
 

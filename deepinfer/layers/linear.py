@@ -214,6 +214,9 @@ class Linear(nn.Linear):
         """x @ weight.T (+ bias), on the fastest copy of the weight for x's rows. A row-parallel
         layer passes no bias: it adds it once, after summing the ranks' products."""
         if self.weight_scale is not None:
+            if one_row_gemv(x):   # the FP8 bytes read as stored, scaled in the GEMV (fused/gemv.py)
+                from deepinfer.layers.fused.gemv import gemv
+                return gemv(x, self.weight, bias, scale=self.weight_scale, block=self.weight_block)
             return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         if one_row_gemv(x):
             # One row on the CUDA fast path: the Triton GEMV, faster than cuBLAS on every matrix

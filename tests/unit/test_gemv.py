@@ -70,3 +70,20 @@ def test_bad_input():
 def test_strip_never_much_longer_than_k():
     assert gemv_config(4096, 4096) == DEFAULT_CONFIG
     assert gemv_config(7, 129)[1] == 256 and gemv_config(576, 576)[1] == 1024
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on NumPy, which has no float8")
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "128x128 blocks"])
+@pytest.mark.parametrize("n,k", [(1024, 4096), (4096, 2048), (300, 1000)])
+def test_fp8_weights_match_their_dequantized_product(n, k, blocks):
+    """FP8 codes with their scales (fp8.py's two layouts) against F.linear on the dequantized weight."""
+    from deepinfer.layers.quantization import fp8
+
+    torch.manual_seed(n + k)
+    weight = torch.randn(n, k, device=DEVICE) * 0.05
+    codes, scale = fp8.quantize_blocks(weight, (128, 128)) if blocks else fp8.quantize_per_channel(weight)
+    block = (128, 128) if blocks else None
+    x = torch.randn(1, k, device=DEVICE).to(torch.bfloat16)
+    want = F.linear(x.float(), fp8.dequantize(codes, scale, block, torch.float32))
+    got = gemv(x, codes, scale=scale, block=block)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -17,7 +17,13 @@ x is re-read from L2 by every program, which is cheap beside W. Products accumul
 elementwise and are reduced once at the end; the result is rounded once to x's dtype. Nothing
 depends on values, so the kernel is CUDA-graph safe.
 
-The reference is F.linear; tests/unit/test_gemv.py compares the two.
+FP8 weights (layers/quantization/fp8.py) are read as they are stored, a byte a weight: with one
+scale per output channel (`quantization="fp8"`) the row sums are scaled once at the end; with
+128 x 128 block scales (DeepSeek-V4's format) each weight is scaled by its block's as it is
+read. The activations stay in their dtype (no FP8 rounding of x), so the product is the
+dequantized weight's, as the reference path computes it.
+
+The reference is F.linear (on the dequantized weight for FP8); tests/unit/test_gemv.py compares the two.
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ from deepinfer.layers.fused import pdl_enabled, pdl_launch
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn, stride_sn,
+    HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # SCALES: 0 none, 1 one per output channel (applied to the row sums), 2 one per SCALE_BLOCK x
+    # SCALE_BLOCK block (applied to each weight as read: its block changes along K).
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols_n < N
     ks = tl.arange(0, BLOCK_K)
@@ -54,7 +62,11 @@ def _gemv_kernel(
         x = tl.load(x_ptr + ks, eviction_policy="evict_last")
     else:
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0, eviction_policy="evict_last")
-    acc = x.to(tl.float32)[None, :] * w.to(tl.float32)
+    w = w.to(tl.float32)
+    if SCALES == 2:
+        w *= tl.load(scale_ptr + (cols_n // SCALE_BLOCK)[:, None] * stride_sn + ks[None, :] // SCALE_BLOCK,
+                     mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
+    acc = x.to(tl.float32)[None, :] * w
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_N and EVEN_K:
             w = tl.load(w_ptrs + k, eviction_policy="evict_first")
@@ -65,8 +77,14 @@ def _gemv_kernel(
             x = tl.load(x_ptr + k + ks, eviction_policy="evict_last")
         else:
             x = tl.load(x_ptr + k + ks, mask=k + ks < K, other=0.0, eviction_policy="evict_last")
-        acc += x.to(tl.float32)[None, :] * w.to(tl.float32)
+        w = w.to(tl.float32)
+        if SCALES == 2:
+            w *= tl.load(scale_ptr + (cols_n // SCALE_BLOCK)[:, None] * stride_sn + (k + ks[None, :]) // SCALE_BLOCK,
+                         mask=n_ok[:, None] & (k + ks[None, :] < K), other=0.0)
+        acc += x.to(tl.float32)[None, :] * w
     y = tl.sum(acc, axis=1)
+    if SCALES == 1:
+        y *= tl.load(scale_ptr + cols_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + cols_n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -90,20 +108,27 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+         config: tuple[int, int, int] | None = None, scale: torch.Tensor | None = None,
+         block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [1, K] @ weight [N, K].T (+ bias [N]) -> [1, N] in x's dtype. `config` (BLOCK_N,
-    BLOCK_K, num_warps) overrides the table (benchmarks, tests)."""
+    BLOCK_K, num_warps) overrides the table (benchmarks, tests). FP8 weights come with their
+    float32 `scale`: [N] per channel, or [ceil(N / b), ceil(K / b)] with block (b, b)."""
     n, k = weight.shape
     if x.dim() != 2 or x.shape != (1, k):
         raise ValueError(f"gemv takes one row x [1, K] against weight [N, K]; "
                          f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("x and weight must be contiguous in their last dim")
+    if block is not None and (block[0] != block[1] or scale is None or scale.dim() != 2):
+        raise ValueError(f"gemv takes square scale blocks with a 2D scale, not {block}")
     block_n, block_k, warps = config or gemv_config(n, k)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    scales = 0 if scale is None else (2 if block is not None else 1)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, out, n, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, n, k,
+        weight.stride(0), scale.stride(0) if scales == 2 else 0,
+        HAS_BIAS=bias is not None, SCALES=scales, SCALE_BLOCK=block[0] if block else 1,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, USE_PDL=pdl_enabled(), num_warps=warps, **pdl_launch(),
     )
     return out
