@@ -30,10 +30,10 @@ def candidates(per_expert: float):
     from deepinfer.layers.quantization.fp4_moe_triton import TileConfig
 
     found = []
-    if per_expert < 16:   # multiply-adds: a partial sum of M x K/2 x N floats a program
-        for m, n, k, warps in itertools.product((1, 2, 4, 8), (16, 32, 64), (128, 256), (4, 8)):
-            if m <= max(1, 3 * per_expert) and m * k // 2 * n <= 64 * 32 * warps:
-                found.append(TileConfig(m, n, k, dot=False, num_warps=warps))
+    if per_expert <= 2:   # the one-row GEMV: a partial sum of K/2 x N floats a program
+        for n, k, warps in itertools.product((8, 16, 32, 64), (256, 512, 1024, 2048), (4, 8)):
+            if k // 2 * n <= 64 * 32 * warps:
+                found.append(TileConfig(1, n, k, dot=False, num_warps=warps))
     for m, n, k, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (3, 4)):
         if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64):
             found.append(TileConfig(m, n, k, dot=True, num_warps=4 if m < 64 else 8, num_stages=stages))

@@ -21,9 +21,9 @@ LOW = torch.float16 if INTERPRETED else torch.bfloat16
 from deepinfer.layers.quantization import fp4  # noqa: E402
 from deepinfer.layers.quantization.fp4_moe_triton import TileConfig, fp4_grouped_mm  # noqa: E402
 
-# Both ways to multiply (float32 multiply-adds for a few rows an expert, tensor-core dots for
-# many), with one-row, short and tall tiles; None: the tiling the kernel picks from the shapes.
-CONFIGS = {"default": None, "gemv-1": TileConfig(1, 32, 64, dot=False), "gemv-4": TileConfig(4, 16, 128, dot=False),
+# Both ways to multiply (a one-row GEMV of float32 multiply-adds, tensor-core dots), with short and
+# tall tiles; None: the tiling the kernel picks from the shapes.
+CONFIGS = {"default": None, "gemv": TileConfig(1, 32, 64, dot=False), "gemv-long-k": TileConfig(1, 16, 256, dot=False),
            "dot-16": TileConfig(16, 64, 128, dot=True), "dot-64": TileConfig(64, 32, 64, dot=True)}
 
 

@@ -19,8 +19,8 @@ depends on values, so the kernel is CUDA-graph safe.
 
 FP8 weights (layers/quantization/fp8.py) are read as they are stored, a byte a weight: with one
 scale per output channel (`quantization="fp8"`) the row sums are scaled once at the end; with
-128 x 128 block scales (DeepSeek-V4's format) each weight is scaled by its block's as it is
-read. The activations stay in their dtype (no FP8 rounding of x), so the product is the
+128 x 128 block scales (DeepSeek-V4's format) a program's rows share their block row, so the
+scales multiply the strip of x instead of every weight. The activations stay in their dtype (no FP8 rounding of x), so the product is the
 dequantized weight's, as the reference path computes it.
 
 The reference is F.linear (on the dequantized weight for FP8); tests/unit/test_gemv.py compares the two.
@@ -43,7 +43,9 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # SCALES: 0 none, 1 one per output channel (applied to the row sums), 2 one per SCALE_BLOCK x
-    # SCALE_BLOCK block (applied to each weight as read: its block changes along K).
+    # SCALE_BLOCK block: BLOCK_N divides SCALE_BLOCK, so a program's rows share their block row
+    # and the scales vary along K only; they multiply x (BLOCK_K values a strip), not W.
+    scale_row = scale_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BLOCK) * stride_sn
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols_n < N
     ks = tl.arange(0, BLOCK_K)
@@ -62,11 +64,10 @@ def _gemv_kernel(
         x = tl.load(x_ptr + ks, eviction_policy="evict_last")
     else:
         x = tl.load(x_ptr + ks, mask=ks < K, other=0.0, eviction_policy="evict_last")
-    w = w.to(tl.float32)
+    x = x.to(tl.float32)
     if SCALES == 2:
-        w *= tl.load(scale_ptr + (cols_n // SCALE_BLOCK)[:, None] * stride_sn + ks[None, :] // SCALE_BLOCK,
-                     mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
-    acc = x.to(tl.float32)[None, :] * w
+        x *= tl.load(scale_row + ks // SCALE_BLOCK, mask=ks < K, other=0.0)
+    acc = x[None, :] * w.to(tl.float32)
     for k in range(BLOCK_K, K, BLOCK_K):
         if EVEN_N and EVEN_K:
             w = tl.load(w_ptrs + k, eviction_policy="evict_first")
@@ -77,11 +78,10 @@ def _gemv_kernel(
             x = tl.load(x_ptr + k + ks, eviction_policy="evict_last")
         else:
             x = tl.load(x_ptr + k + ks, mask=k + ks < K, other=0.0, eviction_policy="evict_last")
-        w = w.to(tl.float32)
+        x = x.to(tl.float32)
         if SCALES == 2:
-            w *= tl.load(scale_ptr + (cols_n // SCALE_BLOCK)[:, None] * stride_sn + (k + ks[None, :]) // SCALE_BLOCK,
-                         mask=n_ok[:, None] & (k + ks[None, :] < K), other=0.0)
-        acc += x.to(tl.float32)[None, :] * w
+            x *= tl.load(scale_row + (k + ks) // SCALE_BLOCK, mask=k + ks < K, other=0.0)
+        acc += x[None, :] * w.to(tl.float32)
     y = tl.sum(acc, axis=1)
     if SCALES == 1:
         y *= tl.load(scale_ptr + cols_n, mask=n_ok, other=0.0)
@@ -122,6 +122,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if block is not None and (block[0] != block[1] or scale is None or scale.dim() != 2):
         raise ValueError(f"gemv takes square scale blocks with a 2D scale, not {block}")
     block_n, block_k, warps = config or gemv_config(n, k)
+    if block is not None and block[0] % block_n:
+        raise ValueError(f"gemv's {block_n} rows a program must divide the scale block {block[0]}")
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     scales = 0 if scale is None else (2 if block is not None else 1)
     _gemv_kernel[(triton.cdiv(n, block_n),)](

@@ -75,49 +75,62 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < row_end
     col_ok = cols < N
-    # A K block's codes are read as [BLOCK_K / 2 bytes, BLOCK_N]: byte p of a row holds inputs 2p
-    # (low nibble) and 2p + 1 (high), so the low nibbles multiply the even inputs and the high the
-    # odd ones, two products of BLOCK_K / 2 with no interleaving of the decoded values.
-    half = tl.arange(0, BLOCK_K // 2)
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    code_cols = codes_ptr + expert.to(tl.int64) * stride_ce + cols[None, :].to(tl.int64) * stride_cn
-    exp_cols = exps_ptr + expert.to(tl.int64) * stride_se + cols[None, :].to(tl.int64) * stride_sn
+    code_base = codes_ptr + expert.to(tl.int64) * stride_ce
+    exp_base = exps_ptr + expert.to(tl.int64) * stride_se
     if USE_DOT:
+        # A K block's codes are read as [BLOCK_K / 2 bytes, BLOCK_N]: byte p of a row holds inputs
+        # 2p (low nibble) and 2p + 1 (high), so the low nibbles multiply the even inputs and the
+        # high the odd ones, two products of BLOCK_K / 2 with no interleaving of decoded values.
+        half = tl.arange(0, BLOCK_K // 2)
+        x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
+        code_cols = code_base + cols[None, :].to(tl.int64) * stride_cn
+        exp_cols = exp_base + cols[None, :].to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:   # products summed over K in registers, reduced once at the end
-        partial = tl.zeros((BLOCK_M, BLOCK_K // 2, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        byte = k0 // 2 + half
-        packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
-        # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached).
-        exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
-        # 2^(byte - 127) as float32 bits: the byte is the exponent field (ue8m0 writes 1..254 here).
-        scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-        w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
-        w_odd = _e2m1(packed >> 4) * scale
-        a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
-        a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
-        if USE_DOT:
+        for k0 in range(0, K, BLOCK_K):
+            byte = k0 // 2 + half
+            packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
+            # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached).
+            exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
+            # 2^(byte - 127) as float32 bits: the byte is the exponent field (ue8m0 writes 1..254).
+            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
+            w_odd = _e2m1(packed >> 4) * scale
+            a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
+            a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
             if IEEE:
                 acc += tl.dot(a_even, w_even, input_precision="ieee")
                 acc += tl.dot(a_odd, w_odd, input_precision="ieee")
             else:
                 acc += tl.dot(a_even, w_even.to(a_even.dtype))
                 acc += tl.dot(a_odd, w_odd.to(a_odd.dtype))
-        else:
-            partial += a_even.to(tl.float32)[:, :, None] * w_even[None, :, :]
-            partial += a_odd.to(tl.float32)[:, :, None] * w_odd[None, :, :]
-    if not USE_DOT:
-        acc = tl.sum(partial, axis=1)
+    else:
+        # One row (BLOCK_M == 1): a GEMV. The codes are read as [groups, G / 2 bytes, BLOCK_N], so
+        # a group's exponent is loaded once and multiplies its partial sum, and the products are
+        # summed in registers and reduced once at the end.
+        g = tl.arange(0, BLOCK_K // GROUP)[:, None, None]
+        j = tl.arange(0, GROUP // 2)[None, :, None]
+        c3 = cols[None, None, :].to(tl.int64)
+        ok3 = col_ok[None, None, :]
+        x_row = x_ptr + row_start.to(tl.int64) * stride_xm
+        one_row = row_start < row_end
+        partial = tl.zeros((BLOCK_K // GROUP, GROUP // 2, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            byte = k0 // 2 + g * (GROUP // 2) + j                           # [groups, G / 2, 1]
+            packed = tl.load(code_base + c3 * stride_cn + byte, mask=ok3, other=0).to(tl.int32)
+            exps = tl.load(exp_base + c3 * stride_sn + k0 // GROUP + g, mask=ok3, other=127)
+            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # [groups, 1, BLOCK_N]
+            a_even = tl.load(x_row + 2 * byte, mask=one_row, other=0.0).to(tl.float32)
+            a_odd = tl.load(x_row + 2 * byte + 1, mask=one_row, other=0.0).to(tl.float32)
+            partial += (a_even * _e2m1(packed & 0xF) + a_odd * _e2m1(packed >> 4)) * scale
+        acc = tl.sum(tl.sum(partial, axis=1), axis=0)[None, :]
     out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 class TileConfig(NamedTuple):
     """One launch's tiling: BLOCK_M rows of one expert share a decoded weight tile of BLOCK_N
-    outputs x BLOCK_K inputs; `dot`: the product on the tensor cores (BLOCK_M >= 16), else as
-    broadcast multiply-adds in float32 (a few rows an expert: a GEMV, nothing wasted on padding
-    rows to the tensor cores' 16)."""
+    outputs x BLOCK_K inputs; `dot`: the product on the tensor cores (BLOCK_M >= 16), else one
+    row (BLOCK_M 1) as float32 multiply-adds, a GEMV (batch-1 decode: every expert one row)."""
     block_m: int
     block_n: int
     block_k: int
@@ -128,15 +141,15 @@ class TileConfig(NamedTuple):
 
 def default_config(rows: int, num_experts: int) -> TileConfig:
     """The tiling for `rows` rows over `num_experts` experts, from the shapes alone (a CUDA graph
-    replays one launch whatever the routing): by the rows an expert with rows has on average."""
+    replays one launch whatever the routing): by the rows an expert with rows has on average.
+    The tiles are the fastest of benchmarks/fp4_moe_tune.py on an H100 (2026-12-07) at V4-Flash's
+    expert shapes for 1, 64 and 8192 tokens (docs/benchmarks/history/2026-12-07.md)."""
     per_expert = rows / max(1, min(num_experts, rows))
     if per_expert <= 1:      # batch-1 decode: every expert one row
-        return TileConfig(1, 32, 256, dot=False)
-    if per_expert < 8:       # decode batches
-        return TileConfig(4, 32, 64, dot=False)
-    if per_expert < 64:
-        return TileConfig(16, 64, 128, dot=True)
-    return TileConfig(128, 128, 128, dot=True, num_warps=8)
+        return TileConfig(1, 16, 1024, dot=False)
+    if per_expert < 64:      # decode batches
+        return TileConfig(16, 128, 64, dot=True, num_stages=4)
+    return TileConfig(128, 128, 64, dot=True, num_warps=8)
 
 
 class ExpertTiles(NamedTuple):
@@ -167,6 +180,8 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
     # The K block shrinks to a power of two dividing K (small models' experts); it must still hold
     # whole scale groups.
     config = config._replace(block_k=math.gcd(config.block_k, k))
+    if not config.dot and config.block_m != 1:
+        raise ValueError(f"fp4_grouped_mm: a tiling without dots takes one row a tile, not {config.block_m}")
     if packed_k * 2 != k or config.block_k % group or config.block_k < 32:
         raise ValueError(f"fp4_grouped_mm: inputs {k} must be twice the codes' {packed_k} and have a "
                          f"power-of-two divisor of at least 32 holding whole scale groups of {group}")

@@ -23,6 +23,7 @@ from torch import nn
 
 from deepinfer.distributed import ParallelGroup, current_tp_group
 from deepinfer.layers.attention.metadata import current_backend
+from deepinfer.layers.linear import one_row_gemv
 from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
 from deepinfer.layers.quantization import fp4
 from deepinfer.models.deepseek_v4.config import V4Config
@@ -82,7 +83,11 @@ class Router(nn.Module):
         kernel where the forward's backend turns on fused_v4_ops (triton_router.py)."""
         if self.hashed and token_ids is None:
             raise ValueError("a hash-routed layer needs the token ids")
-        logits = F.linear(x, self.weight)
+        if one_row_gemv(x):   # batch-1 decode: the Triton GEMV, as the projections (linear.py)
+            from deepinfer.layers.fused.gemv import gemv
+            logits = gemv(x, self.weight)
+        else:
+            logits = F.linear(x, self.weight)
         if current_backend().fused_v4_ops:
             from deepinfer.models.deepseek_v4.triton_router import route
             return route(logits, self.func, self.top_k, self.scaling,
