@@ -8,7 +8,8 @@ the routed experts, gate/up (4096 -> 2 x 2048) and down (2048 -> 4096), is timed
 candidate tilings of fp4_moe_triton.TileConfig that suit that many rows an expert; each
 candidate's products are first checked against the dequantized weights' (a tiling that gives
 wrong products is reported, never timed). Beside them: the tiling the kernel picks by itself
-(default_config), torch._grouped_mm on the same experts in bf16, and the roofline (the bytes of
+(default_config), torch._grouped_mm on the same experts in bf16 (and, for the prefill, on them
+dequantized a chunk at a time: fp4_grouped_mm_dequantized, what moe.py runs there), and the roofline (the bytes of
 the experts with rows, codes and exponents / measured copy bandwidth). default_config's table is
 set from this script's output.
 """
@@ -51,7 +52,7 @@ def main() -> None:
     from gpu_reference_baseline import copy_bandwidth
 
     from deepinfer.layers.quantization import fp4
-    from deepinfer.layers.quantization.fp4_moe_triton import default_config, fp4_grouped_mm
+    from deepinfer.layers.quantization.fp4_moe_triton import default_config, fp4_grouped_mm, fp4_grouped_mm_dequantized
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -92,6 +93,8 @@ def main() -> None:
                     print(f"  {tokens} {name} {config}: {type(e).__name__}", flush=True)
                     continue
                 timed.append({"config": config._asdict(), "ms": ms, "default": config == chosen})
+            if rows >= 64 * EXPERTS:   # a prefill: also the bf16 grouped GEMMs over dequantized chunks (moe.py)
+                base["dequantized_ms"] = cuda_time(lambda: fp4_grouped_mm_dequantized(x, codes, exps, counts)) * 1e3
             timed.sort(key=lambda t: t["ms"])
             default_ms = next((t["ms"] for t in timed if t["default"]), None)
             row = {**base, "best_ms": timed[0]["ms"] if timed else None, "best": timed[0]["config"] if timed else None,
@@ -104,6 +107,7 @@ def main() -> None:
     print_table(result["rows"], [("tokens", "tokens", ""), ("product", "product", ""), ("experts_used", "experts", ""),
                                  ("best_ms", "best ms", ".4f"), ("default_ms", "default ms", ".4f"),
                                  ("roofline_ms", "roofline ms", ".4f"), ("bf16_ms", "bf16 ms", ".4f"),
+                                 ("dequantized_ms", "dequantized ms", ".4f"),
                                  ("best", "best tiling", "")])
     write_json(args.out, result)
 

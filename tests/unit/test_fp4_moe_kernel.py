@@ -95,3 +95,28 @@ def test_the_kernel_checks_itself_before_the_engine_relies_on_it():
     from deepinfer.layers.quantization.fp4_moe_triton import kernel_works
 
     assert kernel_works(torch.device(DEVICE), LOW)
+
+
+def test_dequantize_kernel_matches_the_reference():
+    from deepinfer.layers.quantization.fp4_moe_triton import dequantize
+
+    codes, exps = fp4.quantize(torch.randn(3, 24, 128, device=DEVICE), 32)
+    for dtype in (torch.float32, LOW):
+        torch.testing.assert_close(dequantize(codes, exps, dtype), fp4.dequantize(codes, exps, dtype), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm") or (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9),
+                    reason="no grouped GEMM here")
+def test_dequantized_grouped_product_matches_the_reference(monkeypatch):
+    """The prefill path: experts dequantized in chunks (two experts a chunk here, one of them
+    without rows) and multiplied by torch's grouped GEMM."""
+    from deepinfer.layers.quantization import fp4_moe_triton
+
+    counts = [7, 0, 0, 5, 9]
+    codes, exps = fp4.quantize(torch.randn(5, 64, 128, device=DEVICE), 32)
+    monkeypatch.setattr(fp4_moe_triton, "DEQUANTIZED_BYTES", 2 * 64 * 128 * 4)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x = torch.randn(sum(counts), 128, device=DEVICE).to(dtype)
+    got = fp4_moe_triton.fp4_grouped_mm_dequantized(x, codes, exps, torch.tensor(counts, device=DEVICE))
+    tol = {"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), reference(x, codes, exps, counts), **tol)

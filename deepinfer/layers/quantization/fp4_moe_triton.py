@@ -200,6 +200,59 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
     return out
 
 
+@triton.jit
+def _dequantize_kernel(codes_ptr, exps_ptr, out_ptr, packed_k, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    byte = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = byte < packed_k
+    packed = tl.load(codes_ptr + row * packed_k + byte, mask=ok, other=0).to(tl.int32)
+    exps = tl.load(exps_ptr + row * (2 * packed_k // GROUP) + byte // (GROUP // 2), mask=ok, other=127)
+    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    kind = out_ptr.dtype.element_ty
+    tl.store(out_ptr + row * 2 * packed_k + 2 * byte, (_e2m1(packed & 0xF) * scale).to(kind), mask=ok)
+    tl.store(out_ptr + row * 2 * packed_k + 2 * byte + 1, (_e2m1(packed >> 4) * scale).to(kind), mask=ok)
+
+
+def dequantize(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp4.dequantize in one kernel: codes uint8 [..., N, K/2], exponents [..., N, K/G] -> [..., N, K]."""
+    *lead, n, packed_k = codes.shape
+    group = 2 * packed_k // exponents.shape[-1]
+    out = torch.empty(*lead, n, 2 * packed_k, dtype=dtype, device=codes.device)
+    rows = out.numel() // max(1, 2 * packed_k)
+    if rows:
+        _dequantize_kernel[(rows, triton.cdiv(packed_k, 1024))](codes.contiguous(), exponents.contiguous(), out,
+                                                                packed_k, GROUP=group, BLOCK=1024)
+    return out
+
+
+# Experts dequantized at once for a prefill's grouped product: the scratch it takes.
+DEQUANTIZED_BYTES = 1 << 30
+
+
+def fp4_grouped_mm_dequantized(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor,
+                               counts: torch.Tensor) -> torch.Tensor:
+    """fp4_grouped_mm for many rows an expert (a prefill), as bf16 grouped GEMMs on the tensor
+    cores: the experts dequantized a chunk of DEQUANTIZED_BYTES at a time (dequantize) and
+    multiplied by torch._grouped_mm. The kernel above decodes each weight once per 128-row tile and
+    stays far below the tensor cores there (benchmarks/fp4_moe_tune.py); decoding once a product
+    costs a write and a read of the bf16 weight instead. Reads the counts on the host: not for
+    CUDA graphs (prefill runs eagerly)."""
+    num_experts, n, packed_k = codes.shape
+    per_expert = n * packed_k * 2 * x.element_size()
+    chunk = max(1, DEQUANTIZED_BYTES // per_expert)
+    ends = counts.cumsum(0).tolist()
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for first in range(0, num_experts, chunk):
+        last = min(first + chunk, num_experts)
+        lo, hi = (ends[first - 1] if first else 0), ends[last - 1]
+        if hi == lo:
+            continue
+        weights = dequantize(codes[first:last], exponents[first:last], x.dtype)
+        offs = counts[first:last].cumsum(0).to(torch.int32)
+        out[lo:hi] = torch._grouped_mm(x[lo:hi], weights.transpose(1, 2), offs=offs)
+    return out
+
+
 def kernel_works(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether the kernel compiles on this device and matches the dequantized reference on a
     small product (activations in `dtype`, three experts, one without rows): asked once a device

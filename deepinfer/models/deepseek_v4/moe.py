@@ -103,6 +103,12 @@ class Router(nn.Module):
         return ids, w * self.scaling
 
 
+# FP4 experts whose tiling takes this many rows an expert (a prefill) run as bf16 grouped GEMMs
+# over dequantized chunks (fp4_moe_triton.fp4_grouped_mm_dequantized): at 8192 tokens the FP4
+# kernel took 10x bf16's grouped GEMM on the H100 (benchmarks/fp4_moe_tune.py).
+PREFILL_ROWS = 128
+
+
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """Where torch's grouped GEMM runs: the CPU (any float dtype), CUDA in bf16 on Hopper or later."""
     if not hasattr(torch, "_grouped_mm"):
@@ -240,14 +246,21 @@ class RoutedExperts(nn.Module):
             gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
             y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
         else:
-            from deepinfer.layers.quantization.fp4_moe_triton import default_config, expert_tiles, fp4_grouped_mm
+            from deepinfer.layers.quantization import fp4_moe_triton as kernels
 
-            config = default_config(flat.shape[0], counts.shape[0])
-            tiles = expert_tiles(counts, config.block_m)
-            gate, up = fp4_grouped_mm(x[token], self.gate_up_proj, self.gate_up_exps, counts, config,
-                                      tiles).chunk(2, dim=-1)
-            y = fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps, counts, config,
-                               tiles)
+            config = kernels.default_config(flat.shape[0], counts.shape[0])
+            if config.block_m >= PREFILL_ROWS and grouped_mm_supported(x) and not torch.cuda.is_current_stream_capturing():
+                # A prefill: bf16 grouped GEMMs over experts dequantized a chunk at a time.
+                gate, up = kernels.fp4_grouped_mm_dequantized(x[token], self.gate_up_proj, self.gate_up_exps,
+                                                              counts).chunk(2, dim=-1)
+                y = kernels.fp4_grouped_mm_dequantized(clamped_swiglu(gate, up, self.limit), self.down_proj,
+                                                       self.down_exps, counts)
+            else:
+                tiles = kernels.expert_tiles(counts, config.block_m)
+                gate, up = kernels.fp4_grouped_mm(x[token], self.gate_up_proj, self.gate_up_exps, counts, config,
+                                                  tiles).chunk(2, dim=-1)
+                y = kernels.fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps,
+                                           counts, config, tiles)
         y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
