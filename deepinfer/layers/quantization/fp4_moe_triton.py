@@ -142,8 +142,8 @@ class TileConfig(NamedTuple):
 def default_config(rows: int, num_experts: int) -> TileConfig:
     """The tiling for `rows` rows over `num_experts` experts, from the shapes alone (a CUDA graph
     replays one launch whatever the routing): by the rows an expert with rows has on average.
-    The tiles are the fastest of benchmarks/fp4_moe_tune.py on an H100 (2026-12-07) at V4-Flash's
-    expert shapes for 1, 64 and 8192 tokens (docs/benchmarks/history/2026-12-07.md)."""
+    The tiles are the fastest that benchmarks/fp4_moe_tune.py found at V4-Flash's expert shapes
+    (docs/benchmarks/design-measurements.md#fp4-expert-tiles)."""
     per_expert = rows / max(1, min(num_experts, rows))
     if per_expert <= 1:      # batch-1 decode: every expert one row
         return TileConfig(1, 16, 1024, dot=False)

@@ -104,8 +104,9 @@ class Router(nn.Module):
 
 
 # FP4 experts whose tiling takes this many rows an expert (a prefill) run as bf16 grouped GEMMs
-# over dequantized chunks (fp4_moe_triton.fp4_grouped_mm_dequantized): at 8192 tokens the FP4
-# kernel took 10x bf16's grouped GEMM on the H100 (benchmarks/fp4_moe_tune.py).
+# over dequantized chunks (fp4_moe_triton.fp4_grouped_mm_dequantized): there the FP4 kernel's
+# tensor-core tiles are far slower than bf16's grouped GEMM
+# (docs/benchmarks/design-measurements.md#fp4-expert-tiles).
 PREFILL_ROWS = 128
 
 

@@ -14,7 +14,8 @@ than any other part of a V4 decode step. Here, per compressor and step:
   ring   one program a token: its projections into its request's ring row, once pool and tails
          have read the ring (the stream orders the launches).
 A program whose row does nothing (no block completed, below the write floor) writes nothing where
-the reference writes into the null block; everything else is the reference's arithmetic in
+the reference writes into the null block (nor its output row: only a CUDA graph's rows, all of
+them, include such rows, and a graph step reads every compressed row from the pages); everything else is the reference's arithmetic in
 float32, rounded where the reference rounds (its pooled sum, its norm). The channels are read as
 even and odd halves so that the rope's pairs are in registers without a shuffle.
 """
@@ -66,6 +67,10 @@ def _pool_kernel(rows_ptr, pos_ptr, seg_start_ptr, seg_row_ptr, slot_ptr, chunk_
     i = tl.program_id(0)
     r = tl.load(rows_ptr + i).to(tl.int64)
     p = tl.load(pos_ptr + r).to(tl.int64)
+    if (p + 1) % RATE != 0:
+        # Completes no block: nothing to write. Only a CUDA graph's rows (every row) come here,
+        # and a graph's attention reads every compressed row from the pages, not this output.
+        return
     block = p // RATE
     seg_start = tl.load(seg_start_ptr + r)
     seg_row = tl.load(seg_row_ptr + r)
@@ -119,7 +124,7 @@ def _pool_kernel(rows_ptr, pos_ptr, seg_start_ptr, seg_row_ptr, slot_ptr, chunk_
     tl.store(out_ptr + i * D + 2 * pair, even.to(kind), mask=pair_ok)
     tl.store(out_ptr + i * D + 2 * pair + 1, odd.to(kind), mask=pair_ok)
     kept = (tl.load(write_floor_ptr + r) + RATE - 1) // RATE
-    if ((p + 1) % RATE == 0) & (block >= kept):
+    if block >= kept:
         page = tl.minimum(block // per_page, table_width - 1)
         target = tl.load(table_ptr + tl.load(chunk_ptr + r).to(tl.int64) * stride_table + page).to(tl.int64)
         dst = cache_ptr + (target * page_rows + block % per_page) * stride_cache
