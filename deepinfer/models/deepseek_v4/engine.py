@@ -203,6 +203,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         attend_fn = attend_paged
         if meta.backend.kernels:   # Triton: one launch per layer over the step (paged_kernels.py)
             from deepinfer.models.deepseek_v4.paged_kernels import attend_paged_kernels as attend_fn
+            meta.rope.clear()   # this forward's rope tables (step_metadata.rope_tables)
         for i, (layer, kv) in enumerate(zip(self.model.layers, self.layer_kv)):
             attend = lambda h, layer=layer, kv=kv, i=i: attend_fn(layer.self_attn, h[0], positions, meta, kv, i)[None]
             streams = layer.run(streams, attend, ids)

@@ -38,11 +38,23 @@ class V4KernelMetadata(V4Metadata):
     host_pos: np.ndarray | None = None        # positions (None: a graph's metadata)
     chunk_starts: np.ndarray | None = None    # each chunk's first position
     cached: dict = field(default_factory=dict)   # what the step's layers ask, computed once
+    # The step positions' rope cos / sin per rotary setting: filled during one forward, emptied by
+    # the model at the start of each (a graph's warm-up and its capture must each compute them).
+    rope: dict = field(default_factory=dict)
 
     def window_low(self, window: int) -> torch.Tensor:
         """[T] each token's first window key position."""
         return self._once(("low", window), lambda: torch.maximum(
             torch.clamp_min(self.tok_pos - (window - 1), 0), self.tok_floor).to(torch.int32).contiguous())
+
+    def rope_tables(self, rotary, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """triton_rope.cos_sin of the step's positions for `rotary`, once a forward."""
+        from deepinfer.models.deepseek_v4.triton_rope import cos_sin
+
+        key = id(rotary)
+        if key not in self.rope or self.rope[key][0] is not positions:
+            self.rope[key] = (positions, cos_sin(positions, rotary.inv_freq))
+        return self.rope[key][1]
 
     def _once(self, key, make):
         if key not in self.cached:

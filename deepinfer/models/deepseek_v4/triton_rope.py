@@ -53,9 +53,10 @@ def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tens
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, rope_dim: int,
-           inverse: bool = False) -> torch.Tensor:
+           inverse: bool = False, tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """rope.V4Rotary.rotate: x [..., tokens, heads, dim] with positions [tokens] -> a new tensor,
-    x's shape and dtype, its last rope_dim channels turned (back, with inverse)."""
+    x's shape and dtype, its last rope_dim channels turned (back, with inverse). tables: the
+    positions' cos_sin when the caller has them (one step's layers share them)."""
     *lead, heads, dim = x.shape
     half, nope = rope_dim // 2, dim - rope_dim
     if half & (half - 1):
@@ -64,7 +65,7 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sca
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cos, sin = cos_sin(positions, inv_freq)
+    cos, sin = tables if tables is not None else cos_sin(positions, inv_freq)
     if rows.shape[0]:
         _rope_kernel[(rows.shape[0], triton.cdiv(heads, BLOCK_HEADS))](
             rows, cos, sin, out, heads, cos.shape[0], scale, rows.stride(0), rows.stride(1),
