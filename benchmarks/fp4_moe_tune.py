@@ -52,7 +52,11 @@ def main() -> None:
     from gpu_reference_baseline import copy_bandwidth
 
     from deepinfer.layers.quantization import fp4
-    from deepinfer.layers.quantization.fp4_moe_triton import default_config, fp4_grouped_mm, fp4_grouped_mm_dequantized
+    from deepinfer.layers.quantization.fp4_moe_triton import (
+        default_config,
+        fp4_grouped_mm,
+        fp4_grouped_mm_dequantized,
+    )
 
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -70,7 +74,7 @@ def main() -> None:
         counts = torch.bincount(ids, minlength=EXPERTS)
         rows, used = tokens * TOP_K, int((counts > 0).sum())
         offs = counts.cumsum(0).to(torch.int32)
-        for name, (n, k) in products.items():
+        for name, (_, k) in products.items():
             dense, codes, exps = weights[name]
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
             check = slice(0, int(counts[0]) + int(counts[1]))   # the first two experts' rows

@@ -16,6 +16,10 @@ import torch
 
 from tests.triton_support import DEVICE, INTERPRETED  # skips this module without a way to run Triton
 
+LOW = torch.float16 if INTERPRETED else torch.bfloat16
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), LOW: dict(atol=2e-2, rtol=2e-2)}
+
+# The kernel modules import triton: only after the skip above.
 from deepinfer.layers.fused.activation import gated_act  # noqa: E402
 from deepinfer.layers.fused.rms_norm import rms_norm  # noqa: E402
 from deepinfer.models.deepseek_v4 import triton_hyper, triton_rope, triton_router  # noqa: E402
@@ -23,9 +27,6 @@ from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead  # noq
 from deepinfer.models.deepseek_v4.moe import Router, clamped_swiglu  # noqa: E402
 from deepinfer.models.deepseek_v4.norm import V4RMSNorm, unit_rms  # noqa: E402
 from deepinfer.models.deepseek_v4.rope import V4Rotary  # noqa: E402
-
-LOW = torch.float16 if INTERPRETED else torch.bfloat16
-TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), LOW: dict(atol=2e-2, rtol=2e-2)}
 
 
 def randomized(module: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -118,8 +119,8 @@ def test_router_matches_its_reference(func, hashed):
         else:
             router.e_score_correction_bias.copy_(torch.randn(40, generator=g) * 0.1)
     router = router.to(DEVICE)
-    x = torch.randn(9, 24, device=DEVICE)
-    token_ids = torch.randint(0, 50, (9,), device=DEVICE)
+    x = torch.randn(9, 24, generator=g).to(DEVICE)
+    token_ids = torch.randint(0, 50, (9,), generator=g).to(DEVICE)
     want_ids, want_w = router(x, token_ids)
     logits = torch.nn.functional.linear(x, router.weight)
     ids, w = triton_router.route(logits, func, 6, 1.5, None if hashed else router.e_score_correction_bias,

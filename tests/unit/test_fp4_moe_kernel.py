@@ -105,8 +105,10 @@ def test_dequantize_kernel_matches_the_reference():
         torch.testing.assert_close(dequantize(codes, exps, dtype), fp4.dequantize(codes, exps, dtype), atol=0, rtol=0)
 
 
-@pytest.mark.skipif(not hasattr(torch, "_grouped_mm") or (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9),
-                    reason="no grouped GEMM here")
+NO_GROUPED_MM = not hasattr(torch, "_grouped_mm") or (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9)
+
+
+@pytest.mark.skipif(NO_GROUPED_MM, reason="no grouped GEMM here")
 def test_dequantized_grouped_product_matches_the_reference(monkeypatch):
     """The prefill path: experts dequantized in chunks (two experts a chunk here, one of them
     without rows) and multiplied by torch's grouped GEMM."""

@@ -20,10 +20,11 @@ depends on values, so the kernel is CUDA-graph safe.
 FP8 weights (layers/quantization/fp8.py) are read as they are stored, a byte a weight: with one
 scale per output channel (`quantization="fp8"`) the row sums are scaled once at the end; with
 128 x 128 block scales (DeepSeek-V4's format) a program's rows share their block row, so the
-scales multiply the strip of x instead of every weight. The activations stay in their dtype (no FP8 rounding of x), so the product is the
-dequantized weight's, as the reference path computes it.
+scales multiply the strip of x instead of every weight. The activations stay in their dtype (no
+FP8 rounding of x), so the product is the dequantized weight's, as the reference path computes it.
 
-The reference is F.linear (on the dequantized weight for FP8); tests/unit/test_gemv.py compares the two.
+The reference is F.linear (on the dequantized weight for FP8); tests/unit/test_gemv.py compares
+the two.
 """
 
 from __future__ import annotations

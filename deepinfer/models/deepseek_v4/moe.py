@@ -250,7 +250,8 @@ class RoutedExperts(nn.Module):
             from deepinfer.layers.quantization import fp4_moe_triton as kernels
 
             config = kernels.default_config(flat.shape[0], counts.shape[0])
-            if config.block_m >= PREFILL_ROWS and grouped_mm_supported(x) and not torch.cuda.is_current_stream_capturing():
+            prefill = config.block_m >= PREFILL_ROWS and not torch.cuda.is_current_stream_capturing()
+            if prefill and grouped_mm_supported(x):
                 # A prefill: bf16 grouped GEMMs over experts dequantized a chunk at a time.
                 gate, up = kernels.fp4_grouped_mm_dequantized(x[token], self.gate_up_proj, self.gate_up_exps,
                                                               counts).chunk(2, dim=-1)

@@ -101,7 +101,7 @@ def attend_paged_kernels(attn: V4Attention, x: torch.Tensor, positions: torch.Te
     tables = meta.rope_tables(attn.rotary, positions)
     q = attn.rotary.rotate(unit_rms(q, attn.eps), positions, tables=tables)[0].contiguous()
     kv_rows = attn.kv_norm(attn.kv_proj(x))[None, :, None]
-    kv_rows = attn.rotary.rotate(kv_rows, positions, tables=tables)[0, :, 0]                      # [T, D]
+    kv_rows = attn.rotary.rotate(kv_rows, positions, tables=tables)[0, :, 0]       # [T, D]
     # Every token's row first: the kernel reads the whole window from the pages (the reference
     # writes the same rows after its chunk; a chunk never reads another chunk's new positions).
     window_cache = meta.kv_caches[meta.layer_to_slot[kv.window]][0]
@@ -114,7 +114,8 @@ def attend_paged_kernels(attn: V4Attention, x: torch.Tensor, positions: torch.Te
             indexer = attn.compressor.indexer
             keys = _compress(indexer, x, meta, kv.index, (layer, "indexer"))
             qi = indexer.q_b_proj(q_residual).view(1, tokens, indexer.heads, indexer.dim)
-            qi = indexer.rotary.rotate(qi, positions, tables=meta.rope_tables(indexer.rotary, positions))[0].contiguous()
+            qi_tables = meta.rope_tables(indexer.rotary, positions)
+            qi = indexer.rotary.rotate(qi, positions, tables=qi_tables)[0].contiguous()
             weights = (indexer.scorer.weights_proj(x).float() * indexer.heads ** -0.5).contiguous()
             scores = index_scores(qi, weights, meta.tok_chunk, meta.tok_pos, keys, keys["max_rows"])
             picks = select_topk(scores, indexer.topk)

@@ -15,9 +15,10 @@ than any other part of a V4 decode step. Here, per compressor and step:
          have read the ring (the stream orders the launches).
 A program whose row does nothing (no block completed, below the write floor) writes nothing where
 the reference writes into the null block (nor its output row: only a CUDA graph's rows, all of
-them, include such rows, and a graph step reads every compressed row from the pages); everything else is the reference's arithmetic in
-float32, rounded where the reference rounds (its pooled sum, its norm). The channels are read as
-even and odd halves so that the rope's pairs are in registers without a shuffle.
+them, include such rows, and a graph step reads every compressed row from the pages); everything
+else is the reference's arithmetic in float32, rounded where the reference rounds (its pooled sum,
+its norm). The channels are read as even and odd halves so that the rope's pairs are in registers
+without a shuffle.
 """
 
 from __future__ import annotations
@@ -49,12 +50,13 @@ def _slots(kv_ptr, gate_ptr, ring_kv_ptr, ring_gate_ptr, bias_ptr, q, in_step, s
 
 
 @triton.jit
-def _online_pool(m, l, acc, kv, g):
-    """One chunk of slots [S, C] into the running per-channel softmax (max m, sum l) and weighted sum acc."""
+def _online_pool(m, total, acc, kv, g):
+    """One chunk of slots [S, C] into the running per-channel softmax (max m, sum of weights
+    total) and weighted sum acc."""
     m_new = tl.maximum(m, tl.max(g, axis=0))
     alpha = tl.exp(m - m_new)
     w = tl.exp(g - m_new[None, :])
-    return m_new, l * alpha + tl.sum(w, axis=0), acc * alpha + tl.sum(w * kv, axis=0)
+    return m_new, total * alpha + tl.sum(w, axis=0), acc * alpha + tl.sum(w * kv, axis=0)
 
 
 @triton.jit

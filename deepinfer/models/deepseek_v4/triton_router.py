@@ -19,6 +19,14 @@ FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
 @triton.jit
+def _log1p(u):
+    """log(1 + u) to float32's precision for small u too (Triton has no log1p): w = 1 + u rounds
+    u, and log(w) * u / (w - 1) corrects for that rounding; where w rounds to 1 the answer is u."""
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * u / (w - 1.0))
+
+
+@triton.jit
 def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, ids_ptr, weights_ptr, experts, scaling,
                   stride_logits, FUNC: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                   HASHED: tl.constexpr):
@@ -27,7 +35,7 @@ def _route_kernel(logits_ptr, bias_ptr, table_ptr, token_ids_ptr, ids_ptr, weigh
     ok = e < experts
     logits = tl.load(logits_ptr + t * stride_logits + e, mask=ok, other=0.0).to(tl.float32)
     if FUNC == 0:   # softplus as torch's: x above 20 stays x
-        scores = tl.sqrt(tl.where(logits > 20.0, logits, tl.log(1.0 + tl.exp(logits))))
+        scores = tl.sqrt(tl.where(logits > 20.0, logits, _log1p(tl.exp(logits))))
     elif FUNC == 1:
         scores = tl.sigmoid(logits)
     else:
