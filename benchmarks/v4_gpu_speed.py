@@ -18,7 +18,10 @@ densely), on the same engine and weights, in one run (the routed experts run as 
                    does not use) / measured copy bandwidth
   prefill          one --prefill-token prompt, against the matmul floor: 2 x active parameters x
                    tokens / measured bf16 matmul rate (attention's FLOPs not counted: a floor)
-  decode batch N   --batch requests of 512 tokens decoding --steps tokens: output tokens / s
+  decode batch N   --batch requests of 512 tokens decoding --steps tokens: output tokens / s,
+                   against its floor: the weights the batch's tokens route to (expected, random
+                   routing) read once a step at the copy bandwidth, or its products at the
+                   matmul rate, whichever is slower
 then the Triton path's speed-up over the reference, and (CUDA, flash shape) the kernels alone at
 these shapes (v4_kernel_times.py: one layer's attention and indexer, in ms).
 --profile (CUDA) adds, per mode, the GPU kernels of a batch-1 decode step and of the prefill
@@ -102,9 +105,11 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def active_bytes(model) -> int:
-    """Weight bytes one token reads, in the formats held (scales and exponents included): all
-    but the routed experts it is not routed to."""
+def active_bytes(model, tokens: int = 1) -> int:
+    """Weight bytes a step of `tokens` tokens reads, in the formats held (scales and exponents
+    included): all but the routed experts none of its tokens is routed to. One token reads k of
+    E experts; `tokens` tokens routed uniformly at random read E * (1 - (1 - k / E) ^ tokens) of
+    them on average (the benchmark's random weights and hash tables spread them so)."""
     import torch
 
     from deepinfer.models.deepseek_v4.moe import RoutedExperts
@@ -112,10 +117,12 @@ def active_bytes(model) -> int:
     total = _nbytes(model.parameters()) + _nbytes(getattr(m, name) for m in model.modules()
                                                   for name in ("weight_scale", "gate_up_exps", "down_exps")
                                                   if isinstance(getattr(m, name, None), torch.Tensor))
+    k = model.cfg.experts_per_token
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             held = _nbytes([module.gate_up_proj, module.down_proj, module.gate_up_exps, module.down_exps])
-            total -= held * (module.num_local - model.cfg.experts_per_token) // module.num_local
+            used = module.num_local * (1 - (1 - k / module.num_local) ** tokens)
+            total -= round(held * (module.num_local - used) / module.num_local)
     return total
 
 
@@ -265,6 +272,12 @@ def main() -> None:
             if cuda:   # every token's active products at the bf16 matmul rate: a floor
                 row["offline_floor_s"] = 2 * active_params(model) * args.offline * (1024 + 256) / flops
         if cuda:
+            # Batch decode's floor: each step reads the weights its tokens use (the KV, small
+            # beside them at 512 tokens, not counted), or multiplies them at the matmul rate.
+            step_floor = max(active_bytes(model, args.batch) / bandwidth,
+                             2 * active_params(model) * args.batch / flops)
+            row["decode_batch_floor_tok_s"] = args.batch / step_floor
+            row["decode_batch_fraction_of_floor"] = row["decode_batch_tok_s"] / row["decode_batch_floor_tok_s"]
             row["roofline_step_ms"] = weights / bandwidth * 1e3
             row["decode_fraction_of_roofline"] = row["roofline_step_ms"] / row["decode_b1_step_ms"]
             row["prefill_floor_ms"] = 2 * active_params(model) * args.prefill / flops * 1e3
@@ -298,6 +311,7 @@ def main() -> None:
                 [("mode", "attention", ""), ("decode_b1_step_ms", "b1 step ms", ".2f"),
                  ("roofline_step_ms", "roofline ms", ".2f"), ("prefill_ms", f"prefill {args.prefill} ms", ".0f"),
                  ("prefill_floor_ms", "floor ms", ".1f"), ("decode_batch_tok_s", f"batch {args.batch} tok/s", ".1f"),
+                 ("decode_batch_floor_tok_s", "floor tok/s", ".0f"),
                  ("offline_s", f"offline {args.offline} s", ".1f"), ("offline_floor_s", "floor s", ".1f")])
     write_json(args.out, result)
     torch.cuda.empty_cache() if cuda else None
