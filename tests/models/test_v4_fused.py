@@ -61,6 +61,15 @@ def test_hyper_head_matches_its_reference(dtype):
     torch.testing.assert_close(got.float(), head(x).float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+def test_hyper_mixing_of_a_long_step(dtype):
+    """A prefill-sized step (the mixing's tall token blocks, 16-bit streams through TF32x3 dots)."""
+    hc = randomized(HyperConnection(32, 4, iters=20, eps=1e-6, norm_eps=1e-6), 5)
+    x = torch.randn(1, triton_hyper.LONG_STEP + 3, 4, 32, device=DEVICE).to(dtype)
+    for g, w in zip(triton_hyper.hc_pre(x, hc.fn, hc.base, hc.scale, hc.eps, hc.norm_eps, hc.iters), hc(x)):
+        torch.testing.assert_close(g.float(), w.float(), **TOL[dtype])
+
+
 def test_hyper_mixing_splits_long_rows():
     """Rows of 4 x 4096 inputs: the projection split over many programs, summed back."""
     hc = randomized(HyperConnection(4096, 4, iters=20, eps=1e-6, norm_eps=1e-6), 0)

@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 
 BLOCK_T = 16        # tokens a mixing program takes (a tensor-core dot needs 16 rows)
+BLOCK_T_LONG = 64   # ... from LONG_STEP tokens on (a prefill): fn is re-read once a block of tokens
+LONG_STEP = 1024
 BLOCK_K = 64        # inputs a mixing program takes per iteration
 BLOCK_H = 512       # hidden channels a finish / merge program takes
 TARGET_PROGRAMS = 256   # the mixing split over the inputs aims at this many programs
@@ -31,7 +33,7 @@ TARGET_PROGRAMS = 256   # the mixing split over the inputs aims at this many pro
 
 @triton.jit
 def _hc_mixes_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, M, CHUNK, stride_xt, stride_fn,
-                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, IEEE: tl.constexpr):
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -46,7 +48,10 @@ def _hc_mixes_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, M, CHUNK, stride_xt,
                     mask=token_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + outs[None, :] * stride_fn + ks[:, None], mask=k_ok[:, None] & (outs < M)[None, :],
                     other=0.0)
-        acc += tl.dot(x, w, input_precision="ieee")
+        if IEEE:   # float32 streams: exact products
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:      # 16-bit streams: three TF32 products, float32's accuracy on the tensor cores
+            acc += tl.dot(x, w, input_precision="tf32x3")
         ss += tl.sum(x * x, axis=1)
     part = part_ptr + (tokens[:, None].to(tl.int64) * splits + split) * M_PAD + outs[None, :]
     tl.store(part, acc, mask=token_ok[:, None])
@@ -142,7 +147,8 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Ten
     tokens, n, hidden = rows.shape
     k, m = n * hidden, fn.shape[0]
     m_pad = max(16, triton.next_power_of_2(m))
-    t_blocks = triton.cdiv(tokens, BLOCK_T)
+    block_t = BLOCK_T_LONG if tokens >= LONG_STEP else BLOCK_T
+    t_blocks = triton.cdiv(tokens, block_t)
     splits = max(1, min(triton.cdiv(k, BLOCK_K), triton.cdiv(TARGET_PROGRAMS, t_blocks)))
     chunk = triton.cdiv(triton.cdiv(k, splits), BLOCK_K) * BLOCK_K
     splits = triton.cdiv(k, chunk)
@@ -154,7 +160,8 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Ten
     if tokens:
         fn = fn.contiguous()
         _hc_mixes_kernel[(t_blocks, splits)](rows, fn, part, ss, tokens, k, m, chunk, rows.stride(0), fn.stride(0),
-                                             BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, M_PAD=m_pad)
+                                             BLOCK_T=block_t, BLOCK_K=BLOCK_K, M_PAD=m_pad,
+                                             IEEE=x.dtype == torch.float32)
         _hc_finish_kernel[(tokens, triton.cdiv(hidden, BLOCK_H))](
             rows, part, ss, base, scale, block_in, post, comb, splits, k, hidden, eps, norm_eps,
             rows.stride(0), rows.stride(1), N=n, N_PAD=triton.next_power_of_2(n), M_PAD=m_pad,
