@@ -19,7 +19,7 @@ if torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES, ids=[f"{d}-{str(t)[6:]}" for d, t in DEVICES])
-@pytest.mark.parametrize("tokens", [1, 7, 130])
+@pytest.mark.parametrize("tokens", [1, 7, 130, 2100])   # 2100 x 2 picks: combined by a gather
 def test_grouped_experts_match_the_loop(device, dtype, tokens):
     cfg = V4Config.from_hf(make_config("r4_16").to_dict())
     g = torch.Generator().manual_seed(tokens)

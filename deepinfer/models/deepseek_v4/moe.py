@@ -108,6 +108,9 @@ class Router(nn.Module):
 # tensor-core tiles are far slower than bf16's grouped GEMM
 # (docs/benchmarks/design-measurements.md#fp4-expert-tiles).
 PREFILL_ROWS = 128
+# From this many (token, pick) rows on (a prefill), the experts' outputs are combined per token by
+# a gather and a sum instead of index_add_ (RoutedExperts.forward_grouped).
+GATHER_COMBINE_ROWS = 4096
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -263,6 +266,13 @@ class RoutedExperts(nn.Module):
                                                   tiles).chunk(2, dim=-1)
                 y = kernels.fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps,
                                            counts, config, tiles)
+        if flat.shape[0] >= GATHER_COMBINE_ROWS:
+            # Each token's k rows back in slot order, weighted and summed: a gather and a sum,
+            # where index_add_'s atomic adds of 16-bit rows were slow at a prefill's size.
+            slot_order = torch.empty_like(order)
+            slot_order[order] = torch.arange(order.shape[0], device=order.device)
+            rows = y[slot_order].view(x.shape[0], k, -1)
+            return (rows * weights.to(rows.dtype)[..., None]).sum(dim=1).to(x.dtype)
         y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
 
