@@ -121,10 +121,11 @@ def _reference_attention(q, sinks, case, window, rate, picks):
 CHUNKS = [(37, 1, 0, 9), (70, 1, 0, 17), (0, 21, 0, 0), (45, 30, 40, 11), (20, 12, 12, 6)]
 
 
+@pytest.mark.parametrize("splits", [1, 3, 16], ids=["one-program", "keys-split-3", "keys-split-16"])
 @pytest.mark.parametrize("dtype", _dtypes(), ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("kind", ["sliding", "hca", "csa"])
-def test_sparse_attention_matches_reference(kind, seed, dtype):
+def test_sparse_attention_matches_reference(kind, seed, dtype, splits):
     from deepinfer.models.deepseek_v4.triton_attention import sparse_attention
 
     g = torch.Generator().manual_seed(seed)
@@ -137,7 +138,8 @@ def test_sparse_attention_matches_reference(kind, seed, dtype):
     lo = torch.maximum((case.tok_pos.cpu() - window + 1).clamp_min(0), case.tok_floor).to(torch.int32)
     out = sparse_attention(q.to(DEVICE), sinks.to(DEVICE), case.tok_chunk, case.tok_pos, lo.to(DEVICE),
                            case.win_cache, case.win_table, BS, None if kind == "sliding" else case.comp,
-                           None if picks is None else picks.to(DEVICE), block_n=16 if seed else 32)
+                           None if picks is None else picks.to(DEVICE), block_n=16 if seed else 32,
+                           splits=splits)
     ref = _reference_attention(q, sinks, case, window, rate, picks)
     torch.testing.assert_close(out.cpu().double(), ref, **_tol(dtype))
 
