@@ -48,6 +48,10 @@ for stage in "$@"; do
           --out "$OUT/v4_speed_${run%%:*}.json" ${V4_ARGS:-} || v4_rc=1
       done
       (exit $v4_rc) ;;
+    v4_full)   # full depth in V4's own formats, routed experts cut to fit (96 on an H100's 80 GB; V4_EXPERTS=160 on an H200)
+      timeout "${V4_FULL_TIMEOUT:-300}" python3 benchmarks/v4_gpu_speed.py --modes triton --layers 43 \
+        --routed-experts "${V4_EXPERTS:-96}" --quantization fp8 --steps 32 --prefill 2048 --batch 16 \
+        --out "$OUT/v4_full_depth.json" ${V4_FULL_ARGS:-} ;;
     kernels)
       timeout 90 python3 benchmarks/attention_kernels.py && timeout 60 python3 benchmarks/fused_kernels.py ;;
     structured)
@@ -67,7 +71,7 @@ for stage in "$@"; do
         --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
       (exit $swa_rc) ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, structured, spec, spec_replay, swa)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, structured, spec, spec_replay, swa)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
