@@ -1,9 +1,9 @@
 """DeepSeek-V4's fused ops on its Triton path against their PyTorch references: mHC's stream
 mixing (triton_hyper.py vs hyper.py), the rope (triton_rope.py vs rope.py), the two norms
 (layers/fused/rms_norm.py vs norm.py), the clamped SwiGLU (layers/fused/activation.py vs
-moe.py) and the router (triton_router.py vs moe.Router). Stream counts that are and are not powers of two, token
-counts around the kernels' blocks, float32 (to the summation order) and bf16 (within its
-rounding). The whole model on this path is checked against transformers by
+moe.py) and the router (triton_router.py vs moe.Router). Stream counts that are and are not
+powers of two, token counts around the kernels' blocks, float32 (to the summation order) and
+bf16 (within its rounding). The whole model on this path is checked against transformers by
 test_deepseek_v4_kernels.py. Runs on a GPU, or on the CPU under Triton's interpreter.
 """
 
