@@ -87,7 +87,7 @@ def test_rope_matches_its_reference(heads, dim, rope_dim, dtype, inverse):
     rotary = V4Rotary(rope_dim, params).to(DEVICE)
     x = torch.randn(1, 9, heads, dim, device=DEVICE).to(dtype)
     positions = torch.tensor([0, 1, 2, 7, 63, 64, 300, 4095, 70000], device=DEVICE)
-    got = triton_rope.rotate(x, positions, rotary.inv_freq, rotary.scale, rope_dim, inverse)
+    got = triton_rope.rotate(x, rotary.cos_sin(positions), inverse)
     want = rotary.rotate(x, positions, inverse)
     assert got.dtype == dtype
     if dtype == torch.float32:   # the same float32 ops (a GPU may fuse a product and a sum)

@@ -59,18 +59,20 @@ class V4Rotary(nn.Module):
         self.register_buffer("inv_freq", v4_inverse_frequencies(rope_dim, params), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., rope_dim / 2] of positions [...], times the attention factor."""
         angles = positions[..., None].float() * self.inv_freq
-        return angles.cos() * self.scale, angles.sin() * self.scale
+        cos, sin = angles.cos(), angles.sin()
+        return (cos, sin) if self.scale == 1.0 else (cos * self.scale, sin * self.scale)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False,
                tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [B, T, H, D] (H may be 1); positions [T], one per token, shared by the batch. Where
         the forward's backend turns on fused_rotary (V4's Triton path), one Triton kernel
-        (triton_rope.py) with this as its reference; `tables`, the positions' unscaled cos and
-        sin (triton_rope.cos_sin) when the caller has them, serve the kernel."""
+        (triton_rope.py) with this as its reference; `tables`, the positions' cos_sin when the
+        caller has them (a step's layers share them), serve the kernel."""
         if current_backend().fused_rotary:
             from deepinfer.models.deepseek_v4.triton_rope import rotate
-            return rotate(x, positions, self.inv_freq, self.scale, self.rope_dim, inverse, tables)
+            return rotate(x, tables if tables is not None else self.cos_sin(positions), inverse)
         cos, sin = self.cos_sin(positions)
         if inverse:
             sin = -sin

@@ -48,12 +48,10 @@ class V4KernelMetadata(V4Metadata):
             torch.clamp_min(self.tok_pos - (window - 1), 0), self.tok_floor).to(torch.int32).contiguous())
 
     def rope_tables(self, rotary, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """triton_rope.cos_sin of the step's positions for `rotary`, once a forward."""
-        from deepinfer.models.deepseek_v4.triton_rope import cos_sin
-
+        """rotary.cos_sin of the step's positions, once a forward."""
         key = id(rotary)
         if key not in self.rope or self.rope[key][0] is not positions:
-            self.rope[key] = (positions, cos_sin(positions, rotary.inv_freq))
+            self.rope[key] = (positions, rotary.cos_sin(positions))
         return self.rope[key][1]
 
     def _once(self, key, make):

@@ -27,8 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.models.deepseek_v4.triton_rope import cos_sin
-
 
 @triton.jit
 def _source(step_ptr, ring_ptr, q, in_step, step_row, ring_row, cols, stride, ok):
@@ -37,6 +35,14 @@ def _source(step_ptr, ring_ptr, q, in_step, step_row, ring_row, cols, stride, ok
     from_step = tl.load(step_ptr + step_row[:, None] * stride + cols, mask=ok & in_step[:, None], other=0.0)
     from_ring = tl.load(ring_ptr + ring_row[:, None] * stride + cols, mask=ok & ~in_step[:, None], other=0.0)
     return tl.where(in_step[:, None], from_step, from_ring).to(tl.float32)
+
+
+@triton.jit
+def _where_held(q, seg_start, seg_row, slot, length, num_tokens):
+    """Positions q of a request: (in this step, the step's row, the ring's row), each as q."""
+    in_step = q >= seg_start
+    step_row = tl.minimum(tl.maximum(seg_row + q - seg_start, 0), num_tokens - 1)
+    return in_step, step_row, slot * length + tl.maximum(q, 0) % length
 
 
 @triton.jit
@@ -93,9 +99,7 @@ def _pool_kernel(rows_ptr, pos_ptr, seg_start_ptr, seg_row_ptr, slot_ptr, chunk_
         # Overlap: slots < RATE are Ca (first D channels) of the block before, the rest Cb; no
         # overlap: every slot's D channels.
         half_off = tl.where(s >= RATE, D, 0)
-        in_step = q >= seg_start
-        step_row = tl.minimum(tl.maximum(seg_row + q - seg_start, 0), num_tokens - 1)
-        ring_row = slot * length + tl.maximum(q, 0) % length
+        in_step, step_row, ring_row = _where_held(q, seg_start, seg_row, slot, length, num_tokens)
         cols_even = half_off[:, None] + 2 * pair[None, :]
         ok = s_ok[:, None] & pair_ok[None, :]
         bias_row = (s % RATE)[:, None] * width
@@ -145,9 +149,8 @@ def _tails_kernel(rows_ptr, pos_ptr, seg_start_ptr, seg_row_ptr, slot_ptr, chunk
         seg_start = tl.load(seg_start_ptr + r)
         s = tl.arange(0, RATE)
         q = p + 1 - RATE + s
-        in_step = q >= seg_start
-        step_row = tl.minimum(tl.maximum(tl.load(seg_row_ptr + r) + q - seg_start, 0), num_tokens - 1)
-        ring_row = tl.load(slot_ptr + r) * length + tl.maximum(q, 0) % length
+        in_step, step_row, ring_row = _where_held(q, seg_start, tl.load(seg_row_ptr + r), tl.load(slot_ptr + r),
+                                                  length, num_tokens)
         cols = tl.arange(0, D_PAD)
         ok = (cols < D)[None, :]
         kv = _source(kv_ptr, ring_kv_ptr, q, in_step, step_row, ring_row, cols[None, :], width, ok)
@@ -194,10 +197,7 @@ def compress_step_fused(compressor, kv: torch.Tensor, gate: torch.Tensor, meta, 
     index = (meta.tok_pos, meta.seg_start, meta.seg_row, meta.tok_slot, meta.tok_chunk, meta.tok_write_floor)
     pooled = torch.empty(rows.shape[0], d, dtype=kv.dtype, device=kv.device)
     if rows.shape[0]:
-        block_pos = meta.tok_pos[rows] // rate * rate
-        cos, sin = cos_sin(block_pos, compressor.rotary.inv_freq)
-        scale = compressor.rotary.scale
-        cos, sin = (cos * scale, sin * scale) if scale != 1.0 else (cos, sin)
+        cos, sin = compressor.rotary.cos_sin(meta.tok_pos[rows] // rate * rate)
         _pool_kernel[(rows.shape[0],)](
             rows, *index, kv, gate, ring_kv, ring_gate, compressor.position_bias, compressor.kv_norm.weight,
             cos.contiguous(), sin.contiguous(), table, cache_rows, pooled,
