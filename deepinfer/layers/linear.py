@@ -142,8 +142,9 @@ def dense_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
 
 
 def one_row_gemv(x: torch.Tensor) -> bool:
-    """Whether x is one row on the CUDA fast path: its products run on the Triton GEMV."""
-    return x.dim() == 2 and x.shape[0] == 1 and current_backend().fused_gemv
+    """Whether x is one row on the CUDA fast path (any leading dims, all of size 1: a [1, 1, K]
+    batch-1 token is one row too): its products run on the Triton GEMV."""
+    return x.dim() >= 2 and x.numel() == x.shape[-1] and current_backend().fused_gemv
 
 
 class Linear(nn.Linear):
@@ -213,18 +214,17 @@ class Linear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), on the fastest copy of the weight for x's rows. A row-parallel
         layer passes no bias: it adds it once, after summing the ranks' products."""
-        if self.weight_scale is not None:
-            if one_row_gemv(x):   # the FP8 bytes read as stored, scaled in the GEMV (fused/gemv.py)
-                from deepinfer.layers.fused.gemv import gemv
-                return gemv(x, self.weight, bias, scale=self.weight_scale, block=self.weight_block)
-            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         if one_row_gemv(x):
             # One row on the CUDA fast path: the Triton GEMV, faster than cuBLAS on every matrix
             # timed. A first multi-row version lost to cuBLAS at two rows on most of Llama-3-8B's
             # matrices, so more rows stay on cuBLAS. Figures:
             # docs/benchmarks/design-measurements.md#gemv-one-row
+            # FP8 bytes are read as stored and scaled in the GEMV (fused/gemv.py).
             from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
-            return gemv(x, self.weight, bias)
+            y = gemv(x.reshape(1, -1), self.weight, bias, scale=self.weight_scale, block=self.weight_block)
+            return y.view(*x.shape[:-1], -1)
+        if self.weight_scale is not None:
+            return fp8.fp8_linear(x, self.weight, self.weight_scale, self.weight_block, bias)
         if x.dtype == torch.bfloat16 and x.dim() == 2:
             if self.int4_weight is not None and x.shape[0] <= INT4_MAX_ROWS:
                 y = int4_matmul(x, self.int4_weight, self.int4_scales_zeros)

@@ -98,7 +98,7 @@ class CausalLM(nn.Module):
                 return dense_matmul(hidden, self.head_packed, None).float()
         if one_row_gemv(hidden):   # as Linear.matmul
             from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
-            return gemv(hidden, self.head_weight()).float()
+            return gemv(hidden.reshape(1, -1), self.head_weight()).float().view(*hidden.shape[:-1], -1)
         return torch.nn.functional.linear(hidden, self.head_weight()).float()
 
     def head_weight(self) -> torch.Tensor:

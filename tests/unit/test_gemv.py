@@ -87,3 +87,32 @@ def test_fp8_weights_match_their_dequantized_product(n, k, blocks):
     want = F.linear(x.float(), fp8.dequantize(codes, scale, block, torch.float32))
     got = gemv(x, codes, scale=scale, block=block)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("groups,per,k", [(8, 64, 256), (2, 12, 129)])
+def test_grouped_weight_multiplies_each_group_by_its_own_row(groups, per, k):
+    """groups > 1 (DeepSeek-V4's block-diagonal output projection): group g's rows of the weight
+    times x[g] only, against the einsum of the reference path."""
+    torch.manual_seed(groups * k)
+    weight = torch.randn(groups * per, k, device=DEVICE)
+    x = torch.randn(groups, k, device=DEVICE)
+    want = torch.einsum("gi,goi->go", x, weight.view(groups, per, k)).reshape(1, -1)
+    got = gemv(x, weight, groups=groups, config=(4, 64, 2))
+    torch.testing.assert_close(got, want, **tol(torch.float32, k))
+    with pytest.raises(ValueError, match="a row per group"):
+        gemv(x[:1], weight, groups=groups)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter runs on NumPy, which has no float8")
+def test_grouped_fp8_blocks_match_their_dequantized_product():
+    """V4-Flash's wo_a shape (8 groups of 1024 rows over 4096 inputs) in FP8 128 x 128 blocks."""
+    from deepinfer.layers.quantization import fp8
+
+    torch.manual_seed(8)
+    groups, per, k = 8, 1024, 4096
+    codes, scale = fp8.quantize_blocks(torch.randn(groups * per, k, device=DEVICE) * 0.05, (128, 128))
+    x = torch.randn(groups, k, device=DEVICE).to(torch.bfloat16)
+    w = fp8.dequantize(codes, scale, (128, 128), torch.float32).view(groups, per, k)
+    want = torch.einsum("gi,goi->go", x.float(), w).reshape(1, -1)
+    got = gemv(x, codes, scale=scale, block=(128, 128), groups=groups)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

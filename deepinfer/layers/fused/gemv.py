@@ -39,7 +39,7 @@ from deepinfer.layers.fused import pdl_enabled, pdl_launch
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn, stride_sn,
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, N, K, stride_wn, stride_sn, rows_per_group, stride_xg,
     HAS_BIAS: tl.constexpr, SCALES: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -47,6 +47,9 @@ def _gemv_kernel(
     # SCALE_BLOCK block: BLOCK_N divides SCALE_BLOCK, so a program's rows share their block row
     # and the scales vary along K only; they multiply x (BLOCK_K values a strip), not W.
     scale_row = scale_ptr + (tl.program_id(0) * BLOCK_N // SCALE_BLOCK) * stride_sn
+    # Grouped (block-diagonal) weights: a program's rows all belong to one group, whose own row
+    # of x they multiply (rows_per_group = N and group 0 for a plain product).
+    x_ptr += (tl.program_id(0) * BLOCK_N // rows_per_group) * stride_xg
     cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols_n < N
     ks = tl.arange(0, BLOCK_K)
@@ -110,14 +113,19 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          config: tuple[int, int, int] | None = None, scale: torch.Tensor | None = None,
-         block: tuple[int, int] | None = None) -> torch.Tensor:
+         block: tuple[int, int] | None = None, groups: int = 1) -> torch.Tensor:
     """x [1, K] @ weight [N, K].T (+ bias [N]) -> [1, N] in x's dtype. `config` (BLOCK_N,
     BLOCK_K, num_warps) overrides the table (benchmarks, tests). FP8 weights come with their
-    float32 `scale`: [N] per channel, or [ceil(N / b), ceil(K / b)] with block (b, b)."""
+    float32 `scale`: [N] per channel, or [ceil(N / b), ceil(K / b)] with block (b, b).
+
+    groups > 1: a block-diagonal weight (DeepSeek-V4's grouped output projection). x is
+    [groups, K], a row per group, and group g's N / groups rows of the weight multiply x[g]
+    only; the result is still [1, N], the groups' outputs side by side."""
     n, k = weight.shape
-    if x.dim() != 2 or x.shape != (1, k):
-        raise ValueError(f"gemv takes one row x [1, K] against weight [N, K]; "
-                         f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if x.dim() != 2 or x.shape != (groups, k) or n % groups:
+        raise ValueError(f"gemv takes one row x [1, K] (a row per group: [groups, K], groups dividing N) "
+                         f"against weight [N, K]; got x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"groups {groups}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("x and weight must be contiguous in their last dim")
     if block is not None and (block[0] != block[1] or scale is None or scale.dim() != 2):
@@ -125,11 +133,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_n, block_k, warps = config or gemv_config(n, k)
     if block is not None and block[0] % block_n:
         raise ValueError(f"gemv's {block_n} rows a program must divide the scale block {block[0]}")
+    if (n // groups) % block_n:
+        raise ValueError(f"gemv's {block_n} rows a program must divide a group's {n // groups} rows")
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     scales = 0 if scale is None else (2 if block is not None else 1)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, scale if scale is not None else weight, bias if bias is not None else weight, out, n, k,
-        weight.stride(0), scale.stride(0) if scales == 2 else 0,
+        weight.stride(0), scale.stride(0) if scales == 2 else 0, n // groups, x.stride(0),
         HAS_BIAS=bias is not None, SCALES=scales, SCALE_BLOCK=block[0] if block else 1,
         BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, USE_PDL=pdl_enabled(), num_warps=warps, **pdl_launch(),

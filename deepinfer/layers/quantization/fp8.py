@@ -192,3 +192,29 @@ def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block:
         if block is not None and blockwise_fast(flat, codes, block):
             return _blockwise_mm(flat, codes, scale, bias).view(*lead, -1)
     return F.linear(x, dequantize(codes, scale, block, x.dtype), bias)
+
+
+def fp8_grouped_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                       reference: bool = False) -> torch.Tensor:
+    """A block-diagonal product (DeepSeek-V4's grouped output projection): x [..., G, K], the
+    weight (codes * scale) [G * O, K] whose rows g*O .. (g+1)*O belong to group g -> [..., G, O],
+    each group's inputs times its own rows. Where a group holds whole 128 x 128 blocks and the
+    device has the Triton block kernel, one launch over every group (fp8_block_triton.py, its
+    `groups`); with torch's block-scaled _scaled_mm, one product per group; else, or with
+    reference=True, the dequantized weight's einsum."""
+    groups, k = x.shape[-2:]
+    n = codes.shape[0]
+    per = n // groups
+    rows = x.reshape(-1, groups * k)
+    whole_blocks = block == (128, 128) and per % 128 == 0 and k % ACTIVATION_GROUP == 0
+    if not reference and rows.shape[0] > 0 and whole_blocks and blockwise_fast(rows[:, :k], codes, block):
+        if block_path(x.device) == "triton":
+            from deepinfer.layers.quantization.fp8_block_triton import block_fp8_mm
+
+            xq, xs = quantize_rows(rows, ACTIVATION_GROUP)
+            return block_fp8_mm(xq, xs, codes, scale, x.dtype, groups=groups).view(*x.shape[:-1], per)
+        parts = [_blockwise_mm(rows[:, g * k:(g + 1) * k].contiguous(), codes[g * per:(g + 1) * per],
+                               scale[g * per // 128:(g + 1) * per // 128], None) for g in range(groups)]
+        return torch.stack(parts, dim=1).view(*x.shape[:-1], per)
+    w = dequantize(codes, scale, block, x.dtype).view(groups, per, k)
+    return torch.einsum("...gi,goi->...go", x, w)

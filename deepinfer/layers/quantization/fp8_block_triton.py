@@ -27,12 +27,17 @@ TARGET_PROGRAMS = 264
 
 
 @triton.jit
-def _block_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, blocks_per_split,
+def _block_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, blocks_per_split, cols_per_group,
                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_ys, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
+    # Grouped weights (block_fp8_mm's `groups`): this tile's outputs belong to one group, whose
+    # own K inputs of each row of x (and their scales) it reads; group 0 for a plain product.
+    group = pid_n * BLOCK_N // cols_per_group
+    x_ptr += group * K
+    xs_ptr += group * tl.cdiv(K, BLOCK_K)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -56,12 +61,20 @@ def _block_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, blocks_per_s
 
 
 def block_fp8_mm(x_codes: torch.Tensor, x_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
-                 out_dtype: torch.dtype, splits: int | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype, splits: int | None = None, groups: int = 1) -> torch.Tensor:
     """x_codes [M, K] e4m3, x_scale [M, ceil(K / 128)] float32, w_codes [N, K] e4m3, w_scale
     [ceil(N / 128), ceil(K / 128)] float32 -> [M, N] in out_dtype. `splits`: the inputs' split
-    count (None: split_count's choice; 1: no split)."""
-    m, k = x_codes.shape
-    n = w_codes.shape[0]
+    count (None: split_count's choice; 1: no split).
+
+    groups > 1: a block-diagonal weight (DeepSeek-V4's grouped output projection). x_codes is
+    [M, groups * K] (each row's groups side by side, scales likewise [M, groups * K / 128]), and
+    group g's N / groups outputs multiply its own K inputs only; both N / groups and K are whole
+    128-blocks, so a tile never straddles two groups."""
+    m = x_codes.shape[0]
+    n, k = w_codes.shape
+    if x_codes.shape[1] != groups * k or (groups > 1 and ((n // groups) % BLOCK or n % groups or k % BLOCK)):
+        raise ValueError(f"block_fp8_mm: x {tuple(x_codes.shape)} against {groups} group(s) of weight "
+                         f"{tuple(w_codes.shape)} (grouped: whole 128-blocks per group)")
     if m == 0:
         return torch.empty(m, n, dtype=out_dtype, device=x_codes.device)
     block_m = 16 if m <= 16 else 64
@@ -74,7 +87,7 @@ def block_fp8_mm(x_codes: torch.Tensor, x_scale: torch.Tensor, w_codes: torch.Te
     y = torch.empty(splits, m, n, dtype=torch.float32 if splits > 1 else out_dtype, device=x_codes.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK), splits)
     x_scale, w_scale = x_scale.contiguous(), w_scale.contiguous()
-    _block_fp8_kernel[grid](x_codes, x_scale, w_codes, w_scale, y, m, n, k, per_split,
+    _block_fp8_kernel[grid](x_codes, x_scale, w_codes, w_scale, y, m, n, k, per_split, n // groups,
                             x_codes.stride(0), x_scale.stride(0), w_codes.stride(0), w_scale.stride(0),
                             y.stride(0), y.stride(1), BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK)
     return y[0] if splits == 1 else y.sum(dim=0).to(out_dtype)

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from deepinfer.distributed import ParallelGroup, current_tp_group
-from deepinfer.layers.linear import Linear
+from deepinfer.layers.linear import Linear, one_row_gemv
 from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from deepinfer.layers.quantization import fp8
 from deepinfer.models.deepseek_v4.compressor import Compressor, visible_rows
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, V4Config
 from deepinfer.models.deepseek_v4.indexer import Indexer
@@ -47,17 +48,22 @@ class CSACompressor(Compressor):
                                cfg.index_topk, cfg.rms_norm_eps, rotary)
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(Linear):
     """Block-diagonal linear: `groups` independent maps in_per_group -> out_per_group, stored as
     one [groups * out_per_group, in_per_group] weight (group g owns rows g*out .. (g+1)*out).
-    Over several ranks each holds its groups / size consecutive groups."""
+    Over several ranks each holds its groups / size consecutive groups (`group`: split, so a
+    checkpoint's FP8 blocks are dequantized at load, as other split layers' are).
+
+    A Linear for the weight's formats: DeepSeek-V4's checkpoints store it (wo_a) as FP8 128 x 128
+    blocks, kept so (formats.py) and multiplied by fp8.fp8_grouped_linear, or at one row by the
+    GEMV with a row of x per group (fused/gemv.py)."""
 
     def __init__(self, in_per_group: int, out_total: int, groups: int,
                  group: ParallelGroup | None = None) -> None:
-        super().__init__()
-        self.tp = group or current_tp_group()
-        self.groups = groups // self.tp.size
-        self.weight = nn.Parameter(torch.empty(out_total // self.tp.size, in_per_group))
+        tp = group or current_tp_group()
+        super().__init__(in_per_group, out_total // tp.size, bias=False)
+        self.tp = self.group = tp
+        self.groups = groups // tp.size
 
     def rank_part(self, tensor: torch.Tensor, part: int = 0) -> torch.Tensor:
         """This rank's groups' rows of the whole [groups * out_per_group, in_per_group] weight."""
@@ -65,6 +71,13 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., groups, in_per_group] -> [..., groups, out_per_group]."""
+        if one_row_gemv(x.flatten(-2)):   # one token
+            from deepinfer.layers.fused.gemv import gemv  # imports triton: CUDA fast path only
+            y = gemv(x.reshape(self.groups, -1), self.weight, scale=self.weight_scale, block=self.weight_block,
+                     groups=self.groups)
+            return y.view(*x.shape[:-1], -1)
+        if self.is_fp8:
+            return fp8.fp8_grouped_linear(x, self.weight, self.weight_scale, self.weight_block)
         w = self.weight.view(self.groups, -1, self.weight.shape[-1])
         return torch.einsum("...gi,goi->...go", x, w)
 

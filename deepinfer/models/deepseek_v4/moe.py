@@ -310,4 +310,4 @@ class V4MoE(nn.Module):
         ids, weights = self.gate(flat, token_ids)
         # Tensor parallelism: each rank's partial sums of the routed and shared experts, reduced
         # once (a no-op on one rank).
-        return self.tp.all_reduce(self.experts(flat, ids, weights).view_as(x) + self.shared_experts(x))
+        return self.tp.all_reduce((self.experts(flat, ids, weights) + self.shared_experts(flat)).view_as(x))
