@@ -22,12 +22,14 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import DeepseekV4ForCausalLM
 
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.quantization.fp8 import dequantize
 from deepinfer.models.deepseek_v4 import V4ForCausalLM
+from deepinfer.models.deepseek_v4.formats import checkpoint_nbytes, held_nbytes
 from deepinfer.models.deepseek_v4.loading import load_v4_weights
 from deepinfer.models.deepseek_v4.moe import RoutedExperts
 from deepinfer.models.deepseek_v4.weights import (
@@ -420,6 +422,14 @@ def test_built_in_the_checkpoint_formats(reference, tmp_path):
                 for j in range(whole.shape[0]):
                     assert torch.equal(module.expert_weight(part, j, torch.float32), whole[j].float()), (name, j)
     assert EngineV4.build(config, "auto").model.layers[0].self_attn.q_a_proj.weight.dtype != torch.float8_e4m3fn
+    # The bytes: the files' tensors are what checkpoint_nbytes counts (computed from the model's
+    # shapes), and the model holds them within its float32 scales (4 bytes where a file has 1).
+    stored = 0
+    for path in tmp_path.glob("*.safetensors"):
+        with safe_open(str(path), "pt") as f:
+            stored += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+    assert checkpoint_nbytes(built) == checkpoint_nbytes(dense) == stored
+    assert stored <= held_nbytes(built) <= 1.05 * stored < held_nbytes(dense)
 
 
 def test_wide_tensor_for_a_declared_quantized_layer_is_refused(reference, tmp_path):

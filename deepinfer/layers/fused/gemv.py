@@ -133,7 +133,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     block_n, block_k, warps = config or gemv_config(n, k)
     if block is not None and block[0] % block_n:
         raise ValueError(f"gemv's {block_n} rows a program must divide the scale block {block[0]}")
-    if (n // groups) % block_n:
+    if groups > 1 and (n // groups) % block_n:
         raise ValueError(f"gemv's {block_n} rows a program must divide a group's {n // groups} rows")
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     scales = 0 if scale is None else (2 if block is not None else 1)

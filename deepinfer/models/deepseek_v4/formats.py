@@ -103,3 +103,40 @@ def to_native(model: nn.Module) -> None:
         linear.to_fp8_blocks(FP8_BLOCK)
     for experts in routed_experts(model):
         experts.to_fp4(FP4_GROUP)
+
+
+def held_nbytes(model: nn.Module) -> int:
+    """The device bytes of the model's weights as held: parameters, buffers (the FP4 experts'
+    exponents, the hash routers' tables, rope frequencies) and the FP8 layers' float32 scales
+    (attributes, not buffers)."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    for m in model.modules():
+        if isinstance(m, Linear) and m.weight_scale is not None:
+            tensors[id(m.weight_scale)] = m.weight_scale
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def checkpoint_nbytes(model: nn.Module) -> int:
+    """The bytes a released checkpoint stores the model's weights in (the module docstring's
+    formats), whatever format the model holds them in: a code byte per weight and a ue8m0 byte per
+    128 x 128 block for the FP8 projections (fp8_linears), half a byte per weight and a ue8m0 byte
+    per 32 inputs for the routed experts, the other parameters and persistent buffers at the
+    bytes they are held in. Beside held_nbytes it says how far the model's memory is from its
+    checkpoint's."""
+    counted: set[int] = set()
+    total = 0
+    for linear in fp8_linears(model, whole_only=False):
+        out, inner = linear.weight.shape
+        total += out * inner + -(-out // FP8_BLOCK[0]) * -(-inner // FP8_BLOCK[1])
+        counted.add(id(linear.weight))
+    for experts in routed_experts(model, whole_only=False):
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(experts, name)
+            weights = weight.numel() * (2 if experts.fp4_group else 1)
+            total += weights // 2 + weights // (experts.fp4_group or FP4_GROUP)
+            counted.add(id(weight))
+    for tensor in model.state_dict(keep_vars=True).values():   # parameters, persistent buffers
+        if id(tensor) not in counted:
+            total += tensor.numel() * tensor.element_size()
+            counted.add(id(tensor))
+    return total
