@@ -199,6 +199,7 @@ def main() -> None:
     from gpu_reference_baseline import copy_bandwidth, matmul_rate, write_config_dir
 
     from deepinfer import LLM, SamplingParams
+    from deepinfer.models.deepseek_v4.formats import checkpoint_nbytes, held_nbytes
     from deepinfer.models.deepseek_v4.moe import RoutedExperts
     from deepinfer.models.deepseek_v4.paged import V4StepBackend
     from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
@@ -228,11 +229,17 @@ def main() -> None:
     flops = matmul_rate() if cuda else None
     vocab = config["vocab_size"]
     weights = active_bytes(model)
+    # The weights' device memory (scales and exponents included) beside the bytes a released
+    # checkpoint stores them in (formats.checkpoint_nbytes): the model's own formats hold ~1.0x.
+    held, stored = held_nbytes(model), checkpoint_nbytes(model)
     result = {"benchmark": "v4_gpu_speed", "machine": machine_info(), "args": vars(args),
               "layer_types": config["layer_types"], "weight_bytes": llm.engine.executor.runner.weight_bytes,
-              "active_weight_bytes": weights, "copy_bandwidth": bandwidth, "matmul_rate": flops, "modes": {}}
-    print(f"V4 {args.shape}, {args.layers} layers {config['layer_types']}: weights "
-          f"{result['weight_bytes'] / 2**30:.1f} GiB, active per token {weights / 2**30:.2f} GiB", flush=True)
+              "held_weight_bytes": held, "checkpoint_weight_bytes": stored, "held_over_checkpoint": held / stored,
+              "kv_blocks": runner.num_blocks, "active_weight_bytes": weights, "copy_bandwidth": bandwidth,
+              "matmul_rate": flops, "modes": {}}
+    print(f"V4 {args.shape}, {args.layers} layers {config['layer_types']}: weights held {held / 2**30:.2f} GiB, "
+          f"{held / stored:.3f}x the checkpoint's {stored / 2**30:.2f} GiB; active per token {weights / 2**30:.2f} GiB; "
+          f"{runner.num_blocks} KV blocks", flush=True)
 
     def timed(fn) -> float:
         platform.synchronize()
@@ -264,7 +271,8 @@ def main() -> None:
         prefill_s = min(timed(run(long, 1)) for _ in range(2))
         batch_s = timed(run(batch, 1 + args.steps)) - timed(run(batch, 1))
         row = {"decode_b1_step_ms": step_s * 1e3, "prefill_ms": prefill_s * 1e3,
-               "decode_batch_tok_s": args.batch * args.steps / batch_s}
+               "decode_batch_tok_s": args.batch * args.steps / batch_s,
+               "preemptions": llm.engine.scheduler.num_preemptions}   # so far, every run of this mode
         if args.offline:
             requests = random_prompts(args.offline, 1024, vocab, seed=4)
             offline_s = timed(run(requests, 256))

@@ -422,14 +422,16 @@ def test_built_in_the_checkpoint_formats(reference, tmp_path):
                 for j in range(whole.shape[0]):
                     assert torch.equal(module.expert_weight(part, j, torch.float32), whole[j].float()), (name, j)
     assert EngineV4.build(config, "auto").model.layers[0].self_attn.q_a_proj.weight.dtype != torch.float8_e4m3fn
-    # The bytes: the files' tensors are what checkpoint_nbytes counts (computed from the model's
-    # shapes), and the model holds them within its float32 scales (4 bytes where a file has 1).
+    # The bytes: checkpoint_nbytes, computed from the model's shapes, is the files' tensors' sum
+    # up to what the model holds wider than the files (its int64 hash table); the model built in
+    # the formats holds that within 5 % (float32 block scales where a file has a byte), the dense
+    # one far more.
     stored = 0
     for path in tmp_path.glob("*.safetensors"):
         with safe_open(str(path), "pt") as f:
             stored += sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
-    assert checkpoint_nbytes(built) == checkpoint_nbytes(dense) == stored
-    assert stored <= held_nbytes(built) <= 1.05 * stored < held_nbytes(dense)
+    assert checkpoint_nbytes(built) == pytest.approx(stored, rel=0.02)
+    assert stored <= held_nbytes(built) <= 1.05 * stored < 2 * stored < held_nbytes(dense)
 
 
 def test_wide_tensor_for_a_declared_quantized_layer_is_refused(reference, tmp_path):

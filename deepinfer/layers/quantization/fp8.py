@@ -70,7 +70,18 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [rows, cols] -> (codes, scales): one scale per row ([rows, 1]), or one per
-    `group` columns of a row ([rows, cols / group]); computed on the device, no host sync."""
+    `group` columns of a row ([rows, cols / group]); computed on the device, no host sync. On
+    CUDA one Triton kernel (fp8_quant_triton.py: the same codes and scales, one pass over x
+    instead of six), elsewhere quantize_rows_reference."""
+    if x.is_cuda:
+        from deepinfer.layers.quantization import fp8_quant_triton
+
+        return fp8_quant_triton.quantize_rows(x, group, FP8, FP8_MAX, MIN_SCALE)
+    return quantize_rows_reference(x, group)
+
+
+def quantize_rows_reference(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in PyTorch ops: the reference the kernel is tested against."""
     rows, cols = x.shape
     xf = x.float() if group is None else x.float().view(rows, cols // group, group)
     scale = (xf.abs().amax(dim=-1, keepdim=group is None) / FP8_MAX).clamp(min=MIN_SCALE)
