@@ -37,14 +37,21 @@ _works: dict[str, bool] = {}
 
 @triton.jit
 def _e2m1(code):
-    """e2m1 codes (int32, 0..15) -> float32 values, built as float32 bits (no exp2 per weight):
-    exponent e > 0 is 2^(e - 1) * (1 + m / 2), bits ((e + 126) << 23) | (m << 22); e = 0 is m / 2,
-    bits of 0.5 (126 << 23) or 0; bit 3 the sign."""
-    exponent = (code >> 1) & 3
-    mantissa = code & 1
-    bits = tl.where(exponent == 0, mantissa * (126 << 23), ((exponent + 126) << 23) | (mantissa << 22))
-    bits = bits | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+    """e2m1 codes (int32, 0..15) -> their values times 2^-14, float32 (callers take the 2^14 back
+    in the group's scale, _scale). Decoding is the kernels' arithmetic per weight, so it is a few
+    integer ops and one conversion: the code's magnitude bits at bits 11..9 of a float16 (the
+    exponent field's two low bits, the mantissa's top bit) and its sign at bit 15 are a float16
+    worth exactly value * 2^-14 (exponent e > 0: 2^(e - 15) * (1 + m / 2); e = 0: the subnormal
+    m / 2 * 2^-14), which converts exactly."""
+    half = ((code & 7) << 9) | ((code & 8) << 12)
+    return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _scale(exps):
+    """ue8m0 exponent bytes -> 2^(byte - 127) * 2^14 (_e2m1's factor), float32 made from its bits
+    (the byte plus 14 is the exponent field: exact for bytes up to 240, scales up to 2^113)."""
+    return ((exps.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -91,8 +98,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
             packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
             # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached).
             exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
-            # 2^(byte - 127) as float32 bits: the byte is the exponent field (ue8m0 writes 1..254).
-            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            scale = _scale(exps)
             w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
             w_odd = _e2m1(packed >> 4) * scale
             a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
@@ -118,7 +124,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
             byte = k0 // 2 + g * (GROUP // 2) + j                           # [groups, G / 2, 1]
             packed = tl.load(code_base + c3 * stride_cn + byte, mask=ok3, other=0).to(tl.int32)
             exps = tl.load(exp_base + c3 * stride_sn + k0 // GROUP + g, mask=ok3, other=127)
-            scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)   # [groups, 1, BLOCK_N]
+            scale = _scale(exps)                                            # [groups, 1, BLOCK_N]
             a_even = tl.load(x_row + 2 * byte, mask=one_row, other=0.0).to(tl.float32)
             a_odd = tl.load(x_row + 2 * byte + 1, mask=one_row, other=0.0).to(tl.float32)
             partial += (a_even * _e2m1(packed & 0xF) + a_odd * _e2m1(packed >> 4)) * scale
@@ -207,7 +213,7 @@ def _dequantize_kernel(codes_ptr, exps_ptr, out_ptr, packed_k, GROUP: tl.constex
     ok = byte < packed_k
     packed = tl.load(codes_ptr + row * packed_k + byte, mask=ok, other=0).to(tl.int32)
     exps = tl.load(exps_ptr + row * (2 * packed_k // GROUP) + byte // (GROUP // 2), mask=ok, other=127)
-    scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    scale = _scale(exps)
     kind = out_ptr.dtype.element_ty
     tl.store(out_ptr + row * 2 * packed_k + 2 * byte, (_e2m1(packed & 0xF) * scale).to(kind), mask=ok)
     tl.store(out_ptr + row * 2 * packed_k + 2 * byte + 1, (_e2m1(packed >> 4) * scale).to(kind), mask=ok)
