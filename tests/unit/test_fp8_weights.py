@@ -56,6 +56,9 @@ def test_per_channel_scaled_mm_matches_the_reference(rows):
     codes, scale = fp8.quantize_per_channel(w)
     x = torch.randn(rows, 128).to(torch.bfloat16)
     bias = torch.randn(96).to(torch.bfloat16)
+    if not fp8.row_wise_available(x.device):   # this torch's CPU _scaled_mm takes per-tensor scales only
+        assert not fp8.per_channel_fast(x, codes)
+        pytest.skip("no row-wise FP8 scaled mm in this torch build on the CPU: the reference serves")
     assert fp8.per_channel_fast(x, codes)
     fast = fp8.fp8_linear(x, codes, scale, None, bias)
     reference = fp8.fp8_linear(x, codes, scale, None, bias, reference=True)

@@ -152,9 +152,9 @@ def default_config(rows: int, num_experts: int) -> TileConfig:
     (docs/benchmarks/design-measurements.md#fp4-expert-tiles)."""
     per_expert = rows / max(1, min(num_experts, rows))
     if per_expert <= 1:      # batch-1 decode: every expert one row
-        return TileConfig(1, 16, 1024, dot=False)
+        return TileConfig(1, 64, 256, dot=False, num_warps=8)
     if per_expert < 64:      # decode batches
-        return TileConfig(16, 128, 64, dot=True, num_stages=4)
+        return TileConfig(16, 128, 128, dot=True, num_stages=4)
     return TileConfig(128, 128, 64, dot=True, num_warps=8)
 
 

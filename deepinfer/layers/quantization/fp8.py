@@ -96,8 +96,30 @@ def _scaled_mm_shape_ok(x: torch.Tensor, codes: torch.Tensor) -> bool:
 
 def per_channel_fast(x: torch.Tensor, codes: torch.Tensor) -> bool:
     """Whether a per-channel product of these activations runs as a scaled mm: bf16 activations
-    (the output dtype _scaled_mm takes with row-wise scales) of aligned shapes."""
-    return x.dtype == torch.bfloat16 and _scaled_mm_shape_ok(x, codes)
+    (the output dtype _scaled_mm takes with row-wise scales) of aligned shapes, on a device whose
+    torch build has row-wise scaled mm (row_wise_available)."""
+    return x.dtype == torch.bfloat16 and _scaled_mm_shape_ok(x, codes) and row_wise_available(x.device)
+
+
+# Per device: whether torch's _scaled_mm takes row-wise scales there (asked once).
+_row_wise: dict[str, bool] = {}
+
+
+def row_wise_available(device: torch.device) -> bool:
+    """Whether _scaled_mm with one scale per row of x and per output channel runs on `device` in
+    this torch build (CPU builds differ: some take per-tensor scales only), tried once a device on
+    a small product; where it does not, per-channel FP8 weights take the dequantized reference."""
+    key = str(device)
+    if key not in _row_wise:
+        codes, scale = quantize_per_channel(torch.ones(16, 32, device=device))
+        try:
+            _per_channel_mm(torch.ones(16, 32, device=device, dtype=torch.bfloat16), codes, scale, None)
+            _row_wise[key] = True
+        except RuntimeError as e:
+            logger.info("no row-wise FP8 scaled mm on %s (%s); per-channel FP8 weights are dequantized per product",
+                        device, str(e).splitlines()[0][:100])
+            _row_wise[key] = False
+    return _row_wise[key]
 
 
 def blockwise_fast(x: torch.Tensor, codes: torch.Tensor, block: tuple[int, int]) -> bool:
