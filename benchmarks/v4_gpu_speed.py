@@ -190,7 +190,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--quantization", choices=["auto", "fp8"], default="auto",
                         help="fp8: the weights in V4's own formats (FP8 blocks, FP4 experts; engine.quantize_fp8)")
-    parser.add_argument("--profile", action="store_true", help="the kernels of a decode step and the prefill")
+    parser.add_argument("--profile", action="store_true",
+                        help="the kernels of a batch-1 decode step, the prefill and a batch decode step")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -295,7 +296,8 @@ def main() -> None:
             row["prefill_fraction_of_floor"] = row["prefill_floor_ms"] / row["prefill_ms"]
         if args.profile and cuda:
             row["profile"] = {"decode_b1_step": kernel_profile(run(one, 1 + args.steps), run(one, 1), args.steps),
-                              "prefill": kernel_profile(run(long, 1))}
+                              "prefill": kernel_profile(run(long, 1)),
+                              "decode_batch_step": kernel_profile(run(batch, 1 + args.steps), run(batch, 1), args.steps)}
         result["modes"][mode] = row
         print(f"  {mode}: { {k: v for k, v in row.items() if k != 'profile'} }", flush=True)
         for name, part in row.get("profile", {}).items():
