@@ -1,7 +1,8 @@
 """DeepSeek-V4's fused ops on its Triton path against their PyTorch references: mHC's stream
 mixing (triton_hyper.py vs hyper.py), the rope (triton_rope.py vs rope.py), the two norms
 (layers/fused/rms_norm.py vs norm.py), the clamped SwiGLU (layers/fused/activation.py vs
-moe.py) and the router (triton_router.py vs moe.Router). Stream counts that are and are not
+moe.py), the router (triton_router.py vs moe.Router) and the MoE's dispatch and combine
+(triton_moe.py vs RoutedExperts.forward_grouped's PyTorch ops). Stream counts that are and are not
 powers of two, token counts around the kernels' blocks, float32 (to the summation order) and
 bf16 (within its rounding). The whole model on this path is checked against transformers by
 test_deepseek_v4_kernels.py. Runs on a GPU, or on the CPU under Triton's interpreter.
@@ -22,7 +23,8 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), LOW: dict(atol=2e-2, rtol=2e-2
 # The kernel modules import triton: only after the skip above.
 from deepinfer.layers.fused.activation import gated_act  # noqa: E402
 from deepinfer.layers.fused.rms_norm import rms_norm  # noqa: E402
-from deepinfer.models.deepseek_v4 import triton_hyper, triton_rope, triton_router  # noqa: E402
+from deepinfer.layers.quantization.fp4_moe_triton import expert_tiles  # noqa: E402
+from deepinfer.models.deepseek_v4 import triton_hyper, triton_moe, triton_rope, triton_router  # noqa: E402
 from deepinfer.models.deepseek_v4.hyper import HyperConnection, HyperHead  # noqa: E402
 from deepinfer.models.deepseek_v4.moe import Router, clamped_swiglu  # noqa: E402
 from deepinfer.models.deepseek_v4.norm import V4RMSNorm, unit_rms  # noqa: E402
@@ -138,3 +140,74 @@ def test_router_matches_its_reference(func, hashed):
     order, want_order = ids.sort(dim=1), want_ids.sort(dim=1)
     assert torch.equal(order.values, want_order.values)
     torch.testing.assert_close(w.gather(1, order.indices), want_w.gather(1, want_order.indices), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,k,experts,block_m", [(1, 6, 256, 1), (1, 6, 96, 16), (13, 2, 16, 16),
+                                                     (64, 6, 256, 16), (170, 6, 40, 128)])
+def test_moe_dispatch_matches_its_reference(tokens, k, experts, block_m):
+    """align against forward_grouped's PyTorch ops: the stable sort by expert, the counts, the
+    tiles; tokens sharing experts, and experts with no rows."""
+    g = torch.Generator().manual_seed(tokens * k + experts)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
+    if tokens > 1:   # some experts picked by many tokens, some by none
+        ids[: tokens // 2] = ids[0]
+    got = triton_moe.align(ids, experts, block_m)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int64, device=DEVICE).index_add_(0, flat, torch.ones_like(flat))
+    assert torch.equal(got.counts, counts)
+    assert torch.equal(got.token, order // k)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.shape[0], device=DEVICE)
+    assert torch.equal(got.pos, pos)
+    for have, want in zip((got.starts, got.ends, got.tile_ends), expert_tiles(counts, block_m)):
+        assert torch.equal(have, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW], ids=str)
+def test_moe_combine_matches_its_reference(dtype):
+    """combine against the reference's weighting and index_add_ (float32 sums: bf16 within its
+    rounding of the sum)."""
+    g = torch.Generator().manual_seed(3)
+    tokens, k, hidden = 5, 6, 1100
+    ids = torch.stack([torch.randperm(20, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
+    dispatch = triton_moe.align(ids, 20, 1)
+    rows = torch.randn(tokens * k, hidden, generator=g).to(DEVICE, dtype)
+    weights = torch.rand(tokens, k, generator=g).to(DEVICE, dtype)
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    want = torch.zeros(tokens, hidden, dtype=torch.float32, device=DEVICE).index_add_(
+        0, order // k, (rows * weights.reshape(-1)[order, None]).float())
+    got = triton_moe.combine(rows, dispatch.pos, weights, dtype)
+    torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 100])
+def test_experts_on_the_fused_dispatch_match_the_loop(tokens, monkeypatch):
+    """RoutedExperts.forward_grouped in a forward of V4's Triton path (align and combine around
+    the grouped products) against the reference loop over experts, float32."""
+    pytest.importorskip("transformers")
+    from test_deepseek_v4_layers import make_config
+
+    from deepinfer.layers.attention import forward_context
+    from deepinfer.models.deepseek_v4.config import V4Config
+    from deepinfer.models.deepseek_v4.moe import RoutedExperts
+    from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
+
+    align = triton_moe.align
+    cfg = V4Config.from_hf(make_config("r4_16").to_dict())
+    g = torch.Generator().manual_seed(tokens)
+    experts = RoutedExperts(cfg)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.3)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.3)
+    experts = experts.to(DEVICE)
+    x = torch.randn(tokens, cfg.hidden_size, generator=g).to(DEVICE)
+    ids = torch.stack([torch.randperm(cfg.num_experts - 1, generator=g)[:cfg.experts_per_token]
+                       for _ in range(tokens)]).to(DEVICE)
+    weights = torch.rand(tokens, cfg.experts_per_token, generator=g).to(DEVICE)
+    calls = []
+    monkeypatch.setattr(triton_moe, "align", lambda *a: calls.append(a) or align(*a))
+    with forward_context(SimpleNamespace(backend=V4KernelStepBackend(torch.device(DEVICE)))):
+        got = experts.forward_grouped(x, ids, weights)
+    assert len(calls) == 1   # the fused dispatch ran
+    torch.testing.assert_close(got, experts.forward_loop(x, ids, weights), **TOL[torch.float32])

@@ -111,6 +111,8 @@ PREFILL_ROWS = 128
 # From this many (token, pick) rows on (a prefill), the experts' outputs are combined per token by
 # a gather and a sum instead of index_add_ (RoutedExperts.forward_grouped).
 GATHER_COMBINE_ROWS = 4096
+# Up to this many rows, V4's Triton path sorts and combines them in two kernels (triton_moe.py).
+FUSED_DISPATCH_PAIRS = 1024
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -237,35 +239,48 @@ class RoutedExperts(nn.Module):
         """Every routed expert in two grouped GEMMs: the (token, slot) pairs sorted by expert,
         each expert's rows one group (counts per expert). No host sync, whatever the routing, so
         it also fits a CUDA graph. torch's grouped GEMM for dense experts; for FP4 experts the
-        Triton kernel that reads their codes (layers/quantization/fp4_moe_triton.py)."""
+        Triton kernel that reads their codes (layers/quantization/fp4_moe_triton.py). On V4's
+        Triton path a decode-sized step sorts and combines in two kernels (triton_moe.py)."""
         k = ids.shape[1]
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        # Counted by index_add_, not bincount (which sizes its output from the largest id: a host sync).
-        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=flat.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
-        if self.fp4_group is None:
-            offs = counts.cumsum(0).to(torch.int32)
-            gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-            y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
-        else:
+        num_experts = self.gate_up_proj.shape[0]
+        fp4_config = None
+        if self.fp4_group is not None:
             from deepinfer.layers.quantization import fp4_moe_triton as kernels
 
-            config = kernels.default_config(flat.shape[0], counts.shape[0])
-            prefill = config.block_m >= PREFILL_ROWS and not torch.cuda.is_current_stream_capturing()
-            if prefill and grouped_mm_supported(x):
-                # A prefill: bf16 grouped GEMMs over experts dequantized a chunk at a time.
-                gate, up = kernels.fp4_grouped_mm_dequantized(x[token], self.gate_up_proj, self.gate_up_exps,
-                                                              counts).chunk(2, dim=-1)
-                y = kernels.fp4_grouped_mm_dequantized(clamped_swiglu(gate, up, self.limit), self.down_proj,
-                                                       self.down_exps, counts)
-            else:
-                tiles = kernels.expert_tiles(counts, config.block_m)
-                gate, up = kernels.fp4_grouped_mm(x[token], self.gate_up_proj, self.gate_up_exps, counts, config,
-                                                  tiles).chunk(2, dim=-1)
-                y = kernels.fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps,
-                                           counts, config, tiles)
+            fp4_config = kernels.default_config(flat.shape[0], num_experts)
+        fused = current_backend().fused_v4_ops and 0 < flat.shape[0] <= FUSED_DISPATCH_PAIRS
+        if fused:
+            from deepinfer.models.deepseek_v4 import triton_moe
+
+            dispatch = triton_moe.align(ids, num_experts, fp4_config.block_m if fp4_config else 1)
+            token, counts, offs = dispatch.token, dispatch.counts, dispatch.ends
+            tiles = kernels.ExpertTiles(dispatch.starts, dispatch.ends, dispatch.tile_ends) if fp4_config else None
+        else:
+            order = torch.argsort(flat, stable=True)
+            token = order // k
+            # Counted by index_add_, not bincount (which sizes its output from the largest id: a host sync).
+            counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+            counts.index_add_(0, flat, torch.ones_like(flat))
+            offs = counts.cumsum(0).to(torch.int32)
+            tiles = kernels.expert_tiles(counts, fp4_config.block_m) if fp4_config else None
+        if fp4_config is None:
+            gate, up = torch._grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+            y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        elif (fp4_config.block_m >= PREFILL_ROWS and not torch.cuda.is_current_stream_capturing()
+              and grouped_mm_supported(x)):
+            # A prefill: bf16 grouped GEMMs over experts dequantized a chunk at a time.
+            gate, up = kernels.fp4_grouped_mm_dequantized(x[token], self.gate_up_proj, self.gate_up_exps,
+                                                          counts).chunk(2, dim=-1)
+            y = kernels.fp4_grouped_mm_dequantized(clamped_swiglu(gate, up, self.limit), self.down_proj,
+                                                   self.down_exps, counts)
+        else:
+            gate, up = kernels.fp4_grouped_mm(x[token], self.gate_up_proj, self.gate_up_exps, counts, fp4_config,
+                                              tiles).chunk(2, dim=-1)
+            y = kernels.fp4_grouped_mm(clamped_swiglu(gate, up, self.limit), self.down_proj, self.down_exps,
+                                       counts, fp4_config, tiles)
+        if fused:
+            return triton_moe.combine(y, dispatch.pos, weights, x.dtype)
         if flat.shape[0] >= GATHER_COMBINE_ROWS:
             # Each token's k rows back in slot order, weighted and summed: a gather and a sum,
             # where index_add_'s atomic adds of 16-bit rows were slow at a prefill's size.
