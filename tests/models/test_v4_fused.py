@@ -186,20 +186,13 @@ def test_experts_on_the_fused_dispatch_match_the_loop(tokens, monkeypatch):
     """RoutedExperts.forward_grouped in a forward of V4's Triton path (align and combine around
     the grouped products) against the reference loop over experts, float32."""
     pytest.importorskip("transformers")
-    from test_deepseek_v4_layers import make_config
+    from test_deepseek_v4_moe import random_experts
 
     from deepinfer.layers.attention import forward_context
-    from deepinfer.models.deepseek_v4.config import V4Config
-    from deepinfer.models.deepseek_v4.moe import RoutedExperts
     from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
 
     align = triton_moe.align
-    cfg = V4Config.from_hf(make_config("r4_16").to_dict())
-    g = torch.Generator().manual_seed(tokens)
-    experts = RoutedExperts(cfg)
-    with torch.no_grad():
-        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=g) * 0.3)
-        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=g) * 0.3)
+    cfg, experts, g = random_experts(tokens)
     experts = experts.to(DEVICE)
     x = torch.randn(tokens, cfg.hidden_size, generator=g).to(DEVICE)
     ids = torch.stack([torch.randperm(cfg.num_experts - 1, generator=g)[:cfg.experts_per_token]
