@@ -170,7 +170,7 @@ def block_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
     weight. Any path's result differs from it only by float32 sums and the output's rounding (a
     product checked against the unrounded activations instead is off by their FP8 rounding, a few
     percent of a term, which no tolerance that catches a wrong layout allows)."""
-    xq, xs = quantize_rows(x, ACTIVATION_GROUP)
+    xq, xs = quantize_rows_reference(x, ACTIVATION_GROUP)
     rows, cols = x.shape
     xr = (xq.float().view(rows, -1, ACTIVATION_GROUP) * xs[..., None]).view(rows, cols)
     return F.linear(xr, dequantize(codes, scale, (128, 128), torch.float32))

@@ -62,12 +62,12 @@ class GroupedLinear(Linear):
                  group: ParallelGroup | None = None) -> None:
         tp = group or current_tp_group()
         super().__init__(in_per_group, out_total // tp.size, bias=False)
-        self.tp = self.group = tp
+        self.group = tp
         self.groups = groups // tp.size
 
     def rank_part(self, tensor: torch.Tensor, part: int = 0) -> torch.Tensor:
         """This rank's groups' rows of the whole [groups * out_per_group, in_per_group] weight."""
-        return tensor if self.tp.size == 1 else tensor[rank_rows(tensor.shape[0], self.tp)]
+        return tensor if self.group.size == 1 else tensor[rank_rows(tensor.shape[0], self.group)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., groups, in_per_group] -> [..., groups, out_per_group]."""

@@ -118,16 +118,18 @@ def held_nbytes(model: nn.Module) -> int:
 
 def checkpoint_nbytes(model: nn.Module) -> int:
     """The bytes a released checkpoint stores the model's weights in (the module docstring's
-    formats), whatever format the model holds them in: a code byte per weight and a ue8m0 byte per
-    128 x 128 block for the FP8 projections (fp8_linears), half a byte per weight and a ue8m0 byte
-    per 32 inputs for the routed experts, the other parameters and persistent buffers at the
-    bytes they are held in. Beside held_nbytes it says how far the model's memory is from its
-    checkpoint's."""
+    formats), whatever format the model holds them in: for the FP8 projections (fp8_linears) a
+    code byte per weight and a ue8m0 byte per scale block (the held block, else the release's
+    128 x 128); for the routed experts half a byte per weight and a ue8m0 byte per group of
+    inputs (the held group, else the release's 32); the other parameters and persistent buffers
+    at the bytes they are held in. Beside held_nbytes it says how far the model's memory is from
+    its checkpoint's."""
     counted: set[int] = set()
     total = 0
     for linear in fp8_linears(model, whole_only=False):
         out, inner = linear.weight.shape
-        total += out * inner + -(-out // FP8_BLOCK[0]) * -(-inner // FP8_BLOCK[1])
+        block = linear.weight_block or FP8_BLOCK
+        total += out * inner + -(-out // block[0]) * -(-inner // block[1])
         counted.add(id(linear.weight))
     for experts in routed_experts(model, whole_only=False):
         for name in ("gate_up_proj", "down_proj"):
