@@ -60,47 +60,6 @@ def shape(name: str, layers: int, max_len: int, experts: int | None = None) -> d
     return config
 
 
-def randomize(model, seed: int = 0) -> None:
-    """Normal weights (std 0.02), unit norm weights, hash tables of distinct experts per token.
-    Weights in V4's own formats (--quantization fp8) get the codes of such normal weights, in
-    place (CUDA graphs captured at start keep reading the same tensors)."""
-    import torch
-
-    from deepinfer.layers.linear import Linear
-    from deepinfer.layers.quantization import fp4, fp8
-    from deepinfer.models.deepseek_v4.moe import RoutedExperts
-
-    device = model.lm_head.weight.device
-    g = torch.Generator(device=device).manual_seed(seed)
-    quantized = set()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Linear) and module.is_fp8:
-                weight = torch.empty(module.weight.shape, device=device).normal_(0.0, 0.02, generator=g)
-                codes, scale = fp8.quantize_blocks(weight, module.weight_block)
-                module.weight.copy_(codes)
-                module.weight_scale.copy_(scale)
-                quantized.add(id(module.weight))
-            elif isinstance(module, RoutedExperts) and module.fp4_group is not None:
-                # Uniform e2m1 codes (rms 2.93) at the scale 2^-7: std 0.023, near the others'.
-                for name in ("gate_up_proj", "down_proj"):
-                    codes, exps = getattr(module, name), getattr(module, module.exponents_name(name))
-                    codes.copy_(torch.randint(0, 256, codes.shape, device=device, generator=g, dtype=torch.int32))
-                    exps.fill_(fp4.UE8M0_BIAS - 7)
-                    quantized.add(id(codes))
-        for name, p in model.named_parameters():
-            if id(p) in quantized:
-                continue
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 0.02, generator=g)
-        for name, b in model.named_buffers():
-            if name.endswith("tid2eid"):
-                experts = torch.rand(b.shape[0], model.cfg.num_experts, generator=g, device=b.device)
-                b.copy_(experts.argsort(dim=-1)[:, :b.shape[1]])
-
-
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -220,8 +179,7 @@ def main() -> None:
               skip_tokenizer_init=True, max_num_seqs=max(args.batch, 256 if args.offline else 0), max_num_batched_tokens=max(args.prefill, 2048),
               enable_prefix_caching=False, quantization=args.quantization, enforce_eager=args.enforce_eager)
     runner = llm.engine.executor.runner
-    model = runner.model
-    randomize(model)
+    model = runner.model   # random weights of the shape, drawn by the model (deepseek_v4/dummy_weights.py)
     for module in model.modules():
         if isinstance(module, RoutedExperts):
             module.grouped = args.experts == "grouped"

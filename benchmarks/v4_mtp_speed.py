@@ -34,7 +34,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import free_memory, machine_info, print_table, random_ids, shutdown, write_json  # noqa: E402
 from spec_replay import timed  # noqa: E402
-from v4_gpu_speed import randomize, shape  # noqa: E402
+from v4_gpu_speed import shape  # noqa: E402
 
 # Every block's additions to the residual streams are scaled by this (a power of two, so FP4
 # experts take it in their exponents).
@@ -101,8 +101,7 @@ def build(args, path: str, config: str | None):
         kwargs["speculative_config"] = {"method": "mtp", "num_speculative_tokens": int(k),
                                         "verification": verification}
     llm = LLM(path, **kwargs)
-    model = llm.engine.executor.runner.model
-    randomize(model)
+    model = llm.engine.executor.runner.model   # random weights drawn by the model (dummy_weights.py)
     stable_greedy(model)
     if getattr(model, "head_packed", None) is not None:   # the CPU's packed copy of the head (--shape tiny)
         model.pack_weights()

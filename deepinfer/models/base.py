@@ -121,6 +121,11 @@ class CausalLM(nn.Module):
         layers in them directly, so their wider copies never exist (DeepSeek-V4)."""
         return cls(hf_config)
 
+    def random_weights(self, seed: int) -> None:
+        """load_format="dummy": the runner's call once the model is built without weights. Most
+        models keep their layers' init (nn.Linear's); one whose layers start degenerate (zero
+        codes, zero routing tables: DeepSeek-V4) draws realistic random weights here."""
+
     def reserve_request_state(self, max_requests: int, rows_per_request: int, graphs: bool = False) -> None:
         """Allocate what the model keeps per request on the device beside its KV pages, for up to
         max_requests requests of up to rows_per_request tokens a step (the runner calls it before

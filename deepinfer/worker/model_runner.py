@@ -179,6 +179,8 @@ class ModelRunner:
         if source is not None:   # 4-bit copies on one rank only (models/base.py, load_weights)
             self.model.load_from(source, keep_int4=host_formats and self.group.size == 1,
                                  quantization=self.config.model.quantization)
+        else:
+            self.model.random_weights(self.config.model.seed)
         if host_formats:   # dense weights also packed for oneDNN (layers/linear.py, pack_dense)
             self.model.pack_weights()
         if self.config.model.quantization == "fp8":

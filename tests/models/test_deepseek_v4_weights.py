@@ -444,3 +444,41 @@ def test_wide_tensor_for_a_declared_quantized_layer_is_refused(reference, tmp_pa
     write_sharded(tmp_path, deepseek_state(state), config)
     with pytest.raises(ModelLoadError, match="says the checkpoint stores it quantized"):
         load_v4_weights(EngineV4.build(config, "fp8"), str(tmp_path), keep_fp8=True, keep_fp4=True)
+
+
+@torch.no_grad()
+def test_dummy_weights_spread_routing(reference, tmp_path):
+    """load_format="dummy" in V4's formats: every FP8 projection and FP4 expert holds the codes
+    of random weights (not the zero codes it is built with), the router's weights are drawn, and
+    each hash layer's table gives every token distinct experts over the whole range, so a batch
+    reads most experts as a real one does; the same seed draws the same weights."""
+    from deepinfer.models.deepseek_v4.engine import DeepseekV4ForCausalLM as EngineV4
+
+    cfg, state = reference
+    write_quantized(cfg, state, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    models = []
+    for _ in range(2):
+        model = EngineV4.build(config, "fp8", dummy=True)
+        model.random_weights(seed=3)
+        models.append(model)
+    model = models[0]
+    fp8_layers = [m for m in model.modules() if isinstance(m, Linear) and m.is_fp8]
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    assert fp8_layers and experts
+    for layer in fp8_layers:
+        weight = dequantize(layer.weight, layer.weight_scale, layer.weight_block, torch.float32)
+        assert weight.isfinite().all() and 0.01 < weight.std() < 0.04
+    for module in experts:   # (these tiny experts, of 24 inputs, are built FP4 only by a load)
+        for part in ("gate_up_proj", "down_proj"):
+            weight = module.expert_weight(part, 0, torch.float32)
+            assert weight.isfinite().all() and 0.01 < weight.std() < 0.04, part
+    gates = [m for m in model.modules() if hasattr(m, "tid2eid")]
+    assert gates and all(g.weight.std() > 0 for g in gates)
+    for gate in gates:
+        table = gate.tid2eid
+        if gate.hashed:
+            assert (table.sort(dim=-1).values.diff(dim=-1) > 0).all()   # distinct experts per token
+            assert table.unique().numel() == cfg.n_routed_experts
+    for (name, a), b in zip(model.state_dict().items(), models[1].state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

@@ -33,6 +33,7 @@ from deepinfer.layers.linear import onednn_packing_available, pack_dense
 from deepinfer.layers.parallel import ParallelLMHead, gather_logits
 from deepinfer.models.base import CausalLM
 from deepinfer.models.deepseek_v4.config import CSA, SLIDING, V4Config
+from deepinfer.models.deepseek_v4.dummy_weights import randomize
 from deepinfer.models.deepseek_v4.formats import (
     checkpoint_formats,
     fp8_block_of,
@@ -188,6 +189,10 @@ class DeepseekV4ForCausalLM(CausalLM):
         their memory for a speed-up not measured on V4 yet."""
         if onednn_packing_available(self.head_weight()):
             self.head_packed = pack_dense(self.head_weight())
+
+    def random_weights(self, seed: int) -> None:
+        """Random weights in the formats held, routing spread over every expert (dummy_weights.py)."""
+        randomize(self, self.cfg.num_experts, seed)
 
     def quantize_fp8(self) -> None:
         """quantization="fp8": the weights take the formats V4's checkpoints ship them in
