@@ -14,6 +14,11 @@
 #   vllm         `vllm serve --load-format dummy` (needs vLLM in /tmp/site: .vllm-peer/vllm_install.sh)
 # Workload: 1000 requests of 1024 random tokens in, 256 out (ignore_eos), all sent at once, at most
 # 512 in flight; then 200 requests at 10 requests/s (TTFT and ITL at a moderate rate).
+# SHAPE=v4-flash serves DeepSeek-V4-Flash at full depth in its own formats instead (FP8 blocks, FP4
+# experts; routed experts cut to V4_EXPERTS, default 96 for an 80 GB card, 160 fits an H200): both
+# servers read one config-only directory (benchmarks/v4_release_dir.py) and draw random weights
+# (--load-format dummy), and the workload is V4_PROMPTS requests (default 200), at most V4_CONCURRENCY
+# (default 64) in flight, then V4_RATE requests/s (default 2) for the moderate run.
 # Dependencies the GPU image lacks travel as wheels in .whl/ and are installed into /tmp/di-site.
 set -u
 OUT=${OUT:-/tmp/serve-vs-vllm}; mkdir -p "$OUT"
@@ -26,13 +31,29 @@ fi
 DI="env PYTHONPATH=$root:$root/recipe:/tmp/di-site DEEPINFER_ACCELERATOR=cuda python3 -m deepinfer.cli.main"
 VL="env PYTHONPATH=/tmp/site python3 -m vllm.entrypoints.cli.main"
 SPY=/tmp/di-site/bin/py-spy
-MODEL=/tmp/llama3-8b-dummy    # config + tokenizer only: vLLM's --load-format dummy
-CKPT=/tmp/llama3-8b-random    # the same shape with random bf16 weights, for deepinfer
-SATURATED="--dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 1000 --request-rate inf --max-concurrency 512"
-MODERATE="--dataset-name random --random-input-len 1024 --random-output-len 256 --num-prompts 200 --request-rate 10"
+RANDOM_1K="--dataset-name random --random-input-len 1024 --random-output-len 256"
+if [ "${SHAPE:-llama3-8b}" = v4-flash ]; then
+  NAME=v4-flash
+  MODEL=/tmp/v4-flash-dummy     # config + tokenizer only, read by both servers
+  CKPT=$MODEL
+  DI_FLAGS="--load-format dummy --quantization fp8 --max-model-len 1408"
+  VL_FLAGS="--max-model-len 1408"
+  SATURATED="$RANDOM_1K --num-prompts ${V4_PROMPTS:-200} --request-rate inf --max-concurrency ${V4_CONCURRENCY:-64}"
+  MODERATE="$RANDOM_1K --num-prompts ${V4_PROMPTS:-200} --request-rate ${V4_RATE:-2}"
+  [ -d $MODEL ] || env PYTHONPATH=$root/recipe:/tmp/di-site python3 benchmarks/v4_release_dir.py $MODEL \
+    --routed-experts "${V4_EXPERTS:-96}" >/dev/null
+else
+  NAME=llama3-8b
+  MODEL=/tmp/llama3-8b-dummy    # config + tokenizer only: vLLM's --load-format dummy
+  CKPT=/tmp/llama3-8b-random    # the same shape with random bf16 weights, for deepinfer
+  DI_FLAGS=""
+  VL_FLAGS="--dtype bfloat16 --max-model-len 1280"
+  SATURATED="$RANDOM_1K --num-prompts 1000 --request-rate inf --max-concurrency 512"
+  MODERATE="$RANDOM_1K --num-prompts 200 --request-rate 10"
+  [ -d $MODEL ] || python3 "$peer/make_llama3_8b_dummy.py" $MODEL >/dev/null
+fi
 COMMON="--ignore-eos --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 --save-result --result-dir $OUT"
 
-[ -d $MODEL ] || python3 "$peer/make_llama3_8b_dummy.py" $MODEL >/dev/null
 make_checkpoint() {
   [ -f $CKPT/config.json ] && return
   env PYTHONPATH=/tmp/di-site python3 - <<'PY'
@@ -59,22 +80,22 @@ clients() {   # name port: both clients on the saturated workload, then the mode
   local name=$1 port=$2
   if [ -d /tmp/site/vllm ]; then
     echo "--- vllm bench serve -> $name (saturated)"
-    timeout 240 $VL bench serve --backend openai --endpoint /v1/completions --port "$port" --model llama3-8b \
-      --tokenizer $MODEL $SATURATED $COMMON --disable-tqdm --result-filename "vllm_client_${name}_saturated.json" \
+    timeout 240 $VL bench serve --backend openai --endpoint /v1/completions --port "$port" --model $NAME \
+      --tokenizer $MODEL $SATURATED $COMMON --disable-tqdm --result-filename "${NAME}_vllm_client_${name}_saturated.json" \
       2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT|ITL|E2EL|Failed"
   fi
   echo "--- deepinfer bench serve -> $name (saturated)"
-  timeout 240 $DI bench serve --port "$port" --model llama3-8b $SATURATED $COMMON --disable-tqdm \
-    --result-filename "di_client_${name}_saturated.json" 2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT|ITL|E2EL|Failed"
+  timeout 240 $DI bench serve --port "$port" --model $NAME $SATURATED $COMMON --disable-tqdm \
+    --result-filename "${NAME}_di_client_${name}_saturated.json" 2>&1 | grep -E "Successful|duration|throughput|TTFT|TPOT|ITL|E2EL|Failed"
   if [ -d /tmp/site/vllm ]; then
-    echo "--- vllm bench serve -> $name (10 requests/s)"
-    timeout 120 $VL bench serve --backend openai --endpoint /v1/completions --port "$port" --model llama3-8b \
-      --tokenizer $MODEL $MODERATE $COMMON --disable-tqdm --result-filename "vllm_client_${name}_rate10.json" \
+    echo "--- vllm bench serve -> $name (moderate rate)"
+    timeout 120 $VL bench serve --backend openai --endpoint /v1/completions --port "$port" --model $NAME \
+      --tokenizer $MODEL $MODERATE $COMMON --disable-tqdm --result-filename "${NAME}_vllm_client_${name}_moderate.json" \
       2>&1 | grep -E "Successful|duration|throughput|TTFT|ITL|Failed"
   else
-    echo "--- deepinfer bench serve -> $name (10 requests/s)"
-    timeout 120 $DI bench serve --port "$port" --model llama3-8b $MODERATE $COMMON --disable-tqdm \
-      --result-filename "di_client_${name}_rate10.json" 2>&1 | grep -E "Successful|duration|throughput|TTFT|ITL|Failed"
+    echo "--- deepinfer bench serve -> $name (moderate rate)"
+    timeout 120 $DI bench serve --port "$port" --model $NAME $MODERATE $COMMON --disable-tqdm \
+      --result-filename "${NAME}_di_client_${name}_moderate.json" 2>&1 | grep -E "Successful|duration|throughput|TTFT|ITL|Failed"
   fi
 }
 
@@ -82,7 +103,7 @@ deepinfer_server() {   # name extra-flags...
   local name=$1; shift
   make_checkpoint
   local t0=$(date +%s)
-  $DI serve $CKPT --served-model-name llama3-8b --host 127.0.0.1 --port 8000 --uvicorn-log-level warning "$@" \
+  $DI serve $CKPT --served-model-name $NAME --host 127.0.0.1 --port 8000 --uvicorn-log-level warning $DI_FLAGS "$@" \
     > "$OUT/server_$name.log" 2>&1 &
   local pid=$!
   wait_healthy 8000 $pid || { echo "deepinfer server did not start"; tail -30 "$OUT/server_$name.log"; return 1; }
@@ -111,13 +132,13 @@ for stage in "$@"; do
       p2=$!
       ( sleep 15; top -b -d 2 -n 10 -H -p "$DI_PID,$core" > "$OUT/top_threads.txt" ) &
       p3=$!
-      timeout 240 $DI bench serve --port 8000 --model llama3-8b $SATURATED $COMMON --disable-tqdm \
+      timeout 240 $DI bench serve --port 8000 --model $NAME $SATURATED $COMMON --disable-tqdm \
         --result-filename di_client_profile.json 2>&1 | grep -E "Successful|duration|throughput|TPOT|ITL"
       wait $p1 $p2 $p3; stop $DI_PID ;;
     vllm)
       t0=$(date +%s)
-      $VL serve $MODEL --load-format dummy --dtype bfloat16 --max-model-len 1280 --gpu-memory-utilization 0.90 \
-        --served-model-name llama3-8b --host 127.0.0.1 --port 8001 > "$OUT/vllm_server.log" 2>&1 &
+      $VL serve $MODEL --load-format dummy $VL_FLAGS --gpu-memory-utilization 0.90 \
+        --served-model-name $NAME --host 127.0.0.1 --port 8001 > "$OUT/vllm_server.log" 2>&1 &
       pid=$!
       wait_healthy 8001 $pid || { echo "vllm server did not start"; tail -30 "$OUT/vllm_server.log"; continue; }
       echo "vllm healthy after $(( $(date +%s) - t0 )) s"

@@ -119,7 +119,12 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from deepinfer.entrypoints.api_server import run_server
 
-    run_server(*serve_config(args), load_format=args.load_format)
+    try:
+        run_server(*serve_config(args), load_format=args.load_format)
+    except KeyboardInterrupt:
+        # uvicorn shuts down gracefully on Ctrl+C / SIGINT, then raises the signal again so the
+        # exit status tells of it: exit 130 as a shell does, without a traceback.
+        return 130
     return 0
 
 
