@@ -5,9 +5,10 @@
 For each token count (1: batch-1 decode, 64: a decode batch, 8192: a prefill), the tokens are
 routed to 6 of 256 experts (uniformly: every expert about the same rows), and each product of
 the routed experts, gate/up (4096 -> 2 x 2048) and down (2048 -> 4096), is timed over the
-candidate tilings of fp4_moe_triton.TileConfig that suit that many rows an expert; each
-candidate's products are first checked against the dequantized weights' (a tiling that gives
-wrong products is reported, never timed). Beside them: the tiling the kernel picks by itself
+candidate tilings of fp4_moe_triton.TileConfig that suit that many rows an expert, on bf16
+activations and on e4m3 ones (`fp8`); each candidate's products are first checked against the
+dequantized weights' (on the activations as that path quantizes them; a tiling that gives wrong
+products is reported, never timed). Beside them: the tiling the kernel picks by itself
 (default_config), torch._grouped_mm on the same experts in bf16 (and, for the prefill, on them
 dequantized a chunk at a time: fp4_grouped_mm_dequantized, what moe.py runs there), and the roofline (the bytes of
 the experts with rows, codes and exponents / measured copy bandwidth). default_config's table is
@@ -38,7 +39,26 @@ def candidates(per_expert: float):
     for m, n, k, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (3, 4)):
         if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64):
             found.append(TileConfig(m, n, k, dot=True, num_warps=4 if m < 64 else 8, num_stages=stages))
+    # The FP8 tensor-core path (e4m3 activations; block_k is unused there).
+    for m, n, stages, warps in itertools.product((16, 32, 64, 128), (32, 64, 128), (2, 3, 4), (4, 8)):
+        if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64) and (warps == 4 or m >= 64):
+            found.append(TileConfig(m, n, 128, dot=True, num_warps=warps, num_stages=stages, fp8=True))
     return found
+
+
+def fp8_reference(x, codes, exps, counts):
+    """The first two experts' products as the FP8 path sees its activations (e4m3 per row and
+    128 inputs, fp8.quantize_rows), in float32."""
+    import torch
+    import torch.nn.functional as F
+
+    from deepinfer.layers.quantization import fp4, fp8
+
+    xq, xs = fp8.quantize_rows(x, 128)
+    seen = (xq.float().view(x.shape[0], -1, 128) * xs[..., None]).view(x.shape)
+    first, second = int(counts[0]), int(counts[0]) + int(counts[1])
+    return torch.cat([F.linear(seen[:first], fp4.dequantize(codes[0], exps[0])),
+                      F.linear(seen[first:second], fp4.dequantize(codes[1], exps[1]))])
 
 
 def main() -> None:
@@ -84,12 +104,13 @@ def main() -> None:
             base = {"tokens": tokens, "product": name, "experts_used": used,
                     "bf16_ms": cuda_time(lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offs)) * 1e3,
                     "roofline_ms": roofline * 1e3}
+            want_fp8 = fp8_reference(x, codes, exps, counts)
             timed = []
             chosen = default_config(rows, EXPERTS)
             for config in dict.fromkeys([chosen, *candidates(rows / min(EXPERTS, rows))]):
                 try:
                     got = fp4_grouped_mm(x, codes, exps, counts, config)[check].float()
-                    if not torch.allclose(got, want, atol=0.05, rtol=0.02):
+                    if not torch.allclose(got, want_fp8 if config.fp8 else want, atol=0.05, rtol=0.02):
                         print(f"  {tokens} {name} {config}: WRONG products", flush=True)
                         continue
                     ms = cuda_time(lambda: fp4_grouped_mm(x, codes, exps, counts, config)) * 1e3

@@ -54,6 +54,30 @@ def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype, c
     torch.testing.assert_close(got.float(), want, **tol)
 
 
+FP8_CONFIGS = {"fp8-16": TileConfig(16, 64, 128, dot=True, fp8=True),
+               "fp8-64": TileConfig(64, 32, 128, dot=True, fp8=True)}
+
+
+@pytest.mark.parametrize("config", FP8_CONFIGS.values(), ids=FP8_CONFIGS.keys())
+@pytest.mark.parametrize("counts,n,k", [([3, 0, 21, 1], 96, 256), ([5, 40, 0, 0, 7], 70, 128), ([2, 3], 32, 96)])
+def test_fp4_grouped_mm_on_fp8_activations(counts, n, k, config):
+    """The FP8 tensor-core path: the activations as fp8.quantize_rows makes them (per row and 128
+    inputs, or the largest power of two dividing K), times the dequantized weights, to float32's
+    summation order; and within the activations' rounding of the full-precision product."""
+    from deepinfer.layers.quantization import fp8
+
+    torch.manual_seed(sum(counts) + n + k)
+    codes, exps = fp4.quantize(torch.randn(len(counts), n, k, device=DEVICE), 32)
+    x = torch.randn(sum(counts), k, device=DEVICE)
+    got = fp4_grouped_mm(x, codes, exps, torch.tensor(counts, device=DEVICE), config)
+    block = 128 if k % 128 == 0 else 32
+    xq, xs = fp8.quantize_rows_reference(x, block)
+    x_seen = (xq.float().view(x.shape[0], -1, block) * xs[..., None]).view_as(x)
+    torch.testing.assert_close(got, reference(x_seen, codes, exps, counts), atol=1e-3, rtol=1e-4)
+    exact = reference(x, codes, exps, counts)
+    assert ((got - exact).norm() / exact.norm()) < 0.05
+
+
 def test_fp4_grouped_mm_refuses_shapes_it_cannot_tile():
     # 96 inputs in groups of 48: no power-of-two block holds whole groups.
     codes, exps = fp4.quantize(torch.randn(2, 32, 96, device=DEVICE), 48)

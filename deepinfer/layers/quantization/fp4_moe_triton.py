@@ -15,6 +15,13 @@ expert's rows in BLOCK_M tiles: at most ceil(rows / BLOCK_M) plus one per expert
 which there are at most min(E, rows): at decode a handful, not E); a program finds its expert by a
 binary search over the cumulative tile counts, computed on the device, and the programs past the
 last tile return at once. Nothing waits for the host, so the product fits a CUDA graph.
+
+A tiling with `fp8` multiplies on the FP8 tensor cores instead (_fp4_fp8_kernel): the activations
+quantized to e4m3 per row and 128 inputs (fp8.quantize_rows, as DeepSeek's FP8 products take
+them), each e2m1 weight turned into the e4m3 byte worth value * 2^-6 (exact: e4m3 holds every
+e2m1 value) by three integer ops, one dot per scale group. Fewer operations a weight than the
+float decode; it approximates the activations as the FP8 projections do (benchmarks/fp4_moe_tune.py
+measures both).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from deepinfer.layers.quantization import fp4
+from deepinfer.layers.quantization import fp4, fp8
 
 logger = logging.getLogger(__name__)
 
@@ -133,16 +140,86 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _e4m3_of_e2m1(code):
+    """e2m1 codes (int32, 0..15) -> e4m3 bytes worth value * 2^-6 exactly: the magnitude bits
+    shifted up two (exponent e at bits 4..3, mantissa at bit 2: 2^(e - 7) * (1 + m / 2), and the
+    subnormal m / 2 * 2^-6 when e = 0), the sign from bit 3 to bit 7."""
+    return (((code & 7) << 2) | ((code & 8) << 4)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _fp4_fp8_kernel(xq_ptr, xs_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_ptr, tile_ends_ptr,
+                    num_experts, N, K,
+                    stride_xm, stride_sm, stride_ce, stride_cn, stride_se, stride_sn, stride_om,
+                    GROUP: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_fp4_grouped_kernel's product with e4m3 activations xq (their bytes; scales xs, one per row and QBLOCK
+    inputs) on the FP8 tensor cores: one dot per scale group of GROUP inputs, its float32 result
+    times the group's weight scales, the QBLOCK's sum times the rows' activation scales."""
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if tile >= tl.load(tile_ends_ptr + num_experts - 1):
+        return
+    lo = 0
+    hi = num_experts - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(tile_ends_ptr + mid) > tile:
+            hi = mid
+        else:
+            lo = mid + 1
+    expert = lo
+    first_tile = tl.load(tile_ends_ptr + expert - 1, mask=expert > 0, other=0)
+    row_start = tl.load(starts_ptr + expert) + (tile - first_tile) * BLOCK_M
+    row_end = tl.load(ends_ptr + expert)
+
+    rows = row_start + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < row_end
+    col_ok = cols < N
+    # Input k of a group sits in byte k // 2, low nibble for even k: each byte is loaded for both
+    # of its inputs (the second load hits the cache), so the weights come out in input order.
+    kk = tl.arange(0, GROUP)
+    shift = ((kk % 2) * 4)[:, None]
+    code_cols = codes_ptr + expert.to(tl.int64) * stride_ce + cols[None, :].to(tl.int64) * stride_cn
+    exp_cols = exps_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64) * stride_sn
+    x_rows = xq_ptr + rows[:, None].to(tl.int64) * stride_xm
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, QBLOCK):
+        block = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for g in tl.static_range(QBLOCK // GROUP):
+            k = k0 + g * GROUP
+            packed = tl.load(code_cols + (k // 2 + kk // 2)[:, None], mask=col_ok[None, :], other=0)
+            w = _e4m3_of_e2m1((packed.to(tl.int32) >> shift) & 0xF)                  # [GROUP, BLOCK_N]
+            a = tl.load(x_rows + (k + kk)[None, :], mask=row_ok[:, None], other=0)    # [BLOCK_M, GROUP] bytes
+            a = a.to(tl.float8e4nv, bitcast=True)
+            # 2^(exponent - 127) times 2^6, _e4m3_of_e2m1's factor, made from its float32 bits.
+            exps = tl.load(exp_cols + k // GROUP, mask=col_ok, other=127).to(tl.int32)
+            scale = ((exps + 6) << 23).to(tl.float32, bitcast=True)
+            block += tl.dot(a, w) * scale[None, :]
+        x_scale = tl.load(xs_ptr + rows.to(tl.int64) * stride_sm + k0 // QBLOCK, mask=row_ok, other=0.0)
+        acc += block * x_scale[:, None]
+    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 class TileConfig(NamedTuple):
     """One launch's tiling: BLOCK_M rows of one expert share a decoded weight tile of BLOCK_N
     outputs x BLOCK_K inputs; `dot`: the product on the tensor cores (BLOCK_M >= 16), else one
-    row (BLOCK_M 1) as float32 multiply-adds, a GEMV (batch-1 decode: every expert one row)."""
+    row (BLOCK_M 1) as float32 multiply-adds, a GEMV (batch-1 decode: every expert one row);
+    `fp8`: e4m3 activations on the FP8 tensor cores (_fp4_fp8_kernel; block_k unused: one dot a
+    scale group, one activation scale per FP8_QBLOCK inputs)."""
     block_m: int
     block_n: int
     block_k: int
     dot: bool
     num_warps: int = 4
     num_stages: int = 3
+    fp8: bool = False
+
+
+# Inputs sharing an activation scale on the FP8 path: DeepSeek's 1 x 128 activation blocks.
+FP8_QBLOCK = 128
 
 
 def default_config(rows: int, num_experts: int) -> TileConfig:
@@ -197,6 +274,19 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
     if rows == 0:
         return out
     grid = (triton.cdiv(rows, config.block_m) + min(num_experts, rows), triton.cdiv(n, config.block_n))
+    if config.fp8:
+        qblock = math.gcd(FP8_QBLOCK, k)
+        if config.block_m < 16 or qblock % group or group < 32:
+            raise ValueError(f"fp4_grouped_mm: the FP8 path takes tiles of at least 16 rows and scale groups "
+                             f"of at least 32 inputs dividing {qblock}, not {config.block_m} rows, groups of {group}")
+        xq, xs = fp8.quantize_rows(x, qblock)
+        # The codes as bytes (a masked load of float8 has no `other` to fill with).
+        _fp4_fp8_kernel[grid](xq.view(torch.uint8), xs, codes, exponents, out, starts, ends, tile_ends, num_experts, n, k,
+                              xq.stride(0), xs.stride(0), codes.stride(0), codes.stride(1), exponents.stride(0),
+                              exponents.stride(1), out.stride(0), GROUP=group, QBLOCK=qblock,
+                              BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                              num_warps=config.num_warps, num_stages=config.num_stages)
+        return out
     _fp4_grouped_kernel[grid](x, codes, exponents, out, starts, ends, tile_ends, num_experts, n, k,
                               x.stride(0), codes.stride(0), codes.stride(1), exponents.stride(0),
                               exponents.stride(1), out.stride(0),
