@@ -24,6 +24,10 @@ class Platform(ABC):
                               weight_bytes: int) -> int:
         """Bytes the KV pool may take on this platform after the weights are loaded."""
 
+    def note_memory_baseline(self) -> None:
+        """Called by the runner before it builds the model: what the device holds then is not this
+        engine's (another replica on the same card), so the KV budget does not count it."""
+
     def batch_limits(self, offline: bool) -> tuple[int, int]:
         """(max_num_seqs, max_num_batched_tokens) used when the user sets neither: the offline
         `LLM` class favours throughput, the server a shorter step (time between tokens)."""

@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 HOST_SWITCH_INTERVAL_S = 0.0002
 # Cards with at least this much memory get the larger batch limits (batch_limits).
 LARGE_CARD_BYTES = 70 << 30
+# Left free when the KV pool is sized to the card's free memory (kv_cache_budget_bytes).
+FREE_MARGIN_BYTES = 512 << 20
 
 
 class CudaPlatform(Platform):
@@ -26,6 +28,12 @@ class CudaPlatform(Platform):
         if not torch.cuda.is_available():
             raise RuntimeError("DEEPINFER_ACCELERATOR=cuda but torch sees no CUDA device")
         self.device = torch.device("cuda", torch.cuda.current_device())
+        self._held_before_us: int | None = None   # bytes the card held when this engine began
+
+    def note_memory_baseline(self) -> None:
+        if self._held_before_us is None:
+            free, total = torch.cuda.mem_get_info(self.device)   # (creates this process's context)
+            self._held_before_us = total - free - torch.cuda.memory_reserved(self.device)
 
     def default_attention_backend(self):
         try:
@@ -36,14 +44,25 @@ class CudaPlatform(Platform):
 
     def kv_cache_budget_bytes(self, *, gpu_memory_utilization: float, cpu_kv_cache_bytes: int,
                               weight_bytes: int) -> int:
-        # What the process may use in all is a fraction of the card; the weights and the peak
-        # activation memory measured so far come off it, the rest is KV.
-        free, total = torch.cuda.mem_get_info(self.device)
+        # What this engine may use in all is a fraction of the card, as vLLM's flag means it: its
+        # weights, the peak activation memory measured so far and what it holds outside torch's
+        # allocator (CUDA libraries' workspaces) come off it, the rest is KV. What the card held
+        # before this engine began (another replica sharing the card, at its own fraction) is not
+        # this engine's; the KV never takes more than is free now, whatever the fraction says.
         torch.cuda.synchronize(self.device)
-        in_use_by_us = torch.cuda.max_memory_allocated(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * gpu_memory_utilization) - used_by_others - in_use_by_us
-        return max(budget, 0)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
+        held_before = self._held_before_us if self._held_before_us is not None else total - free - reserved
+        outside_torch = max(total - free - reserved - held_before, 0)
+        budget = int(total * gpu_memory_utilization) - torch.cuda.max_memory_allocated(self.device) - outside_torch
+        # Free now, plus what torch's allocator holds but no tensor uses, less a margin for the
+        # allocations that follow (graphs, sampling buffers).
+        room = free + reserved - torch.cuda.memory_allocated(self.device) - FREE_MARGIN_BYTES
+        if room < budget:
+            logger.warning("gpu_memory_utilization=%.2f would give the KV cache %.1f GiB, but the card has "
+                           "%.1f GiB free (other processes hold %.1f GiB): the KV cache takes what is free",
+                           gpu_memory_utilization, budget / 2**30, max(room, 0) / 2**30, held_before / 2**30)
+        return max(min(budget, room), 0)
 
     def batch_limits(self, offline: bool) -> tuple[int, int]:
         # vLLM's rule: on a card of 70 GiB or more, 16384 batched tokens offline and 8192 for the

@@ -131,6 +131,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.speculation = SpeculativeMethod.resolve(config.speculative)   # None: no drafts to verify
         self._join_group()
+        self.platform.note_memory_baseline()   # before the weights: what the card holds is others'
         self._build_model(source)
         self._load_weights(source)
         self._lay_out_kv_cache()
