@@ -19,6 +19,12 @@ Overhead: --overhead-requests sequential 1-token completions, alternately direct
 least_load router; the P50/P99 of each and their difference. With --pin the replicas run on the
 last core and the router and client on the rest, so that on a small box the router's time is not
 a wait for a replica's threads (the overhead target is measured with one replica: --replicas 1).
+
+On a GPU: `--model llama3-8b` (a shape of kv_store_serving.py: random weights, word tokens) and
+`--replica-args "--gpu-memory-utilization 0.3"` so that the replicas share the card, each at its
+fraction, e.g. `DEEPINFER_ACCELERATOR=cuda python benchmarks/router_policies.py --model llama3-8b
+--replicas 2 --replica-args "--gpu-memory-utilization 0.42" --conversations 64 --turns 4
+--system-words 2000 --concurrency 16 --max-tokens 64 --policies round_robin cache_aware`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,7 +45,11 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from tests.e2e.server_process import API_KEY, free_port, start_server, stop_server  # noqa: E402
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from kv_store_serving import SHAPES, resolve_model  # noqa: E402
+from kv_store_serving import start as start_replica  # noqa: E402
+
+from tests.e2e.server_process import API_KEY, free_port, stop_server  # noqa: E402
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 WORDS = ("river", "mountain", "city", "garden", "engine", "library", "harbor", "forest", "bridge", "market")
@@ -78,20 +89,29 @@ def stop(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
 
 
-def conversations(args, tag: str) -> list[list[str]]:
+def conversations(args, tag: str, vocab: int | None = None) -> list[list[str]]:
+    """vocab: a shape's word tokens t0..t{vocab-1} (its tokenizer knows no English), else English words."""
     rng = random.Random(args.seed)
-    systems = [f"[{tag}] You are assistant {k}. " + " ".join(rng.choice(WORDS) for _ in range(args.system_words))
+    if vocab is None:
+        words = WORDS
+        system = "[{tag}] You are assistant {k}."
+        question = "Question {t} of conversation {c}: tell me about the"
+    else:
+        words = tuple(f"t{i}" for i in rng.sample(range(10, vocab), 1000))
+        system = "t1 t{k} t2 " + " ".join(f"t{3 + ord(ch) % 7}" for ch in tag)   # the run tag, in word tokens
+        question = "t3 t{t} t4 t{c} t5"
+    systems = [system.format(tag=tag, k=10 + k) + " " + " ".join(rng.choice(words) for _ in range(args.system_words))
                for k in range(args.system_prompts)]
     out = []
     for c in range(args.conversations):
         turns = [systems[c % len(systems)]]
-        turns += [f"Question {t} of conversation {c}: tell me about the " + " ".join(rng.choice(WORDS) for _ in range(8))
+        turns += [question.format(t=10 + t, c=10 + c) + " " + " ".join(rng.choice(words) for _ in range(8))
                   for t in range(args.turns)]
         out.append(turns)
     return out
 
 
-async def run_workload(url: str, model: str, args, tag: str) -> dict:
+async def run_workload(url: str, model: str, args, tag: str, vocab: int | None = None) -> dict:
     ttfts, prompt_tokens, cached_tokens, per_replica = [], 0, 0, {}
     semaphore = asyncio.Semaphore(args.concurrency)
 
@@ -122,16 +142,17 @@ async def run_workload(url: str, model: str, args, tag: str) -> dict:
 
     async with httpx.AsyncClient(timeout=300) as client:
         start = time.perf_counter()
-        await asyncio.gather(*(one(client, c) for c in conversations(args, tag)))
+        await asyncio.gather(*(one(client, c) for c in conversations(args, tag, vocab)))
         elapsed = time.perf_counter() - start
     return {"hit_rate": cached_tokens / max(prompt_tokens, 1), "ttft_p50_ms": 1e3 * pct(ttfts, 50),
             "ttft_p99_ms": 1e3 * pct(ttfts, 99), "requests": len(ttfts), "seconds": elapsed,
+            "requests_per_s": len(ttfts) / elapsed,
             "per_replica": sorted(per_replica.values(), reverse=True)}
 
 
-def overhead(direct: str, routed: str, model: str, n: int) -> dict:
+def overhead(direct: str, routed: str, model: str, n: int, prompt: str = "Hello") -> dict:
     times: dict[str, list[float]] = {"direct": [], "router": []}
-    body = {"model": model, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     with httpx.Client(timeout=60, headers=HEADERS) as client:
         for url in (direct, routed):   # warm both connection paths
             client.post(url + "/v1/completions", json=body)
@@ -172,7 +193,10 @@ def plot(results: dict, path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="replica model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default="smollm2", help=f"replica model: smollm2 (the embedded SmolLM2-135M-Instruct), "
+                   f"gemma3-270m, a shape of random weights ({', '.join(SHAPES)}) or a path")
+    p.add_argument("--replica-args", default="", help="more flags for every replica, e.g. "
+                   "\"--gpu-memory-utilization 0.42\" for replicas sharing one GPU")
     p.add_argument("--replicas", type=int, default=3)
     p.add_argument("--policies", nargs="+", default=["round_robin", "least_load", "cache_aware", "cost"])
     p.add_argument("--conversations", type=int, default=8)
@@ -196,7 +220,8 @@ def main() -> int:
         return 0
 
     workdir = tempfile.mkdtemp(prefix="router-bench-")
-    model_args = ("--model", args.model) if args.model else ()
+    served = resolve_model(args.model, 4096)
+    vocab = served.config["vocab_size"] if served.tokenizer is None else None
     ports = [free_port() for _ in range(args.replicas)]
     replicas = []
     cores = sorted(os.sched_getaffinity(0))
@@ -206,24 +231,25 @@ def main() -> int:
         if args.pin:   # children inherit the affinity they are started with
             os.sched_setaffinity(0, cores[-1:])
         for i, port in enumerate(ports):
-            replicas.append(start_server(os.path.join(workdir, f"replica{i}.log"), *model_args,
-                                         "--kv-events-endpoint", f"tcp://*:{port}"))
+            replicas.append(start_replica(served, os.path.join(workdir, f"replica{i}.log"), None,
+                                          "--kv-events-endpoint", f"tcp://*:{port}", *shlex.split(args.replica_args)))
         if args.pin:
             os.sched_setaffinity(0, cores[:-1])
         events = [f"tcp://127.0.0.1:{port}" for port in ports]
         model = httpx.get(replicas[0].base_url + "/v1/models", headers=HEADERS).json()["data"][0]["id"]
-        results = {"single": asyncio.run(run_workload(replicas[0].base_url, model, args, "single"))}
+        results = {"single": asyncio.run(run_workload(replicas[0].base_url, model, args, "single", vocab))}
         for policy in args.policies:
             process, url = start_router(workdir, replicas, events, policy)
             try:
-                results[policy] = asyncio.run(run_workload(url, model, args, policy))
+                results[policy] = asyncio.run(run_workload(url, model, args, policy, vocab))
             finally:
                 stop(process)
         if args.overhead_requests:
             # least_load: no tokenize round trip, so this is the proxy's own cost.
             process, url = start_router(workdir, replicas, events, "least_load")
             try:
-                results["overhead"] = overhead(replicas[0].base_url, url, model, args.overhead_requests)
+                results["overhead"] = overhead(replicas[0].base_url, url, model, args.overhead_requests,
+                                               "Hello" if vocab is None else "t11 t12")
             finally:
                 stop(process)
     finally:
