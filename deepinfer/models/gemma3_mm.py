@@ -14,7 +14,7 @@ Gemma3ForCausalLM's forward. Images enter through two seams the engine calls:
 Checkpoint layouts (each tensor's name is mapped to this model's by `canonical_weight_name`):
 
     hub (Google's)                 language_model.model.*, vision_tower.vision_model.*, multi_modal_projector.*
-    transformers 4.5x save         model.language_model.*, model.vision_tower.vision_model.*,
+    late transformers 4.x save     model.language_model.*, model.vision_tower.vision_model.*,
                                    model.multi_modal_projector.*, lm_head.weight
     transformers 5.x save          language_model.model.*, vision_tower.* (no vision_model level),
                                    multi_modal_projector.* (the head tied, not saved)
