@@ -34,8 +34,7 @@ from tests.models.tiny_models import TINY_IMAGE_TOKENS, TINY_VISION, build_tiny_
 
 NEW_TOKENS = 12
 BLOCK = 16
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                          reason="no CUDA device")])
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 LAYOUT = ImageTokenLayout(TINY_IMAGE_TOKENS["boi_token_index"], TINY_IMAGE_TOKENS["eoi_token_index"],
                           TINY_IMAGE_TOKENS["image_token_index"], TINY_IMAGE_TOKENS["mm_tokens_per_image"])
 NEWLINES = [10]   # the tiny vocabulary's stand-in for "\n\n"
@@ -209,8 +208,9 @@ class ModelSteps:
     (worker/input_batch.build_step_inputs, the reference attention backend), without a scheduler:
     the prompt in chunks of the given sizes, then one decode step a token."""
 
-    def __init__(self, model: Gemma3ForConditionalGeneration, device: str, max_tokens: int) -> None:
-        self.model, self.device = model, torch.device(device)
+    def __init__(self, model: Gemma3ForConditionalGeneration, device: str, max_tokens: int,
+                 backend: str = "reference") -> None:
+        self.model, self.device, self.backend = model, torch.device(device), backend
         self.layout = KVLayout.from_specs(model.kv_cache_specs(torch.float32), BLOCK, torch.float32)
         per_group = -(-max_tokens // BLOCK)
         # Block 0 is the null block; groups of one pool share its slots, so each gets its own ids.
@@ -221,7 +221,7 @@ class ModelSteps:
                 every_row: bool = False) -> torch.Tensor:
         chunk = StepChunk("r", start, num_tokens, self.tables, sample=True)
         inputs = build_step_inputs([chunk], {"r": tokens}, self.layout.groups, BLOCK, self.layout.layer_to_group,
-                                   self.layout.layer_to_slot, self.caches, self.device, backend="reference")
+                                   self.layout.layer_to_slot, self.caches, self.device, backend=self.backend)
         with torch.no_grad(), forward_context(inputs.attention):
             hidden = self.model(inputs.input_ids, inputs.positions, None, images=images)
             return self.model.compute_logits(hidden if every_row else hidden[-1:])
@@ -243,9 +243,11 @@ class ModelSteps:
         return out
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device, backend", [("cpu", "reference"), ("cpu", "cpu"),
+                                             pytest.param("cuda", "reference", marks=ON_CUDA)],
+                         ids=["cpu-reference", "cpu-cpu", "cuda-reference"])
 @pytest.mark.parametrize("name", list(PROMPTS))
-def test_greedy_tokens_match_transformers(tiny, name, device):
+def test_greedy_tokens_match_transformers(tiny, name, device, backend):
     hf, ours, _ = tiny
     prompt = prompt_of(name)
     pixel_values = pixel_values_for(prompt, seed=len(prompt))
@@ -253,13 +255,14 @@ def test_greedy_tokens_match_transformers(tiny, name, device):
     reference = hf_greedy(hf, prompt, pixel_values)
     model = ours.to(device)
     try:
-        assert ModelSteps(model, device, len(prompt) + NEW_TOKENS).greedy(prompt, pixel_values) == reference
+        steps = lambda: ModelSteps(model, device, len(prompt) + NEW_TOKENS, backend)
+        assert steps().greedy(prompt, pixel_values) == reference
         # Chunked prefill, each image's tokens within one chunk (the scheduler's invariant).
         places = LAYOUT.placeholders(prompt)
         cut = places[0].offset - 1
         chunks = [cut, len(prompt) - cut] if len(places) == 1 else [cut, places[1].offset - cut,
                                                                     len(prompt) - places[1].offset]
-        assert ModelSteps(model, device, len(prompt) + NEW_TOKENS).greedy(prompt, pixel_values, chunks) == reference
+        assert steps().greedy(prompt, pixel_values, chunks) == reference
     finally:
         ours.to("cpu")
 
@@ -278,6 +281,21 @@ def test_image_tokens_attend_both_ways(tiny):
     logits = steps.forward(prompt, 0, len(prompt), images, every_row=True)
     torch.testing.assert_close(logits, two_way, atol=1e-4, rtol=0)
     assert (causal - two_way).abs().max() > 1e-2   # the test would see a causal-only model
+
+
+def test_a_prefix_hit_inside_an_image(tiny):
+    """A chunk that starts inside an image whose first tokens are cached from a forward that saw
+    the whole image (a prefix hit on the same image): the rest of the image attends to the cached
+    keys causally and to its own later tokens, and the logits are the whole prompt's."""
+    _, ours, _ = tiny
+    prompt = prompt_of("one-image")
+    place = LAYOUT.placeholders(prompt)[0]
+    embeds = ours.encode_images(pixel_values_for(prompt, seed=3))
+    steps = ModelSteps(ours, "cpu", len(prompt))
+    whole = steps.forward(prompt, 0, len(prompt), StepImages.for_chunk([place], embeds, 0, len(prompt)))
+    cut = place.offset + 5   # the cache now holds the whole prompt's K/V; recompute from here
+    tail = steps.forward(prompt, cut, len(prompt) - cut, StepImages.for_chunk([place], embeds, cut, len(prompt) - cut))
+    torch.testing.assert_close(tail, whole, atol=1e-5, rtol=0)
 
 
 def test_an_image_split_across_chunks_is_refused(tiny):
