@@ -13,8 +13,8 @@ pan-and-scan off, its default and the Gemma3Processor's:
     normalize          (x - mean) / std in float32, mean = std = 0.5 per channel by default
 
 The torchvision backend transformers prefers when torchvision is installed resizes tensors with
-its own antialiased kernel, which differs from PIL's by a few levels of 255 at some pixels; a
-model sees no difference that matters, but tests compare with the PIL backend, bit for bit.
+its own antialiased kernel, whose values are close to PIL's but not the same; the PIL backend is
+the one matched (the test compares with it, within float32 rounding).
 
 Settings come from the checkpoint's preprocessor_config.json where it has one (a null field keeps
 the default); without one, the Gemma 3 defaults with the tower's own image_size (a SigLIP tower

@@ -267,6 +267,21 @@ def test_greedy_tokens_match_transformers(tiny, name, device, backend):
         ours.to("cpu")
 
 
+def test_text_only_prompts_through_the_engine(tiny):
+    """The registered model serves text through the engine as it is (images are not passed by the
+    scheduler yet): greedy tokens equal transformers' for a prompt without images."""
+    from deepinfer import LLM, SamplingParams
+
+    hf, _, directory = tiny
+    prompt = [2, 5, 6, 7, 8, 9, 40, 41]
+    hf.generation_config.eos_token_id = None
+    reference = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                            pad_token_id=0)[0, len(prompt):].tolist()
+    llm = LLM(directory, dtype="float32", num_kv_blocks=256)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference
+
+
 def test_image_tokens_attend_both_ways(tiny):
     """Prompt logits of every row against transformers' forward with token_type_ids (two-way
     attention inside each image), which differ from its forward without them."""
