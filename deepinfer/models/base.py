@@ -146,9 +146,14 @@ class CausalLM(nn.Module):
         their quantized weights in their own format where `quantization` (ModelConfig's) says so."""
         self.load_weights(source.iter_weights(keep_int4=keep_int4))
 
+    def streamed_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters load_weights fills (and checks are all there): every one, unless the
+        model loads a part of itself another way (a vision model's tower, models/gemma3_mm.py)."""
+        return dict(self.named_parameters())
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        params = dict(self.named_parameters())
+        params = self.streamed_parameters()
         loaded: set[str] = set()
         int4_parts: dict[str, dict[int, Int4Blocks]] = {}   # module name -> shard index -> blocks
         for name, tensor in weights:

@@ -64,10 +64,19 @@ class Gemma3Model(nn.Module):
         self.embed_scale = cfg["hidden_size"] ** 0.5
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                logits_rows: torch.Tensor | None = None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`image_embeds`: (rows, embeddings [len(rows), hidden]) put in place of those rows'
+        token embeddings, after the scale (the vision model's, models/gemma3_mm.py)."""
+        if image_embeds is not None:
+            # An image token's id may lie past the vocabulary (Gemma 3's checkpoints place it at
+            # the vocabulary's end); its row is replaced below, so any id in range will do.
+            input_ids = input_ids.index_fill(0, image_embeds[0], 0)
         x = self.embed_tokens(input_ids)
         # NOTE: HF rounds the scale to the activation dtype before multiplying; so do we.
         hidden, residual = x * torch.tensor(self.embed_scale, dtype=x.dtype), None
+        if image_embeds is not None:
+            hidden = hidden.index_copy(0, image_embeds[0], image_embeds[1].to(hidden.dtype))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, logits_rows if i == last else None)

@@ -85,15 +85,23 @@ def iter_safetensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"cannot read safetensors file {path}: {e}") from e
 
 
+def flatten_multimodal_config(config: dict) -> dict:
+    """A multimodal config.json nests the language model's fields under text_config: they come up
+    to the top, where every model reads its fields, and the top level's own fields (vision_config,
+    the image token ids, mm_tokens_per_image) stay beside them, the text model's winning a clash
+    (model_type is the text model's). A config without text_config comes back as it is."""
+    if "text_config" not in config or "hidden_size" in config:
+        return config
+    outer = {k: v for k, v in config.items() if k != "text_config"}
+    return {**outer, **(config["text_config"] or {}), "architectures": config.get("architectures", [])}
+
+
 def load_hf_directory(directory: str, load_tokenizer: bool = True):
     """(config, generation_config, Tokenizer or None, weights factory) for an HF checkpoint directory.
 
     load_tokenizer=False (skip_tokenizer_init) reads no tokenizer file, so none need exist.
     """
-    config = read_json(os.path.join(directory, "config.json"))
-    # Multimodal checkpoints nest the language model's fields; deepinfer serves the text part.
-    if "text_config" in config and "hidden_size" not in config:
-        config = {**config["text_config"], "architectures": config.get("architectures", [])}
+    config = flatten_multimodal_config(read_json(os.path.join(directory, "config.json")))
     generation_config = read_json(os.path.join(directory, "generation_config.json"), required=False) or {}
     tokenizer = _load_tokenizer(directory, config, generation_config) if load_tokenizer else None
 

@@ -14,13 +14,16 @@ _MODELS = {
     "Qwen2ForCausalLM": ("deepinfer.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("deepinfer.models.llama", "Qwen3ForCausalLM"),
     "Gemma3ForCausalLM": ("deepinfer.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("deepinfer.models.gemma3_mm", "Gemma3ForConditionalGeneration"),
     "DeepseekV4ForCausalLM": ("deepinfer.models.deepseek_v4.engine", "DeepseekV4ForCausalLM"),
 }
 
 
-# Architectures whose deepinfer model reads images: none yet (every one above is text-only; the
-# vision work adds its conditional-generation classes here). The chat routes ask this before
-# accepting an image part, so a text-only model refuses images instead of dropping them.
+# Architectures whose deepinfer model reads images through the engine: none yet. The chat routes
+# ask this before accepting an image part, so a model refuses images instead of dropping them.
+# Gemma3ForConditionalGeneration reads images at the model level (encode_images, forward's
+# `images`), but the scheduler and runner do not pass them yet: it serves text until they do,
+# and then joins this set.
 _TAKES_IMAGES: frozenset[str] = frozenset()
 
 

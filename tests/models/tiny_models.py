@@ -54,16 +54,56 @@ def build_tiny_checkpoint(arch: str, directory: str, seed: int = 0, **overrides)
     torch.manual_seed(seed)
     config = tiny_config(arch, **overrides)
     model = getattr(tf, HF_CLASSES[arch])(config).eval()
-    # Random init leaves norms at 1 (0 for Gemma); perturb them so norm bugs cannot hide.
+    perturb_norms(model)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory)
+    return model
+
+
+def perturb_norms(model, scale: float = 0.1) -> None:
+    """Random init leaves norms at 1 (0 for Gemma); perturb them so norm bugs cannot hide."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(directory, safe_serialization=True)
+                p.add_(torch.randn_like(p) * scale)
+
+
+def write_tokenizer(directory: str) -> None:
+    """A word-level tokenizer.json over the tiny vocabulary (token i is "w{i}"), EOS "w1"."""
     vocab = {f"w{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "w1", "bos_token": None}, f)
+
+
+# Gemma 3 with images, tiny: the gemma3 text model above, a 2-layer SigLIP tower on 32 x 32
+# images in 4 x 4 patches (an 8 x 8 grid), pooled by 2 into 16 tokens an image (more than the
+# text model's sliding window of 12, so the window and the image's two-way attention meet).
+# The image token ids are ids of the tiny vocabulary.
+TINY_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                   patch_size=4, vision_use_head=False)
+TINY_IMAGE_TOKENS = dict(boi_token_index=500, eoi_token_index=501, image_token_index=502, mm_tokens_per_image=16)
+
+
+def tiny_vision_config(**vision_overrides):
+    import transformers as tf
+
+    return tf.Gemma3Config(text_config=tiny_config("gemma3"), vision_config={**TINY_VISION, **vision_overrides},
+                           **TINY_IMAGE_TOKENS)
+
+
+def build_tiny_vision_checkpoint(directory: str, seed: int = 0, **vision_overrides):
+    """A tiny random Gemma3ForConditionalGeneration saved to `directory` (safetensors, with the
+    tokenizer); returns the HF model (float32)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(tiny_vision_config(**vision_overrides)).eval()
+    perturb_norms(model)
+    with torch.no_grad():   # initialised to zeros: images would all embed to nothing
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory)
     return model
