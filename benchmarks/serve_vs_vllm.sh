@@ -11,6 +11,9 @@
 #   deepinfer16k the same with --max-num-batched-tokens 16384 (the offline engine's token budget)
 #   profile      deepinfer again, with py-spy sampling the front end and the engine core for 20 s
 #                of the saturated run (flame-graph text under $OUT)
+#   profile_moderate  the moderate-rate run (where TTFT and ITL tails are measured) with py-spy on
+#                both processes for 15 s and the engine core under torch's profiler for 3 s of it
+#                (/start_profile, /stop_profile: its timeline and op table under $OUT/torch_traces)
 #   vllm         `vllm serve --load-format dummy` (needs vLLM in /tmp/site: .vllm-peer/vllm_install.sh)
 # Workload: 1000 requests of 1024 random tokens in, 256 out (ignore_eos), all sent at once, at most
 # 512 in flight; then 200 requests at 10 requests/s (TTFT and ITL at a moderate rate).
@@ -135,6 +138,20 @@ for stage in "$@"; do
       timeout 240 $DI bench serve --port 8000 --model $NAME $SATURATED $COMMON --disable-tqdm \
         --result-filename di_client_profile.json 2>&1 | grep -E "Successful|duration|throughput|TPOT|ITL"
       wait $p1 $p2 $p3; stop $DI_PID ;;
+    profile_moderate)
+      export DEEPINFER_TORCH_PROFILER_DIR=$OUT/torch_traces
+      deepinfer_server profile_moderate || continue
+      core=$(pgrep -P $DI_PID | head -1)
+      ( sleep 5; $SPY record --nonblocking -p $DI_PID -d 15 -r 200 -f raw -o "$OUT/pyspy_frontend_moderate.txt" >/dev/null 2>&1 ) &
+      p1=$!
+      ( sleep 5; $SPY record --nonblocking -p "$core" -d 15 -r 200 -f raw -o "$OUT/pyspy_core_moderate.txt" >/dev/null 2>&1 ) &
+      p2=$!
+      ( sleep 8; curl -sf -X POST http://127.0.0.1:8000/start_profile; sleep 3
+        curl -sf -X POST http://127.0.0.1:8000/stop_profile ) &
+      p3=$!
+      timeout 120 $DI bench serve --port 8000 --model $NAME $MODERATE $COMMON --disable-tqdm \
+        --result-filename "${NAME}_di_client_profile_moderate.json" 2>&1 | grep -E "Successful|duration|TTFT|TPOT|ITL"
+      wait $p1 $p2 $p3; sleep 5; stop $DI_PID; unset DEEPINFER_TORCH_PROFILER_DIR ;;
     vllm)
       t0=$(date +%s)
       $VL serve $MODEL --load-format dummy $VL_FLAGS --gpu-memory-utilization 0.90 \

@@ -92,3 +92,10 @@ def set_env(values: dict[str, str]) -> None:
 def pop(name: str) -> str:
     """Read and remove a variable a parent handed this process once (a rank's token)."""
     return os.environ.pop(name)
+
+
+def torch_profiler_dir() -> str | None:
+    """DEEPINFER_TORCH_PROFILER_DIR (or vLLM's VLLM_TORCH_PROFILER_DIR): where the server's
+    /start_profile and /stop_profile write the engine core's torch profiler traces; unset, the
+    routes do not exist (engine/profiling.py)."""
+    return os.environ.get("DEEPINFER_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None

@@ -40,6 +40,7 @@ import zmq
 from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.engine.admission import AddRequest, to_request
+from deepinfer.engine.profiling import CoreProfiler
 from deepinfer.types.plan import EngineCoreOutput, EngineStats
 from deepinfer.types.request import Request, RequestTimes
 
@@ -60,7 +61,12 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-InputMessage = Union[AddRequest, Abort, Shutdown]
+class Profile(msgspec.Struct, tag="profile"):
+    """Start (or stop) the torch profiler on this core (engine/profiling.py)."""
+    start: bool
+
+
+InputMessage = Union[AddRequest, Abort, Shutdown, Profile]
 
 
 # ----------------------------------------------------------------------------- messages out
@@ -121,6 +127,8 @@ class EngineCoreProc:
         # Requests still in the core, kept to read their timestamps when they finish.
         self.requests: dict[str, Request] = {}
         self.parent_pid = os.getppid()
+        directory = envs.torch_profiler_dir()
+        self.profiler = CoreProfiler(directory) if directory else None
 
     def send(self, message: OutputMessage) -> None:
         self.output.send(self.encoder.encode(message))
@@ -173,8 +181,12 @@ class EngineCoreProc:
                     return
                 if isinstance(message, Abort):
                     pending.extend(core.abort(message.request_ids))
+                elif isinstance(message, Profile):
+                    self._profile(message.start)
                 else:
                     self._add(message, pending)
+            if self.profiler is not None:
+                self.profiler.check_limit()
             outputs = core.step() if core.has_unfinished() else []
             if any(out.new_token_ids for out in outputs):
                 iteration_tokens.append(step_tokens(outputs, self.requests))
@@ -190,6 +202,14 @@ class EngineCoreProc:
             if not busy and os.getppid() != self.parent_pid:
                 logger.warning("the front end process is gone; engine core exiting")
                 return
+
+    def _profile(self, start: bool) -> None:
+        if self.profiler is None:
+            logger.warning("profiler: no DEEPINFER_TORCH_PROFILER_DIR in the engine core's environment")
+        elif start:
+            self.profiler.start()
+        else:
+            self.profiler.stop()
 
     def _add(self, message: AddRequest, pending: list[EngineCoreOutput]) -> None:
         try:

@@ -24,6 +24,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import deepinfer
+from deepinfer import envs
 from deepinfer.chat import make_encoder
 from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.entrypoints.errors import APIError, install_error_handlers
@@ -139,6 +140,17 @@ def _add_common_routes(app: FastAPI) -> None:
     async def model(model_id: str, request: Request):
         state = get_state(request)
         return _model_card(state, state.check_model(model_id))
+
+    if envs.torch_profiler_dir():   # vLLM's routes, present only when a trace directory is set
+        @app.post("/start_profile")
+        async def start_profile(request: Request):
+            get_state(request).client.profile(start=True)
+            return Response(status_code=200)
+
+        @app.post("/stop_profile")
+        async def stop_profile(request: Request):
+            get_state(request).client.profile(start=False)
+            return Response(status_code=200)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request):

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.engine.admission import EngineFacts, child_requests
-from deepinfer.engine.core_proc import Abort, Failed, Heartbeat, StepOutputs
+from deepinfer.engine.core_proc import Abort, Failed, Heartbeat, Profile, StepOutputs
 from deepinfer.frontend.core_process import CoreProcess
 from deepinfer.frontend.dp_balancer import DPLoadBalancer, core_device_env
 from deepinfer.frontend.output_stream import OutputStream
@@ -334,6 +334,12 @@ class AsyncEngineClient:
             for engine in [self.engines[tracked.engine]] if tracked is not None else self.engines:
                 if engine.alive:
                     engine.core.send(Abort(core_ids))
+
+    def profile(self, start: bool) -> None:
+        """Start or stop the torch profiler on every live engine core (engine/profiling.py)."""
+        for engine in self.engines:
+            if engine.alive:
+                engine.core.send(Profile(start))
 
     def abort_child(self, request_id: str, index: int) -> None:
         """Stop one of a request's n sequences (the protocol layer saw a stop sequence in it).
