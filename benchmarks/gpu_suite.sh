@@ -40,7 +40,7 @@ for stage in "$@"; do
     quant)   # FP8 block and FP4 expert products against bf16 at V4-Flash shapes
       timeout "${QUANT_TIMEOUT:-200}" python3 benchmarks/quant_gemm_speed.py --out "$OUT/quant_gemm.json" ;;
     fp4_tune)   # the FP4 experts' kernel tilings (default_config's table comes from this)
-      timeout "${FP4_TUNE_TIMEOUT:-330}" python3 benchmarks/fp4_moe_tune.py --out "$OUT/fp4_moe_tune.json" ;;
+      timeout "${FP4_TUNE_TIMEOUT:-330}" python3 benchmarks/fp4_moe_tune.py --out "$OUT/fp4_moe_tune.json" ${FP4_TUNE_ARGS:-} ;;
     v4)   # V4-Flash width, 4 layers: CUDA graphs in bf16 and in V4's own formats, then eager bf16
       v4_rc=0
       for run in "graphs_bf16:" "graphs_fp8:--quantization fp8" "eager_bf16:--enforce-eager"; do
