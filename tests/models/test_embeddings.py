@@ -135,3 +135,23 @@ def test_a_prompt_may_fill_the_context(tiny):
         llm.embed([prompt + [5]], use_tqdm=False)
     out = llm.embed([prompt + [5]], use_tqdm=False, truncate_prompt_tokens=32)
     check(out, model, [(prompt + [5])[-32:]], "LAST")
+
+
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_overlapped_loop(tiny, kind):
+    """async_scheduling (the CUDA default): the next step is planned before a pooling request's
+    last chunk is applied; it is not scheduled again, and its blocks are freed."""
+    directory, model = tiny
+    llm = engine(directory, kind, async_scheduling=True)
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    for _ in range(2):   # the second pass over cached prefixes
+        check(llm.embed([list(p) for p in PROMPTS], use_tqdm=False), model, PROMPTS, kind)
+    assert not llm.engine.kv_manager.blocks_in_use()
+
+
+def test_sliding_window_model(tmp_path):
+    """Gemma 3 (sliding-window and global layers), chunked: the states of every layer kind."""
+    model = build_tiny_checkpoint("gemma3", str(tmp_path))
+    for kind in ("LAST", "MEAN"):
+        llm = engine(str(tmp_path), kind, budget=8)
+        check(llm.embed([list(p) for p in PROMPTS], use_tqdm=False), model, PROMPTS, kind)
