@@ -295,11 +295,14 @@ class AsyncEngineClient:
         index, encoded = self._encode_for_core(request_id, [message])
         child_ids = self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids)
         tracked = self._register(request_id, index, encoded, child_ids, RequestTimings(len(prompt_token_ids)))
-        async for out in self._iterate(request_id, tracked):
-            if out.error is not None:
-                raise RequestFailedError(out.error)
-            return out
-        raise RequestAbortedError(f"request {request_id} ended without its vector")
+        try:
+            out = await tracked.stream.get()   # its one output (one put, nothing to merge)
+        finally:   # cancelled, failed or timed out: free it in the core (a no-op once it finished)
+            if request_id in self._requests:
+                self.abort(request_id)
+        if out.error is not None:
+            raise RequestFailedError(out.error)
+        return out
 
     def _encode_for_core(self, request_id: str, messages: list[AddRequest]) -> tuple[int, list[bytes]]:
         """The least loaded healthy core for these child requests, and the messages encoded for
