@@ -6,8 +6,16 @@ A request travels: tokenizer -> scheduler (token budget) -> KV manager (blocks, 
 """
 
 from deepinfer.llm import LLM
-from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.outputs import (
+           CompletionOutput,
+           EmbeddingOutput,
+           EmbeddingRequestOutput,
+           Logprob,
+           RequestOutput,
+)
+from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind",
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]

@@ -100,6 +100,11 @@ class ModelConfig:
     top_p, top_k, min_p, repetition_penalty, max_new_tokens): merged over the model's
     (generation_config auto or a directory), or the only ones (generation_config vllm)."""
 
+    pooler_config: str | None = None
+    """Embeddings (/v1/embeddings, LLM.embed): a JSON object, vLLM's keys: pooling_type LAST (the
+    last token's final hidden state, the default) | MEAN | CLS (the first token's), and normalize
+    (true, the default: L2-normalized vectors). vLLM's --override-pooler-config is the same flag."""
+
     def graph_rows(self, max_num_seqs: int, rows_per_request: int) -> int:
         """The most rows a captured decode graph takes: max_cudagraph_capture_size, or a step of
         max_num_seqs requests of rows_per_request rows each (1 + the drafts a request verifies),
@@ -130,11 +135,13 @@ class ModelConfig:
         if self.revision is not None and (self.model is None or os.path.exists(os.path.expanduser(self.model))):
             logger.warning("revision=%r is ignored: %s is not a hub model", self.revision,
                            self.model or "the embedded model")
-        for name in ("hf_overrides", "override_generation_config"):   # a dict (LLM) is kept as its JSON text
+        # A dict (LLM) is kept as its JSON text.
+        for name in ("hf_overrides", "override_generation_config", "pooler_config"):
             object.__setattr__(self, name, json_object(name, getattr(self, name)))
 
     def json_field(self, name: str) -> dict[str, Any]:
-        """A JSON-object field (hf_overrides, override_generation_config) as a dict; {} if unset."""
+        """A JSON-object field (hf_overrides, override_generation_config, pooler_config) as a dict;
+        {} if unset."""
         value = getattr(self, name)
         return {} if value is None else json.loads(value)
 

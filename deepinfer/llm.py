@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=...).generate(prompts, sampling_params)` and `.chat(messages)`.
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`, `.chat(messages)` and
+`.embed(prompts)` (vLLM's: one EmbeddingRequestOutput per prompt, `.outputs.embedding`).
 
 It runs the engine core in this process and loops `step()` until every request is done, with a
 tqdm bar showing input and output tokens per second. Chats are rendered by the recipe, as the
@@ -24,13 +25,14 @@ from deepinfer_recipe import Encoder, parse_request
 from tqdm.auto import tqdm
 
 from deepinfer.chat import apply_template_kwargs, make_encoder, refuse_images
-from deepinfer.engine.admission import EngineFacts, child_requests, to_request
+from deepinfer.engine.admission import EngineFacts, child_requests, pooling_request, to_request
 from deepinfer.engine.core import EngineCore
 from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import check_load_format, model_source
 from deepinfer.models.registry import takes_images
 from deepinfer.output_processor import OutputProcessor
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
+from deepinfer.pooling_params import PoolingParams, check_dimensions, pooler_defaults
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.types import traffic_class as traffic
@@ -79,7 +81,8 @@ class LLM:
         self.config = self.engine.config   # with the batch limits the platform filled in
         self.max_model_len = self.engine.max_model_len
         self._facts = EngineFacts(self.model_id, self.max_model_len, self.eos_token_ids,   # for admission
-                                  traffic.retention_classes(self.config.cache.kv_retention))
+                                  traffic.retention_classes(self.config.cache.kv_retention),
+                                  pooler_defaults(self.config.model.pooler_config))
         self.vocab_size = source.hf_config["vocab_size"]
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
@@ -174,6 +177,37 @@ class LLM:
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, traffic_class=traffic_class)
 
+    def embed(self, prompts: PromptType | Sequence[PromptType],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              use_tqdm: bool | Callable[..., tqdm] = True, truncate_prompt_tokens: int | None = None,
+              cache_salt: str | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt: the final hidden states pooled as the engine's pooler_config
+        says (default: the last token's, L2-normalized), vLLM's `LLM.embed`. Each prompt is a
+        prefill with nothing sampled; prompts batch with each other (and with generation) in one
+        step. truncate_prompt_tokens: keep only each prompt's last this many tokens."""
+        prompts = _as_prompt_list(prompts)
+        params = _broadcast(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        prepared = []
+        for prompt, pooling in zip(prompts, params):   # every prompt checked before any is added
+            text, token_ids = self._prompt_ids(prompt)
+            if truncate_prompt_tokens is not None and len(token_ids) > truncate_prompt_tokens >= 1:
+                text, token_ids = None, token_ids[-truncate_prompt_tokens:]
+            if len(token_ids) > self.max_model_len:
+                raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
+                                 f"{self.max_model_len} (truncate_prompt_tokens cuts it)")
+            why = check_dimensions(pooling.dimensions, self._chat_source.hf_config)
+            if why is not None:
+                raise ValueError(why)
+            prepared.append((text, token_ids, pooling))
+        ids = []
+        for text, token_ids, pooling in prepared:
+            request_id = str(next(self._counter))
+            message = pooling_request(request_id, token_ids, pooling, self._facts, cache_salt=cache_salt)
+            self.output_processor.add_pooling_request(request_id, text, token_ids)
+            self.engine.add_request(to_request(message, self.config.cache.block_size))
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced (n must be 1)."""
         params = dataclasses.replace(sampling_params or self.get_default_sampling_params(),
@@ -238,6 +272,22 @@ class LLM:
                              "pass token ids instead (a list of ints, or {'prompt_token_ids': [...]})")
 
     def _prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
+        text, token_ids = self._prompt_ids(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
+                             f"{self.max_model_len}; it must be shorter to leave room for output")
+        if params.bad_words:
+            self._require_tokenizer("bad_words")
+            params.update_from_tokenizer(self.tokenizer)
+        params.verify_token_ids(self.vocab_size)
+        if self.tokenizer is None:
+            params = _without_text(params)
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)   # xgrammar's reason, as a ValueError
+        return text, token_ids, params
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text, token ids) of one prompt; its ids checked against the vocabulary."""
         if isinstance(prompt, str):
             self._require_tokenizer("a text prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -257,18 +307,7 @@ class LLM:
         vocab = self.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
-                             f"{self.max_model_len}; it must be shorter to leave room for output")
-        if params.bad_words:
-            self._require_tokenizer("bad_words")
-            params.update_from_tokenizer(self.tokenizer)
-        params.verify_token_ids(vocab)
-        if self.tokenizer is None:
-            params = _without_text(params)
-        if params.structured_outputs is not None:
-            validate_structured_outputs(params.structured_outputs)   # xgrammar's reason, as a ValueError
-        return text, token_ids, params
+        return text, token_ids
 
     def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
                      priority: int, cache_salt: str | None, traffic_class: str | None = None) -> str:
@@ -280,8 +319,8 @@ class LLM:
             self.engine.add_request(to_request(child, self.config.cache.block_size))
         return request_id
 
-    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run(self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]) -> list:
+        finished: dict[str, RequestOutput | EmbeddingRequestOutput] = {}
         bar = None
         if use_tqdm:
             make_bar = use_tqdm if callable(use_tqdm) else tqdm
@@ -292,7 +331,8 @@ class LLM:
                 if out.finished:
                     finished[out.request_id] = out
                     n_in += len(out.prompt_token_ids or ())
-                    n_out += sum(len(c.token_ids) for c in out.outputs)
+                    if isinstance(out, RequestOutput):
+                        n_out += sum(len(c.token_ids) for c in out.outputs)
                     if bar is not None:
                         elapsed = time.perf_counter() - start
                         bar.set_postfix_str(f"est. speed input: {n_in / elapsed:.2f} toks/s, "

@@ -1,4 +1,5 @@
-"""Front-end side of a request: engine outputs -> RequestOutput (text, logprobs, finish).
+"""Front-end side of a request: engine outputs -> RequestOutput (text, logprobs, finish), or an
+EmbeddingRequestOutput for a pooling request (one core request, one output: its vector).
 
 One `RequestState` per user request; it fans out to n child sequences in the engine core
 (each its own core request, `{id}-{index}` when n > 1). Detokenization and stop strings happen
@@ -13,7 +14,13 @@ from dataclasses import dataclass, field
 from deepinfer_recipe.output.detokenize import IncrementalDetokenizer
 
 from deepinfer.engine.admission import child_request_ids  # the n fan-out rule: admission's
-from deepinfer.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from deepinfer.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PromptLogprobs,
+    RequestOutput,
+)
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.types.plan import EngineCoreOutput
@@ -51,7 +58,7 @@ class RequestState:
 
 @dataclass
 class ProcessedOutputs:
-    request_outputs: list[RequestOutput]
+    request_outputs: list[RequestOutput | EmbeddingRequestOutput]
     abort_ids: list[str]       # core requests ended by a stop string: abort them in the core
 
 
@@ -60,6 +67,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self._parent_of: dict[str, str] = {}
+        self._pooling: dict[str, tuple[str | None, list[int]]] = {}   # pooling requests: (prompt, ids)
+
+    def add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> list[str]:
+        """Register a pooling (embedding) request; returns its one core request id."""
+        self._pooling[request_id] = (prompt, prompt_token_ids)
+        return [request_id]
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> list[str]:
@@ -78,12 +91,19 @@ class OutputProcessor:
         return child_ids
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._pooling)
 
     def process(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         touched: dict[str, RequestState] = {}
         abort_ids: list[str] = []
+        results: list[RequestOutput | EmbeddingRequestOutput] = []
         for out in outputs:
+            pooling = self._pooling.pop(out.request_id, None) if out.finished else None
+            if pooling is not None:
+                vector = EmbeddingOutput(out.pooled) if out.pooled is not None else None
+                results.append(EmbeddingRequestOutput(out.request_id, *pooling, vector, True, out.num_cached_tokens,
+                                                      out.error or (None if vector else "the request was aborted")))
+                continue
             parent_id = self._parent_of.get(out.request_id)
             if parent_id is None:
                 continue
@@ -101,7 +121,6 @@ class OutputProcessor:
             if seq.finish_reason == "stop" and out.finish_reason is None:
                 abort_ids.append(out.request_id)   # a stop string ended it, the core doesn't know
             touched[parent_id] = state
-        results = []
         for parent_id, state in touched.items():
             result = self._make_output(state)
             if result is not None:
@@ -114,6 +133,8 @@ class OutputProcessor:
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its core request ids (to abort in the core)."""
+        if self._pooling.pop(request_id, None) is not None:
+            return [request_id]
         state = self.requests.pop(request_id, None)
         if state is None:
             return []

@@ -1,13 +1,18 @@
-"""What generation returns: `RequestOutput` holding one `CompletionOutput` per sample.
+"""What generation returns: `RequestOutput` holding one `CompletionOutput` per sample; what an
+embedding returns: `EmbeddingRequestOutput` holding one `EmbeddingOutput`.
 
-Shaped like vLLM's, so `outputs[0].outputs[0].text` works as users expect. With
+Shaped like vLLM's, so `outputs[0].outputs[0].text` and `outputs[0].outputs.embedding` work as
+users expect. With
 `RequestOutputKind.DELTA` the text, token_ids and logprobs of a `CompletionOutput` hold only
 what is new since the previous output; with CUMULATIVE (the default) they hold everything.
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -74,5 +79,38 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: Any = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    """One pooled vector (vLLM's EmbeddingOutput). `data`: its float32 values, little-endian bytes
+    as the engine made them (what base64 encoding sends as they are); `embedding`: as floats."""
+
+    data: bytes
+
+    @cached_property
+    def embedding(self) -> list[float]:
+        values = array("f", self.data)
+        if sys.byteorder == "big":
+            values.byteswap()
+        return values.tolist()
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.data) // 4
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The embedding of one input (vLLM's name). `outputs` is None only when the engine failed the
+    request (`error` says why). num_cached_tokens: input tokens whose KV came from the prefix cache."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | None
+    finished: bool = True
     num_cached_tokens: int = 0
     error: str | None = None

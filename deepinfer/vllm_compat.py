@@ -17,6 +17,9 @@ silently dropped when it would change results.
     limit_mm_per_prompt         a limit above 0 is warned: the models here read text only
     disable_custom_all_reduce   what deepinfer always does (NCCL / gloo all-reduce)
     disable_log_stats           the server's (ServerOptions); the offline LLM logs no stats
+    override_pooler_config      = pooler_config (vLLM's older name)
+    runner, convert, task       pooling / embed / generate accepted: one engine serves generation and
+                                embeddings of a decoder model alike (other values are errors)
 
 The CLI flags of these names are cli/args.py's (the "vLLM compatibility" group); LLM(...) and
 the CLI build their config with `engine_config(**kwargs)`. (config.py imports nothing of deepinfer,
@@ -36,12 +39,18 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "scheduling_policy": "policy"}
+ALIASES = {"num_gpu_blocks_override": "num_kv_blocks", "scheduling_policy": "policy",
+           "override_pooler_config": "pooler_config"}
 TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 # What each translated name needs (a value of None is "not given", as the CLI's defaults are).
 HANDLED = ("compilation_config", "optimization_level", "cuda_graph_sizes", "max_seq_len_to_capture", "swap_space",
-           "tokenizer_mode", "limit_mm_per_prompt", "disable_custom_all_reduce", "disable_log_stats")
+           "tokenizer_mode", "limit_mm_per_prompt", "disable_custom_all_reduce", "disable_log_stats", "runner",
+           "convert", "task")
+# vLLM's --runner / --convert / --task values that mean what this engine does anyway: a decoder model
+# generates and embeds (its last-token or mean-pooled final hidden states) from one engine.
+RUNNER_VALUES = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
+                 "task": ("auto", "generate", "embed", "embedding")}
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -129,6 +138,10 @@ def translate_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                        "(what 'auto' picks); it is used", mode)
     if "limit_mm_per_prompt" in given:
         _limit_mm(_json("limit_mm_per_prompt", given["limit_mm_per_prompt"]))
+    for name, values in RUNNER_VALUES.items():
+        if name in given and given[name] not in values:
+            raise ValueError(f"{name}={given[name]!r} is not served here; {name} may be {', '.join(values)} (one "
+                             "engine serves both generation and embeddings of a decoder model)")
     return out
 
 

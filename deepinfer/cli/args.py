@@ -28,13 +28,14 @@ from deepinfer.config import (
     SchedulerConfig,
 )
 from deepinfer.models.loader import FOREIGN_LOAD_FORMATS, LOAD_FORMATS
-from deepinfer.vllm_compat import TOKENIZER_MODES, human_readable_int_or_auto
+from deepinfer.vllm_compat import RUNNER_VALUES, TOKENIZER_MODES, human_readable_int_or_auto
 
 ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
 
 # vLLM's short spellings, and its names for the same settings.
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
-            "num_kv_blocks": ["--num-gpu-blocks-override"], "policy": ["--scheduling-policy"]}
+            "num_kv_blocks": ["--num-gpu-blocks-override"], "policy": ["--scheduling-policy"],
+            "pooler_config": ["--override-pooler-config"]}
 # vLLM's value forms: 4k (4,000), 4K (4,096); auto / -1: the model's own.
 _TYPES = {"max_model_len": human_readable_int_or_auto, "max_num_batched_tokens": human_readable_int_or_auto}
 _CHOICES = {
@@ -73,7 +74,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 # vLLM's engine flags without a deepinfer field: vllm_compat.engine_config translates them
 # (deepinfer/vllm_compat.py); None is "not given".
 VLLM_COMPAT = ("tokenizer_mode", "limit_mm_per_prompt", "compilation_config", "optimization_level",
-               "cuda_graph_sizes", "max_seq_len_to_capture", "swap_space", "disable_custom_all_reduce")
+               "cuda_graph_sizes", "max_seq_len_to_capture", "swap_space", "disable_custom_all_reduce", "runner",
+               "convert")
 
 
 def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
@@ -98,6 +100,11 @@ def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
       help="ignored, warned: a preempted request is recomputed, nothing is swapped")
     a("--disable-custom-all-reduce", action=BooleanFlag, default=None,
       help="accepted: deepinfer's all-reduce is always NCCL's (gloo's on the CPU)")
+    # vLLM's older --task is LLM(task=...) only here: `deepinfer eval` and the benchmarks have a --task of their own.
+    for name in ("runner", "convert"):
+        values = RUNNER_VALUES[name]
+        a(f"--{name}", choices=values, default=None,
+          help="accepted: one engine serves a decoder model's generation and embeddings (/v1/embeddings) alike")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""`deepinfer generate | chat | serve | router | kv stats|gc|clear | eval generate|grade | bench throughput | bench latency | bench serve`."""
+"""`deepinfer generate | chat | serve | run-batch | router | kv stats|gc|clear | eval generate|grade |
+bench throughput | bench latency | bench serve`."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "`enable_prefix_caching: false`, lists for several values; the command line wins")
     add_server_args(serve)
     add_engine_args(serve)
+
+    batch = commands.add_parser("run-batch", allow_abbrev=False,
+                                help="OpenAI batch files (chat, completions, embeddings) through the server's routes, "
+                                     "in process; resumable")
+    from deepinfer.cli.run_batch import add_run_batch_args
+
+    add_run_batch_args(batch)
 
     router = commands.add_parser("router", allow_abbrev=False,
                                  help="one OpenAI/Anthropic endpoint over several `serve` replicas")
@@ -86,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             return _chat(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "run-batch":
+            from deepinfer.cli.run_batch import run_batch_command
+
+            return run_batch_command(args)
         if args.command == "router":
             from deepinfer.router.app import run_router
             from deepinfer.router.options import router_options

@@ -17,6 +17,11 @@ second half). What it decides:
   - traffic_class: one of the engine's kv_retention classes (types/traffic_class.py; None:
     "chat"), the retention of the request's blocks in a KV store. Any other is a ValueError.
 
+A pooling request (an embedding, `pooling_request`) is one core request with no output: its
+PoolingParams resolved against the engine's pooler_config, greedy placeholder sampling params
+that nothing reads, max_tokens 0, and the prefix cache skipped when its pooling reads every
+position (MEAN, CLS: a hit's positions are not recomputed, so their states would be missing).
+
 `child_requests` is pure (it registers nothing), so a caller can build and encode everything
 before it commits to anything (the engine client's add_request is transactional).
 """
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import msgspec
 
 from deepinfer.config import CacheConfig
+from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types import traffic_class as traffic
 from deepinfer.types.block_hashes import extra_key
@@ -48,6 +54,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     extra_key: bytes = b""
     skip_prefix_cache: bool = False
     traffic_class: str = traffic.DEFAULT_CLASS
+    pooling: PoolingParams | None = None   # an embedding request (pooling_request)
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,8 @@ class EngineFacts:
     eos_token_ids: frozenset[int]
     # The kv_retention classes a request may name (traffic_class).
     traffic_classes: tuple[str, ...] = traffic.retention_classes(CacheConfig.kv_retention)
+    # The engine's pooler_config (pooling_params.pooler_defaults): what a pooling request leaves unset.
+    pooler: PoolingParams = PoolingParams(normalize=True, pooling_type="LAST")
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -84,9 +93,29 @@ def child_requests(request_id: str, prompt_token_ids: list[int], params: Samplin
             for index, child_id in enumerate(child_request_ids(request_id, params.n))]
 
 
+# What a pooling request carries as sampling params: read by nothing (it is never sampled), but
+# every core request has some.
+_NO_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+
+
+def pooling_request(request_id: str, prompt_token_ids: list[int], params: PoolingParams, facts: EngineFacts, *,
+                    priority: int = 0, cache_salt: str | None = None,
+                    traffic_class: str | None = None) -> AddRequest:
+    """The core request of one pooling (embedding) input. The prompt may fill the whole context:
+    nothing is generated after it."""
+    if len(prompt_token_ids) > facts.max_model_len:
+        raise ValueError(f"the input is {len(prompt_token_ids)} tokens long, but max_model_len is "
+                         f"{facts.max_model_len}")
+    params = params.resolved(facts.pooler)
+    return AddRequest(request_id, prompt_token_ids, _NO_SAMPLING, sorted(facts.eos_token_ids), 0, priority,
+                      cache_salt, extra_key(facts.model_id, cache_salt), params.needs_every_position,
+                      traffic.resolve(traffic_class, facts.traffic_classes), params)
+
+
 def to_request(message: AddRequest, block_size: int) -> Request:
     """The engine core's Request for one admitted child."""
     return Request(message.request_id, message.prompt_token_ids, message.sampling_params,
                    frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
                    cache_salt=message.cache_salt, extra_key=message.extra_key, block_size=block_size,
-                   skip_prefix_cache=message.skip_prefix_cache, traffic_class=message.traffic_class)
+                   skip_prefix_cache=message.skip_prefix_cache, traffic_class=message.traffic_class,
+                   pooling=message.pooling)

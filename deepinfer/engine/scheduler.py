@@ -22,6 +22,8 @@ request whose token is still being sampled on the device counts it as known
 (`num_samples_in_flight`), so it is scheduled to compute that token's position, whose id the
 runner takes from the device. A request stopped by that token is found one step late; the result
 of its extra chunk is ignored.
+A pooling request (an embedding) has its prompt as its target and is never sampled: the step
+that computes its last prompt token returns its vector, and it finishes there.
 What the runner learns of a request is sent once (NewRequestData, with its block tables) and
 then as diffs (CachedRequestData, only when its tables changed; types/block_tables.py keeps the
 record), and `schedule()` returns the plan final: nothing is added to it afterwards.
@@ -299,7 +301,7 @@ class Scheduler:
             request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
             request.sampling_params, request.eos_token_ids,
             self.runner_tables.new_request(request.request_id, request.block_ids),
-            window_floor=request.window_floor, write_floor=request.write_floor))
+            window_floor=request.window_floor, write_floor=request.write_floor, pooling=request.pooling))
         partial.add(self._chunk(request, num_new))
 
     def _build_plan(self, partial: _PartialPlan) -> SchedulerPlan:
@@ -345,7 +347,8 @@ class Scheduler:
             request_id=request.request_id,
             start=start,
             num_tokens=num_new + len(request.spec_token_ids),   # drafts ride after the known tokens
-            sample=start + num_new == self._target(request),
+            # A pooling request is never sampled: its last chunk returns its vector instead.
+            sample=request.pooling is None and start + num_new == self._target(request),
             prompt_logprobs=(request.sampling_params.prompt_logprobs is not None
                              and start < request.num_prompt_tokens),
             spec_token_ids=request.spec_token_ids,
@@ -417,6 +420,10 @@ class Scheduler:
             verifies = bool(num_spec) or plan.verify_chain > 1
             if not verifies:
                 self._publish(request)
+            if request.pooling is not None:   # done once its last prompt chunk has run
+                if chunk.start + chunk.num_tokens == request.num_prompt_tokens:
+                    outputs.append(self._finish_pooled(request, result.pooled.get(chunk.request_id), now))
+                continue
             prompt_logprobs = result.prompt_logprobs.get(chunk.request_id)
             if not chunk.sample:
                 if prompt_logprobs:
@@ -479,6 +486,16 @@ class Scheduler:
         if grammars:
             RequestGrammar.accept_batch(grammars, grammar_tokens)
         return outputs
+
+    def _finish_pooled(self, request: Request, pooled: bytes | None, now: float) -> EngineCoreOutput:
+        """A pooling request's vector is in: it finishes and frees its blocks (those it published
+        stay cached for later prefix hits: their KV is exact whatever the request's kind)."""
+        request.times.first_token = now
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        if pooled is None:   # a runner that lost the request's state: a bug, reported on this request only
+            return EngineCoreOutput(request.request_id, [], finish_reason="abort", error="no pooled output")
+        return EngineCoreOutput(request.request_id, [], finish_reason="stop",
+                                num_cached_tokens=request.num_cached_tokens, pooled=pooled)
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -3,7 +3,7 @@
     deepinfer serve [MODEL] --port 8000 --api-key KEY --served-model-name NAME
 
 Routes: /v1/models (+ /v1/models/{id}), /v1/completions, /v1/chat/completions, /v1/responses,
-/v1/messages (+ /v1/messages/count_tokens), /tokenize, /detokenize, /tokenizer_info, /health,
+/v1/embeddings, /v1/messages (+ /v1/messages/count_tokens), /tokenize, /detokenize, /tokenizer_info, /health,
 /ping, /version, /metrics.
 The engine core runs in its own process (engine/core_proc.py), started in the app's lifespan;
 this process tokenizes, detokenizes and speaks HTTP. If the core cannot be kept alive (it died
@@ -93,10 +93,11 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     install_error_handlers(app, "server")
 
     from deepinfer.entrypoints.anthropic import messages
-    from deepinfer.entrypoints.openai import chat, completions
+    from deepinfer.entrypoints.openai import chat, completions, embeddings
 
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(embeddings.router)
     app.include_router(messages.router)
     _add_common_routes(app)
     return app

@@ -211,11 +211,32 @@ class MessagesFields(SamplingFields):
     service_tier: str | None = None
 
 
+class EmbeddingFields(_Fields):
+    """/v1/embeddings: OpenAI's fields and vLLM's extras (entrypoints/openai/embeddings.py)."""
+
+    model: str | None = None
+    input: Any = None   # a string, token ids, or a list of either: checked by the route
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
+    user: str | None = None
+    # vLLM's: keep each input's last N tokens (-1: max_model_len); special tokens; normalization
+    # (None: --pooler-config's); base64 always carries little-endian float32 (what the SDK decodes).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+    embed_dtype: Literal["float32"] = "float32"
+    endianness: Literal["native", "little"] = "native"
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    priority: Int64 = 0
+    cache_salt: NonEmptyStr | None = None
+    traffic_class: str | None = None
+
+
 ROUTE_FIELDS = {"completions": CompletionFields, "chat": ChatFields, "responses": ResponsesFields,
-                "messages": MessagesFields}
+                "messages": MessagesFields, "embeddings": EmbeddingFields}
 
 
-def parse_fields(protocol: str, body: dict) -> SamplingFields:
+def parse_fields(protocol: str, body: dict) -> SamplingFields | EmbeddingFields:
     """The body's fields for `protocol`, or a 400 naming the first bad one."""
     try:
         return ROUTE_FIELDS[protocol].model_validate(body)

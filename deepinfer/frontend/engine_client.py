@@ -3,6 +3,7 @@
     await client.start()                       # spawn the core, wait for its Ready
     async for out in client.generate(ids, params):   # RequestOutput deltas of one request
         ...
+    out = await client.embed(ids, PoolingParams())    # one EmbeddingRequestOutput
     client.abort(request_id)                   # also done for you when the consumer goes away
 
 What happens here and not in the core: detokenization, stop strings and n > 1 fan-out (the
@@ -40,7 +41,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from deepinfer.config import EngineConfig, resolve_max_model_len
-from deepinfer.engine.admission import EngineFacts, child_requests
+from deepinfer.engine.admission import AddRequest, EngineFacts, child_requests, pooling_request
 from deepinfer.engine.core_proc import Abort, Failed, Heartbeat, Profile, StepOutputs
 from deepinfer.frontend.core_process import CoreProcess
 from deepinfer.frontend.dp_balancer import DPLoadBalancer, core_device_env
@@ -49,7 +50,8 @@ from deepinfer.metrics.prometheus import ServerMetrics
 from deepinfer.metrics.stats import RequestTimings
 from deepinfer.models.loader import ModelSource
 from deepinfer.output_processor import OutputProcessor
-from deepinfer.outputs import RequestOutput
+from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
+from deepinfer.pooling_params import PoolingParams, pooler_defaults
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.types.plan import EngineStats
 from deepinfer.types.traffic_class import retention_classes
@@ -160,6 +162,7 @@ class AsyncEngineClient:
         self.tokenizer = source.tokenizer   # None with skip_tokenizer_init
         self.eos_token_ids = source.eos_token_ids
         self.vocab_size = source.hf_config["vocab_size"]
+        self.hf_config = source.hf_config   # what /v1/embeddings checks `dimensions` against
         self.model_id = config.model.served_model_name or source.name
         self.max_pending_requests = max_pending_requests
         self.request_timeout_s = request_timeout_s
@@ -169,6 +172,7 @@ class AsyncEngineClient:
         self.on_fatal = on_fatal
         self.output_processor = OutputProcessor(self.tokenizer)
         self.traffic_classes = retention_classes(config.cache.kv_retention)   # what traffic_class may be
+        self.pooler = pooler_defaults(config.model.pooler_config)   # a bad --pooler-config fails here
         num_engines = config.parallel.data_parallel_size
         self.engines = [_Engine(i, num_engines) for i in range(num_engines)]
         self.balancer = DPLoadBalancer(num_engines)
@@ -213,7 +217,7 @@ class AsyncEngineClient:
         if self.info is None:
             self.info = engine.info
             self._facts = EngineFacts(self.model_id, ready.max_model_len, self.eos_token_ids,   # for admission
-                                      self.traffic_classes)
+                                      self.traffic_classes, self.pooler)
         # Also after a restart: counters carry the old core's totals on, process metrics follow the pid.
         self.metrics.engine_started(self.config.cache, ready.num_kv_blocks, ready.pid, engine=engine.index)
         engine.output_task = asyncio.create_task(self._output_loop(engine, core), name=f"engine-outputs-{engine.index}")
@@ -280,31 +284,45 @@ class AsyncEngineClient:
             if request_id in self._requests:
                 self.abort(request_id)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+    async def embed(self, prompt_token_ids: list[int], params: PoolingParams, *, request_id: str | None = None,
                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                    traffic_class: str | None = None) -> _Tracked:
-        """Register and send a request, to the least loaded healthy core: all of it, or (on any
-        error) none of it."""
+                    traffic_class: str | None = None) -> EmbeddingRequestOutput:
+        """Add a pooling (embedding) request now and wait for its one output, the vector. The
+        limits, deadlines, aborts and health rules of `generate` hold; cancelling the wait aborts it."""
+        request_id = request_id or self.new_request_id()
+        message = pooling_request(request_id, prompt_token_ids, params, self._facts, priority=priority,
+                                  cache_salt=cache_salt, traffic_class=traffic_class)
+        index, encoded = self._encode_for_core(request_id, [message])
+        child_ids = self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids)
+        tracked = self._register(request_id, index, encoded, child_ids, RequestTimings(len(prompt_token_ids)))
+        try:
+            out = await tracked.stream.get()   # its one output (one put, nothing to merge)
+        finally:   # cancelled, failed or timed out: free it in the core (a no-op once it finished)
+            if request_id in self._requests:
+                self.abort(request_id)
+        if out.error is not None:
+            raise RequestFailedError(out.error)
+        return out
+
+    def _encode_for_core(self, request_id: str, messages: list[AddRequest]) -> tuple[int, list[bytes]]:
+        """The least loaded healthy core for these child requests, and the messages encoded for
+        it; raises (busy, dead, a duplicate id) before anything is registered or sent. Encoding
+        first means a value msgpack cannot carry fails here and leaves no trace."""
         index = self.balancer.choose(e.index for e in self.engines if e.healthy)
         if index is None:
             raise EngineDeadError(self.unhealthy_reason)
-        engine = self.engines[index]
-        if self._num_pending_seqs + params.n > self.max_pending_requests:
+        if self._num_pending_seqs + len(messages) > self.max_pending_requests:
             raise ServerBusyError(f"the server has {self._num_pending_seqs} sequences in flight and this request "
-                                  f"adds {params.n}; the limit is {self.max_pending_requests} "
+                                  f"adds {len(messages)}; the limit is {self.max_pending_requests} "
                                   "(--max-pending-requests); retry later")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        # Built and encoded before anything is registered or sent: a value msgpack cannot carry
-        # fails here and leaves no trace (no slot taken, nothing half-sent to the core).
-        messages = child_requests(request_id, prompt_token_ids, params, self._facts, priority=priority,
-                                  cache_salt=cache_salt, traffic_class=traffic_class)
-        encoded = [engine.core.encode(m) for m in messages]
-        max_tokens = messages[0].max_tokens
-        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        return index, [self.engines[index].core.encode(m) for m in messages]
+
+    def _register(self, request_id: str, index: int, encoded: list[bytes], child_ids: list[str],
+                  timings: RequestTimings) -> _Tracked:
+        """Track a request whose children are encoded for core `index`, then send them."""
         deadline = time.monotonic() + self.request_timeout_s if self.request_timeout_s > 0 else None
-        timings = RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens)
         tracked = _Tracked(OutputStream(), timings, child_ids, deadline, index)
         # Registered here, released only by _forget: the balancer's counts stay exact.
         self._requests[request_id] = tracked
@@ -313,7 +331,22 @@ class AsyncEngineClient:
         for child_id in child_ids:
             self._parent_of[child_id] = request_id
         for raw in encoded:   # every child to the same core: they share the prompt's KV blocks there
-            engine.core.send_encoded(raw)
+            self.engines[index].core.send_encoded(raw)
+        return tracked
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
+                    traffic_class: str | None = None) -> _Tracked:
+        """Register and send a request, to the least loaded healthy core: all of it, or (on any
+        error) none of it."""
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        messages = child_requests(request_id, prompt_token_ids, params, self._facts, priority=priority,
+                                  cache_salt=cache_salt, traffic_class=traffic_class)
+        index, encoded = self._encode_for_core(request_id, messages)
+        max_tokens = messages[0].max_tokens
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        tracked = self._register(request_id, index, encoded, child_ids,
+                                 RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens))
         if self.log_requests:   # sizes and settings only: prompts and outputs stay out of logs
             logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%d, temperature=%g, top_p=%g, top_k=%d, "
                         "seed=%s, priority=%d, structured=%s, engine core %d", request_id, len(prompt_token_ids),
@@ -403,6 +436,13 @@ class AsyncEngineClient:
         for out in processed.request_outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None:
+                continue
+            if isinstance(out, EmbeddingRequestOutput):   # one output, no tokens: it is done
+                tracked.stream.put(out)
+                tracked.timings.finished = now
+                self.metrics.record_finished(tracked.timings, "stop" if out.error is None else "abort",
+                                             engine=engine.index)
+                self._forget(out.request_id)
                 continue
             timings = tracked.timings
             new_per_sequence = [len(c.token_ids) for c in out.outputs]   # ordered by index, all n

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer.outputs import Logprob
+from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types.spec_stats import SpecDecodeStats
 from deepinfer.types.tier_stats import KVTierMetrics
@@ -66,6 +67,9 @@ class NewRequestData:
     # (swa_replay_full_kv="keep"). Both 0: a plain request.
     window_floor: int = 0
     write_floor: int = 0
+    # A pooling request (an embedding; resolved: pooling_type and normalize set): its chunks are
+    # never sampled, and the step that computes its last prompt token returns its vector.
+    pooling: PoolingParams | None = None
 
 
 @dataclass
@@ -230,6 +234,8 @@ class RunnerResult:
     # each of its steps, whose tokens sampled_token_ids holds back to back; and how many ran.
     verify_steps: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     num_verify_steps: int = 1
+    # Pooling requests whose last prompt chunk ran this step: the vector, float32 little-endian.
+    pooled: dict[str, bytes] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------- core -> front end
@@ -245,6 +251,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None              # with finish_reason "abort": why the request failed
+    pooled: bytes | None = None           # a pooling request's vector (float32 little-endian), when finished
 
     @property
     def finished(self) -> bool:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types.block_hashes import ROOT_HASH, extend_block_hashes
 
@@ -74,6 +75,9 @@ class Request:
     _block_hashes: list[bytes] = field(default_factory=list, init=False, repr=False)
     num_published_blocks: int = 0
     skip_prefix_cache: bool = False   # prompt_logprobs need every prompt position computed
+    # A pooling request (an embedding): prefill only, never sampled; it finishes with its vector
+    # once its last prompt token is computed (types/plan.py NewRequestData.pooling).
+    pooling: PoolingParams | None = None
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     times: RequestTimes = field(default_factory=RequestTimes)

@@ -68,6 +68,7 @@ from deepinfer.worker.input_batch import (
     max_sliding_window,
     num_decode_rows,
 )
+from deepinfer.worker.pooling import has_pooling, pool_step, pooled_bytes
 from deepinfer.worker.request_states import (
     RunnerRequestState,
     StepChunk,
@@ -103,6 +104,7 @@ class _QueuedForward:
     # replay); None when the step ran eagerly.
     row_logits: torch.Tensor | None = None
     chain: ChainStart | None = None       # the step runs a verify chain (worker/spec/verify_chain.py)
+    pooled: dict[str, torch.Tensor] | None = None   # pooling requests' finished vectors (worker/pooling.py)
 
 
 @dataclass
@@ -115,6 +117,7 @@ class _QueuedSample:
     done: torch.cuda.Event | None = None  # recorded after the copies (CUDA); None: already done
     # Greedy draft verification (or a verify chain's, ChainVerdicts), taken at collect.
     verdicts: PendingVerdicts | ChainVerdicts | None = None
+    pooled: dict[str, torch.Tensor] | None = None   # the forward's finished pooling vectors
 
 
 class ModelRunner:
@@ -355,7 +358,7 @@ class ModelRunner:
         if self.verify_chain is not None:   # drafts padded to the plan's most where the step chains
             chunks, chain = self.verify_chain.prepare(plan.verify_chain, chunks, self.requests)
         queued = self._queue_forward(chunks, token_ids)
-        queued.chain = chain
+        queued.chain, queued.pooled = chain, pool_step(queued.inputs, queued.hidden, self.requests)
         assert chain is None or queued.row_logits is not None, "a verify chain outside a CUDA graph"
         if connector is not None:   # the saves read blocks this forward (or an earlier one) wrote
             connector.after_forward()
@@ -367,7 +370,9 @@ class ModelRunner:
         """Queue one forward of `chunks`: replayed as a CUDA graph where every chunk is a decode
         row or verifies drafts as decode rows (input_batch.num_decode_rows) and a captured
         bucket holds its rows, else eagerly."""
-        graphs = self.decode_graphs
+        # A graph returns logits only; a pooling chunk needs its rows' hidden states (kept: every_row).
+        pooling = has_pooling(chunks, self.requests)
+        graphs = None if pooling else self.decode_graphs
         # Graphs replay decode rows only: a one-token chunk under a live window floor is a
         # prefill row (input_batch.is_decode_row), so its step runs eagerly.
         rows = num_decode_rows(chunks, max_sliding_window(self.groups)) if graphs is not None else None
@@ -392,7 +397,7 @@ class ModelRunner:
             index = (to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
                      if sample_rows else None)
             # Draft verification and prompt logprobs read other rows' hidden states (sample()).
-            every_row = index is None or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks)
+            every_row = index is None or pooling or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks)
             with forward_context(inputs.attention):
                 hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index)
             if sample_rows:
@@ -418,7 +423,7 @@ class ModelRunner:
         """Queue sampling after a forward; returns without waiting for the device (except for
         draft verification and prompt logprobs, which need host values at once)."""
         step = self._forwards.pop(forward.step_id)
-        launched = _QueuedSample(RunnerResult(sampled_token_ids={}))
+        launched = _QueuedSample(RunnerResult(sampled_token_ids={}), pooled=step.pooled)
         handle = LaunchedStep(forward.step_id)
         self._samples[handle.step_id] = launched
         result, inputs = launched.result, step.inputs
@@ -466,6 +471,8 @@ class ModelRunner:
         result = launched.result
         if launched.sample is not None:
             self._apply_sampled(launched)
+        if launched.pooled:
+            result.pooled = pooled_bytes(launched.pooled)
         if launched.verdicts is not None:
             if launched.done is not None:
                 launched.done.synchronize()

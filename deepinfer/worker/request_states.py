@@ -15,6 +15,7 @@ import torch
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types.block_tables import apply_block_table_diffs
 from deepinfer.types.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
+from deepinfer.worker.pooling import PoolingState
 
 
 @dataclass
@@ -35,6 +36,7 @@ class RunnerRequestState:
     # compressors' projections of the tokens of an unfinished block). Dropped with the state,
     # so a preempted request starts afresh from its KV.
     model_state: dict = field(default_factory=dict)
+    pooling: PoolingState | None = None   # a pooling request's vector as its chunks run (worker/pooling.py)
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> RunnerRequestState:
@@ -44,7 +46,8 @@ class RunnerRequestState:
         return cls(new.prompt_token_ids + new.output_token_ids, list(new.prompt_token_ids),
                    list(new.output_token_ids), new.sampling_params, new.eos_token_ids, generator,
                    [list(ids) for ids in new.block_ids], window_floor=new.window_floor,
-                   write_floor=new.write_floor)
+                   write_floor=new.write_floor,
+                   pooling=PoolingState(new.pooling, len(new.prompt_token_ids)) if new.pooling is not None else None)
 
     def apply(self, cached: CachedRequestData) -> None:
         if cached.block_table_diffs is not None:

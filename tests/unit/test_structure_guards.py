@@ -188,7 +188,7 @@ def test_the_figure_pattern(text, is_figure):
     assert bool(FIGURE.search(text)) == is_figure
 
 
-ALLOWED_BELOW_TYPES = {"deepinfer.config", "deepinfer.sampling_params", "deepinfer.outputs"}
+ALLOWED_BELOW_TYPES = {"deepinfer.config", "deepinfer.sampling_params", "deepinfer.pooling_params", "deepinfer.outputs"}
 
 
 def test_shared_types_import_nothing_above_them():
