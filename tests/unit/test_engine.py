@@ -89,7 +89,7 @@ def test_unknown_architecture_and_accelerator(tmp_path, monkeypatch):
     from deepinfer import envs
     from deepinfer.models.registry import model_class
 
-    with pytest.raises(ValueError, match="not supported; supported: DeepseekV4ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="not supported; supported: DeepseekV4ForCausalLM, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, LlamaForCausalLM"):
         model_class({"architectures": ["FancyNewForCausalLM"]})
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "tpu")
     with pytest.raises(ValueError, match="choose one of auto, cuda, cpu"):
