@@ -162,6 +162,7 @@ class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     weight_scale: torch.Tensor | None = None
     weight_block: tuple[int, int] | None = None
+    lora = None   # lora/slots.LoRAStack once LoRA adapters are attached
 
     @property
     def is_fp8(self) -> bool:
@@ -209,7 +210,12 @@ class Linear(nn.Linear):
             self.packed_weight = pack_dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        if self.lora is not None:   # adapters attached (lora/slots.py): the step's rows' products
+            from deepinfer.lora.slots import add_lora
+
+            return add_lora(self, x, y)
+        return y
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), on the fastest copy of the weight for x's rows. A row-parallel

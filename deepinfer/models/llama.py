@@ -186,9 +186,11 @@ class CpuLayerPlan:
     @staticmethod
     def plan_of(layer: LlamaDecoderLayer) -> CpuLayerPlan | None:
         attn = layer.self_attn
+        projections = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         plain = (type(layer) is LlamaDecoderLayer and not attn.has_qk_norm and layer.mlp.act == "silu"
                  and attn.qkv_proj.group.size == 1 and type(layer.input_layernorm) is RMSNorm
-                 and type(layer.post_attention_layernorm) is RMSNorm)
+                 and type(layer.post_attention_layernorm) is RMSNorm
+                 and all(p.lora is None for p in projections))   # LoRA products: the module path
         return CpuLayerPlan(layer) if plain else None
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -235,6 +237,11 @@ class LlamaModel(nn.Module):
             plans = [CpuLayerPlan.plan_of(layer) for layer in self.layers]
             plans = self.__dict__["_cpu_plans"] = plans if all(plans) else self.layers
         return plans
+
+    def forget_layer_plans(self) -> None:
+        """The layers changed in a way a plan does not follow (LoRA adapters attached): the next
+        forward decides afresh."""
+        self.__dict__.pop("_cpu_plans", None)
 
 
 class LlamaForCausalLM(CausalLM):

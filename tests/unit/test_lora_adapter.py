@@ -106,3 +106,45 @@ def test_missing_files_and_foreign_shapes(tmp_path):
     layout["model.layers.0.self_attn.qkv_proj"] = (48, [32, 16, 16])   # a model of other widths
     with pytest.raises(LoRAAdapterError, match=r"qkv_proj part 0: lora_A \(4, 32\)"):
         load_adapter("a", path, 16, layout)
+
+
+@torch.no_grad()
+def test_greedy_tokens_equal_peft_per_adapter(tmp_path):
+    """The engine's model with two adapters in slots (lora/slots.py), every row of a run taking one
+    of them (or none): greedy tokens equal PEFT's generate with that adapter (or the base model),
+    float32, on a tiny random Llama saved as a checkpoint."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.lora.slots import LoRASlots, step_rows
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(CONFIG).eval()
+    checkpoint = tmp_path / "base"
+    base.save_pretrained(checkpoint)
+    adapters = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(LlamaForCausalLM.from_pretrained(checkpoint).eval(),
+                                    peft.LoraConfig(r=4 * seed, lora_alpha=16, init_lora_weights=False,
+                                                    target_modules=list(("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                         "gate_proj", "up_proj", "down_proj"))))
+        with torch.no_grad():   # larger B, so the adapters change the greedy tokens
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.mul_(20)
+        model.save_pretrained(tmp_path / f"a{seed}")
+        adapters.append(model.eval())
+    llm = LLM(str(checkpoint), dtype="float32", max_model_len=64, num_kv_blocks=32, skip_tokenizer_init=True)
+    slots = LoRASlots(llm.engine.executor.runner.model, max_loras=2, max_rank=8)
+    for slot, seed in ((1, 1), (2, 2)):
+        slots.place(slot, load_adapter(f"a{seed}", str(tmp_path / f"a{seed}"), 8, slots.layout))
+    prompt = [5, 17, 33, 2, 41, 9]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for slot, reference in ((0, base), (1, adapters[0]), (2, adapters[1])):
+        with step_rows(slot):
+            got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                  min_new_tokens=12)[0, len(prompt):].tolist()
+        assert list(got) == want, slot
+        outputs[slot] = list(got)
+    assert outputs[0] != outputs[1] != outputs[2]   # the adapters change the answer
