@@ -212,9 +212,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
         if self.lora is not None:   # adapters attached (lora/slots.py): the step's rows' products
-            from deepinfer.lora.slots import add_lora
-
-            return add_lora(self, x, y)
+            return self.lora.add(x, y)
         return y
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

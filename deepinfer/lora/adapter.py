@@ -26,13 +26,10 @@ from dataclasses import dataclass, field
 import torch
 from safetensors import safe_open
 
-from deepinfer.models.base import FUSED_PROJECTIONS
-
 CONFIG_FILE = "adapter_config.json"
 WEIGHT_FILES = ("adapter_model.safetensors",)
 # Projections a LoRA may adapt: PEFT's names, as the checkpoint spells them.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_FUSED = {part: (fused, index) for fused, part, index in FUSED_PROJECTIONS}
 _WEIGHT_NAME = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<half>lora_[AB])(?:\.[^.]+)?\.weight$")
 
 
@@ -100,6 +97,9 @@ def check_config(path: str, config: dict, max_rank: int) -> tuple[int, float]:
 def load_adapter(name: str, path: str, max_rank: int, layout: dict[str, tuple[int, list[int]]]) -> LoRAAdapter:
     """The adapter at `path` for a model whose projections are `layout[module name] = (inputs,
     output widths of its shards)` (a fused qkv_proj: [q, k, v]; a plain projection: [out])."""
+    from deepinfer.models.base import FUSED_PROJECTIONS
+
+    fused_parts = {part: (fused, index) for fused, part, index in FUSED_PROJECTIONS}
     rank, scaling = check_config(path, read_config(path), max_rank)
     files = [os.path.join(path, f) for f in WEIGHT_FILES if os.path.isfile(os.path.join(path, f))]
     if not files:
@@ -112,7 +112,7 @@ def load_adapter(name: str, path: str, max_rank: int, layout: dict[str, tuple[in
                 raise LoRAAdapterError(f"LoRA adapter {path}: tensor {key!r} is not a lora_A / lora_B weight")
             module, half = match["module"], match["half"]
             leaf = module.rsplit(".", 1)[-1]
-            fused, index = _FUSED.get(leaf, (leaf, 0))
+            fused, index = fused_parts.get(leaf, (leaf, 0))
             target = module[: -len(leaf)] + fused
             if leaf not in SUPPORTED_TARGETS or target not in layout:
                 raise LoRAAdapterError(f"LoRA adapter {path}: tensor {key!r} adapts {module}, which this model "
@@ -152,6 +152,7 @@ def fuse(target: str, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], inpu
 def projection_layout(model: torch.nn.Module) -> dict[str, tuple[int, list[int]]]:
     """The projections of `model` a LoRA may adapt: name -> (inputs, its shards' output widths)."""
     from deepinfer.layers.linear import Linear
+    from deepinfer.models.base import FUSED_PROJECTIONS
 
     leaves = {fused for fused, _, _ in FUSED_PROJECTIONS} | set(SUPPORTED_TARGETS)
     layout = {}

@@ -7,7 +7,7 @@ LoRASlots.place / clear put an adapter in a slot or take it out, in place: CUDA 
 over the stacks keep reading the same tensors.
 
 A step's rows take their adapters through `step_rows(slots)`: while the context is open, every
-adapted projection adds its rows' LoRA products to its output (Linear.forward calls add_lora).
+adapted projection adds its rows' LoRA products to its output (Linear.forward calls LoRAStack.add).
 Without it (or for a model with no adapters attached) the projections compute as before.
 """
 
@@ -42,22 +42,22 @@ class LoRAStack:
     a: torch.Tensor   # [slots, R, in]
     b: torch.Tensor   # [slots, out, R]
 
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the projection's output for x) plus the LoRA products of x's rows under the step's
+        slots (step_rows); y itself when no step has any (Linear.forward's hook)."""
+        slots = _step_slots
+        if slots is None:
+            return y
+        if isinstance(slots, int):
+            slots = torch.full(x.shape[:-1], slots, dtype=torch.long, device=x.device).reshape(-1)
+        return y + self.delta(x, slots).to(y.dtype)
+
     def delta(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The rows' LoRA products, by the gathered batched path on a GPU (no host sync, fits a
         CUDA graph), one product per adapter elsewhere."""
         flat = x.reshape(-1, x.shape[-1])
         product = lora_gathered if flat.is_cuda else lora_reference
         return product(flat, slots, self.a, self.b).view(*x.shape[:-1], -1)
-
-
-def add_lora(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y plus the LoRA products of x's rows for `module` (Linear.forward's hook)."""
-    slots = _step_slots
-    if slots is None:
-        return y
-    if isinstance(slots, int):
-        slots = torch.full(x.shape[:-1], slots, dtype=torch.long, device=x.device).reshape(-1)
-    return y + module.lora.delta(x, slots).to(y.dtype)
 
 
 class LoRASlots:
