@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import PromptTooLong
+from ..images import ImagePrompt, count_images, expand_images
 from ..prompt import RenderedPrompt
 from ..tokenize import SafeTokenizer
 
@@ -66,6 +67,8 @@ class Encoder:
     name: str = ""
     tokenizer: SafeTokenizer | None = None
     markers: OutputMarkers = OutputMarkers()
+    # How this model's prompt holds an image (images.py); None: the format places no images.
+    image_prompt: ImagePrompt | None = None
 
     def render(self, conversation) -> tuple[RenderedPrompt, ParserStart]:  # pragma: no cover
         raise NotImplementedError
@@ -81,6 +84,9 @@ class Encoder:
         rendered, start = self.render(conversation)
         if max_chars is not None and len(rendered.text) > max_chars:
             raise PromptTooLong(len(rendered.text), max_chars)
+        num_images = count_images(conversation)
+        if num_images:   # after the size check: an image's tokens count against the context, not its characters
+            rendered = expand_images(rendered, self.image_prompt, num_images, self.name)
         constraint = self.tool_constraint(conversation)
         ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
         schemas = {t.name: t.parameters or {} for t in conversation.tools}
