@@ -34,11 +34,9 @@ def count_images(conversation: Conversation) -> int:
     return sum(isinstance(part, ImagePart) for message in conversation.messages for part in message.content)
 
 
-def expand_images(rendered: RenderedPrompt, image_prompt: ImagePrompt | None, num_images: int,
+def expand_images(rendered: RenderedPrompt, image_prompt: ImagePrompt, num_images: int,
                   format_name: str) -> RenderedPrompt:
     """`rendered` with each image marker replaced by the image's pieces (the module docstring)."""
-    if image_prompt is None:
-        raise RequestError(f"this model's chat format ({format_name}) has no place for images")
     builder, found = PromptBuilder(), 0
     for is_control, text in rendered.segments():
         if is_control and text == image_prompt.marker:
@@ -50,6 +48,6 @@ def expand_images(rendered: RenderedPrompt, image_prompt: ImagePrompt | None, nu
         else:
             builder.text(text)
     if found != num_images:
-        raise RequestError(f"the chat template wrote {found} image marker(s) ({image_prompt.marker}) for "
-                           f"{num_images} image(s); it must place each image it is given", "messages")
+        raise RequestError(f"the chat template ({format_name}) wrote {found} image marker(s) ({image_prompt.marker}) "
+                           f"for {num_images} image(s); it must place each image it is given", "messages")
     return builder.build()

@@ -84,9 +84,11 @@ class Encoder:
         rendered, start = self.render(conversation)
         if max_chars is not None and len(rendered.text) > max_chars:
             raise PromptTooLong(len(rendered.text), max_chars)
-        num_images = count_images(conversation)
-        if num_images:   # after the size check: an image's tokens count against the context, not its characters
-            rendered = expand_images(rendered, self.image_prompt, num_images, self.name)
+        # A model that reads images: each marker becomes its image's text (after the size check:
+        # an image's tokens count against the context, not its characters). Without an
+        # image_prompt a format renders images its own way (DeepSeek-V4: placeholder text).
+        if self.image_prompt is not None and count_images(conversation):
+            rendered = expand_images(rendered, self.image_prompt, count_images(conversation), self.name)
         constraint = self.tool_constraint(conversation)
         ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
         schemas = {t.name: t.parameters or {} for t in conversation.tools}
