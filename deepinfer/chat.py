@@ -20,6 +20,8 @@ from deepinfer_recipe import Conversation, Encoder, RequestError, get_encoder
 from deepinfer_recipe.conversation import ImagePart
 from deepinfer_recipe.encoders.hf_template import HFTemplateEncoder
 
+from deepinfer.models.registry import takes_images
+
 if TYPE_CHECKING:
     from deepinfer.models.loader import ModelSource
 
@@ -47,8 +49,13 @@ def make_encoder(source: ModelSource, chat_format: str = "auto", chat_template: 
     if tok is None:
         raise ValueError("there is no tokenizer to render chats with (skip_tokenizer_init=True, --skip-tokenizer-init)")
     template = chat_template if chat_template is not None else tok.chat_template
-    return HFTemplateEncoder.from_tokenizer(tok.backend, template, tok.bos_token, tok.eos_token,
-                                            name=f"hf:{source.name}")
+    encoder = HFTemplateEncoder.from_tokenizer(tok.backend, template, tok.bos_token, tok.eos_token,
+                                               name=f"hf:{source.name}")
+    if takes_images(source.hf_config):   # the template's image marker -> the model's image tokens
+        from deepinfer.multimodal.chat_images import image_prompt_for
+
+        encoder.image_prompt = image_prompt_for(source)
+    return encoder
 
 
 def apply_template_kwargs(conversation: Conversation, kwargs: dict[str, Any], encoder: Encoder) -> None:

@@ -16,6 +16,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer.multimodal.config import MultiModalConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --dtype also takes these; ModelConfig stores the name they stand for.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -507,6 +509,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
 
     def __post_init__(self) -> None:
         if self.parallel.world_size > 1 and (self.cache.kv_store or self.cache.kv_offloading_size):
@@ -536,7 +539,8 @@ class EngineConfig:
 
 # The EngineConfig parts whose fields are flat keyword arguments (LLM(**kwargs), CLI flags).
 # Field names are unique across them, which is what lets the flat names work.
-_FLAT_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig}
+_FLAT_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+               "multimodal": MultiModalConfig}
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:

@@ -30,6 +30,8 @@ from deepinfer.engine.core import EngineCore
 from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import check_load_format, model_source
 from deepinfer.models.registry import takes_images
+from deepinfer.multimodal.chat_images import ImageFrontEnd
+from deepinfer.multimodal.inputs import ImageInputs
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from deepinfer.pooling_params import PoolingParams, check_dimensions, pooler_defaults
@@ -91,6 +93,7 @@ class LLM:
         # without its weights, which need not stay alive for that.
         self._chat_source = dataclasses.replace(source, _weights=None)
         self._chat_encoders: dict[str | None, Encoder] = {}   # by chat_template (None: the model's)
+        self._images = ImageFrontEnd.from_source(self.config.multimodal, source)   # None: a text-only model
 
     def get_tokenizer(self):
         if self.tokenizer is None:
@@ -128,8 +131,8 @@ class LLM:
         # Validate every prompt before adding any, so one bad prompt leaves no stray requests.
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         ids = []
-        for (text, token_ids, sp), prio in zip(prepared, priorities):
-            ids.append(self._add_request(text, token_ids, sp, prio, cache_salt, traffic_class))
+        for (text, token_ids, sp, images), prio in zip(prepared, priorities):
+            ids.append(self._add_request(text, token_ids, sp, prio, cache_salt, traffic_class, images))
         return self._run(ids, use_tqdm)
 
     def generate_as_completed(self, prompts: PromptType | Sequence[PromptType],
@@ -145,8 +148,8 @@ class LLM:
         params = [dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
                   for sp in _broadcast(sampling_params, len(prompts), "sampling_params")]
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
-        pending = {self._add_request(text, token_ids, sp, 0, None, traffic_class): index
-                   for index, (text, token_ids, sp) in enumerate(prepared)}
+        pending = {self._add_request(text, token_ids, sp, 0, None, traffic_class, images): index
+                   for index, (text, token_ids, sp, images) in enumerate(prepared)}
         try:
             while pending and self.engine.has_unfinished():
                 for out in self._step():
@@ -214,8 +217,8 @@ class LLM:
                                      output_kind=RequestOutputKind.DELTA)
         if params.n != 1:
             raise ValueError(f"stream() produces one sequence; n must be 1, got {params.n}")
-        text, token_ids, params = self._prepare(prompt, params)
-        request_id = self._add_request(text, token_ids, params, 0, None)
+        text, token_ids, params, images = self._prepare(prompt, params)
+        request_id = self._add_request(text, token_ids, params, 0, None, images=images)
         try:
             while True:
                 for out in self._step():
@@ -259,19 +262,32 @@ class LLM:
             body["tools"] = tools
         conversation = parse_request("chat", body)   # RequestError (a ValueError) names the bad field
         refuse_images(conversation, takes_images(self._chat_source.hf_config))
+        loaded = self._images.load(conversation) if self._images is not None else []   # RequestError names a bad one
         conversation.add_generation_prompt = add_generation_prompt
         apply_template_kwargs(conversation, template_kwargs or {}, encoder)
         encoding = encoder.encode(conversation)
         if encoding.token_ids is None:
             raise ValueError(f"the chat format {encoder.name} has no tokenizer to encode the prompt with")
-        return {"prompt": encoding.rendered.text, "prompt_token_ids": encoding.token_ids}
+        images = self._images.inputs(encoding.token_ids, loaded) if loaded else None
+        return {"prompt": encoding.rendered.text, "prompt_token_ids": encoding.token_ids, "image_inputs": images}
 
     def _require_tokenizer(self, what: str) -> None:
         if self.tokenizer is None:
             raise ValueError(f"{what} needs a tokenizer, and this LLM was built with skip_tokenizer_init=True; "
                              "pass token ids instead (a list of ints, or {'prompt_token_ids': [...]})")
 
-    def _prepare(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
+    def _prepare(self, prompt: PromptType, params: SamplingParams
+                 ) -> tuple[str | None, list[int], SamplingParams, ImageInputs | None]:
+        images = None
+        if isinstance(prompt, dict) and (prompt.get("multi_modal_data") or prompt.get("image_inputs")):
+            if self._images is None:
+                raise ValueError("this model takes text only: multi_modal_data is not supported")
+            images = prompt.get("image_inputs")
+            if images is None:   # vLLM's multi_modal_data: the markers in the prompt are expanded here
+                self._require_tokenizer("multi_modal_data")
+                ids, images = self._images.for_prompt(prompt.get("prompt"), prompt.get("prompt_token_ids"),
+                                                      prompt["multi_modal_data"], self.tokenizer)
+                prompt = {**prompt, "prompt_token_ids": ids}
         text, token_ids = self._prompt_ids(prompt)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt is {len(token_ids)} tokens long, but max_model_len is "
@@ -284,7 +300,7 @@ class LLM:
             params = _without_text(params)
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)   # xgrammar's reason, as a ValueError
-        return text, token_ids, params
+        return text, token_ids, params, images
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(text, token ids) of one prompt; its ids checked against the vocabulary."""
@@ -309,11 +325,11 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return text, token_ids
 
-    def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams,
-                     priority: int, cache_salt: str | None, traffic_class: str | None = None) -> str:
+    def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams, priority: int,
+                     cache_salt: str | None, traffic_class: str | None = None, images: ImageInputs | None = None) -> str:
         request_id = str(next(self._counter))
         children = child_requests(request_id, token_ids, params, self._facts, priority=priority, cache_salt=cache_salt,
-                                  traffic_class=traffic_class)
+                                  traffic_class=traffic_class, images=images)
         self.output_processor.add_request(request_id, text, token_ids, params)
         for child in children:
             self.engine.add_request(to_request(child, self.config.cache.block_size))

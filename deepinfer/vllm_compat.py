@@ -14,7 +14,6 @@ silently dropped when it would change results.
     max_seq_len_to_capture      warned: graphs here take any context length
     swap_space                  warned: a preempted request is recomputed, nothing is swapped
     tokenizer_mode              auto / hf: the fast tokenizer; slow, mistral, custom: warned
-    limit_mm_per_prompt         a limit above 0 is warned: the models here read text only
     disable_custom_all_reduce   what deepinfer always does (NCCL / gloo all-reduce)
     disable_log_stats           the server's (ServerOptions); the offline LLM logs no stats
     override_pooler_config      = pooler_config (vLLM's older name)
@@ -45,8 +44,7 @@ TOKENIZER_MODES = ("auto", "hf", "slow", "mistral", "custom")
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 # What each translated name needs (a value of None is "not given", as the CLI's defaults are).
 HANDLED = ("compilation_config", "optimization_level", "cuda_graph_sizes", "max_seq_len_to_capture", "swap_space",
-           "tokenizer_mode", "limit_mm_per_prompt", "disable_custom_all_reduce", "disable_log_stats", "runner",
-           "convert", "task")
+           "tokenizer_mode", "disable_custom_all_reduce", "disable_log_stats", "runner", "convert", "task")
 # vLLM's --runner / --convert / --task values that mean what this engine does anyway: a decoder model
 # generates and embeds (its last-token or mean-pooled final hidden states) from one engine.
 RUNNER_VALUES = {"runner": ("auto", "generate", "pooling"), "convert": ("auto", "none", "embed"),
@@ -136,8 +134,6 @@ def translate_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if mode not in ("auto", "hf"):
         logger.warning("tokenizer_mode=%r: deepinfer has one tokenizer, the HF tokenizers library's fast one "
                        "(what 'auto' picks); it is used", mode)
-    if "limit_mm_per_prompt" in given:
-        _limit_mm(_json("limit_mm_per_prompt", given["limit_mm_per_prompt"]))
     for name, values in RUNNER_VALUES.items():
         if name in given and given[name] not in values:
             raise ValueError(f"{name}={given[name]!r} is not served here; {name} may be {', '.join(values)} (one "
@@ -195,18 +191,3 @@ def _optimization_level(out: dict, level: Any) -> None:
     else:
         logger.warning("-O%d: deepinfer compiles nothing with torch.compile; decode CUDA graphs stay on "
                        "(-O0 or --enforce-eager turns them off)", level)
-
-
-def _limit_mm(limits: Any) -> None:
-    if not isinstance(limits, dict):
-        raise ValueError(f"limit_mm_per_prompt must be a JSON object such as {{\"image\": 0}}, got {limits!r}")
-    over = []
-    for modality, limit in limits.items():
-        count = limit.get("count", 0) if isinstance(limit, dict) else limit
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ValueError(f"limit_mm_per_prompt.{modality} must be an integer >= 0, got {limit!r}")
-        if count:
-            over.append(modality)
-    if over:
-        logger.warning("limit_mm_per_prompt allows %s: the models deepinfer serves read text only, so such parts "
-                       "are refused whatever the limit", ", ".join(over))

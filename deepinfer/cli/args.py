@@ -1,6 +1,6 @@
 """Engine flags, generated from the config dataclasses so the CLI and `LLM(**kwargs)` never drift.
 
-Every field of ModelConfig, CacheConfig, SchedulerConfig and ParallelConfig is a flag of the same
+Every field of ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig and MultiModalConfig is a flag of the same
 name (cli/flags.py says how types become flags); `engine_kwargs(args)` turns the parsed flags back
 into the keyword arguments of `EngineConfig.from_kwargs` / `LLM(...)`.
 """
@@ -28,9 +28,10 @@ from deepinfer.config import (
     SchedulerConfig,
 )
 from deepinfer.models.loader import FOREIGN_LOAD_FORMATS, LOAD_FORMATS
+from deepinfer.multimodal.config import MultiModalConfig
 from deepinfer.vllm_compat import RUNNER_VALUES, TOKENIZER_MODES, human_readable_int_or_auto
 
-ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, MultiModalConfig)
 
 # vLLM's short spellings, and its names for the same settings.
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
@@ -73,7 +74,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 # vLLM's engine flags without a deepinfer field: vllm_compat.engine_config translates them
 # (deepinfer/vllm_compat.py); None is "not given".
-VLLM_COMPAT = ("tokenizer_mode", "limit_mm_per_prompt", "compilation_config", "optimization_level",
+VLLM_COMPAT = ("tokenizer_mode", "compilation_config", "optimization_level",
                "cuda_graph_sizes", "max_seq_len_to_capture", "swap_space", "disable_custom_all_reduce", "runner",
                "convert")
 
@@ -84,8 +85,6 @@ def _add_vllm_compat_args(parser: argparse.ArgumentParser) -> None:
     a = group.add_argument
     a("--tokenizer-mode", choices=TOKENIZER_MODES, default=None,
       help="auto / hf: the HF tokenizers library's fast tokenizer, the only one here (others: warned, it is used)")
-    a("--limit-mm-per-prompt", default=None, metavar="JSON",
-      help='e.g. \'{"image": 0}\'; the models here read text only (a limit above 0 is warned)')
     a("--compilation-config", "-cc", default=None, metavar="JSON",
       help='cudagraph_mode "NONE" = --enforce-eager; max_cudagraph_capture_size (or cudagraph_capture_sizes) = '
            "--max-cudagraph-capture-size; torch.compile settings are warned (nothing is compiled here)")

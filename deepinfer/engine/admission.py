@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import msgspec
 
 from deepinfer.config import CacheConfig
+from deepinfer.multimodal.inputs import ImageInputs
 from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types import traffic_class as traffic
@@ -55,6 +56,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     skip_prefix_cache: bool = False
     traffic_class: str = traffic.DEFAULT_CLASS
     pooling: PoolingParams | None = None   # an embedding request (pooling_request)
+    images: ImageInputs | None = None   # the prompt's images (multimodal/inputs.py)
 
 
 @dataclass(frozen=True)
@@ -81,15 +83,16 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
 
 def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, facts: EngineFacts, *,
                    priority: int = 0, cache_salt: str | None = None,
-                   traffic_class: str | None = None) -> list[AddRequest]:
-    """The core requests of one user request, in child order (their ids: child_request_ids)."""
+                   traffic_class: str | None = None, images: ImageInputs | None = None) -> list[AddRequest]:
+    """The core requests of one user request, in child order (their ids: child_request_ids);
+    `images`: the prompt's, shared by the children (their KV blocks are shared too)."""
     traffic_class = traffic.resolve(traffic_class, facts.traffic_classes)
     max_tokens = resolve_max_tokens(params, len(prompt_token_ids), facts.max_model_len)
     key = extra_key(facts.model_id, cache_salt)
     eos = sorted(facts.eos_token_ids)
     skip_prefix_cache = params.prompt_logprobs is not None
     return [AddRequest(child_id, prompt_token_ids, params.for_child(index) if params.n > 1 else params, eos,
-                       max_tokens, priority, cache_salt, key, skip_prefix_cache, traffic_class)
+                       max_tokens, priority, cache_salt, key, skip_prefix_cache, traffic_class, images)
             for index, child_id in enumerate(child_request_ids(request_id, params.n))]
 
 
@@ -118,4 +121,4 @@ def to_request(message: AddRequest, block_size: int) -> Request:
                    frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
                    cache_salt=message.cache_salt, extra_key=message.extra_key, block_size=block_size,
                    skip_prefix_cache=message.skip_prefix_cache, traffic_class=message.traffic_class,
-                   pooling=message.pooling)
+                   pooling=message.pooling, images=message.images)

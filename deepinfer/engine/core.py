@@ -30,7 +30,8 @@ from deepinfer.kv_cache.manager import KVCacheManager, replay_config
 from deepinfer.kv_cache.store.factory import make_kv_connector_scheduler
 from deepinfer.kv_cache.tier_metrics import tier_metrics
 from deepinfer.models.loader import ModelSource
-from deepinfer.models.registry import model_class
+from deepinfer.models.registry import model_class, takes_images
+from deepinfer.multimodal.encoder_cache import image_scheduler
 from deepinfer.platforms import Platform, current_platform
 from deepinfer.sample.structured import StructuredOutputManager
 from deepinfer.spec_decode import build_speculative_decoder
@@ -87,7 +88,8 @@ class EngineCore:
         connector = make_kv_connector_scheduler(config, kv.groups, kv.block_size)
         self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager, config.cache.kv_role,
                                                                  config.cache.kv_store_load_policy)
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier,
+                                   images=image_scheduler(config, hf_config) if takes_images(hf_config) else None)
         self.kv_events = open_kv_events(config.cache, kv.block_size, data_parallel_rank)   # None: no endpoint
         if self.kv_events is not None:
             self._attach_kv_events(self.kv_events)

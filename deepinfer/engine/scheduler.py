@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.kv_tier import KVTierLink
 from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
+from deepinfer.multimodal.encoder_cache import EncoderScheduler
 from deepinfer.sample.structured.grammar import GrammarState, RequestGrammar
 from deepinfer.spec_decode import SpeculativeDecoder
 from deepinfer.types.block_tables import RunnerBlockTables
@@ -75,7 +76,8 @@ class _PartialPlan:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
-                 spec: SpeculativeDecoder | None = None, kv_tier: KVTierLink | None = None) -> None:
+                 spec: SpeculativeDecoder | None = None, kv_tier: KVTierLink | None = None,
+                 images: EncoderScheduler | None = None) -> None:
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs max_num_seqs and max_num_batched_tokens set "
                              "(EngineCore fills unset ones from the platform)")
@@ -85,6 +87,7 @@ class Scheduler:
         self._allocated_ahead: set[str] = set()
         self.kv = kv_manager
         self.kv_tier = kv_tier               # a KV tier behind the connector, or None
+        self.images = images                 # a model that reads images: multimodal/encoder_cache.py
         self.kv_events = None                # a kv_cache.events.KVEventSink, or None (no events)
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []     # kept sorted by the policy's key
@@ -187,6 +190,8 @@ class Scheduler:
         while i < len(self.running) and partial.budget > 0:
             request = self.running[i]
             num_new = min(self._capped(self._target(request) - request.num_computed_tokens), partial.budget)
+            if self.images is not None:   # an image whole in one chunk, within the encoder budget
+                num_new = self.images.fit(request, request.num_computed_tokens, num_new, partial.budget)
             # A token in flight that is the request's last: nothing more to compute for it.
             if num_new <= 0 or (request.num_samples_in_flight
                                 and self._at_length_limit(request, request.num_samples_in_flight)):
@@ -251,7 +256,7 @@ class Scheduler:
         when a tier loaded its prefix already), or None: it waits, and so do those behind it.
         Under the priority policy a lower-priority running request may be preempted for it."""
         if request.kv_loaded:   # a tier loaded its prefix: its blocks are in place
-            num_new = self._first_chunk(request.num_tokens - request.num_computed_tokens, partial.budget)
+            num_new = self._first_chunk(request, request.num_computed_tokens, partial.budget)
             if num_new is None or not self.kv.allocate(request, num_new):
                 return None
             return num_new, None
@@ -259,7 +264,7 @@ class Scheduler:
             tier = (functools.partial(self.kv_tier.lookup, request_id=request.request_id)
                     if self.kv_tier is not None and not request.skip_kv_tier else None)
             hit = self.kv.find_prefix_hit(request, tier)
-            num_new = self._first_chunk(request.num_tokens - hit.num_computed_tokens, partial.budget)
+            num_new = self._first_chunk(request, hit.num_computed_tokens, partial.budget)
             if num_new is None:
                 return None
             if self.kv.allocate(request, num_new, hit):
@@ -276,13 +281,17 @@ class Scheduler:
         request.window_floor, request.write_floor = hit.window_floor, hit.write_floor
         return num_new, hit
 
-    def _first_chunk(self, num_new: int, budget: int) -> int | None:
-        """Tokens of a waiting request's first chunk within the budget; None when the rest of its
-        prompt must fit in one step (chunked prefill off) and does not."""
-        num_new = self._capped(num_new)
+    def _first_chunk(self, request: Request, start: int, budget: int) -> int | None:
+        """Tokens of a waiting request's first chunk (from `start`) within the budget; None when
+        the rest of its prompt must fit in one step (chunked prefill off) and does not, or when
+        its next image cannot be computed this step."""
+        num_new = self._capped(request.num_tokens - start)
         if num_new > budget and not self.config.enable_chunked_prefill:
             return None
-        return min(num_new, budget)
+        num_new = min(num_new, budget)
+        if self.images is not None:
+            num_new = self.images.fit(request, start, num_new, budget)
+        return num_new or None
 
     def _capped(self, num_new: int) -> int:
         """long_prefill_token_threshold (vLLM's): a long prompt's chunk is cut to it, so that one
@@ -318,7 +327,7 @@ class Scheduler:
         return SchedulerPlan(new_requests, partial.cached_requests, chunks, finished,
                              self.config.max_num_batched_tokens - partial.budget,
                              self.kv_tier.build_meta() if self.kv_tier is not None else None,
-                             verify_chain=chain)
+                             verify_chain=chain, images=self.images.take_plan() if self.images is not None else None)
 
     def _chain_steps(self, request: Request, num_new: int, chain: int) -> int:
         """Verify steps of a chain this request can join, at most `chain` (1: none): it is
@@ -353,6 +362,8 @@ class Scheduler:
                              and start < request.num_prompt_tokens),
             spec_token_ids=request.spec_token_ids,
         )
+        if self.images is not None:
+            self.images.commit(request, start, num_new)
         # Drafts count as computed only once accepted (update); the known tokens count now.
         request.num_computed_tokens += num_new
         request.num_tokens_in_flight += num_new

@@ -36,6 +36,7 @@ from deepinfer.metrics.http import HTTPMetricsMiddleware
 from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import takes_images
+from deepinfer.multimodal.chat_images import ImageFrontEnd
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
                                metrics_vllm_names=options.metrics_vllm_names, on_fatal=on_fatal)
     names = list(options.served_model_name) or [client.model_id]
     state = ServerState(client, names, options, takes_images=takes_images(source.hf_config),
+                        images=ImageFrontEnd.from_source(config.multimodal, source),
                         body_limit=request_body_limit(options, resolve_max_model_len(config, source.hf_config)))
     try:
         state.encoder = make_encoder(source, options.chat_format, options.chat_template)

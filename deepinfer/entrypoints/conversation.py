@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer_recipe import RequestError, parse_request
 from deepinfer_recipe.errors import PromptTooLong, RecipeError
@@ -57,6 +58,7 @@ class PreparedConversation:
     legacy_functions: bool = False  # the request used `functions`: reply with `function_call`
     as_token_ids: bool = False      # logprob tokens as "token_id:N"
     stop_reasons: list = field(default_factory=list)   # per choice: the stop string or token id, else None
+    images: Any = None              # the prompt's images (multimodal/inputs.ImageInputs), or None
 
     def usage_counts(self) -> tuple[int, int, int]:
         """(prompt, completion summed over choices, cached prompt) tokens."""
@@ -86,6 +88,8 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     try:
         conversation = parse_request(protocol, body)
         chat_options.apply(conversation, fields, encoder, protocol, takes_images=state.takes_images)
+        # Fetched, decoded and checked before the render: a bad image is a 400 naming its part.
+        loaded = state.images.load(conversation) if state.images is not None else []
         chat_options.check_size(conversation, max_chars)
         encoding = encoder.encode(conversation, max_chars=max_chars)
     except PromptTooLong as e:
@@ -115,6 +119,10 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     max_tokens = sampling.default_max_tokens(state.sampling_defaults, conversation.max_tokens)
     where = "input" if protocol == "responses" else "messages"
     prompt_ids = sampling.truncate_prompt(prompt_ids, fields, max_tokens, state.max_model_len)
+    try:   # after truncation: a cut that splits or drops an image is refused here
+        images = state.images.inputs(prompt_ids, loaded) if loaded else None
+    except RequestError as e:
+        raise bad_request(str(e), e.path) from None
     sampling.check_context(len(prompt_ids), max_tokens, state.max_model_len, where)
     fmt = conversation.response_format
     if encoding.constraint is not None:   # a forced tool choice: the recipe's tool-call format
@@ -141,13 +149,14 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     prepared.legacy_functions = protocol == "chat" and fields.functions is not None
     prepared.as_token_ids = state.tokens_as_ids(fields)
     prepared.stop_reasons = [None] * n
+    prepared.images = images
     return prepared
 
 
 def submit(state: ServerState, prepared: PreparedConversation) -> AsyncIterator[RequestOutput]:
     """Add the request to the engine (429/503 surface here, before any response starts)."""
     return state.client.generate(prepared.prompt_token_ids, prepared.params, request_id=prepared.request_id,
-                                 **prepared.engine_fields)
+                                 images=prepared.images, **prepared.engine_fields)
 
 
 async def run(state: ServerState, prepared: PreparedConversation,

@@ -9,6 +9,7 @@ import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -37,6 +38,8 @@ class ServerState:
     sampling_defaults: dict = field(default_factory=dict)
     # Whether the model reads images (models/registry.takes_images); a text-only model refuses them.
     takes_images: bool = False
+    # Its images' front end (multimodal/chat_images.ImageFrontEnd: limits, fetching, decoding), or None.
+    images: Any = None
     # The largest body accepted (options.request_body_limit: the flag, else in proportion to the context).
     body_limit: int = 16 << 20
     # Validation, template rendering and tokenization of big requests run here, so the event loop

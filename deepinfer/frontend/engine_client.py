@@ -49,6 +49,7 @@ from deepinfer.frontend.output_stream import OutputStream
 from deepinfer.metrics.prometheus import ServerMetrics
 from deepinfer.metrics.stats import RequestTimings
 from deepinfer.models.loader import ModelSource
+from deepinfer.multimodal.inputs import ImageInputs
 from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from deepinfer.pooling_params import PoolingParams, pooler_defaults
@@ -260,7 +261,8 @@ class AsyncEngineClient:
 
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  prompt: str | None = None, priority: int = 0,
-                 cache_salt: str | None = None, traffic_class: str | None = None) -> AsyncIterator[RequestOutput]:
+                 cache_salt: str | None = None, traffic_class: str | None = None,
+                 images: ImageInputs | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request now (so a full queue or a dead engine raises here, before any HTTP
         response starts) and return an iterator of its DELTA RequestOutputs until it finishes.
 
@@ -268,7 +270,7 @@ class AsyncEngineClient:
         aborts the request in the core, which frees its KV blocks."""
         request_id = request_id or self.new_request_id()
         tracked = self.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority,
-                                   cache_salt=cache_salt, traffic_class=traffic_class)
+                                   cache_salt=cache_salt, traffic_class=traffic_class, images=images)
         return self._iterate(request_id, tracked)
 
     async def _iterate(self, request_id: str, tracked: _Tracked) -> AsyncIterator[RequestOutput]:
@@ -336,12 +338,12 @@ class AsyncEngineClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                    traffic_class: str | None = None) -> _Tracked:
+                    traffic_class: str | None = None, images: ImageInputs | None = None) -> _Tracked:
         """Register and send a request, to the least loaded healthy core: all of it, or (on any
         error) none of it."""
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         messages = child_requests(request_id, prompt_token_ids, params, self._facts, priority=priority,
-                                  cache_salt=cache_salt, traffic_class=traffic_class)
+                                  cache_salt=cache_salt, traffic_class=traffic_class, images=images)
         index, encoded = self._encode_for_core(request_id, messages)
         max_tokens = messages[0].max_tokens
         child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)

@@ -19,12 +19,10 @@ _MODELS = {
 }
 
 
-# Architectures whose deepinfer model reads images through the engine: none yet. The chat routes
-# ask this before accepting an image part, so a model refuses images instead of dropping them.
-# Gemma3ForConditionalGeneration reads images at the model level (encode_images, forward's
-# `images`), but the scheduler and runner do not pass them yet: it serves text until they do,
-# and then joins this set.
-_TAKES_IMAGES: frozenset[str] = frozenset()
+# Architectures whose deepinfer model reads images through the engine (an encoder stage,
+# `encode_images`, and forward's `images`; docs/vision.md). The chat routes ask this before
+# accepting an image part, so any other model refuses images instead of dropping them.
+_TAKES_IMAGES: frozenset[str] = frozenset({"Gemma3ForConditionalGeneration"})
 
 
 def takes_images(hf_config: dict[str, Any]) -> bool:

@@ -232,11 +232,21 @@ class ImageProcessor:
     def _pixels(self, image: Image.Image) -> np.ndarray:
         """One RGB image as float32 [3, H, W], in transformers' order of operations and dtypes:
         resize the uint8 image, rescale through float64, normalize in float32."""
+        return self.normalize(self.resized(image))
+
+    def resized(self, image: Image.Image) -> np.ndarray:
+        """The first half of `_pixels`: the RGB image resized, uint8 [H, W, 3]. What crosses from
+        the front end to the engine core (a quarter of the float32 pixel_values' bytes)."""
         s = self.settings
+        image = self.to_rgb(image)
         self._check_size(image.width, image.height, None)
         if s.do_resize:   # PIL takes (width, height); to the image's own size it is a copy
             image = image.resize((s.width, s.height), resample=s.resample)
-        pixels = np.asarray(image, dtype=np.uint8)                      # [H, W, 3]
+        return np.asarray(image, dtype=np.uint8)
+
+    def normalize(self, pixels: np.ndarray) -> np.ndarray:
+        """The second half: uint8 [H, W, 3] -> float32 [3, H, W], rescaled and normalized."""
+        s = self.settings
         if s.do_rescale:
             # float64 first, then float32: transformers' rescale (an exact product in float64
             # rounded once), so the values agree to the last bit.

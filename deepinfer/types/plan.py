@@ -24,7 +24,7 @@ per request (EngineCoreOutput) and its gauges and counters (EngineStats).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from deepinfer.outputs import Logprob
 from deepinfer.pooling_params import PoolingParams
@@ -168,6 +168,8 @@ class SchedulerPlan:
     # Verify steps the runner may run back to back for this plan (worker/spec/verify_chain.py): every
     # chunk's request generates and holds KV blocks for verify_chain * (k + 1) tokens. 1: one step.
     verify_chain: int = 1
+    # The step's image work (multimodal/encoder_cache.ImageStepPlan: encode, drop, place), or None.
+    images: Any = None
 
     @property
     def is_empty(self) -> bool:

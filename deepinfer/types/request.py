@@ -86,6 +86,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     grammar: Any = None
     error: str | None = None      # why the request failed (e.g. its grammar did not compile)
+    # Its images (multimodal/inputs.ImageInputs: hashes, placeholders, pixels), or None.
+    images: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -117,7 +119,9 @@ class Request:
 
     @property
     def block_hashes(self) -> list[bytes]:
-        """Hash of every full block of all_token_ids (chained: each covers the whole prefix)."""
-        extend_block_hashes(self._block_hashes, self.all_token_ids, self.block_size, self.extra_key,
+        """Hash of every full block of all_token_ids (chained: each covers the whole prefix); a
+        block holding image tokens also covers those images' hashes."""
+        extend = extend_block_hashes if self.images is None else self.images.extend_block_hashes
+        extend(self._block_hashes, self.all_token_ids, self.block_size, self.extra_key,
                             self.hash_root)
         return self._block_hashes

@@ -47,6 +47,7 @@ from deepinfer.layers.attention import forward_context
 from deepinfer.layers.attention.backends import select_backend
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
+from deepinfer.multimodal.runner_images import RunnerImages
 from deepinfer.platforms import Platform
 from deepinfer.platforms.transfer import to_device
 from deepinfer.sample.logprobs import compute_prompt_logprobs
@@ -142,6 +143,7 @@ class ModelRunner:
         self._size_kv_pool()
         self._allocate_kv_cache()
         self._reset_steps()
+        self.images = RunnerImages.for_model(self.model, hf_config, source)   # None: a text-only model
         self._prepare_kernels()
         # Verify chains: several verify steps of one plan, back to back on the device.
         self.verify_chain = build_verify_chain(self.speculation, self.decode_graphs, max_sliding_window(self.groups),
@@ -345,6 +347,8 @@ class ModelRunner:
             # Its requests' token lists lack that step's tokens until then (draft_verification.py).
             raise RuntimeError("a forward was queued before the verify step in flight was collected")
         update_states(self.requests, plan, self.device)
+        if self.images is not None:   # the encoder cache's work of this plan, and its image rows
+            self.images.begin(plan.images)
         handle = ForwardStep(next(self._step_ids))
         connector = self._start_kv_transfers(plan)
         if plan.is_empty:   # no forward; a plan with only connector work still starts it
@@ -375,7 +379,8 @@ class ModelRunner:
         graphs = None if pooling else self.decode_graphs
         # Graphs replay decode rows only: a one-token chunk under a live window floor is a
         # prefill row (input_batch.is_decode_row), so its step runs eagerly.
-        rows = num_decode_rows(chunks, max_sliding_window(self.groups)) if graphs is not None else None
+        images = self.images.for_chunks(chunks) if self.images is not None else None   # image rows run eagerly
+        rows = num_decode_rows(chunks, max_sliding_window(self.groups)) if graphs is not None and not images else None
         bucket = graphs.bucket_for(rows) if rows is not None and graphs.attention_buffers.accepts(chunks) else None
         # A graph replays with its bucket's split count; eager steps pick theirs the same way.
         decode_splits = self.decode_splits(bucket if bucket is not None else len(chunks))
@@ -399,7 +404,8 @@ class ModelRunner:
             # Draft verification and prompt logprobs read other rows' hidden states (sample()).
             every_row = index is None or pooling or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks)
             with forward_context(inputs.attention):
-                hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index)
+                hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index,
+                                    **({} if images is None else {"images": images.step_images(inputs)}))
             if sample_rows:
                 logits = self.model.compute_logits(hidden[index] if every_row else hidden)
         return _QueuedForward(inputs, hidden, sample_rows, logits, row_logits)

@@ -268,8 +268,8 @@ def test_greedy_tokens_match_transformers(tiny, name, device, backend):
 
 
 def test_text_only_prompts_through_the_engine(tiny):
-    """The registered model serves text through the engine as it is (images are not passed by the
-    scheduler yet): greedy tokens equal transformers' for a prompt without images."""
+    """The registered model serves text-only prompts through the engine as well: greedy tokens
+    equal transformers' for a prompt without images (test_gemma3_vision_engine.py has images)."""
     from deepinfer import LLM, SamplingParams
 
     hf, _, directory = tiny

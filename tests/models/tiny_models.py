@@ -107,3 +107,39 @@ def build_tiny_vision_checkpoint(directory: str, seed: int = 0, **vision_overrid
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory)
     return model
+
+
+# A chat tokenizer for the tiny vision checkpoint: the word-level vocabulary above, with "\n\n" and
+# "\n" as ids 10 and 11 (newlines are tokens, as Gemma's are), the image tokens and the turn
+# markers as special added tokens, and a chat template that writes <start_of_image> for each
+# image part the way Gemma 3's does. Text spelling a special token stays words ("w0" for unknown).
+VISION_CHAT_TOKENS = {"<start_of_image>": 500, "<end_of_image>": 501, "<image_soft_token>": 502,
+                      "<start_of_turn>": 503, "<end_of_turn>": 504, "<bos>": 505}
+VISION_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def write_vision_chat_tokenizer(directory: str) -> None:
+    from tokenizers import Regex
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    for i in (10, 11, *VISION_CHAT_TOKENS.values()):
+        vocab.pop(f"w{i}")
+    vocab.update({"\n\n": 10, "\n": 11, **VISION_CHAT_TOKENS})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    # Punctuation apart, so that text spelling "<start_of_image>" is several words, as BPE makes it.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
+                                                 pre_tokenizers.Split(Regex("\n\n|\n"), "isolated"),
+                                                 pre_tokenizers.Punctuation("isolated")])
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens([AddedToken(t, special=True) for t in sorted(VISION_CHAT_TOKENS, key=VISION_CHAT_TOKENS.get)])
+    assert all(tok.token_to_id(t) == i for t, i in VISION_CHAT_TOKENS.items())
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<end_of_turn>", "bos_token": "<bos>", "chat_template": VISION_CHAT_TEMPLATE}, f)

@@ -92,7 +92,6 @@ def test_cuda_graph_flags_set_ours(flags, eager, max_size, caplog):
     (["--max-seq-len-to-capture", "8192"], "any context length"),
     (["--swap-space", "16"], "nothing is swapped"),
     (["--tokenizer-mode", "slow"], "one tokenizer"),
-    (["--limit-mm-per-prompt", '{"image": 2}'], "read text only"),
 ])
 def test_flags_that_cannot_apply_here_warn_once(flags, needle, caplog):
     with caplog.at_level(logging.WARNING, logger=COMPAT_LOGGER):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..errors import PromptTooLong
+from ..images import ImagePrompt, count_images, expand_images
 from ..prompt import RenderedPrompt
 from ..tokenize import SafeTokenizer
 
@@ -66,6 +67,8 @@ class Encoder:
     name: str = ""
     tokenizer: SafeTokenizer | None = None
     markers: OutputMarkers = OutputMarkers()
+    # How this model's prompt holds an image (images.py); None: the format places no images.
+    image_prompt: ImagePrompt | None = None
 
     def render(self, conversation) -> tuple[RenderedPrompt, ParserStart]:  # pragma: no cover
         raise NotImplementedError
@@ -81,6 +84,11 @@ class Encoder:
         rendered, start = self.render(conversation)
         if max_chars is not None and len(rendered.text) > max_chars:
             raise PromptTooLong(len(rendered.text), max_chars)
+        # A model that reads images: each marker becomes its image's text (after the size check:
+        # an image's tokens count against the context, not its characters). Without an
+        # image_prompt a format renders images its own way (DeepSeek-V4: placeholder text).
+        if self.image_prompt is not None and count_images(conversation):
+            rendered = expand_images(rendered, self.image_prompt, count_images(conversation), self.name)
         constraint = self.tool_constraint(conversation)
         ids = self.tokenizer.encode_prompt(rendered, parallel) if self.tokenizer else None
         schemas = {t.name: t.parameters or {} for t in conversation.tools}

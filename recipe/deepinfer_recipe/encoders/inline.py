@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from ..conversation import Message, ToolDefinition
+from ..conversation import Message, TextPart, ToolDefinition
 from ..tools.constraint import HermesTags, call_prefix
 
 TOOLS_HEADER = (
@@ -33,7 +33,7 @@ TOOLS_FOOTER = (
 def template_messages(messages: list[Message], protect) -> list[dict]:
     items = []
     for m in messages:
-        item: dict = {"role": "system" if m.role == "developer" else m.role, "content": protect(m.text)}
+        item: dict = {"role": "system" if m.role == "developer" else m.role, "content": message_content(m, protect)}
         if m.reasoning:
             item["reasoning_content"] = protect(m.reasoning)
         if m.tool_calls:
@@ -45,6 +45,16 @@ def template_messages(messages: list[Message], protect) -> list[dict]:
             item["tool_call_id"] = protect(m.tool_call_id)
         items.append(item)
     return items
+
+
+def message_content(m: Message, protect):
+    """A message's text, or its parts when it has images (the HF convention: the template writes
+    its image marker at each `{"type": "image"}`; ../images.py)."""
+    return parts_content(m.content, protect) if m.has_images else protect(m.text)
+
+
+def parts_content(parts, protect) -> list[dict]:
+    return [{"type": "text", "text": protect(p.text)} if isinstance(p, TextPart) else {"type": "image"} for p in parts]
 
 
 def tools_system_text(tools: list[ToolDefinition]) -> str:
@@ -75,19 +85,20 @@ def inline_tool_messages(messages: list[Message], tools: list[ToolDefinition], p
             else:
                 plain.append(("tool_results", block, None))
             continue
-        text = m.text
+        text = m.content if m.has_images else m.text   # parts: the template places the images
         if m.tool_calls:
             calls = "\n".join(call_text(c.name, c.arguments) for c in m.tool_calls)
             text = f"{text}\n{calls}" if text else calls
         plain.append((role, text, m.reasoning))
     if tools:
         header = tools_system_text(tools)
-        if plain and plain[0][0] == "system":
+        if plain and plain[0][0] == "system" and isinstance(plain[0][1], str):
             plain[0] = ("system", f"{plain[0][1]}\n\n{header}" if plain[0][1] else header, None)
         else:
             plain.insert(0, ("system", header, None))
     for role, text, reasoning in plain:
-        item = {"role": "user" if role == "tool_results" else role, "content": protect(text)}
+        content = protect(text) if isinstance(text, str) else parts_content(text, protect)
+        item = {"role": "user" if role == "tool_results" else role, "content": content}
         if reasoning:
             item["reasoning_content"] = protect(reasoning)
         items.append(item)

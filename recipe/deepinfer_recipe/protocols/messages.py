@@ -121,8 +121,22 @@ def _blocks_to_parts(blocks, path: str | None = None) -> list:
             parts.append(TextPart(block.text))
         elif isinstance(block, ImageBlock):
             where = f"{path}[{index}]" if path else None
-            parts.append(ImagePart(block.source.get("url") or block.source.get("type"), path=where))
+            parts.append(ImagePart(_image_url(block.source, where), path=where))
     return parts
+
+
+def _image_url(source: dict, where: str | None) -> str:
+    """An image block's source as one URL: base64 data as a data: URL, a url source as itself."""
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not isinstance(data, str):
+            raise RequestError("a base64 image source needs media_type and data strings",
+                               f"{where}.source" if where else None)
+        return f"data:{media_type};base64,{data}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise RequestError(f"image source type must be base64 or url, got {kind!r}", f"{where}.source" if where else None)
 
 
 def _messages(request: MessagesRequest) -> list[Message]:
