@@ -92,7 +92,7 @@ def child_requests(request_id: str, prompt_token_ids: list[int], params: Samplin
     eos = sorted(facts.eos_token_ids)
     skip_prefix_cache = params.prompt_logprobs is not None
     return [AddRequest(child_id, prompt_token_ids, params.for_child(index) if params.n > 1 else params, eos,
-                       max_tokens, priority, cache_salt, key, skip_prefix_cache, traffic_class, images)
+                       max_tokens, priority, cache_salt, key, skip_prefix_cache, traffic_class, images=images)
             for index, child_id in enumerate(child_request_ids(request_id, params.n))]
 
 
@@ -112,7 +112,7 @@ def pooling_request(request_id: str, prompt_token_ids: list[int], params: Poolin
     params = params.resolved(facts.pooler)
     return AddRequest(request_id, prompt_token_ids, _NO_SAMPLING, sorted(facts.eos_token_ids), 0, priority,
                       cache_salt, extra_key(facts.model_id, cache_salt), params.needs_every_position,
-                      traffic.resolve(traffic_class, facts.traffic_classes), params)
+                      traffic.resolve(traffic_class, facts.traffic_classes), pooling=params)
 
 
 def to_request(message: AddRequest, block_size: int) -> Request:
