@@ -73,7 +73,9 @@ def test_fp4_grouped_mm_on_fp8_activations(counts, n, k, config):
     block = 128 if k % 128 == 0 else 32
     xq, xs = fp8.quantize_rows_reference(x, block)
     x_seen = (xq.float().view(x.shape[0], -1, block) * xs[..., None]).view_as(x)
-    torch.testing.assert_close(got, reference(x_seen, codes, exps, counts), atol=1e-3, rtol=1e-4)
+    # (Hopper's FP8 tensor cores add their products with less than float32's precision inside a
+    # dot; each dot here spans one scale group, so the difference stays within a few 1e-4 relative.)
+    torch.testing.assert_close(got, reference(x_seen, codes, exps, counts), atol=5e-3, rtol=1e-3)
     exact = reference(x, codes, exps, counts)
     assert ((got - exact).norm() / exact.norm()) < 0.05
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
+# A scale is amax times this float32 reciprocal, in the reference and the kernel alike: torch
+# divides a CUDA tensor by a Python number as a product with its reciprocal, so a division would
+# round differently on the CPU, on CUDA and in a kernel's IEEE division.
+INV_FP8_MAX = float(np.float32(1.0) / np.float32(FP8_MAX))
 # The smallest activation scale: a row of zeros quantizes to zeros, not to NaN (0 / 0).
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 # The activations' group along the inputs for block-scaled weights (DeepSeek's recipe: 1 x 128).
@@ -76,7 +81,7 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     if x.is_cuda:
         from deepinfer.layers.quantization import fp8_quant_triton
 
-        return fp8_quant_triton.quantize_rows(x, group, FP8, FP8_MAX, MIN_SCALE)
+        return fp8_quant_triton.quantize_rows(x, group, FP8, FP8_MAX, INV_FP8_MAX, MIN_SCALE)
     return quantize_rows_reference(x, group)
 
 
@@ -84,7 +89,7 @@ def quantize_rows_reference(x: torch.Tensor, group: int | None = None) -> tuple[
     """quantize_rows in PyTorch ops: the reference the kernel is tested against."""
     rows, cols = x.shape
     xf = x.float() if group is None else x.float().view(rows, cols // group, group)
-    scale = (xf.abs().amax(dim=-1, keepdim=group is None) / FP8_MAX).clamp(min=MIN_SCALE)
+    scale = (xf.abs().amax(dim=-1, keepdim=group is None) * INV_FP8_MAX).clamp(min=MIN_SCALE)
     scaled = xf / (scale if group is None else scale[..., None])
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8).view(rows, cols), scale
 
