@@ -170,8 +170,8 @@ def _slow_schema(num_properties: int) -> dict:
 
 
 def _add(llm: LLM, prompt: str, params: SamplingParams) -> str:
-    text, ids, params = llm._prepare(prompt, params)
-    return llm._add_request(text, ids, params, 0, None)
+    text, ids, params, images = llm._prepare(prompt, params)
+    return llm._add_request(text, ids, params, 0, None, images=images)
 
 
 def test_slow_compile_does_not_delay_others_and_timeout_fails_alone(llm):
