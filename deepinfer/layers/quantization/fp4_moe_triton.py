@@ -62,6 +62,22 @@ def _scale(exps):
 
 
 @triton.jit
+def _expert_rows(tile, starts_ptr, ends_ptr, tile_ends_ptr, num_experts, BLOCK_M: tl.constexpr):
+    """(expert, first row, end row) of BLOCK_M-row tile `tile`: the expert is the first e whose
+    cumulative tile count exceeds `tile` (a binary search, on the device)."""
+    lo = 0
+    hi = num_experts - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(tile_ends_ptr + mid) > tile:
+            hi = mid
+        else:
+            lo = mid + 1
+    first_tile = tl.load(tile_ends_ptr + lo - 1, mask=lo > 0, other=0)
+    return lo, tl.load(starts_ptr + lo) + (tile - first_tile) * BLOCK_M, tl.load(ends_ptr + lo)
+
+
+@triton.jit
 def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_ptr, tile_ends_ptr,
                         num_experts, N, K,
                         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om,
@@ -71,19 +87,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
     pid_n = tl.program_id(1)
     if tile >= tl.load(tile_ends_ptr + num_experts - 1):
         return
-    # The expert of this tile: the first e whose cumulative tile count exceeds `tile`.
-    lo = 0
-    hi = num_experts - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(tile_ends_ptr + mid) > tile:
-            hi = mid
-        else:
-            lo = mid + 1
-    expert = lo
-    first_tile = tl.load(tile_ends_ptr + expert - 1, mask=expert > 0, other=0)
-    row_start = tl.load(starts_ptr + expert) + (tile - first_tile) * BLOCK_M
-    row_end = tl.load(ends_ptr + expert)
+    expert, row_start, row_end = _expert_rows(tile, starts_ptr, ends_ptr, tile_ends_ptr, num_experts, BLOCK_M)
 
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,18 +164,7 @@ def _fp4_fp8_kernel(xq_ptr, xs_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, en
     pid_n = tl.program_id(1)
     if tile >= tl.load(tile_ends_ptr + num_experts - 1):
         return
-    lo = 0
-    hi = num_experts - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(tile_ends_ptr + mid) > tile:
-            hi = mid
-        else:
-            lo = mid + 1
-    expert = lo
-    first_tile = tl.load(tile_ends_ptr + expert - 1, mask=expert > 0, other=0)
-    row_start = tl.load(starts_ptr + expert) + (tile - first_tile) * BLOCK_M
-    row_end = tl.load(ends_ptr + expert)
+    expert, row_start, row_end = _expert_rows(tile, starts_ptr, ends_ptr, tile_ends_ptr, num_experts, BLOCK_M)
 
     rows = row_start + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
