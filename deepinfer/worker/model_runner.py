@@ -362,7 +362,7 @@ class ModelRunner:
         if self.verify_chain is not None:   # drafts padded to the plan's most where the step chains
             chunks, chain = self.verify_chain.prepare(plan.verify_chain, chunks, self.requests)
         queued = self._queue_forward(chunks, token_ids)
-        queued.chain, queued.pooled = chain, pool_step(queued.inputs, queued.hidden, self.requests)
+        queued.chain = chain
         assert chain is None or queued.row_logits is not None, "a verify chain outside a CUDA graph"
         if connector is not None:   # the saves read blocks this forward (or an earlier one) wrote
             connector.after_forward()
@@ -374,8 +374,7 @@ class ModelRunner:
         """Queue one forward of `chunks`: replayed as a CUDA graph where every chunk is a decode
         row or verifies drafts as decode rows (input_batch.num_decode_rows) and a captured
         bucket holds its rows, else eagerly."""
-        # A graph returns logits only; a pooling chunk needs its rows' hidden states (kept: every_row).
-        pooling = has_pooling(chunks, self.requests)
+        pooling = has_pooling(chunks, self.requests)   # its rows' hidden states: no graph (logits only)
         graphs = None if pooling else self.decode_graphs
         # Graphs replay decode rows only: a one-token chunk under a live window floor is a
         # prefill row (input_batch.is_decode_row), so its step runs eagerly.
@@ -408,7 +407,8 @@ class ModelRunner:
                                     **({} if images is None else {"images": images.step_images(inputs)}))
             if sample_rows:
                 logits = self.model.compute_logits(hidden[index] if every_row else hidden)
-        return _QueuedForward(inputs, hidden, sample_rows, logits, row_logits)
+        return _QueuedForward(inputs, hidden, sample_rows, logits, row_logits,
+                              pooled=pool_step(inputs, hidden, self.requests) if pooling else None)
 
     def _start_kv_transfers(self, plan: SchedulerPlan) -> KVConnectorWorker | None:
         """Start the plan's KV connector loads (its saves wait for the forward); returns the
