@@ -24,27 +24,12 @@ import pytest
 from PIL import Image
 
 from tests.e2e.server_process import free_port, start_server, stop_server
-from tests.models.test_gemma3_vision_engine import NEW_TOKENS, hf_greedy
+from tests.models.test_gemma3_vision_engine import NEW_TOKENS, data_url, encoded, hf_greedy, picture
 from tests.models.tiny_models import build_tiny_vision_checkpoint, write_vision_chat_tokenizer
 
 MODEL = "tiny-gemma3-vision"
 MAX_IMAGE_BYTES = 200_000
 MAX_PIXELS = 40_000
-
-
-def picture(seed: int, width: int = 30, height: int = 20) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def data_url(data: bytes, media_type: str = "image/png") -> str:
-    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 GOOD = encoded(picture(1))

@@ -50,16 +50,20 @@ def picture(seed: int, width: int = 30, height: int = 20) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt)
-    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
+    return buffer.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 def chat_messages(seeds: list[int], text: str = "w5 w6", tail: str = "") -> list[dict]:
     content = [{"type": "text", "text": text}]
     for i, seed in enumerate(seeds):
-        content.append({"type": "image_url", "image_url": {"url": data_url(picture(seed))}})
+        content.append({"type": "image_url", "image_url": {"url": data_url(encoded(picture(seed)))}})
         content.append({"type": "text", "text": f"w{30 + i} w{40 + i}"})
     if tail:
         content.append({"type": "text", "text": tail})
