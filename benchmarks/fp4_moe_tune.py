@@ -1,6 +1,6 @@
 """Tilings of the FP4 experts' kernel at V4-Flash's expert shapes, against bf16 and the roofline (CUDA).
 
-    python benchmarks/fp4_moe_tune.py [--tokens 1,64,8192] [--out fp4_moe_tune.json]
+    python benchmarks/fp4_moe_tune.py [--tokens 1,64,8192] [--default-only] [--out fp4_moe_tune.json]
 
 For each token count (1: batch-1 decode, 64: a decode batch, 8192: a prefill), the tokens are
 routed to 6 of 256 experts (uniformly: every expert about the same rows), and each product of
@@ -64,6 +64,8 @@ def fp8_reference(x, codes, exps, counts):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,64,8192")
+    parser.add_argument("--default-only", action="store_true",
+                        help="time only the tiling default_config picks (a before/after of the kernel)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -107,7 +109,8 @@ def main() -> None:
             want_fp8 = fp8_reference(x, codes, exps, counts)
             timed = []
             chosen = default_config(rows, EXPERTS)
-            for config in dict.fromkeys([chosen, *candidates(rows / min(EXPERTS, rows))]):
+            tried = [chosen] if args.default_only else [chosen, *candidates(rows / min(EXPERTS, rows))]
+            for config in dict.fromkeys(tried):
                 try:
                     got = fp4_grouped_mm(x, codes, exps, counts, config)[check].float()
                     if not torch.allclose(got, want_fp8 if config.fp8 else want, atol=0.05, rtol=0.02):

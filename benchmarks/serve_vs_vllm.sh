@@ -70,8 +70,8 @@ for name in ("tokenizer.json", "tokenizer_config.json"):
 PY
 }
 
-wait_healthy() {   # port pid
-  for _ in $(seq 600); do
+wait_healthy() {   # port pid (gives up after HEALTH_WAIT seconds, default 600)
+  for _ in $(seq "${HEALTH_WAIT:-600}"); do
     curl -sf "http://127.0.0.1:$1/health" >/dev/null && return 0
     kill -0 "$2" 2>/dev/null || return 1
     sleep 1

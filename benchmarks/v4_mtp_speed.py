@@ -3,7 +3,7 @@ acceptance its own MTP layer's drafts reach, and the greedy tokens compared with
 
     python benchmarks/v4_mtp_speed.py [--shape flash|tiny] [--layers 4] [--routed-experts N] [--quantization fp8|auto]
         [--configs fixed:1 fixed:2 adaptive:2] [--context 1024] [--output-len 256] [--rounds 2]
-        [--out JSON]
+        [--phases] [--profile] [--out JSON]
 
 V4-Flash width (v4_gpu_speed.py's shape) with its one MTP layer (sliding attention, a learned
 MoE, as released), one engine per configuration: first one without speculation (the anchor), then
@@ -22,7 +22,10 @@ acceptance printed beside each row (per draft position), not how well a trained 
 `identical` says whether every request's tokens equal the anchor's.
 
 Throughput is generated tokens / wall time of LLM.generate (the prefill included, the same in
-every row), best of --rounds.
+every row), best of --rounds. --phases adds each row's host milliseconds a step by phase
+(step_phases.py) and the steps each loop took (spec_decode/overlap.py); --profile the GPU kernels
+of one more generate (their count, summed time and the costliest), so a row's time splits into
+the device's and the host's.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_common import free_memory, machine_info, print_table, random_ids, shutdown, write_json  # noqa: E402
 from spec_replay import timed  # noqa: E402
-from v4_gpu_speed import shape  # noqa: E402
+from step_phases import StepPhases  # noqa: E402
+from v4_gpu_speed import kernel_profile, shape  # noqa: E402
 
 # Every block's additions to the residual streams are scaled by this (a power of two, so FP4
 # experts take it in their exponents).
@@ -122,6 +126,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=2, help="batch-1 requests, one after another")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--phases", action="store_true", help="host time a step by phase, steps by loop")
+    parser.add_argument("--profile", action="store_true", help="the kernels of one generate per row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -140,8 +146,11 @@ def main() -> None:
         llm = build(args, path, config_name)
         llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
         seconds, tokens, spec = 0.0, [], None
+        phases = StepPhases(llm.engine) if args.phases else None
+        chooser = getattr(llm.engine.loop, "loop_chooser", None)
+        loops_before = dict(chooser.counts) if chooser is not None else {}
         for prompt in prompts:   # batch 1: each request alone
-            s, outputs, stats, _ = timed(llm, [prompt], params, args.rounds)
+            s, outputs, stats, by_phase = timed(llm, [prompt], params, args.rounds, phases)
             seconds += s
             tokens.append(outputs[0].outputs[0].token_ids)
             if stats is not None:   # summed over the requests (per position: the last request's)
@@ -150,6 +159,12 @@ def main() -> None:
                 spec["mean_emitted"] = 1 + spec["accepted"] / max(1, spec["verifications"])
         row = {"config": config_name or "none", "seconds": seconds,
                "tok_s": sum(len(t) for t in tokens) / seconds}
+        if phases is not None:   # the last request's fastest round; loops over every round
+            row["host_ms_per_step"] = by_phase
+            if chooser is not None:
+                row["loop_steps"] = {loop: n - loops_before.get(loop, 0) for loop, n in chooser.counts.items()}
+        if args.profile:
+            row["kernels"] = kernel_profile(lambda: llm.generate(prompts[:1], params, use_tqdm=False))
         if anchor is None:
             anchor = (row["tok_s"], tokens)
         else:
