@@ -69,6 +69,7 @@ from deepinfer.worker.input_batch import (
     max_sliding_window,
     num_decode_rows,
 )
+from deepinfer.worker.kv_pool_size import bounded_pool_blocks, kv_pool_blocks
 from deepinfer.worker.pooling import has_pooling, pool_step, pooled_bytes
 from deepinfer.worker.request_states import (
     RunnerRequestState,
@@ -223,12 +224,14 @@ class ModelRunner:
         if self.platform.profiles_activation_peak:
             tokens = min(self.config.scheduler.max_num_batched_tokens, self._max_model_len())
             self.start_up_steps.profile_peak_memory(tokens, min(self.config.scheduler.max_num_seqs, tokens))
-        self.num_blocks, self.pool_blocks = self._num_blocks()
+        self.num_blocks, self.pool_blocks = kv_pool_blocks(
+            self.config, self.kv_layout, self.platform, self.attention_backend, self.hf_config, self.weight_bytes,
+            self.speculation, self.dtype, self._max_model_len())
         if self.group.size > 1:   # every rank holds the same block ids: the smallest pool any can hold
             agreed = self.group.all_min(self.num_blocks)
             if agreed != self.num_blocks:
                 self.num_blocks, self.pool_blocks = agreed, self.kv_layout.pool_blocks(
-                    agreed, self._bounded_pool_blocks(), self._max_model_len())
+                    agreed, bounded_pool_blocks(self.config, self.kv_layout), self._max_model_len())
 
     def _allocate_kv_cache(self) -> None:
         """The KV tensors, and the worker side of a KV tier outside the device
@@ -291,48 +294,6 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return self.kv_layout.bytes_per_block
-
-    def _num_blocks(self) -> tuple[int, list[int]]:
-        """(block ids of the main pools, block ids per pool): num_kv_blocks, or what the memory
-        budget holds once the pools of bounded kinds have what they need."""
-        cache, layout = self.config.cache, self.kv_layout
-        bounded = layout.bounded_pools(self._max_model_len())
-        bounded_blocks = self._bounded_pool_blocks()
-        if cache.num_kv_blocks is not None:
-            num_blocks = cache.num_kv_blocks
-        else:
-            budget = self.platform.kv_cache_budget_bytes(
-                gpu_memory_utilization=cache.gpu_memory_utilization,
-                cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes, weight_bytes=self.weight_bytes)
-            fixed = sum(bounded_blocks * layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if b)
-            fixed += self.attention_backend.workspace_bytes(
-                self.groups, self._max_model_len(), self.config.scheduler.max_num_batched_tokens,
-                self.hf_config.get("num_attention_heads", 0))
-            per_block = sum(layout.pool_bytes_per_block(p) for p, b in enumerate(bounded) if not b)
-            if self.speculation is not None and self.speculation.has_draft_model:
-                # The draft model loads after this pool is sized and takes as many blocks: room
-                # for its KV a block, and on a GPU (whose budget is all the process may use) for
-                # its weights.
-                from deepinfer.worker.spec.draft_model_memory import draft_footprint
-
-                draft_weights, draft_per_block = draft_footprint(self.speculation.config.model, self.dtype,
-                                                                 self.block_size)
-                per_block += draft_per_block
-                if self.platform.kv_budget_includes_weights:
-                    fixed += draft_weights
-            num_blocks = max((budget - fixed) // per_block, 2)
-        return num_blocks, layout.pool_blocks(num_blocks, bounded_blocks, self._max_model_len())
-
-    def _bounded_pool_blocks(self) -> int:
-        """Block ids a pool of windowed kinds gets: for each of max_num_seqs requests its window
-        (+ 2: the next token, and one more block boundary it may straddle) in each of the pool's
-        groups, plus one step's chunk; twice that, so that blocks of finished requests stay
-        cached for a while (swa_retention_s) without taking running requests' room."""
-        scheduler, bs = self.config.scheduler, self.block_size
-        window = max_sliding_window(self.groups)
-        groups_per_pool = max(sum(1 for g in self.groups if g.pool_id == p) for p in range(self.kv_layout.num_pools))
-        per_request = groups_per_pool * (-(-window // bs) + 2)
-        return 2 * (scheduler.max_num_seqs * per_request + -(-scheduler.max_num_batched_tokens // bs)) + 1
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:

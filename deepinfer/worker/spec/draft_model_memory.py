@@ -2,7 +2,7 @@
 
 The draft model (spec_decode/draft_model.py) loads after the target's KV pool is sized, with as
 many KV blocks as the target: the target's runner keeps room for both when it sizes its pool
-(ModelRunner._num_blocks).
+(worker/kv_pool_size.py, kv_pool_blocks).
 """
 
 from __future__ import annotations
