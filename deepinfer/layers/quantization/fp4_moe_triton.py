@@ -4,12 +4,11 @@
                                   starts[e] <= r < ends[e]
 
 W[e] is read as stored (uint8 [E, N, K/2] codes, uint8 [E, N, K/G] ue8m0 exponents): each
-program loads the code bytes of BLOCK_N outputs and decodes them in registers (e2m1 as fp4.py
-says) into the weights of the even inputs (low nibbles) and of the odd ones (high nibbles), then
-multiplies: on the tensor cores in the activations' dtype, one pair of dots per scale group of G
-inputs whose result takes the group's 2^(exponent - 127), when an expert has rows to fill a tile;
-as float32 multiply-adds for one row (batch-1 decode, where the bytes read are the cost);
-accumulating in float32 either way.
+program loads a BLOCK_K / 2 x BLOCK_N tile of code bytes and decodes it in registers (e2m1 as
+fp4.py says, times 2^(exponent - 127) per group of G inputs) into the weights of the even inputs
+(low nibbles) and of the odd ones (high nibbles), then multiplies: on the tensor cores in the
+activations' dtype when an expert has many rows (prefill), as float32 multiply-adds when it has a
+few (decode, where the bytes read are the cost), accumulating in float32 either way.
 
 The grid is (tiles, N / BLOCK_N) with `tiles` an upper bound known from the shapes alone (every
 expert's rows in BLOCK_M tiles: at most ceil(rows / BLOCK_M) plus one per expert with rows, of
@@ -44,21 +43,15 @@ _works: dict[str, bool] = {}
 
 
 @triton.jit
-def _e2m1_half(code):
-    """e2m1 codes (int32, 0..15) -> their values times 2^-14, float16 (callers take the 2^14 back
-    in the group's scale, _scale). Decoding is the kernels' arithmetic per weight, so it is a few
-    integer ops: the code's magnitude bits at bits 11..9 of a float16 (the exponent field's two
-    low bits, the mantissa's top bit) and its sign at bit 15 are a float16 worth exactly
-    value * 2^-14 (exponent e > 0: 2^(e - 15) * (1 + m / 2); e = 0: the subnormal m / 2 * 2^-14),
-    which bfloat16 and float32 also hold exactly."""
-    half = ((code & 7) << 9) | ((code & 8) << 12)
-    return half.to(tl.int16).to(tl.float16, bitcast=True)
-
-
-@triton.jit
 def _e2m1(code):
-    """_e2m1_half in float32."""
-    return _e2m1_half(code).to(tl.float32)
+    """e2m1 codes (int32, 0..15) -> their values times 2^-14, float32 (callers take the 2^14 back
+    in the group's scale, _scale). Decoding is the kernels' arithmetic per weight, so it is a few
+    integer ops and one conversion: the code's magnitude bits at bits 11..9 of a float16 (the
+    exponent field's two low bits, the mantissa's top bit) and its sign at bit 15 are a float16
+    worth exactly value * 2^-14 (exponent e > 0: 2^(e - 15) * (1 + m / 2); e = 0: the subnormal
+    m / 2 * 2^-14), which converts exactly."""
+    half = ((code & 7) << 9) | ((code & 8) << 12)
+    return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -103,34 +96,33 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
     code_base = codes_ptr + expert.to(tl.int64) * stride_ce
     exp_base = exps_ptr + expert.to(tl.int64) * stride_se
     if USE_DOT:
-        # One scale group of GROUP inputs (GROUP / 2 code bytes a weight row) at a time: byte p of
-        # a row holds inputs 2p (low nibble) and 2p + 1 (high), so the low nibbles multiply the
-        # even inputs and the high the odd ones, two dots with no interleaving of decoded values.
-        # The codes go to the dots unscaled (_e2m1_half, exact in the activations' type) and the
-        # group's scale multiplies the [BLOCK_M, BLOCK_N] partial product: one exponent load and
-        # one multiply per output and group instead of one per weight, which made the decode,
-        # not the bytes read, the cost of a decode batch's product.
-        half = tl.arange(0, GROUP // 2)
+        # A K block's codes are read as [BLOCK_K / 2 bytes, BLOCK_N]: byte p of a row holds inputs
+        # 2p (low nibble) and 2p + 1 (high), so the low nibbles multiply the even inputs and the
+        # high the odd ones, two products of BLOCK_K / 2 with no interleaving of decoded values.
+        half = tl.arange(0, BLOCK_K // 2)
         x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
         code_cols = code_base + cols[None, :].to(tl.int64) * stride_cn
-        exp_cols = exp_base + cols.to(tl.int64) * stride_sn
+        exp_cols = exp_base + cols[None, :].to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            for g in tl.static_range(BLOCK_K // GROUP):
-                k = k0 + g * GROUP
-                packed = tl.load(code_cols + (k // 2 + half)[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
-                scale = _scale(tl.load(exp_cols + k // GROUP, mask=col_ok, other=127))          # [BLOCK_N]
-                a_even = tl.load(x_rows + (k + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
-                a_odd = tl.load(x_rows + (k + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
-                w_even = _e2m1_half(packed & 0xF).to(a_even.dtype)                          # [GROUP / 2, BLOCK_N]
-                w_odd = _e2m1_half(packed >> 4).to(a_odd.dtype)
-                if IEEE:
-                    part = tl.dot(a_even, w_even, input_precision="ieee")
-                    part += tl.dot(a_odd, w_odd, input_precision="ieee")
-                else:
-                    part = tl.dot(a_even, w_even)
-                    part += tl.dot(a_odd, w_odd)
-                acc += part * scale[None, :]
+            byte = k0 // 2 + half
+            packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
+            # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached). Scaling
+    # the partial products instead (a pair of dots per scale group, one exponent load and multiply
+    # per output and group) ran 2x slower on an H100 at 64 and 8192 tokens: the K=16 dots cost more
+    # than the loads and multiplies they save (docs/benchmarks/history/2026-12-07.md, 21:56).
+            exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
+            scale = _scale(exps)
+            w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
+            w_odd = _e2m1(packed >> 4) * scale
+            a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
+            a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
+            if IEEE:
+                acc += tl.dot(a_even, w_even, input_precision="ieee")
+                acc += tl.dot(a_odd, w_odd, input_precision="ieee")
+            else:
+                acc += tl.dot(a_even, w_even.to(a_even.dtype))
+                acc += tl.dot(a_odd, w_odd.to(a_odd.dtype))
     else:
         # One row (BLOCK_M == 1): a GEMV. The codes are read as [groups, G / 2 bytes, BLOCK_N], so
         # a group's exponent is loaded once and multiplies its partial sum, and the products are
@@ -269,9 +261,6 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
     config = config._replace(block_k=math.gcd(config.block_k, k))
     if not config.dot and config.block_m != 1:
         raise ValueError(f"fp4_grouped_mm: a tiling without dots takes one row a tile, not {config.block_m}")
-    if config.dot and not config.fp8 and group < 32:
-        raise ValueError(f"fp4_grouped_mm: the tensor-core tiling takes one dot a scale group of at least "
-                         f"32 inputs (16 a nibble), not {group}")
     if packed_k * 2 != k or config.block_k % group or config.block_k < 32:
         raise ValueError(f"fp4_grouped_mm: inputs {k} must be twice the codes' {packed_k} and have a "
                          f"power-of-two divisor of at least 32 holding whole scale groups of {group}")
@@ -313,7 +302,8 @@ def _dequantize_kernel(codes_ptr, exps_ptr, out_ptr, packed_k, GROUP: tl.constex
     scale = _scale(exps)
     kind = out_ptr.dtype.element_ty
     # The two nibbles' values interleaved (input 2p, then 2p + 1) and stored as one contiguous run:
-    # two stores at a stride of two elements wrote each cache line half at a time.
+    # two stores at a stride of two elements wrote each cache line half at a time (1.2x slower on
+    # an H100, docs/benchmarks/history/2026-12-07.md).
     values = tl.interleave((_e2m1(packed & 0xF) * scale).to(kind), (_e2m1(packed >> 4) * scale).to(kind))
     out = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
     tl.store(out_ptr + row * 2 * packed_k + out, values, mask=out < 2 * packed_k)
