@@ -164,7 +164,7 @@ def main() -> None:
             if chooser is not None:
                 row["loop_steps"] = {loop: n - loops_before.get(loop, 0) for loop, n in chooser.counts.items()}
         if args.profile:
-            row["kernels"] = kernel_profile(lambda: llm.generate(prompts[:1], params, use_tqdm=False))
+            row["kernels"] = kernel_profile(lambda engine=llm: engine.generate(prompts[:1], params, use_tqdm=False))
         if anchor is None:
             anchor = (row["tok_s"], tokens)
         else:
