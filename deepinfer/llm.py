@@ -199,13 +199,16 @@ class LLM:
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
               use_tqdm: bool | Callable[..., tqdm] = True, truncate_prompt_tokens: int | None = None,
-              cache_salt: str | None = None) -> list[EmbeddingRequestOutput]:
+              cache_salt: str | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt: the final hidden states pooled as the engine's pooler_config
         says (default: the last token's, L2-normalized), vLLM's `LLM.embed`. Each prompt is a
         prefill with nothing sampled; prompts batch with each other (and with generation) in one
-        step. truncate_prompt_tokens: keep only each prompt's last this many tokens."""
+        step. truncate_prompt_tokens: keep only each prompt's last this many tokens. lora_request:
+        as generate's (the adapter's hidden states are pooled)."""
         prompts = _as_prompt_list(prompts)
         params = _broadcast(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        loras = self._lora_requests(lora_request, len(prompts))
         prepared = []
         for prompt, pooling in zip(prompts, params):   # every prompt checked before any is added
             text, token_ids = self._prompt_ids(prompt)
@@ -219,9 +222,9 @@ class LLM:
                 raise ValueError(why)
             prepared.append((text, token_ids, pooling))
         ids = []
-        for text, token_ids, pooling in prepared:
+        for (text, token_ids, pooling), lora in zip(prepared, loras):
             request_id = str(next(self._counter))
-            message = pooling_request(request_id, token_ids, pooling, self._facts, cache_salt=cache_salt)
+            message = pooling_request(request_id, token_ids, pooling, self._facts, cache_salt=cache_salt, lora=lora)
             self.output_processor.add_pooling_request(request_id, text, token_ids)
             self.engine.add_request(to_request(message, self.config.cache.block_size))
             ids.append(request_id)

@@ -29,6 +29,10 @@ from deepinfer.lora.config import LoRAConfig
 from deepinfer.types.lora import LoRARequest
 
 
+class AdapterNameError(LoRAAdapterError):
+    """The name is what is wrong (taken, or not a name), not the adapter's files."""
+
+
 class LoRARegistry:
     def __init__(self, hf_config: dict, config: LoRAConfig, reserved_names: tuple[str, ...] = ()) -> None:
         """`reserved_names`: names an adapter may not take (the served model's own)."""
@@ -80,14 +84,14 @@ class LoRARegistry:
     def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
         """Check and register the adapter at `path` as `name`, with the next id."""
         if not isinstance(name, str) or not name:
-            raise LoRAAdapterError(f"lora_name must be a non-empty string, got {name!r}")
+            raise AdapterNameError(f"lora_name must be a non-empty string, got {name!r}")
         if not isinstance(path, str) or not path:
             raise LoRAAdapterError(f"lora_path must be a non-empty string, got {path!r}")
         with self._lock:
             if name in self.reserved_names:
-                raise LoRAAdapterError(f"lora_name {name!r} is the served model's name; give the adapter another")
+                raise AdapterNameError(f"lora_name {name!r} is the served model's name; give the adapter another")
             if name in self.adapters or name in self._pending:
-                raise LoRAAdapterError(f"The lora adapter '{name}' has already been loaded.")
+                raise AdapterNameError(f"The lora adapter '{name}' has already been loaded.")
             self._pending.add(name)
         try:
             lora = LoRARequest(name, next(self._next_id), path, base_model_name)
