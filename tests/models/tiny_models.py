@@ -158,7 +158,7 @@ def write_peft_adapter(base_directory: str, directory: str, seed: int, rank: int
     import transformers as tf
 
     torch.manual_seed(seed)
-    base = tf.AutoModelForCausalLM.from_pretrained(base_directory, torch_dtype=torch.float32).eval()
+    base = tf.AutoModelForCausalLM.from_pretrained(base_directory, dtype=torch.float32).eval()
     model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
                                                       init_lora_weights=False))
     with torch.no_grad():

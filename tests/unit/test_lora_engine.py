@@ -48,7 +48,7 @@ def adapters(tiny_llama, tmp_path_factory):
 def base_model(tiny_llama):
     import transformers as tf
 
-    return tf.AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
+    return tf.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -183,3 +183,39 @@ def test_lora_config_checks():
         EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("a", 0, "/x")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_steps_take_each_rows_adapter(tiny_llama, adapters, base_model):
+    """On a GPU, decode steps replay CUDA graphs that read each row's slot from their static buffer
+    (worker/cuda_graphs.py): a mixed batch's tokens equal the eager engine's and PEFT's."""
+    loras = [lora for lora, _ in adapters] + [None]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    got = {}
+    for eager in (False, True):
+        llm = make_llm(tiny_llama, max_loras=4, enforce_eager=eager)
+        got[eager] = tokens(llm.generate(prompts, GREEDY, lora_request=loras, use_tqdm=False))
+        graphs = llm.engine.executor.runner.decode_graphs
+        assert (graphs is None) == eager and (eager or graphs.num_replays > 0)
+    references = [model for _, model in adapters] + [base_model]
+    assert got[False] == got[True] == [greedy(model, p) for model, p in zip(references, PROMPTS)]
+
+
+def test_kv_events_name_the_adapter_of_stored_blocks(tiny_llama, adapters):
+    """BlockStored carries vLLM's lora_id and lora_name for blocks computed under an adapter."""
+    from deepinfer.kv_cache.events import BlockStored
+    from tests.unit.test_kv_events import Subscriber, free_port
+
+    port = free_port()
+    llm = make_llm(tiny_llama, max_loras=2, kv_events_endpoint=f"tcp://*:{port}")
+    sub = Subscriber(port)
+    prompt = {"prompt_token_ids": [(3 * i + 5) % 500 + 2 for i in range(40)]}
+    lora = adapters[2][0]
+    for request_lora in (lora, None):
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), lora_request=request_lora, use_tqdm=False)
+    stored = [e for e in sub.until(lambda es: sum(isinstance(e, BlockStored) for e in es) >= 2)
+              if isinstance(e, BlockStored)]
+    assert [(e.lora_id, e.lora_name) for e in stored] == [(lora.lora_int_id, lora.lora_name), (None, None)]
+    assert not set(stored[0].block_hashes) & set(stored[1].block_hashes)
+    sub.close()
+    llm.engine.shutdown()
