@@ -360,7 +360,7 @@ class LLM:
         request_id = str(next(self._counter))
         children = child_requests(request_id, token_ids, params, self._facts, priority=priority, cache_salt=cache_salt,
                                   traffic_class=traffic_class, images=images, lora=lora)
-        self.output_processor.add_request(request_id, text, token_ids, params)
+        self.output_processor.add_request(request_id, text, token_ids, params, lora_request=lora)
         for child in children:
             self.engine.add_request(to_request(child, self.config.cache.block_size))
         return request_id

@@ -353,7 +353,8 @@ class AsyncEngineClient:
                                   lora=lora_request)
         index, encoded = self._encode_for_core(request_id, messages)
         max_tokens = messages[0].max_tokens
-        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
+                                                      lora_request=lora_request)
         tracked = self._register(request_id, index, encoded, child_ids,
                                  RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens))
         if self.log_requests:   # sizes and settings only: prompts and outputs stay out of logs

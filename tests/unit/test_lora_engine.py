@@ -219,3 +219,10 @@ def test_kv_events_name_the_adapter_of_stored_blocks(tiny_llama, adapters):
     assert not set(stored[0].block_hashes) & set(stored[1].block_hashes)
     sub.close()
     llm.engine.shutdown()
+
+
+def test_outputs_name_their_adapter(tiny_llama, adapters):
+    llm = make_llm(tiny_llama, max_loras=2)
+    lora = adapters[0][0]
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, GREEDY, lora_request=[lora, None], use_tqdm=False)
+    assert [out.lora_request for out in outs] == [lora, None]   # vLLM's RequestOutput.lora_request
