@@ -22,6 +22,9 @@ Speculative decoding's runner side is here too: a chunk with drafts is verified 
 (the target's logits at every draft position; worker/spec/draft_verification.py, whose greedy
 verdicts are taken at `collect`), `profile_verify_step` times verify-shaped steps for the adaptive
 policy's cost model, and `propose_mtp` runs a model's own multi-token-prediction head.
+
+LoRA adapters (enable_lora): the new requests' adapters are put in device slots as a plan arrives,
+and each step's rows take their request's slot (lora/manager.py; lora/slots.step_rows).
 """
 
 from __future__ import annotations
@@ -371,8 +374,9 @@ class ModelRunner:
         else:
             index = (to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
                      if sample_rows else None)
-            # Draft verification and prompt logprobs read other rows' hidden states (sample()); with
-            # adapters every row runs to the end, so the last layer's rows keep their slots' order.
+            # Draft verification and prompt logprobs read other rows' hidden states (sample()). With
+            # adapters too: the model would keep only the sampled rows after the last attention,
+            # and the step's per-row slots would no longer line up with its MLP's rows.
             every_row = (index is None or pooling or inputs.lora_slots is not None
                          or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks))
             # Without LoRA the step leaves the rows' adapters as they are (a test may set them around it).
