@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer.lora.config import LoRAConfig
 from deepinfer.multimodal.config import MultiModalConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -510,8 +511,13 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
     multimodal: MultiModalConfig = field(default_factory=MultiModalConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.world_size > 1:
+            # The adapters' slots are whole on one rank (lora/slots.py); split products are not written.
+            raise ValueError("enable_lora works with tensor_parallel_size=1 only in this build, "
+                             f"got tensor_parallel_size={self.parallel.tensor_parallel_size}")
         if self.parallel.world_size > 1 and (self.cache.kv_store or self.cache.kv_offloading_size):
             # Each rank would hold its own heads' slice of every block in the tier, and the
             # scheduler side would have to agree with all of them on what is there.
@@ -540,7 +546,7 @@ class EngineConfig:
 # The EngineConfig parts whose fields are flat keyword arguments (LLM(**kwargs), CLI flags).
 # Field names are unique across them, which is what lets the flat names work.
 _FLAT_PARTS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-               "multimodal": MultiModalConfig}
+               "multimodal": MultiModalConfig, "lora": LoRAConfig}
 
 
 def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:

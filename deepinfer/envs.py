@@ -99,3 +99,13 @@ def torch_profiler_dir() -> str | None:
     /start_profile and /stop_profile write the engine core's torch profiler traces; unset, the
     routes do not exist (engine/profiling.py)."""
     return os.environ.get("DEEPINFER_TORCH_PROFILER_DIR") or os.environ.get("VLLM_TORCH_PROFILER_DIR") or None
+
+
+def allow_runtime_lora_updating() -> bool:
+    """DEEPINFER_ALLOW_RUNTIME_LORA_UPDATING (or vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): true / 1
+    adds the server's /v1/load_lora_adapter and /v1/unload_lora_adapter routes (any client with the
+    API key may then make the server read a directory it names); unset or false, they do not exist."""
+    for name in ("DEEPINFER_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+        if os.environ.get(name, "").strip().lower() in ("1", "true", "yes"):
+            return True
+    return False

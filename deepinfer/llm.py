@@ -10,6 +10,11 @@ As in vLLM, a call without sampling_params uses `get_default_sampling_params()`:
 defaults overridden by the model's generation_config.json (models/generation_config.py;
 `generation_config="vllm"` turns that off). With `skip_tokenizer_init=True` there is no
 tokenizer: prompts must be token ids, and outputs carry token ids with empty text.
+
+LoRA adapters, as vLLM: `LLM(..., enable_lora=True, max_loras=2, max_lora_rank=16)`, then
+`generate(prompts, params, lora_request=LoRARequest(name, int_id, path))` (one for every prompt,
+or a list with one, or None for the base model, per prompt). Each adapter is checked against the
+model when first named (lora/registry.py), before any request of the call is added.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tqdm.auto import tqdm
 from deepinfer.chat import apply_template_kwargs, make_encoder, refuse_images
 from deepinfer.engine.admission import EngineFacts, child_requests, pooling_request, to_request
 from deepinfer.engine.core import EngineCore
+from deepinfer.lora.registry import LoRARegistry
 from deepinfer.models.generation_config import default_sampling_overrides
 from deepinfer.models.loader import check_load_format, model_source
 from deepinfer.models.registry import takes_images
@@ -38,6 +44,7 @@ from deepinfer.pooling_params import PoolingParams, check_dimensions, pooler_def
 from deepinfer.sample.structured import validate as validate_structured_outputs
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.types import traffic_class as traffic
+from deepinfer.types.lora import LoRARequest
 from deepinfer.vllm_compat import engine_config
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,8 @@ class LLM:
     `speculative_config={"method": "ngram" | "draft_model" | "mtp", "num_speculative_tokens": 5,
     "model": PATH, "verification": "adaptive" | "fixed"}` turns on speculative decoding; its
     counters are in `llm.spec_decode_stats` and logged after each generate.
+    `enable_lora=True` (with max_loras, max_lora_rank, max_cpu_loras) serves LoRA adapters:
+    generate's `lora_request`.
     """
 
     def __init__(self, model: str | None = None, *, load_format: str = "auto", **kwargs: Any) -> None:
@@ -94,6 +103,7 @@ class LLM:
         self._chat_source = dataclasses.replace(source, _weights=None)
         self._chat_encoders: dict[str | None, Encoder] = {}   # by chat_template (None: the model's)
         self._images = ImageFrontEnd.from_source(self.config.multimodal, source)   # None: a text-only model
+        self._loras = LoRARegistry(source.hf_config, self.config.lora)   # adapters checked once each
 
     def get_tokenizer(self):
         if self.tokenizer is None:
@@ -114,11 +124,14 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | Callable[..., tqdm] = True, priority: Sequence[int] | None = None,
-                 cache_salt: str | None = None, traffic_class: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None, traffic_class: str | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`traffic_class`: the retention class (one of kv_retention's) of these requests' KV in a
-        KV store; unset: "chat" (types/traffic_class.py)."""
+        KV store; unset: "chat" (types/traffic_class.py). `lora_request`: the LoRA adapter of every
+        prompt, or one per prompt (None: the base model); needs enable_lora=True."""
         traffic_class = traffic.resolve(traffic_class, self._facts.traffic_classes)
         prompts = _as_prompt_list(prompts)
+        loras = self._lora_requests(lora_request, len(prompts))
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _broadcast(sampling_params, len(prompts), "sampling_params")
@@ -131,8 +144,8 @@ class LLM:
         # Validate every prompt before adding any, so one bad prompt leaves no stray requests.
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params)]
         ids = []
-        for (text, token_ids, sp, images), prio in zip(prepared, priorities):
-            ids.append(self._add_request(text, token_ids, sp, prio, cache_salt, traffic_class, images))
+        for (text, token_ids, sp, images), prio, lora in zip(prepared, priorities, loras):
+            ids.append(self._add_request(text, token_ids, sp, prio, cache_salt, traffic_class, images, lora))
         return self._run(ids, use_tqdm)
 
     def generate_as_completed(self, prompts: PromptType | Sequence[PromptType],
@@ -164,7 +177,8 @@ class LLM:
              use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
              chat_template_kwargs: dict[str, Any] | None = None,
-             traffic_class: str | None = None) -> list[RequestOutput]:
+             traffic_class: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Render each conversation (OpenAI chat messages) through the recipe, then generate.
 
         chat_template: a Jinja template (its text) instead of the model's format.
@@ -173,23 +187,28 @@ class LLM:
         chat_template_kwargs: `enable_thinking` for every format, any other key a template variable.
         traffic_class: the KV store retention class; unset: "agent" when tools are given (and
             kv_retention has it), else "chat".
+        lora_request: as generate's, per conversation.
         """
         traffic_class = traffic.resolve(traffic_class, self._facts.traffic_classes, offers_tools=bool(tools))
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [self._chat_prompt(c, chat_template, add_generation_prompt, tools, chat_template_kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, traffic_class=traffic_class)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, traffic_class=traffic_class,
+                             lora_request=lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
               use_tqdm: bool | Callable[..., tqdm] = True, truncate_prompt_tokens: int | None = None,
-              cache_salt: str | None = None) -> list[EmbeddingRequestOutput]:
+              cache_salt: str | None = None,
+              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt: the final hidden states pooled as the engine's pooler_config
         says (default: the last token's, L2-normalized), vLLM's `LLM.embed`. Each prompt is a
         prefill with nothing sampled; prompts batch with each other (and with generation) in one
-        step. truncate_prompt_tokens: keep only each prompt's last this many tokens."""
+        step. truncate_prompt_tokens: keep only each prompt's last this many tokens. lora_request:
+        as generate's (the adapter's hidden states are pooled)."""
         prompts = _as_prompt_list(prompts)
         params = _broadcast(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        loras = self._lora_requests(lora_request, len(prompts))
         prepared = []
         for prompt, pooling in zip(prompts, params):   # every prompt checked before any is added
             text, token_ids = self._prompt_ids(prompt)
@@ -203,9 +222,9 @@ class LLM:
                 raise ValueError(why)
             prepared.append((text, token_ids, pooling))
         ids = []
-        for text, token_ids, pooling in prepared:
+        for (text, token_ids, pooling), lora in zip(prepared, loras):
             request_id = str(next(self._counter))
-            message = pooling_request(request_id, token_ids, pooling, self._facts, cache_salt=cache_salt)
+            message = pooling_request(request_id, token_ids, pooling, self._facts, cache_salt=cache_salt, lora=lora)
             self.output_processor.add_pooling_request(request_id, text, token_ids)
             self.engine.add_request(to_request(message, self.config.cache.block_size))
             ids.append(request_id)
@@ -325,12 +344,23 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         return text, token_ids
 
+    def _lora_requests(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                       num_prompts: int) -> list[LoRARequest | None]:
+        """One adapter (or None) per prompt, each checked against the model (a LoRAAdapterError,
+        a ValueError, names what is wrong) before any request is added."""
+        loras = _broadcast(lora_request, num_prompts, "lora_request")
+        for lora in loras:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise TypeError(f"lora_request must be a deepinfer.lora.LoRARequest (or None), got {type(lora).__name__}")
+        return [self._loras.checked(lora) if lora is not None else None for lora in loras]
+
     def _add_request(self, text: str | None, token_ids: list[int], params: SamplingParams, priority: int,
-                     cache_salt: str | None, traffic_class: str | None = None, images: ImageInputs | None = None) -> str:
+                     cache_salt: str | None, traffic_class: str | None = None, images: ImageInputs | None = None,
+                     lora: LoRARequest | None = None) -> str:
         request_id = str(next(self._counter))
         children = child_requests(request_id, token_ids, params, self._facts, priority=priority, cache_salt=cache_salt,
-                                  traffic_class=traffic_class, images=images)
-        self.output_processor.add_request(request_id, text, token_ids, params)
+                                  traffic_class=traffic_class, images=images, lora=lora)
+        self.output_processor.add_request(request_id, text, token_ids, params, lora_request=lora)
         for child in children:
             self.engine.add_request(to_request(child, self.config.cache.block_size))
         return request_id

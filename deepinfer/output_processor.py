@@ -23,6 +23,7 @@ from deepinfer.outputs import (
 )
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
 from deepinfer.tokenizer import Tokenizer
+from deepinfer.types.lora import LoRARequest
 from deepinfer.types.plan import EngineCoreOutput
 
 
@@ -50,6 +51,7 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     num_unfinished: int = 0   # sequences without a finish reason (kept, not recounted per step)
+    lora_request: LoRARequest | None = None   # the LoRA adapter it ran under, named in its outputs
 
     @property
     def finished(self) -> bool:
@@ -75,7 +77,7 @@ class OutputProcessor:
         return [request_id]
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[str]:
+                    params: SamplingParams, lora_request: LoRARequest | None = None) -> list[str]:
         """Register a request; returns the core request ids of its n sequences."""
         child_ids = child_request_ids(request_id, params.n)
         sequences = {}
@@ -87,7 +89,7 @@ class OutputProcessor:
                                                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             self._parent_of[child_id] = request_id
         self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, sequences,
-                                                 num_unfinished=len(sequences))
+                                                 num_unfinished=len(sequences), lora_request=lora_request)
         return child_ids
 
     def has_unfinished(self) -> bool:
@@ -190,7 +192,8 @@ class OutputProcessor:
                                                 logprobs, seq.finish_reason, seq.stop_reason))
         error = next((s.error for s in state.sequences.values() if s.error), None)
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, state.prompt_logprobs,
-                             completions, finished, num_cached_tokens=state.num_cached_tokens, error=error)
+                             completions, finished, num_cached_tokens=state.num_cached_tokens, error=error,
+                             lora_request=state.lora_request)
 
 
 def _detokenizer(tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer:

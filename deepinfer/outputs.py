@@ -70,6 +70,7 @@ class RequestOutput:
         tier). Tokens recomputed by SWA Bounded Replay are computed, so they do not count.
     error: why the engine failed the request (its outputs then finish with "abort"), e.g. a
         structured-output grammar that did not compile in time; None otherwise.
+    lora_request: the LoRA adapter it ran under (deepinfer.lora.LoRARequest), or None (vLLM's field).
     """
 
     request_id: str
@@ -81,6 +82,7 @@ class RequestOutput:
     metrics: Any = None
     num_cached_tokens: int = 0
     error: str | None = None
+    lora_request: Any = None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Engine flags, generated from the config dataclasses so the CLI and `LLM(**kwargs)` never drift.
 
-Every field of ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig and MultiModalConfig is a flag of the same
-name (cli/flags.py says how types become flags); `engine_kwargs(args)` turns the parsed flags back
+Every field of ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, MultiModalConfig and LoRAConfig is a flag
+of the same name (cli/flags.py says how types become flags); `engine_kwargs(args)` turns the parsed flags back
 into the keyword arguments of `EngineConfig.from_kwargs` / `LLM(...)`.
 """
 
@@ -27,11 +27,12 @@ from deepinfer.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from deepinfer.lora.config import LoRAConfig
 from deepinfer.models.loader import FOREIGN_LOAD_FORMATS, LOAD_FORMATS
 from deepinfer.multimodal.config import MultiModalConfig
 from deepinfer.vllm_compat import RUNNER_VALUES, TOKENIZER_MODES, human_readable_int_or_auto
 
-ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, MultiModalConfig)
+ENGINE_PARTS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, MultiModalConfig, LoRAConfig)
 
 # vLLM's short spellings, and its names for the same settings.
 _ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],

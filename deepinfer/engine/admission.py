@@ -11,8 +11,9 @@ second half). What it decides:
   - max_tokens: the room left before max_model_len (or less, when the request asks for less);
   - n > 1 fans out into n child requests `{id}-{index}`, each with n=1 and, when seeded, its
     own seed (SamplingParams.for_child); the front end's output processor gathers them back;
-  - extra_key: model id + cache_salt, part of every block hash (types/block_hashes.py), so
-    tenants with different salts never share KV blocks;
+  - extra_key: model id + cache_salt (+ the LoRA adapter's name and id), part of every block
+    hash (types/block_hashes.py), so tenants with different salts never share KV blocks, nor
+    requests of different adapters (or an adapter's and the base model's);
   - prompt_logprobs skip the prefix cache: every prompt position must be computed;
   - traffic_class: one of the engine's kv_retention classes (types/traffic_class.py; None:
     "chat"), the retention of the request's blocks in a KV store. Any other is a ValueError.
@@ -38,6 +39,7 @@ from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types import traffic_class as traffic
 from deepinfer.types.block_hashes import extra_key
+from deepinfer.types.lora import LoRARequest
 from deepinfer.types.request import Request
 
 
@@ -57,6 +59,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     traffic_class: str = traffic.DEFAULT_CLASS
     pooling: PoolingParams | None = None   # an embedding request (pooling_request)
     images: ImageInputs | None = None   # the prompt's images (multimodal/inputs.py)
+    lora: LoRARequest | None = None     # the LoRA adapter it runs under; None: the base model
 
 
 @dataclass(frozen=True)
@@ -83,16 +86,19 @@ def resolve_max_tokens(params: SamplingParams, num_prompt_tokens: int, max_model
 
 def child_requests(request_id: str, prompt_token_ids: list[int], params: SamplingParams, facts: EngineFacts, *,
                    priority: int = 0, cache_salt: str | None = None,
-                   traffic_class: str | None = None, images: ImageInputs | None = None) -> list[AddRequest]:
+                   traffic_class: str | None = None, images: ImageInputs | None = None,
+                   lora: LoRARequest | None = None) -> list[AddRequest]:
     """The core requests of one user request, in child order (their ids: child_request_ids);
-    `images`: the prompt's, shared by the children (their KV blocks are shared too)."""
+    `images`: the prompt's, shared by the children (their KV blocks are shared too); `lora`: the
+    adapter they all run under (checked by the caller: lora/registry.py)."""
     traffic_class = traffic.resolve(traffic_class, facts.traffic_classes)
     max_tokens = resolve_max_tokens(params, len(prompt_token_ids), facts.max_model_len)
-    key = extra_key(facts.model_id, cache_salt)
+    key = extra_key(facts.model_id, cache_salt, lora.cache_key if lora is not None else None)
     eos = sorted(facts.eos_token_ids)
     skip_prefix_cache = params.prompt_logprobs is not None
     return [AddRequest(child_id, prompt_token_ids, params.for_child(index) if params.n > 1 else params, eos,
-                       max_tokens, priority, cache_salt, key, skip_prefix_cache, traffic_class, images=images)
+                       max_tokens, priority, cache_salt, key, skip_prefix_cache, traffic_class, images=images,
+                       lora=lora)
             for index, child_id in enumerate(child_request_ids(request_id, params.n))]
 
 
@@ -103,16 +109,17 @@ _NO_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 
 def pooling_request(request_id: str, prompt_token_ids: list[int], params: PoolingParams, facts: EngineFacts, *,
                     priority: int = 0, cache_salt: str | None = None,
-                    traffic_class: str | None = None) -> AddRequest:
+                    traffic_class: str | None = None, lora: LoRARequest | None = None) -> AddRequest:
     """The core request of one pooling (embedding) input. The prompt may fill the whole context:
-    nothing is generated after it."""
+    nothing is generated after it. `lora`: the adapter whose hidden states are pooled."""
     if len(prompt_token_ids) > facts.max_model_len:
         raise ValueError(f"the input is {len(prompt_token_ids)} tokens long, but max_model_len is "
                          f"{facts.max_model_len}")
     params = params.resolved(facts.pooler)
     return AddRequest(request_id, prompt_token_ids, _NO_SAMPLING, sorted(facts.eos_token_ids), 0, priority,
-                      cache_salt, extra_key(facts.model_id, cache_salt), params.needs_every_position,
-                      traffic.resolve(traffic_class, facts.traffic_classes), pooling=params)
+                      cache_salt, extra_key(facts.model_id, cache_salt, lora.cache_key if lora is not None else None),
+                      params.needs_every_position, traffic.resolve(traffic_class, facts.traffic_classes),
+                      pooling=params, lora=lora)
 
 
 def to_request(message: AddRequest, block_size: int) -> Request:
@@ -121,4 +128,4 @@ def to_request(message: AddRequest, block_size: int) -> Request:
                    frozenset(message.eos_token_ids), message.max_tokens, priority=message.priority,
                    cache_salt=message.cache_salt, extra_key=message.extra_key, block_size=block_size,
                    skip_prefix_cache=message.skip_prefix_cache, traffic_class=message.traffic_class,
-                   pooling=message.pooling, images=message.images)
+                   pooling=message.pooling, images=message.images, lora=message.lora)

@@ -89,7 +89,8 @@ class EngineCore:
         self.kv_tier = None if connector is None else KVTierLink(connector, self.kv_manager, config.cache.kv_role,
                                                                  config.cache.kv_store_load_policy)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.max_model_len, self.spec, self.kv_tier,
-                                   images=image_scheduler(config, hf_config) if takes_images(hf_config) else None)
+                                   images=image_scheduler(config, hf_config) if takes_images(hf_config) else None,
+                                   max_loras=config.lora.max_loras if config.lora.enable_lora else None)
         self.kv_events = open_kv_events(config.cache, kv.block_size, data_parallel_rank)   # None: no endpoint
         if self.kv_events is not None:
             self._attach_kv_events(self.kv_events)
@@ -132,6 +133,9 @@ class EngineCore:
         if constraint is not None and self.structured is None:
             raise ValueError("structured outputs need a tokenizer, so they cannot be used with "
                              "skip_tokenizer_init=True")
+        if request.lora is not None and not self.config.lora.enable_lora:
+            raise ValueError(f"the request names LoRA adapter {request.lora.lora_name!r}, but this engine "
+                             "serves none: start it with enable_lora=True (--enable-lora)")
         if constraint is not None and request.grammar is None:
             request.grammar = self.structured.grammar_for(constraint)   # compiles from now on
         request.hash_root = self.kv_manager.hash_root   # this engine's model, dtype, block size, rank

@@ -24,6 +24,7 @@ runner takes from the device. A request stopped by that token is found one step 
 of its extra chunk is ignored.
 A pooling request (an embedding) has its prompt as its target and is never sampled: the step
 that computes its last prompt token returns its vector, and it finishes there.
+Running requests use at most max_loras distinct LoRA adapters (lora/scheduling.py).
 What the runner learns of a request is sent once (NewRequestData, with its block tables) and
 then as diffs (CachedRequestData, only when its tables changed; types/block_tables.py keeps the
 record), and `schedule()` returns the plan final: nothing is added to it afterwards.
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.kv_tier import KVTierLink
 from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
+from deepinfer.lora.scheduling import AdapterAdmission
 from deepinfer.multimodal.encoder_cache import EncoderScheduler
 from deepinfer.sample.structured.grammar import GrammarState, RequestGrammar
 from deepinfer.spec_decode import SpeculativeDecoder
@@ -77,7 +79,7 @@ class _PartialPlan:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, max_model_len: int,
                  spec: SpeculativeDecoder | None = None, kv_tier: KVTierLink | None = None,
-                 images: EncoderScheduler | None = None) -> None:
+                 images: EncoderScheduler | None = None, max_loras: int | None = None) -> None:
         if config.max_num_seqs is None or config.max_num_batched_tokens is None:
             raise ValueError("the scheduler needs max_num_seqs and max_num_batched_tokens set "
                              "(EngineCore fills unset ones from the platform)")
@@ -88,6 +90,7 @@ class Scheduler:
         self.kv = kv_manager
         self.kv_tier = kv_tier               # a KV tier behind the connector, or None
         self.images = images                 # a model that reads images: multimodal/encoder_cache.py
+        self.max_loras = max_loras           # distinct LoRA adapters running at once; None: LoRA off
         self.kv_events = None                # a kv_cache.events.KVEventSink, or None (no events)
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []     # kept sorted by the policy's key
@@ -231,9 +234,14 @@ class Scheduler:
         return []
 
     def _schedule_waiting(self, partial: _PartialPlan) -> None:
-        """2. Waiting requests in policy order, while budget, slots and blocks last."""
-        while self.waiting and partial.budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+        """2. Waiting requests in policy order, while budget, slots and blocks last (and LoRA adapter slots)."""
+        adapters = AdapterAdmission(self.max_loras, self.running)
+        passed = 0   # waiting requests at the front passed over for want of an adapter slot
+        while len(self.waiting) > passed and partial.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[passed]
+            if not adapters.admits(request):
+                passed += 1
+                continue
             if request.num_tokens_in_flight:
                 # Preempted while a step of it is still in flight: readmit it once that step's
                 # result has been applied (and ignored), so no stale result meets the new chunks.
@@ -242,7 +250,7 @@ class Scheduler:
             if allocated is None:
                 break
             num_new, hit = allocated
-            self.waiting.pop(0)
+            self.waiting.pop(passed)
             if hit is not None and hit.num_load_blocks:
                 # Parked while the tier loads its blocks; others are admitted meanwhile.
                 self.kv_tier.start_loads(request, hit)
@@ -250,6 +258,7 @@ class Scheduler:
                 self.waiting_for_kv.append(request)
                 continue
             self._admit(partial, request, num_new)
+            adapters.admitted(request)
 
     def _allocate_waiting(self, request: Request, partial: _PartialPlan) -> tuple[int, PrefixHit | None] | None:
         """Blocks for a waiting request's first chunk: (tokens it computes, its prefix hit; None
@@ -310,7 +319,8 @@ class Scheduler:
             request.request_id, list(request.prompt_token_ids), list(request.output_token_ids),
             request.sampling_params, request.eos_token_ids,
             self.runner_tables.new_request(request.request_id, request.block_ids),
-            window_floor=request.window_floor, write_floor=request.write_floor, pooling=request.pooling))
+            window_floor=request.window_floor, write_floor=request.write_floor, pooling=request.pooling,
+            lora=request.lora))
         partial.add(self._chunk(request, num_new))
 
     def _build_plan(self, partial: _PartialPlan) -> SchedulerPlan:

@@ -4,7 +4,8 @@
 
 Routes: /v1/models (+ /v1/models/{id}), /v1/completions, /v1/chat/completions, /v1/responses,
 /v1/embeddings, /v1/messages (+ /v1/messages/count_tokens), /tokenize, /detokenize, /tokenizer_info, /health,
-/ping, /version, /metrics.
+/ping, /version, /metrics; with LoRA runtime updating allowed, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (entrypoints/lora_routes.py).
 The engine core runs in its own process (engine/core_proc.py), started in the app's lifespan;
 this process tokenizes, detokenizes and speaks HTTP. If the core cannot be kept alive (it died
 more than --max-engine-restarts times), the server stops and `run_server` exits with status 1.
@@ -28,6 +29,7 @@ from deepinfer import envs
 from deepinfer.chat import make_encoder
 from deepinfer.config import EngineConfig, resolve_max_model_len
 from deepinfer.entrypoints.errors import APIError, install_error_handlers
+from deepinfer.entrypoints.lora_routes import adapter_card, adapter_cards, add_lora_routes, open_registry
 from deepinfer.entrypoints.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from deepinfer.entrypoints.options import ServerOptions, request_body_limit
 from deepinfer.entrypoints.state import ServerState, get_state, read_json
@@ -56,6 +58,7 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     state = ServerState(client, names, options, takes_images=takes_images(source.hf_config),
                         images=ImageFrontEnd.from_source(config.multimodal, source),
                         body_limit=request_body_limit(options, resolve_max_model_len(config, source.hf_config)))
+    open_registry(state, source.hf_config, config.lora, options.lora_module_list)   # --lora-modules, checked
     try:
         state.encoder = make_encoder(source, options.chat_format, options.chat_template)
     except Exception as e:   # no template: completions still work, chat routes say why not
@@ -102,13 +105,21 @@ def build_app(config: EngineConfig, source: ModelSource, options: ServerOptions 
     app.include_router(embeddings.router)
     app.include_router(messages.router)
     _add_common_routes(app)
+    add_lora_routes(app)
     return app
 
 
+def _created(state: ServerState) -> int:
+    return int(state.client.info.started) if state.client.info else int(time.time())
+
+
 def _model_card(state: ServerState, name: str) -> dict:
-    created = int(state.client.info.started) if state.client.info else int(time.time())
+    """A served name's /v1/models entry, or a LoRA adapter's (its parent the base model)."""
+    lora = state.resolve_model(name)[1]
+    if lora is not None:
+        return adapter_card(state, lora, _created(state))
     # `root` names the model, never its path on this machine.
-    return {"id": name, "object": "model", "created": created, "owned_by": "deepinfer",
+    return {"id": name, "object": "model", "created": _created(state), "owned_by": "deepinfer",
             "root": state.client.model_id, "parent": None, "max_model_len": state.max_model_len}
 
 
@@ -137,7 +148,8 @@ def _add_common_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         state = get_state(request)
-        return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]}
+        return {"object": "list", "data": [_model_card(state, name) for name in state.served_model_names]
+                + adapter_cards(state, _created(state))}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):

@@ -49,7 +49,7 @@ class PreparedConversation:
     params: SamplingParams
     sessions: list[OutputSession]
     top_logprobs: int | None        # None: logprobs not requested
-    engine_fields: dict             # priority, cache_salt, traffic_class
+    engine_fields: dict             # priority, cache_salt, traffic_class, lora_request
     fields: SamplingFields          # the validated request fields (stream, stream_options, ...)
     created: int = field(default_factory=lambda: int(time.time()))
     num_cached_tokens: int = 0
@@ -74,7 +74,7 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     CPU-heavy for a long conversation (template rendering, tokenization, schema compiles): the
     routes call it through `state.run_off_loop`."""
     fields = parse_fields(protocol, body)
-    model = state.check_model(fields.model)
+    model, lora = state.resolve_model(fields.model)
     stop_field = "stop_sequences" if protocol == "messages" else "stop"
     sampling.check_stop_sequences(getattr(fields, stop_field, None), state.options.max_stop_sequences, stop_field)
     warn_ignored(fields)
@@ -82,6 +82,7 @@ def prepare(state: ServerState, protocol: str, body: dict, traffic_class_header:
     offers_tools = bool(fields.tools or getattr(fields, "functions", None))
     engine_fields = sampling.engine_request_fields(fields, state.client.traffic_classes, traffic_class_header,
                                                    offers_tools=offers_tools)
+    engine_fields["lora_request"] = lora   # the adapter `model` names, or None
     encoder = state.chat_encoder()
     # A prompt cut to its last tokens may be any length; any other must fit the context.
     max_chars = None if getattr(fields, "truncate_prompt_tokens", None) is not None else state.prompt_char_limit(encoder)

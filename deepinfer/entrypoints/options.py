@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.entrypoints.parser_names import REASONING_PARSERS, TOOL_CALL_PARSERS
+from deepinfer.lora.modules import LoRAModule, parse_lora_module
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # vLLM's structured_outputs_config keys, and its backends (xgrammar is the one here).
@@ -106,6 +107,10 @@ class ServerOptions:
     metrics_vllm_names: bool = False
     """Also export every deepinfer:* metric as vllm:*, for vLLM dashboards and tools that cannot
     be told another prefix (metrics/prometheus.py says why this is off by default)."""
+    lora_modules: tuple[str, ...] = ()
+    """LoRA adapters to serve from the start (needs --enable-lora), each name=path or vLLM's JSON
+    '{"name": ..., "path": ..., "base_model_name": ...}'; a request whose model is the name runs
+    under the adapter, and /v1/models lists it."""
 
     def __post_init__(self) -> None:
         def at_least(name: str, low: int) -> None:
@@ -133,6 +138,8 @@ class ServerOptions:
         # Frozen: these normalisations are the only writes, so later code sees one form.
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         object.__setattr__(self, "allowed_origins", _origins(self.allowed_origins))
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        _ = self.lora_module_list   # a malformed --lora-modules value stops the server here, named
         if self.chat_template is not None:
             object.__setattr__(self, "chat_template", load_chat_template(self.chat_template))
 
@@ -180,6 +187,11 @@ class ServerOptions:
                 raise ValueError(f"--structured-outputs-config reasoning_parser {parser!r} is not one deepinfer's "
                                  f"recipe implements; accepted: {', '.join(sorted(REASONING_PARSERS))}")
             object.__setattr__(self, "reasoning_parser", parser)
+
+    @functools.cached_property
+    def lora_module_list(self) -> list[LoRAModule]:
+        """--lora-modules parsed (lora/modules.py)."""
+        return [parse_lora_module(text) for text in self.lora_modules]
 
     @functools.cached_property
     def structured_outputs(self) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
@@ -25,6 +25,10 @@ from deepinfer.frontend.engine_client import (
     RequestTimeoutError,
     ServerBusyError,
 )
+
+if TYPE_CHECKING:
+    from deepinfer.lora.registry import LoRARegistry
+    from deepinfer.types.lora import LoRARequest
 
 
 @dataclass
@@ -48,6 +52,8 @@ class ServerState:
     # (sys.getswitchinterval) at a time.
     workers: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(4, "deepinfer-prepare"))
     _longest_token: dict = field(default_factory=dict)   # id(tokenizer backend) -> its longest token's characters
+    # The LoRA adapters requests may name as their `model` (lora/registry.py); None: --enable-lora is off.
+    loras: LoRARegistry | None = None
 
     @property
     def model_name(self) -> str:
@@ -59,13 +65,21 @@ class ServerState:
 
     def check_model(self, model) -> str:
         """The served name to answer with: the first --served-model-name, whichever of the names
-        the request gave (so a client that asked for an alias learns which model answered); a
-        named model we do not serve is a 404."""
+        the request gave (so a client that asked for an alias learns which model answered), or
+        the LoRA adapter's name when `model` names one; a named model we do not serve is a 404."""
+        return self.resolve_model(model)[0]
+
+    def resolve_model(self, model) -> tuple[str, LoRARequest | None]:
+        """check_model's name, and the LoRA adapter the request runs under (None: the base
+        model), looked up once: an adapter unloaded meanwhile is a 404, never the base model."""
         if model is not None and not isinstance(model, str):
             raise APIError(400, f"model must be a string, got {model!r}", param="model")
-        if model is not None and model not in self.served_model_names:
+        if model is None or model in self.served_model_names:
+            return self.model_name, None
+        lora = self.loras.get(model) if self.loras is not None else None
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return self.model_name
+        return lora.lora_name, lora
 
     def chat_encoder(self):
         if self.encoder is None:

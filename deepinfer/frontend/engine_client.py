@@ -54,6 +54,7 @@ from deepinfer.output_processor import OutputProcessor
 from deepinfer.outputs import EmbeddingRequestOutput, RequestOutput
 from deepinfer.pooling_params import PoolingParams, pooler_defaults
 from deepinfer.sampling_params import RequestOutputKind, SamplingParams
+from deepinfer.types.lora import LoRARequest
 from deepinfer.types.plan import EngineStats
 from deepinfer.types.traffic_class import retention_classes
 
@@ -262,15 +263,18 @@ class AsyncEngineClient:
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                  prompt: str | None = None, priority: int = 0,
                  cache_salt: str | None = None, traffic_class: str | None = None,
-                 images: ImageInputs | None = None) -> AsyncIterator[RequestOutput]:
+                 images: ImageInputs | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Add a request now (so a full queue or a dead engine raises here, before any HTTP
         response starts) and return an iterator of its DELTA RequestOutputs until it finishes.
+        `lora_request`: the LoRA adapter it runs under (checked by the caller: lora/registry.py).
 
         Closing the iterator early (the HTTP client went away, or the caller saw enough)
         aborts the request in the core, which frees its KV blocks."""
         request_id = request_id or self.new_request_id()
         tracked = self.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority,
-                                   cache_salt=cache_salt, traffic_class=traffic_class, images=images)
+                                   cache_salt=cache_salt, traffic_class=traffic_class, images=images,
+                                   lora_request=lora_request)
         return self._iterate(request_id, tracked)
 
     async def _iterate(self, request_id: str, tracked: _Tracked) -> AsyncIterator[RequestOutput]:
@@ -288,12 +292,13 @@ class AsyncEngineClient:
 
     async def embed(self, prompt_token_ids: list[int], params: PoolingParams, *, request_id: str | None = None,
                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                    traffic_class: str | None = None) -> EmbeddingRequestOutput:
+                    traffic_class: str | None = None, lora_request: LoRARequest | None = None
+                    ) -> EmbeddingRequestOutput:
         """Add a pooling (embedding) request now and wait for its one output, the vector. The
         limits, deadlines, aborts and health rules of `generate` hold; cancelling the wait aborts it."""
         request_id = request_id or self.new_request_id()
         message = pooling_request(request_id, prompt_token_ids, params, self._facts, priority=priority,
-                                  cache_salt=cache_salt, traffic_class=traffic_class)
+                                  cache_salt=cache_salt, traffic_class=traffic_class, lora=lora_request)
         index, encoded = self._encode_for_core(request_id, [message])
         child_ids = self.output_processor.add_pooling_request(request_id, prompt, prompt_token_ids)
         tracked = self._register(request_id, index, encoded, child_ids, RequestTimings(len(prompt_token_ids)))
@@ -338,22 +343,26 @@ class AsyncEngineClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     prompt: str | None = None, priority: int = 0, cache_salt: str | None = None,
-                    traffic_class: str | None = None, images: ImageInputs | None = None) -> _Tracked:
+                    traffic_class: str | None = None, images: ImageInputs | None = None,
+                    lora_request: LoRARequest | None = None) -> _Tracked:
         """Register and send a request, to the least loaded healthy core: all of it, or (on any
         error) none of it."""
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         messages = child_requests(request_id, prompt_token_ids, params, self._facts, priority=priority,
-                                  cache_salt=cache_salt, traffic_class=traffic_class, images=images)
+                                  cache_salt=cache_salt, traffic_class=traffic_class, images=images,
+                                  lora=lora_request)
         index, encoded = self._encode_for_core(request_id, messages)
         max_tokens = messages[0].max_tokens
-        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        child_ids = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
+                                                      lora_request=lora_request)
         tracked = self._register(request_id, index, encoded, child_ids,
                                  RequestTimings(len(prompt_token_ids), n=len(child_ids), max_tokens=max_tokens))
         if self.log_requests:   # sizes and settings only: prompts and outputs stay out of logs
             logger.info("request %s: %d prompt tokens, n=%d, max_tokens=%d, temperature=%g, top_p=%g, top_k=%d, "
-                        "seed=%s, priority=%d, structured=%s, engine core %d", request_id, len(prompt_token_ids),
-                        params.n, max_tokens, params.temperature, params.top_p, params.top_k, params.seed, priority,
-                        params.structured_outputs.kind if params.structured_outputs else None, index)
+                        "seed=%s, priority=%d, structured=%s, lora=%s, engine core %d", request_id,
+                        len(prompt_token_ids), params.n, max_tokens, params.temperature, params.top_p, params.top_k,
+                        params.seed, priority, params.structured_outputs.kind if params.structured_outputs else None,
+                        lora_request.lora_name if lora_request is not None else None, index)
         return tracked
 
     def abort(self, request_id: str, error: BaseException | None = None) -> None:

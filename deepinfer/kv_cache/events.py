@@ -52,6 +52,7 @@ import msgspec
 if TYPE_CHECKING:
     from deepinfer.config import CacheConfig
     from deepinfer.kv_cache.manager import KVCacheManager
+    from deepinfer.types.lora import LoRARequest
     from deepinfer.types.request import Request
 
 logger = logging.getLogger(__name__)
@@ -125,11 +126,14 @@ class KVEventSink:
             self._pending.append(event)
 
     def stored(self, hashes: Sequence[bytes], medium: str, group_idx: int, *, parent: bytes | None = None,
-               token_ids: Sequence[int] = (), kind: str | None = None, sliding_window: int | None = None) -> None:
+               token_ids: Sequence[int] = (), kind: str | None = None, sliding_window: int | None = None,
+               lora: LoRARequest | None = None) -> None:
+        """`lora`: the adapter the blocks were computed under (vLLM's lora_id and lora_name), or None."""
         if hashes:
             self.add(BlockStored([external_hash(h) for h in hashes],
                                  None if parent is None else external_hash(parent), list(token_ids),
-                                 self.block_size, None, medium, None, None, group_idx, kind, sliding_window))
+                                 self.block_size, lora.lora_int_id if lora is not None else None, medium,
+                                 lora.lora_name if lora is not None else None, None, group_idx, kind, sliding_window))
 
     def removed(self, hashes: Sequence[bytes], medium: str, group_idx: int | None) -> None:
         if not hashes:
@@ -179,7 +183,7 @@ class KVEventSink:
         self.stored([hashes[i] for i in run], MEDIUM_DEVICE, group.group_id,
                     parent=hashes[first - 1] if first else None,
                     token_ids=request.all_token_ids[first * bs:(last + 1) * bs], kind=group.spec.kind,
-                    sliding_window=window)
+                    sliding_window=window, lora=request.lora)
 
     def flush(self) -> None:
         """Publish what was gathered, as one batch (in order, also when two threads flush)."""

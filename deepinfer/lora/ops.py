@@ -6,12 +6,16 @@ slot 0 holds zeros (the base model: a row without an adapter gains exactly nothi
 slot says whose weights it takes. A row's output gains (x @ A[slot].T) @ B[slot].T (the scaling
 is folded into B: adapter.py).
 
-Two paths compute it:
+Three paths compute it:
   lora_reference   one pair of matmuls per slot present in the step (reads the slots on the
                    host): the plain path tests compare against, and the CPU's
   lora_gathered    each row's A and B gathered and multiplied by batched matmuls: no host sync,
-                   so it fits CUDA graphs; its memory is rows * R * (in + out), meant for decode
-                   steps (a few hundred rows)
+                   so it fits CUDA graphs; its memory is rows * R * (in + out), so it is for
+                   steps of a few rows only (slots.GATHERED_MAX_ROWS)
+  lora_masked      every adapter slot's pair of matmuls over all rows, each kept on its own rows
+                   by a mask: no host sync either (fits CUDA graphs), memory of one [rows, out]
+                   temporary, at max_loras low-rank products of every row: the device's path for
+                   larger steps (a prefill of thousands of rows would not fit the gathered copies)
 """
 
 from __future__ import annotations
@@ -34,3 +38,13 @@ def lora_gathered(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torc
     """lora_reference without a host sync: [rows, 1, in] @ [rows, in, R] @ [rows, R, out]."""
     shrunk = torch.bmm(x[:, None, :], a[slots].transpose(1, 2).to(x.dtype))
     return torch.bmm(shrunk, b[slots].transpose(1, 2).to(x.dtype))[:, 0, :]
+
+
+def lora_masked(x: torch.Tensor, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """lora_reference without a host sync and without per-row copies of the weights: for each
+    adapter slot, the rows' shrunk products zeroed outside its rows, then expanded and summed."""
+    out = torch.zeros(x.shape[0], b.shape[1], dtype=x.dtype, device=x.device)
+    for slot in range(1, a.shape[0]):   # slot 0 is the base model: nothing to add
+        mine = (slots == slot).to(x.dtype)[:, None]
+        out.addmm_((x @ a[slot].T.to(x.dtype)) * mine, b[slot].T.to(x.dtype))
+    return out

@@ -20,9 +20,13 @@ import torch
 from torch import nn
 
 from deepinfer.lora.adapter import LoRAAdapter, LoRAAdapterError, projection_layout
-from deepinfer.lora.ops import lora_gathered, lora_reference
+from deepinfer.lora.ops import lora_gathered, lora_masked, lora_reference
 
 _step_slots: torch.Tensor | int | None = None   # the current step's slot per row (step_rows)
+# On a GPU, steps of at most this many rows take the gathered path (ops.py), larger ones the
+# masked path: the gathered copies of A and B grow with the rows (rows * R * (in + out) values a
+# projection), the masked path's temporaries do not.
+GATHERED_MAX_ROWS = 16
 
 
 @contextlib.contextmanager
@@ -53,10 +57,14 @@ class LoRAStack:
         return y + self.delta(x, slots).to(y.dtype)
 
     def delta(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The rows' LoRA products, by the gathered batched path on a GPU (no host sync, fits a
-        CUDA graph), one product per adapter elsewhere."""
+        """The rows' LoRA products: on a GPU by a path without host syncs (fits a CUDA graph, and
+        never stalls a step queued ahead), gathered for a few rows and masked for more; on the
+        host one product per adapter present."""
         flat = x.reshape(-1, x.shape[-1])
-        product = lora_gathered if flat.is_cuda else lora_reference
+        if not flat.is_cuda:
+            product = lora_reference
+        else:
+            product = lora_gathered if flat.shape[0] <= GATHERED_MAX_ROWS else lora_masked
         return product(flat, slots, self.a, self.b).view(*x.shape[:-1], -1)
 
 

@@ -2,8 +2,9 @@
 
 hash(block i) = H(hash(block i-1), token ids of block i, extra). `extra` carries whatever else
 changes the KV for the same tokens: the model id, a tenant's `cache_salt` (so tenants never
-share blocks), and later adapter ids. blake2b keeps collisions out of reach of adversarial
-prompts, which Python's hash() would not.
+share blocks), and the LoRA adapter the request runs under (LoRARequest.cache_key: blocks
+computed under one adapter are never another adapter's or the base model's). blake2b keeps
+collisions out of reach of adversarial prompts, which Python's hash() would not.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ def hash_block(parent: bytes, token_ids: Sequence[int], extra: bytes) -> bytes:
     return h.digest()
 
 
-def extra_key(model_id: str, cache_salt: str | None) -> bytes:
-    return f"{model_id}\x00{cache_salt or ''}".encode()
+def extra_key(model_id: str, cache_salt: str | None, lora_key: str | None = None) -> bytes:
+    # Without an adapter the key is what it was before adapters existed, so blocks a KV store
+    # kept from an older engine still hit.
+    key = f"{model_id}\x00{cache_salt or ''}"
+    return (key if lora_key is None else f"{key}\x00{lora_key}").encode()
 
 
 def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int,

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from deepinfer.outputs import Logprob
 from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.types.lora import LoRARequest
 from deepinfer.types.spec_stats import SpecDecodeStats
 from deepinfer.types.tier_stats import KVTierMetrics
 
@@ -70,6 +71,10 @@ class NewRequestData:
     # A pooling request (an embedding; resolved: pooling_type and normalize set): its chunks are
     # never sampled, and the step that computes its last prompt token returns its vector.
     pooling: PoolingParams | None = None
+    # The LoRA adapter its rows take (the runner reads it into a slot if it is not in one), or
+    # None: the base model. The scheduler admits at most max_loras distinct ones, so the runner
+    # always finds a slot that no request it holds is using.
+    lora: LoRARequest | None = None
 
 
 @dataclass

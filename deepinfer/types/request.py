@@ -10,6 +10,7 @@ from typing import Any
 from deepinfer.pooling_params import PoolingParams
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types.block_hashes import ROOT_HASH, extend_block_hashes
+from deepinfer.types.lora import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -88,6 +89,8 @@ class Request:
     error: str | None = None      # why the request failed (e.g. its grammar did not compile)
     # Its images (multimodal/inputs.ImageInputs: hashes, placeholders, pixels), or None.
     images: Any = None
+    # The LoRA adapter it runs under (types/lora.py; also in extra_key), or None: the base model.
+    lora: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

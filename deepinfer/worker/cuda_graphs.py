@@ -19,6 +19,11 @@ logits. (Run eagerly, a verify step of the 135M model cost many times a plain de
 GPU whatever its shape, launch-bound; in a graph it costs a decode step of that many rows:
 docs/benchmarks/design-measurements.md#verify-step-run-eagerly.)
 
+LoRA adapters (lora/): with enable_lora the graphs are captured with the adapters' products in
+them, reading each row's slot from one more static buffer (`lora_slots`), filled per step like
+the token ids (0, the base model's zeros, for base rows and padding). The adapters' weights are
+slots of stacks changed in place (lora/slots.py), so a graph sees an adapter placed after capture.
+
 Prefill and mixed steps run eagerly: their shapes vary too much for graphs to pay.
 """
 
@@ -31,6 +36,7 @@ import torch
 
 from deepinfer.layers.attention import AttentionMetadata, forward_context
 from deepinfer.layers.attention.backends import AttentionBackend
+from deepinfer.lora.slots import step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +56,16 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model, backend: AttentionBackend, num_groups: int, num_kv_heads: int, max_batch: int,
                  max_blocks_per_seq: int, block_size: int, layer_to_group: list[int], layer_to_slot: list[int],
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+                 lora: bool = False) -> None:
         self.model = model
         self.buckets = batch_buckets(max_batch)
         self.max_batch = self.buckets[-1]
         b = self.max_batch
         self.input_ids = torch.zeros(b, dtype=torch.long, device=device)
         self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        # Each row's LoRA slot (lora=True: adapters attached); None: the graphs hold no LoRA products.
+        self.lora_slots = torch.zeros(b, dtype=torch.long, device=device) if lora else None
         self.attention_buffers = backend.decode_graph_buffers(
             num_groups=num_groups, max_batch=b, max_blocks_per_seq=max_blocks_per_seq, num_kv_heads=num_kv_heads,
             block_size=block_size, layer_to_group=layer_to_group, layer_to_slot=layer_to_slot,
@@ -72,14 +81,16 @@ class DecodeGraphs:
         for bucket in reversed(self.buckets):
             meta = self.attention_buffers.metadata(bucket)
             ids, pos = self.input_ids[:bucket], self.positions[:bucket]
-            with forward_context(meta):   # warm-up: Triton compiles and autotunes outside capture
+            lora_rows = self.lora_slots[:bucket] if self.lora_slots is not None else None
+            # warm-up: Triton compiles and autotunes outside capture
+            with forward_context(meta), step_rows(lora_rows):
                 self.model.compute_logits(self.model(ids, pos))
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             # A fresh view of the positions: the rotary layer caches its cos/sin rows per positions
             # tensor object, and the rows cached by the warm-up must not be baked into the graph.
             pos = self.positions[:bucket]
-            with torch.cuda.graph(graph, pool=pool), forward_context(meta):
+            with torch.cuda.graph(graph, pool=pool), forward_context(meta), step_rows(lora_rows):
                 logits = self.model.compute_logits(self.model(ids, pos))
             pool = graph.pool()
             self.graphs[bucket] = _Graph(graph, logits)
@@ -100,7 +111,8 @@ class DecodeGraphs:
     def replay_advanced(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Replay the last run's bucket for the same rows of the same requests, at new token ids
         and positions (device tensors, [rows]): a verify chain's next step
-        (worker/spec/verify_chain.py). Returns the rows' logits."""
+        (worker/spec/verify_chain.py). Returns the rows' logits. The rows' LoRA slots stay those
+        the last run filled in: the same requests, the same adapters."""
         rows = input_ids.shape[0]
         bucket = self.bucket_for(rows)
         self.input_ids[:rows].copy_(input_ids)
@@ -120,6 +132,10 @@ class DecodeGraphs:
         assert bucket is not None and meta.num_decode_tokens == batch
         self.input_ids[:batch].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:batch].copy_(inputs.positions, non_blocking=True)
+        if self.lora_slots is not None:   # padding rows (and a step without adapters) take slot 0
+            self.lora_slots[:bucket].zero_()
+            if inputs.lora_slots is not None:
+                self.lora_slots[:batch].copy_(inputs.lora_slots, non_blocking=True)
         self.attention_buffers.load(meta, bucket)
         entry = self.graphs[bucket]
         entry.graph.replay()

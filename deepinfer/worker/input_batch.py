@@ -48,6 +48,9 @@ class StepInputs:
     attention: AttentionMetadata
     # For each chunk, the index of its last token in the flat token axis.
     last_token_index: list[int]
+    # Each row's LoRA adapter slot (lora/manager.py: the runner sets it once the inputs are built),
+    # or None: no row has an adapter.
+    lora_slots: torch.Tensor | None = None
 
 
 def max_sliding_window(groups: list[KVCacheGroup]) -> int:

@@ -22,10 +22,14 @@ Speculative decoding's runner side is here too: a chunk with drafts is verified 
 (the target's logits at every draft position; worker/spec/draft_verification.py, whose greedy
 verdicts are taken at `collect`), `profile_verify_step` times verify-shaped steps for the adaptive
 policy's cost model, and `propose_mtp` runs a model's own multi-token-prediction head.
+
+LoRA adapters (enable_lora): the new requests' adapters are put in device slots as a plan arrives,
+and each step's rows take their request's slot (lora/manager.py; lora/slots.step_rows).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
@@ -45,6 +49,8 @@ from deepinfer.kv_cache.store.factory import make_kv_connector_worker
 from deepinfer.kv_cache.tensors import KVLayout
 from deepinfer.layers.attention import forward_context
 from deepinfer.layers.attention.backends import select_backend
+from deepinfer.lora.manager import RunnerLoRA
+from deepinfer.lora.slots import step_rows
 from deepinfer.models.loader import ModelSource
 from deepinfer.models.registry import model_class
 from deepinfer.multimodal.runner_images import RunnerImages
@@ -139,6 +145,8 @@ class ModelRunner:
         self.platform.note_memory_baseline()   # before the weights: what the card holds is others'
         self._build_model(source)
         self._load_weights(source)
+        # LoRA adapters' device slots (lora/manager.py), before the memory budget is measured; None: off.
+        self.lora = RunnerLoRA.for_config(self.model, config.lora)
         self._lay_out_kv_cache()
         self._choose_attention_backend()
         self._size_kv_pool()
@@ -223,7 +231,8 @@ class ModelRunner:
         platform's budget sees it); every rank of a group takes the smallest any can hold."""
         if self.platform.profiles_activation_peak:
             tokens = min(self.config.scheduler.max_num_batched_tokens, self._max_model_len())
-            self.start_up_steps.profile_peak_memory(tokens, min(self.config.scheduler.max_num_seqs, tokens))
+            with step_rows(1 if self.lora is not None else None):   # the adapters' products' temporaries too
+                self.start_up_steps.profile_peak_memory(tokens, min(self.config.scheduler.max_num_seqs, tokens))
         self.num_blocks, self.pool_blocks = kv_pool_blocks(
             self.config, self.kv_layout, self.platform, self.attention_backend, self.hf_config, self.weight_bytes,
             self.speculation, self.dtype, self._max_model_len())
@@ -274,7 +283,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.attention_backend, len(self.groups), self.groups[0].spec.num_kv_heads, max_rows,
                 self.max_blocks_per_seq, self.block_size,
-                self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device)
+                self.layer_to_group, self.layer_to_slot, self.kv_caches, self.device, lora=self.lora is not None)
             self.decode_graphs.capture()
 
     def _seed_ranks(self) -> None:
@@ -308,6 +317,8 @@ class ModelRunner:
             # Its requests' token lists lack that step's tokens until then (draft_verification.py).
             raise RuntimeError("a forward was queued before the verify step in flight was collected")
         update_states(self.requests, plan, self.device)
+        if self.lora is not None:   # the new requests' adapters into device slots
+            self.lora.admit(plan.new_requests, self.requests)
         if self.images is not None:   # the encoder cache's work of this plan, and its image rows
             self.images.begin(plan.images)
         handle = ForwardStep(next(self._step_ids))
@@ -350,6 +361,8 @@ class ModelRunner:
                                    rows_as_decodes=bucket is not None)
         if fill_placeholders:
             self._fill_placeholders(inputs)
+        if self.lora is not None:   # each row's adapter slot (a graph copies them into its own buffer)
+            inputs.lora_slots = self.lora.step_rows(inputs.chunks, self.requests, self.device)
         hidden = logits = row_logits = None
         sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample and not c.spec_token_ids]
         if bucket is not None:
@@ -361,9 +374,14 @@ class ModelRunner:
         else:
             index = (to_device([inputs.last_token_index[i] for i in sample_rows], self.device, torch.long)
                      if sample_rows else None)
-            # Draft verification and prompt logprobs read other rows' hidden states (sample()).
-            every_row = index is None or pooling or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks)
-            with forward_context(inputs.attention):
+            # Draft verification and prompt logprobs read other rows' hidden states (sample()). With
+            # adapters too: the model would keep only the sampled rows after the last attention,
+            # and the step's per-row slots would no longer line up with its MLP's rows.
+            every_row = (index is None or pooling or inputs.lora_slots is not None
+                         or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks))
+            # Without LoRA the step leaves the rows' adapters as they are (a test may set them around it).
+            lora_rows = step_rows(inputs.lora_slots) if self.lora is not None else contextlib.nullcontext()
+            with forward_context(inputs.attention), lora_rows:
                 hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index,
                                     **({} if images is None else {"images": images.step_images(inputs)}))
             if sample_rows:

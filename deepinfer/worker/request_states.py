@@ -14,6 +14,7 @@ import torch
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.types.block_tables import apply_block_table_diffs
+from deepinfer.types.lora import LoRARequest
 from deepinfer.types.plan import CachedRequestData, NewRequestData, ScheduledChunk, SchedulerPlan
 from deepinfer.worker.pooling import PoolingState
 
@@ -37,6 +38,7 @@ class RunnerRequestState:
     # so a preempted request starts afresh from its KV.
     model_state: dict = field(default_factory=dict)
     pooling: PoolingState | None = None   # a pooling request's vector as its chunks run (worker/pooling.py)
+    lora: LoRARequest | None = None       # the adapter its rows take (lora/manager.py); None: the base model
 
     @classmethod
     def from_new(cls, new: NewRequestData, device: torch.device) -> RunnerRequestState:
@@ -47,7 +49,8 @@ class RunnerRequestState:
                    list(new.output_token_ids), new.sampling_params, new.eos_token_ids, generator,
                    [list(ids) for ids in new.block_ids], window_floor=new.window_floor,
                    write_floor=new.write_floor,
-                   pooling=PoolingState(new.pooling, len(new.prompt_token_ids)) if new.pooling is not None else None)
+                   pooling=PoolingState(new.pooling, len(new.prompt_token_ids)) if new.pooling is not None else None,
+                   lora=new.lora)
 
     def apply(self, cached: CachedRequestData) -> None:
         if cached.block_table_diffs is not None:

@@ -143,3 +143,27 @@ def write_vision_chat_tokenizer(directory: str) -> None:
     tok.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<end_of_turn>", "bos_token": "<bos>", "chat_template": VISION_CHAT_TEMPLATE}, f)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_peft_adapter(base_directory: str, directory: str, seed: int, rank: int = 8,
+                       targets: tuple[str, ...] = LORA_TARGETS, b_scale: float = 20.0):
+    """A random PEFT LoRA adapter of the checkpoint at `base_directory`, saved to `directory` the way
+    PEFT saves one; returns the PEFT model (float32, eval) to compare with. PEFT starts B at zeros
+    (the adapter would change nothing): init_lora_weights=False draws it, and `b_scale` makes it
+    large enough that each adapter changes a tiny model's greedy tokens."""
+    import peft
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    base = tf.AutoModelForCausalLM.from_pretrained(base_directory, dtype=torch.float32).eval()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets),
+                                                      init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(b_scale)
+    model.save_pretrained(directory)
+    return model.eval()

@@ -188,10 +188,10 @@ def test_the_figure_pattern(text, is_figure):
     assert bool(FIGURE.search(text)) == is_figure
 
 
-# deepinfer.multimodal.config: EngineConfig's image settings, a part of deepinfer.config kept in
-# the multimodal package (it imports nothing of deepinfer either).
+# deepinfer.multimodal.config and deepinfer.lora.config: EngineConfig's image and LoRA settings,
+# parts of deepinfer.config kept in their packages (they import nothing of deepinfer either).
 ALLOWED_BELOW_TYPES = {"deepinfer.config", "deepinfer.sampling_params", "deepinfer.pooling_params",
-                       "deepinfer.outputs", "deepinfer.multimodal.config"}
+                       "deepinfer.outputs", "deepinfer.multimodal.config", "deepinfer.lora.config"}
 
 
 def test_shared_types_import_nothing_above_them():

@@ -43,7 +43,7 @@ class CompletionJob:
     params: SamplingParams
     include_usage: bool
     prompt_only: bool   # max_tokens 0: the generated token is dropped
-    engine_fields: dict   # priority, cache_salt, traffic_class
+    engine_fields: dict   # priority, cache_salt, traffic_class, lora_request
     as_token_ids: bool = False   # logprob tokens as "token_id:N" (return_tokens_as_token_ids)
 
 
@@ -97,9 +97,10 @@ def prepare(state: ServerState, body: dict, traffic_class_header: str | None = N
     """Validate and tokenize; any client mistake is an APIError. Runs off the event loop.
     `traffic_class_header`: the request's X-Traffic-Class header (the body field wins over it)."""
     fields = parse_fields("completions", body)
-    model = state.check_model(fields.model)
+    model, lora = state.resolve_model(fields.model)
     warn_ignored(fields)
     engine_fields = sampling.engine_request_fields(fields, state.client.traffic_classes, traffic_class_header)
+    engine_fields["lora_request"] = lora   # the adapter `model` names, or None
     include_usage = sampling.include_usage(fields, state.options.enable_force_include_usage)
     if fields.suffix:
         raise bad_request("suffix is not supported", "suffix")

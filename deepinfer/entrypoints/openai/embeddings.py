@@ -45,7 +45,7 @@ class EmbeddingJob:
     model: str
     inputs: list[tuple[str | None, list[int]]]   # (text, token ids) per input
     params: PoolingParams
-    engine_fields: dict   # priority, cache_salt, traffic_class
+    engine_fields: dict   # priority, cache_salt, traffic_class, lora_request
 
 
 def _is_id(value) -> bool:
@@ -117,11 +117,12 @@ def _inputs(state: ServerState, fields: EmbeddingFields) -> list[tuple[str | Non
 def prepare(state: ServerState, body: dict, traffic_class_header: str | None = None) -> EmbeddingJob:
     """Validate and tokenize; any client mistake is an APIError. Runs off the event loop."""
     fields = parse_fields("embeddings", body)
-    model = state.check_model(fields.model)
+    model, lora = state.resolve_model(fields.model)
     why = check_dimensions(fields.dimensions, state.client.hf_config)
     if why is not None:
         raise bad_request(f'Model "{model}": {why}', "dimensions")
     engine_fields = sampling.engine_request_fields(fields, state.client.traffic_classes, traffic_class_header)
+    engine_fields["lora_request"] = lora   # the adapter `model` names, or None
     params = PoolingParams(dimensions=fields.dimensions, normalize=fields.normalize)
     return EmbeddingJob(fields, model, _inputs(state, fields), params, engine_fields)
 
