@@ -109,8 +109,8 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
             packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
             # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached). Scaling
     # the partial products instead (a pair of dots per scale group, one exponent load and multiply
-    # per output and group) ran 2x slower on an H100 at 64 and 8192 tokens: the K=16 dots cost more
-    # than the loads and multiplies they save (docs/benchmarks/history/2026-12-07.md, 21:56).
+    # per output and group) was slower: the K=16 dots cost more than the loads and multiplies they
+    # save (docs/benchmarks/design-measurements.md#the-scale-per-weight-not-per-group-the-dequantizations-one-contiguous-store).
             exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
             scale = _scale(exps)
             w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
@@ -302,8 +302,8 @@ def _dequantize_kernel(codes_ptr, exps_ptr, out_ptr, packed_k, GROUP: tl.constex
     scale = _scale(exps)
     kind = out_ptr.dtype.element_ty
     # The two nibbles' values interleaved (input 2p, then 2p + 1) and stored as one contiguous run:
-    # two stores at a stride of two elements wrote each cache line half at a time (1.2x slower on
-    # an H100, docs/benchmarks/history/2026-12-07.md).
+    # two stores at a stride of two elements wrote each cache line half at a time (slower: the
+    # measurement under design-measurements.md's FP4 expert tiles).
     values = tl.interleave((_e2m1(packed & 0xF) * scale).to(kind), (_e2m1(packed >> 4) * scale).to(kind))
     out = tl.program_id(1) * 2 * BLOCK + tl.arange(0, 2 * BLOCK)
     tl.store(out_ptr + row * 2 * packed_k + out, values, mask=out < 2 * packed_k)
