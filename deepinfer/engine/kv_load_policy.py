@@ -114,12 +114,15 @@ class KVLoadPolicy:
         """Price prefill at a flat rate per token (tests and operators that know it)."""
         self._fixed_rate = rate
 
-    def recompute_seconds(self, num_blocks: int) -> float | None:
+    def recompute_seconds(self, num_blocks: int, start_blocks: int = 0) -> float | None:
+        """Seconds to compute `num_blocks` blocks that follow `start_blocks` blocks already on
+        the device: each of their tokens attends the context before it, the device's prefix
+        included."""
         est = self.prefill_estimate()
         if est is None:
             return None
-        tokens = num_blocks * self.block_size
-        return est[0] * tokens + est[1] * tokens * (tokens + 1) / 2
+        tokens, start = num_blocks * self.block_size, start_blocks * self.block_size
+        return est[0] * tokens + est[1] * tokens * (start + (tokens + 1) / 2)
 
     # ----------------------------------------------------------------------------- samples
     def load_started(self, request_id: str, num_blocks: int, now: float) -> None:
@@ -171,10 +174,10 @@ class KVLoadPolicy:
         self._ad = keep * self._ad + a * d
 
     # ----------------------------------------------------------------------------- decision
-    def should_load(self, num_blocks: int) -> bool:
-        """Whether to load a hit of `num_blocks` blocks (else it is recomputed). Counts the
-        decision: ask once per hit."""
-        load_s, compute_s = self.load_seconds(num_blocks), self.recompute_seconds(num_blocks)
+    def should_load(self, num_blocks: int, start_blocks: int = 0) -> bool:
+        """Whether to load a hit of `num_blocks` blocks past `start_blocks` on the device (else
+        it is recomputed). Counts the decision: ask once per hit."""
+        load_s, compute_s = self.load_seconds(num_blocks), self.recompute_seconds(num_blocks, start_blocks)
         cheaper = load_s is None or compute_s is None or load_s < compute_s
         if cheaper != self._loading:
             self._loading = cheaper
