@@ -56,23 +56,24 @@ class KVTierLink:
         # (request id, blocks, load?) of the last hit decided: the scheduler asks again for a
         # request it could not admit yet, and that hit keeps its answer, counted once.
         self._decided: tuple[str, int, bool] | None = None
-        # (request id, blocks past the device's) of the last look-up: a store of runs reads
-        # whole entries, so a load names all of them even where the hit takes fewer blocks.
-        self._found: tuple[str, int] | None = None
         # Requests whose load failed, with the end (in blocks) of what they tried to load: their
         # next look-up is taken only if shorter (a damaged entry was dropped since).
         self._failed_ends: dict[str, int] = {}
         self._loading: dict[str, int] = {}   # request id -> the end (in blocks) of its load in flight
 
     # ---------------------------------------------------------------------------- admission
-    def lookup(self, hashes: list[bytes], num_device_blocks: int, request_id: str | None = None) -> int:
+    def lookup(self, hashes: list[bytes], num_device_blocks: int, request_id: str | None = None,
+               request_hashes: list[bytes] | None = None) -> int:
+        """Blocks past the device's `num_device_blocks` the tier holds of `hashes` (those the
+        request may hit); `request_hashes`: all of the request's, of which the one after them
+        may end a tier's entry (a run the request's own prompt stored)."""
         bs = self.kv.block_size
-        n = self.connector.get_num_new_matched_tokens(hashes, self._persisted_ids, num_device_blocks * bs) // bs
+        more = request_hashes is not None and len(request_hashes) > len(hashes)
+        n = self.connector.get_num_new_matched_tokens(hashes, self._persisted_ids, num_device_blocks * bs,
+                                                      next_hash=request_hashes[len(hashes)] if more else None) // bs
         failed_end = self._failed_ends.get(request_id) if request_id is not None else None
         if failed_end is not None and num_device_blocks + n >= failed_end:
             n = 0   # the store answers as before its load failed: not damaged, slow or down
-        if request_id is not None:
-            self._found = (request_id, n)
         if not n or self.load_policy is None:
             return n
         decided = self._decided
@@ -99,12 +100,8 @@ class KVTierLink:
     def start_loads(self, request: Request, hit: PrefixHit) -> None:
         """Queue the loads of a hit's tier blocks into the device blocks just allocated for them."""
         start, end = hit.load_start, hit.load_start + hit.num_load_blocks
-        found = self._found
-        if self.connector.run_blocks > 1 and found is not None and found[0] == request.request_id:
-            # Entries are runs: name the blocks the look-up found (the last run whole), load those the hit takes.
-            hashes = request.block_hashes[start:max(end, start + found[1])]
-        else:
-            hashes = request.block_hashes[start:end]
+        # A tier of runs reads whole entries: it names them from the request's hashes past the hit.
+        hashes = request.block_hashes[start:] if self.connector.run_blocks > 1 else request.block_hashes[start:end]
         self.connector.allocate_loads(request.request_id, hashes,
                                       {g.group_id: request.block_ids[g.group_id][start:end] for g in self._persisted},
                                       traffic_class=request.traffic_class, first_block=start)

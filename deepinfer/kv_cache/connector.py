@@ -112,14 +112,18 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
-                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
+                                   num_device_tokens: int, traffic_class: str | None = None,
+                                   next_hash: bytes | None = None) -> int:
         """How many tokens past `num_device_tokens` (the device's prefix hit, whole blocks) the
         tier holds, in whole blocks, for every persisted group among `group_ids`; 0 if none (or
         none of the groups is persisted). Only saves that completed count.
 
         Pass only the hashes of blocks the request may hit (the caller leaves at least one token
-        to compute). No side effects: the scheduler may ask again for a request it could not
-        admit. Count the query once, on admission, with `record_query`."""
+        to compute), and in `next_hash` the hash of the request's next block if it has one (a
+        full block holding the token it must compute: a tier whose entries span several blocks
+        may find the entry that ends there, and read it without using that block). No side
+        effects: the scheduler may ask again for a request it could not admit. Count the query
+        once, on admission, with `record_query`."""
 
     @abc.abstractmethod
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -138,9 +142,9 @@ class KVConnectorScheduler(abc.ABC):
         """Queue loads of the blocks `block_hashes` (those get_num_new_matched_tokens just
         counted, from block `first_block` of the request's chain: the device's prefix) into
         `device_block_ids[group_id]`, one device block per hash for each persisted group (a
-        persistent store also takes fewer: the first ones); returns the transfers queued (also
-        in the next build_connector_meta). The entries are pinned until their load completes or
-        is aborted.
+        tier of runs, run_blocks > 1, takes the request's hashes from `first_block` on, and
+        fewer device blocks: the first ones); returns the transfers queued (also in the next
+        build_connector_meta). The entries are pinned until their load completes or is aborted.
 
         Call it right after the look-up, with no save_blocks in between (saves may evict).
         `traffic_class`: the request's retention class; a hit restarts the entries' retention

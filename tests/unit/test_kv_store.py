@@ -579,31 +579,3 @@ def test_shutdown_flushes_within_a_bounded_time(tmp_path):
     assert time.monotonic() - start < 2.5
     stats = worker.stats()
     assert 1 <= stats.written_blocks < 10 and stats.written_blocks + stats.dropped_saves <= 10
-
-
-def test_look_ups_ask_the_store_only_past_the_runs_seen_there(tmp_path):
-    """A second look-up of a prefix (a conversation's next turn) asks the store about its new
-    runs only; once the seen runs age past KNOWN_TTL_S it asks about all of them again. A seen
-    run another instance dropped since fails its load (covered by the loads' own tests): the
-    request recomputes from there."""
-    from deepinfer.kv_cache.store import persistent_lookup
-
-    groups = [full(0, (0,))]
-    store = DirStore(str(tmp_path), RETENTION)
-    sched, worker = connector(store, groups, run_blocks=2)
-    hashes = chain(8)
-    save_all(sched, worker, random_caches(8, torch.bfloat16), groups, hashes[:4], [1, 2, 3, 4])
-    checks = store.checks
-    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
-    # Runs [0, 2) and [2, 4) are there, [4, 6) is not: three checks; then the run's shorter
-    # entry (ending at 5) is looked for: one more.
-    assert store.checks - checks == 4
-    checks = store.checks
-    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
-    assert store.checks - checks == 2          # the two runs it saw are not asked again
-    for key in sched._known:                   # seen longer ago than KNOWN_TTL_S
-        sched._known[key] -= persistent_lookup.KNOWN_TTL_S
-    checks = store.checks
-    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
-    assert store.checks - checks == 4
-    worker.close()

@@ -107,7 +107,8 @@ class HostTierScheduler(TierSchedulerBase):
 
     # ----------------------------------------------------------------------------- look-ups
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
-                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
+                                   num_device_tokens: int, traffic_class: str | None = None,
+                                   next_hash: bytes | None = None) -> int:
         if num_device_tokens % self.block_size:
             raise ValueError(f"num_device_tokens={num_device_tokens} is not whole blocks of {self.block_size}")
         keys = [self._group_keys[g] for g in group_ids if g in self._group_keys]

@@ -68,7 +68,7 @@ from deepinfer.kv_cache.specs import KVCacheGroup
 from deepinfer.kv_cache.store.backend import StoreBackend
 from deepinfer.kv_cache.store.entry import EntryLayout
 from deepinfer.kv_cache.store.persistent_lookup import KNOWN_MAX, StoreLookups
-from deepinfer.kv_cache.store.runs import CHUNK_BLOCKS, OpenRuns, look_up_ends, runs_of
+from deepinfer.kv_cache.store.runs import CHUNK_BLOCKS, OpenRuns, look_up_ends, run_start, runs_of
 from deepinfer.kv_cache.store.transfers import _Transfer
 from deepinfer.types.plan import SKIP_BLOCK, KVTransfer
 from deepinfer.types.tier_stats import KVConnectorStats
@@ -183,9 +183,11 @@ class StoreTierScheduler(StoreLookups):
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
                        device_block_ids: Mapping[int, Sequence[int]],
                        traffic_class: str | None = None, first_block: int = 0) -> list[KVTransfer]:
-        """`block_hashes`: the blocks the look-up counted, from `first_block` (the device's
-        prefix) on; device_block_ids[g] may be shorter than them (the blocks the request takes
-        from the store): the entries are read whole, the blocks past those ids not copied."""
+        """`block_hashes`: the request's blocks from `first_block` (the device's prefix) on, at
+        least as many as device_block_ids[g] (the blocks it takes from the store; fewer than the
+        look-up found where the hit is cut, e.g. by replay). Entries are read whole: the first
+        run's blocks before `first_block` and the last run's past the hit are read, not copied;
+        the last run's entry is the shortest one the look-up saw that holds the hit's end."""
         traffic_class = _check_class(traffic_class, self.backend.retention)
         self._check_loads_allowed(request_id)
         for group_id, ids in device_block_ids.items():
@@ -193,25 +195,35 @@ class StoreTierScheduler(StoreLookups):
                 raise ValueError(f"layer group {group_id} is not persisted: its KV is rebuilt, never loaded")
             if len(ids) > len(block_hashes):
                 raise ValueError(f"group {group_id}: {len(ids)} device blocks for {len(block_hashes)} hashes")
-        runs = runs_of(first_block, first_block + len(block_hashes), self.run_blocks)
-        skip = first_block - runs[0][0] if runs else 0
-        # Blocks of the first run before `first_block` are on the device already: read, not copied.
-        hashes = [b""] * skip + list(block_hashes)
         transfers = []
         for group_id, ids in device_block_ids.items():
             if not ids:
                 continue
             gk = self._layouts[group_id][0]
-            targets = [SKIP_BLOCK] * skip + list(ids) + [SKIP_BLOCK] * (len(block_hashes) - len(ids))
-            used = [(start, stop) for start, stop in runs if stop - first_block > 0 and start - first_block < len(ids)]
-            n = sum(stop - start for start, stop in used)
-            keys = [(gk, hashes[stop - runs[0][0] - 1]) for _, stop in used]
+            end = self._entry_end(gk, block_hashes, first_block, first_block + len(ids))
+            runs = runs_of(first_block, end, self.run_blocks)
+            skip = first_block - runs[0][0]
+            # Blocks of the first run before `first_block` are on the device already (hash unknown here).
+            hashes = [b""] * skip + list(block_hashes[:end - first_block])
+            targets = [SKIP_BLOCK] * skip + list(ids) + [SKIP_BLOCK] * (end - first_block - len(ids))
+            keys = [(gk, hashes[stop - runs[0][0] - 1]) for _, stop in runs]
             transfer_id = self._new_transfer_id(True, request_id, keys, len(ids))
-            transfer = KVTransfer(transfer_id, request_id, group_id, targets[:n], [], block_hashes=hashes[:n],
-                                  traffic_class=traffic_class, run_lengths=[stop - start for start, stop in used])
+            transfer = KVTransfer(transfer_id, request_id, group_id, targets, [], block_hashes=hashes,
+                                  traffic_class=traffic_class, run_lengths=[stop - start for start, stop in runs])
             self._queued_loads.append(transfer)
             transfers.append(transfer)
         return transfers
+
+    def _entry_end(self, gk: bytes, block_hashes: Sequence[bytes], first_block: int, hit_end: int) -> int:
+        """Where the entry that holds block hit_end - 1 ends: the shortest the look-up saw in
+        that run reaching hit_end (the hit may stop short of an entry: a prompt's last block is
+        always computed, a replay takes fewer blocks), else hit_end itself."""
+        now = time.monotonic()
+        last = min(run_start(hit_end, self.run_blocks) + self.run_blocks, first_block + len(block_hashes))
+        for end in range(hit_end, last + 1):
+            if self._is_known((gk, block_hashes[end - 1 - first_block]), now):
+                return end
+        return hit_end
 
     # -------------------------------------------------------------------------------- saves
     def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],

@@ -65,34 +65,38 @@ class StoreLookups(TierSchedulerBase):
             self._known.popitem(last=False)
 
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
-                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
+                                   num_device_tokens: int, traffic_class: str | None = None,
+                                   next_hash: bytes | None = None) -> int:
         if num_device_tokens % self.block_size:
             raise ValueError(f"num_device_tokens={num_device_tokens} is not whole blocks of {self.block_size}")
         groups = [self._layouts[g] for g in group_ids if g in self._layouts]
-        first = num_device_tokens // self.block_size
-        ends = look_up_ends(first, len(request_hashes), self.run_blocks)
-        if not groups or not ends:
+        first, usable = num_device_tokens // self.block_size, len(request_hashes)
+        if not groups or first >= usable:
             return 0
+        # The request's next block (full, but holding the last token it must compute) may end an
+        # entry: the one a request of this very prompt stored. Its blocks but that one are a hit.
+        hashes = [*request_hashes, next_hash] if next_hash is not None else request_hashes
+        ends = look_up_ends(first, len(hashes), self.run_blocks)
         now = time.monotonic()
         known = 0
-        while known < len(ends) and all(self._is_known(key, now) for key in self._keys(groups, request_hashes, ends[known])):
+        while known < len(ends) and all(self._is_known(key, now) for key in self._keys(groups, hashes, ends[known])):
             known += 1
         present = known
         if known < len(ends):
-            found = self._present_runs(groups, request_hashes, ends[known:])
+            found = self._present_runs(groups, hashes, ends[known:])
             if found is _DOWN:
                 return 0
             present += found
         end = ends[present - 1] if present else first
         if present < len(ends):
-            shorter = self._shorter_entry(groups, request_hashes, ends[present], first)
+            shorter = self._shorter_entry(groups, hashes, ends[present], first)
             if shorter is _DOWN:
                 return 0
             end = shorter or end
-        self._remember([k for e in ends[:present] for k in self._keys(groups, request_hashes, e)], now)
+        self._remember([k for e in ends[:present] for k in self._keys(groups, hashes, e)], now)
         if end > (ends[present - 1] if present else first):
-            self._remember(self._keys(groups, request_hashes, end), now)
-        return (end - first) * self.block_size
+            self._remember(self._keys(groups, hashes, end), now)
+        return (min(end, usable) - first) * self.block_size
 
     # ------------------------------------------------------------------------------ helpers
     def _keys(self, groups, hashes: Sequence[bytes], end: int) -> list[TierKey]:

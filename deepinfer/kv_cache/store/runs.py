@@ -48,7 +48,7 @@ def run_start(end: int, run: int = CHUNK_BLOCKS) -> int:
 def look_up_ends(first: int, n: int, run: int = CHUNK_BLOCKS) -> list[int]:
     """The ends (exclusive) of the runs holding blocks [first, n), in order: each run's grid
     end, the last cut at n. Empty when first >= n."""
-    return [min(start + run, n) for start in range(first // run * run, n, run)]
+    return [end for start in range(first // run * run, n, run) if (end := min(start + run, n)) > first]
 
 
 def partial_ends(end: int, first: int, run: int = CHUNK_BLOCKS) -> list[int]:
