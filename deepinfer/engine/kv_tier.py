@@ -29,7 +29,7 @@ from deepinfer.engine.kv_load_policy import KVLoadPolicy
 from deepinfer.kv_cache.block_pool import NULL_BLOCK_ID
 from deepinfer.kv_cache.connector import KVConnectorScheduler
 from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
-from deepinfer.types.plan import KVConnectorMetadata, RunnerResult, SchedulerPlan
+from deepinfer.types.plan import SKIP_BLOCK, KVConnectorMetadata, RunnerResult, SchedulerPlan
 from deepinfer.types.request import Request
 from deepinfer.types.tier_stats import KVConnectorStats
 
@@ -60,10 +60,11 @@ class KVTierLink:
         # next look-up is taken only if shorter (a damaged entry was dropped since).
         self._failed_ends: dict[str, int] = {}
         self._loading: dict[str, int] = {}   # request id -> the end (in blocks) of its load in flight
+        self._probes = 0
 
     # ---------------------------------------------------------------------------- admission
     def lookup(self, hashes: list[bytes], num_device_blocks: int, request_id: str | None = None,
-               request_hashes: list[bytes] | None = None) -> int:
+               request_hashes: list[bytes] | None = None, traffic_class: str | None = None) -> int:
         """Blocks past the device's `num_device_blocks` the tier holds of `hashes` (those the
         request may hit); `request_hashes`: all of the request's, of which the one after them
         may end a tier's entry (a run the request's own prompt stored)."""
@@ -81,7 +82,20 @@ class KVTierLink:
             return n if decided[2] else 0
         load = self.load_policy.should_load(n, num_device_blocks)
         self._decided = None if request_id is None else (request_id, n, load)
+        if not load and self.load_policy.take_probe():
+            self._probe(request_hashes or hashes, num_device_blocks, n, traffic_class)
         return n if load else 0   # 0: the scheduler computes the prefix
+
+    def _probe(self, hashes: list[bytes], num_device_blocks: int, n: int, traffic_class: str | None) -> None:
+        """Read a declined hit's entries into no device block (KVLoadPolicy.take_probe): a load
+        sample that no request waits for. Reported under an id of its own, which no request has."""
+        self._probes += 1
+        probe_id = f"kv-load-probe-{self._probes}"
+        transfers = self.connector.allocate_loads(probe_id, hashes[num_device_blocks:],
+                                                  {g.group_id: [SKIP_BLOCK] * n for g in self._persisted},
+                                                  traffic_class=traffic_class, first_block=num_device_blocks)
+        if transfers:
+            self.load_policy.load_started(probe_id, n, time.perf_counter())
 
     def may_retry(self, request_id: str) -> bool:
         """A load of the request failed: whether it is looked up once more (a persistent

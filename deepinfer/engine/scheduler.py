@@ -262,7 +262,7 @@ class Scheduler:
             return num_new, None
         while True:
             tier = (functools.partial(self.kv_tier.lookup, request_id=request.request_id,
-                                      request_hashes=request.block_hashes)
+                                      request_hashes=request.block_hashes, traffic_class=request.traffic_class)
                     if self.kv_tier is not None and not request.skip_kv_tier else None)
             hit = self.kv.find_prefix_hit(request, tier)
             num_new = self._first_chunk(request, hit.num_computed_tokens, partial.budget)

@@ -207,7 +207,7 @@ class StoreTierScheduler(StoreLookups):
             hashes = [b""] * skip + list(block_hashes[:end - first_block])
             targets = [SKIP_BLOCK] * skip + list(ids) + [SKIP_BLOCK] * (end - first_block - len(ids))
             keys = [(gk, hashes[stop - runs[0][0] - 1]) for _, stop in runs]
-            transfer_id = self._new_transfer_id(True, request_id, keys, len(ids))
+            transfer_id = self._new_transfer_id(True, request_id, keys, sum(b != SKIP_BLOCK for b in ids))
             transfer = KVTransfer(transfer_id, request_id, group_id, targets, [], block_hashes=hashes,
                                   traffic_class=traffic_class, run_lengths=[stop - start for start, stop in runs])
             self._queued_loads.append(transfer)
