@@ -223,7 +223,7 @@ class ThreadIO:
         return self._calls.submit(self.call, op, *args)
 
     def close(self) -> None:
-        self._calls.shutdown(wait=True)
+        self._calls.shutdown(wait=False)   # a read stuck on a dead mount must not hang shutdown
         self.ops.close()
 
 
