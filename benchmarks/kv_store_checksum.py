@@ -55,11 +55,11 @@ def main() -> None:
         print(f"  {name:>12}: {rate(fn, len(payload), args.repeats):6.2f} GB/s (one thread)")
     data = entry_format.encode(*key, layout, payload, "chat", 0.0)
     print(f"  {'encode':>12}: {rate(lambda: entry_format.encode(*key, layout, payload, 'chat', 0.0), len(payload), args.repeats):6.2f} GB/s")
-    print(f"  {'decode':>12}: {rate(lambda: entry_format.decode(data, *key, layout), len(payload), args.repeats):6.2f} GB/s")
+    print(f"  {'decode':>12}: {rate(lambda: entry_format.decode(data, *key, layout, 1), len(payload), args.repeats):6.2f} GB/s")
     for threads in (int(t) for t in args.threads.split(",")):
         with ThreadPoolExecutor(threads) as pool:
             def batch():
-                list(pool.map(lambda _: entry_format.decode(data, *key, layout), range(threads * 4)))
+                list(pool.map(lambda _: entry_format.decode(data, *key, layout, 1), range(threads * 4)))
             print(f"  decode, {threads} threads: {rate(batch, len(payload) * threads * 4, max(args.repeats // 4, 1)):6.2f} GB/s")
 
 

@@ -154,8 +154,8 @@ def main() -> None:
     store = DirStore(root, parse_retention("chat=7d,agent=3d"), clock=clock)
     writer = Writer(store, clock)
     result = {"benchmark": "kv_store_gc", "machine": machine_info(), "args": vars(args), "dir": root,
-              "bucket_s": BUCKET_S, "entry_bytes": writer.layout.entry_bytes, "rows": []}
-    print(f"store in {root}; entries of {writer.layout.entry_bytes} bytes", flush=True)
+              "bucket_s": BUCKET_S, "entry_bytes": writer.layout.entry_bytes(1), "rows": []}
+    print(f"store in {root}; entries of {writer.layout.entry_bytes(1)} bytes", flush=True)
     try:
         stored = 0
         for size in [*sizes, args.entries] if args.entries not in sizes else sizes:

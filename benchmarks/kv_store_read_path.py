@@ -1,16 +1,17 @@
 """The KV store's read path against the machine's own reads of the same files (issue 44: store
 hits that pay need reads at the disk's or the page cache's bandwidth).
 
-    python benchmarks/kv_store_read_path.py [--entry-mib 2] [--entries 512] [--threads 8]
-        [--repeats 3] [--workdir DIR] [--out JSON]
+    python benchmarks/kv_store_read_path.py [--entry-mib 2] [--entries 512] [--run-blocks 16]
+        [--threads 8] [--repeats 3] [--workdir DIR] [--out JSON]
 
-A dir:// store (deepinfer/kv_cache/store/dir.py) is filled with --entries entries of --entry-mib
-MiB of payload (the Llama-3-8B shape's 16-token block is 2 MiB), written through the store's own
-data path (entry_io.EntryOps.write). Then, with the files in the page cache (just written, and
-read once before timing), best of --repeats:
+A dir:// store (deepinfer/kv_cache/store/dir.py) is filled with --entries blocks of --entry-mib
+MiB of payload (the Llama-3-8B shape's 16-token block is 2 MiB) in entries of --run-blocks blocks
+(kv_cache/store/runs.py), written through the store's own data path (entry_io.EntryOps.write).
+Then, with the files in the page cache (just written, and read once before timing), best of
+--repeats:
 
-  store    EntryOps.read: every entry opened, read straight into its staging slot (readv), its
-           header and XXH3-128 checksum checked, on --threads threads, then touched (the index)
+  store    EntryOps.read: every entry opened, read straight into its blocks' staging slots
+           (readv), its header and XXH3-128 checksum checked, on --threads threads, then touched
   raw      the same files read into the same slots on the same number of threads, os.readv and
            nothing else: what the machine does without the store's work
   checks   entry.check alone over entries already in memory, on the same threads: the checksum's
@@ -49,6 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--entry-mib", type=float, default=2.0)
     parser.add_argument("--entries", type=int, default=512)
+    parser.add_argument("--run-blocks", type=int, default=16)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="where the store goes (default: a temp dir)")
@@ -71,12 +73,12 @@ def main() -> None:
     host = np.random.default_rng(0).integers(0, 256, (args.entries, payload), dtype=np.uint8)
     ops = EntryOps(store, host, args.threads)
     group = bytes(16)
-    keys = [(group, i.to_bytes(16, "little")) for i in range(args.entries)]
-    slots = list(range(args.entries))
+    slots = [list(range(j, min(j + args.run_blocks, args.entries))) for j in range(0, args.entries, args.run_blocks)]
+    keys = [(group, run[-1].to_bytes(16, "little")) for run in slots]
     start = time.perf_counter()
     written = ops.write(keys, slots, layout, "chat")
     write_s = time.perf_counter() - start
-    assert len(written.written) == args.entries, written
+    assert len(written.written) == len(keys), written
     paths = [store.path(key) for key in keys]
 
     def raw_read(part: range) -> None:
@@ -84,12 +86,12 @@ def main() -> None:
             head = bytearray(entry_format.HEADER_SIZE)
             fd = os.open(paths[i], os.O_RDONLY)
             try:
-                _read_fully(fd, [memoryview(head), memoryview(host[i])], os.fstat(fd).st_size)
+                _read_fully(fd, [memoryview(head), *(memoryview(host[s]) for s in slots[i])], os.fstat(fd).st_size)
             finally:
                 os.close(fd)
 
     pool = ThreadPoolExecutor(max_workers=args.threads)
-    parts = [range(j, min(j + 8, args.entries)) for j in range(0, args.entries, 8)]
+    parts = [range(j, j + 1) for j in range(len(keys))]
 
     def raw() -> None:
         list(pool.map(raw_read, parts))
@@ -107,7 +109,9 @@ def main() -> None:
         def check(part: range) -> None:
             for i in part:
                 j = i % len(heads)
-                entry_format.check(heads[j], host[j], layout.entry_bytes, group, keys[j][1], layout)
+                blocks = len(slots[j])
+                entry_format.check(heads[j], [host[s] for s in slots[j]], layout.entry_bytes(blocks), group,
+                                   keys[j][1], layout, blocks)
         list(pool.map(check, parts))
 
     def best(fn, cold: bool = False) -> float | None:
@@ -131,9 +135,10 @@ def main() -> None:
         anchor = timings["raw_cold" if row["path"].endswith("_cold") else "raw"]
         row["over_raw"] = row["seconds"] / anchor if row["path"] != "checks" else None
     result = {"benchmark": "kv_store_read_path", "machine": machine_info(), "args": vars(args),
-              "entry_bytes": layout.entry_bytes, "total_payload_bytes": total, "write_s": write_s,
+              "entry_bytes": layout.entry_bytes(args.run_blocks), "total_payload_bytes": total, "write_s": write_s,
               "cold_measured": timings["raw_cold"] is not None, "rows": rows}
-    print(f"{args.entries} entries of {layout.entry_bytes / 2**20:.2f} MiB ({total / 2**30:.2f} GiB), "
+    print(f"{args.entries} blocks in entries of {layout.entry_bytes(args.run_blocks) / 2**20:.2f} MiB "
+          f"({total / 2**30:.2f} GiB), "
           f"{args.threads} threads; written through the store in {write_s:.2f} s", flush=True)
     print_table(rows, [("path", "path", ""), ("seconds", "seconds", ".3f"), ("gb_s", "GB/s", ".2f"),
                        ("over_raw", "time / raw", ".2f")])

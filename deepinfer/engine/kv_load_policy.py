@@ -9,17 +9,23 @@ from this engine's own loads and prefill steps:
 
   load time(n blocks)  = overhead + n * per_block, fitted to each finished load: queued
                          (KVTierLink.start_loads) to reported loaded (poll); it includes the
-                         wait for the step that hands the load over and the poll that sees it
-  recompute time(n)    = per_token * N + per_pair * N (N + 1) / 2, N = n * block_size: the
-                         prefix's own prefill, whose attention grows with its length (query i
-                         attends i + 1 keys); fitted to prefill steps as
+                         wait for the step that hands the load over and the poll that sees it.
+                         Every block of a model's persisted groups has the same bytes, so
+                         per_block is the store's measured bandwidth times a block's bytes
+  recompute time(n, s) = per_token * N + per_pair * N (S + (N + 1) / 2), N = n * block_size
+                         tokens after S = s * block_size the device holds already: the prefix's
+                         own prefill, whose attention grows with its context (query i attends
+                         every key before it); fitted to prefill steps as
                          step time = per_token * tokens + per_pair * (query, key) pairs
                          (a chunk of L tokens from position s has L (s + (L + 1) / 2) pairs), so
                          a short prefix is not priced at a long one's rate or the other way
 
 A hit is loaded when the first is smaller, or while either is unmeasured (a fresh engine loads,
-as it always did). Used by KVTierLink for the persistent store only: the host tier (RAM) is
-always cheaper than recomputing.
+as it always did); a hit estimated slower to load is never loaded. Its estimate would then never
+change (a declined load is not measured), so one declined hit in EXPLORE_EVERY is probed instead:
+its entries are read and checked but copied nowhere, beside the recomputation, which waits for
+nothing (KVTierLink.lookup), and the probe's time is a load sample. Used by KVTierLink for the
+persistent store only: the host tier (RAM) is always cheaper than recomputing.
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ PREFILL_WEIGHT = 0.2
 # (launch, sampling) do not dominate, and few decode rows beside them (they cost time too).
 MIN_PREFILL_TOKENS = 256
 MAX_DECODE_ROWS_PER_PREFILL_TOKEN = 1 / 16
-# While recomputing, one hit in EXPLORE_EVERY is still loaded: a declined load is never measured,
-# so without it an estimate taken on a slow moment (a cold cache, a busy store) would stay
-# forever, and the engine would keep recomputing a store that has since become fast.
+# While recomputing, one hit in EXPLORE_EVERY is still read (a probe, no request waits for it): a
+# declined load is never measured, so without it an estimate taken on a slow moment (a cold
+# cache, a busy store) would stay forever, and the engine would keep recomputing a store that has
+# since become fast. A probe costs the store's bandwidth, never a request's time.
 EXPLORE_EVERY = 16
 # The load sizes must spread this much (std / mean) to tell the fixed overhead from the per-block
 # cost; otherwise the overhead is folded into the per-block cost (seconds / blocks).
@@ -64,9 +71,11 @@ class KVLoadPolicy:
         self._w = self._n = self._t = self._nn = self._nt = 0.0
         self._started: dict[str, tuple[int, float]] = {}   # request id -> (blocks, queued at)
         self._last_done: float | None = None               # when the last measured step ended
-        self._since_load = 0          # hits declined since the last one loaded
-        self._loading = True          # the last decision that was not an exploration
-        self.loaded = self.declined = self.explored = 0     # hits (requests)
+        self._since_load = 0          # hits declined since the last one loaded (or probed)
+        self._loading = True          # the last decision
+        self._probe = False           # the last declined hit is to be probed (take_probe)
+        self.explore_every = EXPLORE_EVERY
+        self.loaded = self.declined = self.explored = 0     # hits (requests); explored: probed
         self.declined_blocks = 0
 
     # -------------------------------------------------------------------------- estimates
@@ -114,12 +123,15 @@ class KVLoadPolicy:
         """Price prefill at a flat rate per token (tests and operators that know it)."""
         self._fixed_rate = rate
 
-    def recompute_seconds(self, num_blocks: int) -> float | None:
+    def recompute_seconds(self, num_blocks: int, start_blocks: int = 0) -> float | None:
+        """Seconds to compute `num_blocks` blocks that follow `start_blocks` blocks already on
+        the device: each of their tokens attends the context before it, the device's prefix
+        included."""
         est = self.prefill_estimate()
         if est is None:
             return None
-        tokens = num_blocks * self.block_size
-        return est[0] * tokens + est[1] * tokens * (tokens + 1) / 2
+        tokens, start = num_blocks * self.block_size, start_blocks * self.block_size
+        return est[0] * tokens + est[1] * tokens * (start + (tokens + 1) / 2)
 
     # ----------------------------------------------------------------------------- samples
     def load_started(self, request_id: str, num_blocks: int, now: float) -> None:
@@ -171,10 +183,10 @@ class KVLoadPolicy:
         self._ad = keep * self._ad + a * d
 
     # ----------------------------------------------------------------------------- decision
-    def should_load(self, num_blocks: int) -> bool:
-        """Whether to load a hit of `num_blocks` blocks (else it is recomputed). Counts the
-        decision: ask once per hit."""
-        load_s, compute_s = self.load_seconds(num_blocks), self.recompute_seconds(num_blocks)
+    def should_load(self, num_blocks: int, start_blocks: int = 0) -> bool:
+        """Whether to load a hit of `num_blocks` blocks past `start_blocks` on the device (else
+        it is recomputed, and may be probed: take_probe). Counts the decision: ask once per hit."""
+        load_s, compute_s = self.load_seconds(num_blocks), self.recompute_seconds(num_blocks, start_blocks)
         cheaper = load_s is None or compute_s is None or load_s < compute_s
         if cheaper != self._loading:
             self._loading = cheaper
@@ -186,13 +198,19 @@ class KVLoadPolicy:
             self._since_load = 0
             return True
         self._since_load += 1
-        if self._since_load >= EXPLORE_EVERY:
-            self.explored += 1
-            self._since_load = 0
-            return True
         self.declined += 1
         self.declined_blocks += num_blocks
+        if self._since_load >= self.explore_every:
+            self.explored += 1
+            self._since_load = 0
+            self._probe = True
         return False
+
+    def take_probe(self) -> bool:
+        """After a declined hit: whether to read its entries anyway, copied nowhere, as a load
+        sample (load_started / load_finished under the probe's own id). Once per probe due."""
+        probe, self._probe = self._probe, False
+        return probe
 
 
 def _fmt(seconds: float | None) -> str:

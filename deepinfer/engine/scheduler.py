@@ -270,7 +270,8 @@ class Scheduler:
                 return None
             return num_new, None
         while True:
-            tier = (functools.partial(self.kv_tier.lookup, request_id=request.request_id)
+            tier = (functools.partial(self.kv_tier.lookup, request_id=request.request_id,
+                                      request_hashes=request.block_hashes, traffic_class=request.traffic_class)
                     if self.kv_tier is not None and not request.skip_kv_tier else None)
             hit = self.kv.find_prefix_hit(request, tier)
             num_new = self._first_chunk(request, hit.num_computed_tokens, partial.budget)
@@ -548,7 +549,8 @@ class Scheduler:
     def _apply_kv_transfers(self, result: RunnerResult) -> list[EngineCoreOutput]:
         """Requests whose tier loads completed go to the front of the queue, blocks in place;
         those whose loads failed (a corrupt entry, a store that went away or timed out) go there
-        too, from zero, and skip the tier this time: their prompt is recomputed. Returns the held
+        too, from zero: their prompt is recomputed, from the prefix a store still holds before
+        the entry that failed (KVTierLink.may_retry). Returns the held
         last outputs of finished requests whose saves are now written (kv_role=prefill)."""
         loaded, failed, released = self.kv_tier.poll(result)
         answered = [self._held_outputs.pop(r) for r in released if r in self._held_outputs]
@@ -561,7 +563,9 @@ class Scheduler:
                 self.kv.free(request)   # nothing of it was published: loaded blocks publish after a step
                 request.num_computed_tokens = 0
                 request.window_floor = request.write_floor = 0
-                request.skip_kv_tier = True
+                # A store's bad entries are dropped by now: asked again, it holds the prefix
+                # before them (KVTierLink.may_retry); other failures recompute without the tier.
+                request.skip_kv_tier = not self.kv_tier.may_retry(request_id)
             else:
                 request.kv_loaded = True
             request.status = RequestStatus.WAITING   # a failed load counts its new look-up afresh

@@ -104,17 +104,26 @@ class KVConnectorScheduler(abc.ABC):
 
     block_size: int
     tier_name: str = "host"   # the `tier` label of its metrics: host | store
+    # Saves are gathered into runs of this many blocks on a grid of the request's chain (a
+    # persistent store's entries, kv_cache/store/runs.py): the caller hands each save's blocks
+    # from its run's grid line on, with their positions, so that a run whose first blocks the
+    # request took from a prefix hit is still whole.
+    run_blocks: int = 1
 
     @abc.abstractmethod
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
-                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
+                                   num_device_tokens: int, traffic_class: str | None = None,
+                                   next_hash: bytes | None = None) -> int:
         """How many tokens past `num_device_tokens` (the device's prefix hit, whole blocks) the
         tier holds, in whole blocks, for every persisted group among `group_ids`; 0 if none (or
         none of the groups is persisted). Only saves that completed count.
 
         Pass only the hashes of blocks the request may hit (the caller leaves at least one token
-        to compute). No side effects: the scheduler may ask again for a request it could not
-        admit. Count the query once, on admission, with `record_query`."""
+        to compute), and in `next_hash` the hash of the request's next block if it has one (a
+        full block holding the token it must compute: a tier whose entries span several blocks
+        may find the entry that ends there, and read it without using that block). No side
+        effects: the scheduler may ask again for a request it could not admit. Count the query
+        once, on admission, with `record_query`."""
 
     @abc.abstractmethod
     def record_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -129,11 +138,13 @@ class KVConnectorScheduler(abc.ABC):
     @abc.abstractmethod
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
                        device_block_ids: Mapping[int, Sequence[int]],
-                       traffic_class: str | None = None) -> list[KVTransfer]:
+                       traffic_class: str | None = None, first_block: int = 0) -> list[KVTransfer]:
         """Queue loads of the blocks `block_hashes` (those get_num_new_matched_tokens just
-        counted) into `device_block_ids[group_id]`, one device block per hash for each persisted
-        group; returns the transfers queued (also in the next build_connector_meta). The entries
-        are pinned until their load completes or is aborted.
+        counted, from block `first_block` of the request's chain: the device's prefix) into
+        `device_block_ids[group_id]`, one device block per hash for each persisted group (a
+        tier of runs, run_blocks > 1, takes the request's hashes from `first_block` on, and
+        fewer device blocks: the first ones); returns the transfers queued (also in the next
+        build_connector_meta). The entries are pinned until their load completes or is aborted.
 
         Call it right after the look-up, with no save_blocks in between (saves may evict).
         `traffic_class`: the request's retention class; a hit restarts the entries' retention
@@ -141,13 +152,16 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
-                    device_block_ids: Sequence[int], traffic_class: str | None = None) -> list[KVTransfer]:
+                    device_block_ids: Sequence[int], traffic_class: str | None = None,
+                    positions: Sequence[int] | None = None) -> list[KVTransfer]:
         """Queue saves of blocks that became full and computed (by steps whose result has been
         applied), one device block per hash; blocks the tier holds or is saving already are
         skipped. A group whose kind is not persisted is refused: a no-op, counted in the stats.
         Returns the transfers queued (possibly none). The entries become loadable once their
         save completed (on_transfers_finished). `traffic_class`: the retention class the entries
-        are written under (persistent stores; None: "chat")."""
+        are written under (persistent stores; None: "chat"). `positions`: each block's index in
+        the request's chain (a tier of runs, run_blocks > 1, gathers them into runs and queues
+        the trailing shorter run when the request finishes; None: a whole prefix from block 0)."""
 
     @abc.abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata:
@@ -165,10 +179,11 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def request_finished(self, request_id: str) -> bool:
-        """A request finished (or is being dropped). True: keep its device blocks until it is
-        reported in FinishedTransfers.released (its saves, or loads already copying, have not
-        completed: the delayed free). False: free them now. Loads not built yet are cancelled.
-        Queue its last saves (save_blocks) first: afterwards it takes none."""
+        """A request finished (or is being dropped, or preempted). True: keep its device blocks
+        until it is reported in FinishedTransfers.released (its saves, or loads already copying,
+        have not completed: the delayed free). False: free them now. Loads not built yet are
+        cancelled. Queue its last saves (save_blocks) first: afterwards it takes none (a tier of
+        runs queues the runs it gathered here)."""
 
     @abc.abstractmethod
     def abort_loads(self, request_id: str) -> bool:

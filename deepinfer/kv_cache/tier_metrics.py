@@ -2,8 +2,9 @@
 gathered in the engine core from both sides of the connector and sent with EngineStats.
 
     tier            "host" (kv_offloading_size) or "store" (kv_store)
-    entries, bytes  what the tier holds now: host, its index; store, the backend's cheap view
-                    (dir: this instance's estimate; Redis: DBSIZE and used_memory)
+    entries, bytes  what the tier holds now: host, its index (a block an entry); store, the
+                    backend's cheap view (an entry a run of blocks, kv_cache/store/runs.py; dir:
+                    this instance's estimate; Redis: DBSIZE and used_memory)
     writes          entries written: host, saves completed; store, entries the writer put (not
                     counting those the store already had)
     dropped_saves   blocks not saved: host, no slot free; store, the store down (either side),
@@ -45,7 +46,7 @@ def tier_metrics(tier: str, stats: KVConnectorStats, load_latency: LatencyHistog
         out.store_latency = save_latency.copy()
         return out
     out.entries, out.bytes = worker.counts.entries, worker.counts.bytes
-    out.writes = worker.written_blocks
+    out.writes = worker.written_entries
     out.dropped_saves = stats.dropped_saves + worker.dropped_saves
     out.evictions = {"lru": worker.counts.evicted, "retention": worker.counts.expired}
     out.corrupt = {"size": stats.corrupt_entries, **worker.bad_entries}

@@ -137,10 +137,18 @@ class KVTransfer:
     group_id: int
     device_block_ids: list[int]
     tier_slots: list[int]         # host tier: its slots; persistent stores: unused (empty)
-    # Persistent stores: the blocks' hashes (entries are addressed by them), and the retention
-    # class they are written or touched under (None: "chat").
+    # Persistent stores: the blocks' hashes, and the retention class they are written or touched
+    # under (None: "chat"). Their entries are runs of blocks (kv_cache/store/runs.py): run_lengths
+    # cuts device_block_ids / block_hashes into them in order, each entry named by its last
+    # block's hash. A load reads whole runs: a block it must not write (on the device already,
+    # its hash then b"") has device id SKIP_BLOCK.
     block_hashes: list[bytes] = field(default_factory=list)
     traffic_class: str | None = None
+    run_lengths: list[int] = field(default_factory=list)
+
+
+# A block of a persistent store's load that is read with its run but not copied to the device.
+SKIP_BLOCK = -1
 
 
 @dataclass

@@ -49,7 +49,7 @@ def test_dir_stats_gc_and_clear(tmp_path, capsys):
                  (3, "chat", now - 60), (4, "agent", now - 30)])
     url = f"dir://{tmp_path}"
     report = stats(capsys, url)
-    assert report["entries"] == 5 and report["bytes"] == 5 * LAYOUT.entry_bytes
+    assert report["entries"] == 5 and report["bytes"] == 5 * LAYOUT.entry_bytes(1)
     assert report["classes"] == {"agent": 3, "chat": 2} and report["basis"] == "use"
     assert report["oldest"] == pytest.approx(now - 4 * DAY, abs=1) and report["newest"] == pytest.approx(now - 30, abs=1)
     assert report["next_expiry"] == pytest.approx(now - DAY, abs=1)     # the expired agents: due a day ago
@@ -82,7 +82,7 @@ def test_redis_stats_gc_and_clear(redis_server, capsys):  # noqa: F811
     client = redis.Redis.from_url(redis_server.url)
     client.set("someone-else", b"x")   # not ours: never counted, never cleared
     report = stats(capsys, redis_server.url)
-    assert report["entries"] == 3 and report["bytes"] == 3 * LAYOUT.entry_bytes
+    assert report["entries"] == 3 and report["bytes"] == 3 * LAYOUT.entry_bytes(1)
     assert report["classes"] == {"agent": 1, "chat": 2} and report["basis"] == "write"
     assert report["oldest"] == pytest.approx(now - 2 * DAY, abs=1) and report["newest"] == pytest.approx(now - 10, abs=1)
     assert report["next_expiry"] == pytest.approx(now + 2 * DAY, abs=5)   # the agent entry: 1 d + 3 d

@@ -100,15 +100,16 @@ def test_device_blocks_stored_removed_and_cleared(tiny_llama):
 
 def test_store_writes_and_evictions_and_replay(tiny_llama, tmp_path):
     port, replay_port = free_port(), free_port()
-    entry_bytes = 16 * 1024 + 132   # about one entry of the tiny model (4 layers x K/V x 16 x 2 x 32 x 4 bytes)
+    block_bytes = 16 * 1024   # one block of the tiny model (4 layers x K/V x 16 x 2 x 32 x 4 bytes)
+    # Room for 14 blocks: the prefix's run of 6 blocks, then a run of 12 that pushes it out.
     llm = LLM(tiny_llama, dtype="float32", max_model_len=256, num_kv_blocks=64, kv_store=f"dir://{tmp_path}",
-              kv_store_size=10 * entry_bytes / 2**30, kv_events_endpoint=f"tcp://*:{port}",
+              kv_store_size=14 * block_bytes / 2**30, kv_events_endpoint=f"tcp://*:{port}",
               kv_events_replay_endpoint=f"tcp://*:{replay_port}")
     writer = llm.engine.executor.runner.kv_connector
     llm.generate([PREFIX], ONE, use_tqdm=False)
     assert writer.flush(10)
     expected = ints(request_hashes(llm, PREFIX))
-    llm.generate([[9] * 200], ONE, use_tqdm=False)   # 12 more entries: past kv_store_size, the oldest go
+    llm.generate([[9] * 200], ONE, use_tqdm=False)   # 12 more blocks: past kv_store_size, the oldest run goes
     assert writer.flush(10)
     time.sleep(0.3)   # the idle flush publishes what the writer thread reported
 
@@ -131,9 +132,10 @@ def test_store_writes_and_evictions_and_replay(tiny_llama, tmp_path):
     assert seqs == list(range(len(seqs)))
     disk_stored = [h for e in events if isinstance(e, BlockStored) and e.medium == "DISK" for h in e.block_hashes]
     disk_removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium == "DISK" for h in e.block_hashes]
+    # Every block of a run written is reported; a run removed is named by its last block.
     assert set(expected) <= set(disk_stored) and len(disk_stored) == 18
-    assert disk_removed and set(disk_removed) <= set(disk_stored)
-    assert writer.backend.counts().entries == 18 - len(disk_removed)
+    assert disk_removed == expected[-1:]
+    assert writer.backend.counts().entries == 1
     llm.engine.shutdown()
 
 

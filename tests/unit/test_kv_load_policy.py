@@ -1,7 +1,8 @@
 """The persistent store's load-or-recompute policy (engine/kv_load_policy.py) with injected
-timings: it loads while unmeasured, recomputes when loading measured slower, still loads one hit
-in EXPLORE_EVERY, follows a store that became faster, ignores failed loads, and times prefill
-steps of either loop."""
+timings: it loads while unmeasured, recomputes when loading measured slower and never loads such a
+hit (one in EXPLORE_EVERY is probed instead), follows a store that became faster, ignores failed
+loads, times prefill steps of either loop, and prices recomputation by its length and context
+(fitted to synthetic prefill steps)."""
 
 from __future__ import annotations
 
@@ -56,18 +57,24 @@ def test_declines_when_loading_is_slower_and_logs_the_flip_once(caplog):
     assert fast.should_load(6)
 
 
-def test_explores_one_hit_in_every_n_while_recomputing():
+def test_probes_one_hit_in_every_n_while_recomputing_and_loads_none():
+    """A hit estimated slower to load is never loaded; one declined hit in EXPLORE_EVERY is
+    probed (read, copied nowhere) so that the load estimate keeps being measured."""
     policy = measured(load_s_per_block=0.01, prefill_s_per_token=1e-4)
-    answers = [policy.should_load(4) for _ in range(3 * EXPLORE_EVERY)]
-    assert answers.count(True) == 3 and policy.explored == 3
-    assert [i for i, a in enumerate(answers) if a] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1]
+    answers, probes = [], []
+    for _ in range(3 * EXPLORE_EVERY):
+        answers.append(policy.should_load(4))
+        probes.append(policy.take_probe())
+    assert not any(answers) and policy.declined == 3 * EXPLORE_EVERY and policy.explored == 3
+    assert [i for i, p in enumerate(probes) if p] == [EXPLORE_EVERY - 1, 2 * EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1]
+    assert not policy.take_probe()   # once per probe due
 
 
 def test_resumes_loading_when_the_store_gets_faster():
     policy = measured(load_s_per_block=0.01, prefill_s_per_token=1e-4)
     assert not policy.should_load(10)
-    for i in range(5):   # the explored loads now read fast (a warm cache)
-        load(policy, 10, 10 * 1e-5, request_id=f"explore{i}")
+    for i in range(5):   # the probes now read fast (a warm cache)
+        load(policy, 10, 10 * 1e-5, request_id=f"probe{i}")
     assert policy.should_load(10)
     assert policy.load_seconds(10) < policy.recompute_seconds(10)
 
@@ -142,3 +149,25 @@ def test_steps_of_one_context_length_are_priced_per_token():
     for i in range(3):
         policy.observe_step(plan(prefill=1000), 10.0 * i, 10.0 * i + 0.5)
     assert policy.prefill_estimate() == (pytest.approx(0.5 / 1000), 0.0)
+
+
+def test_recompute_is_priced_by_the_context_it_attends():
+    """A hit past a device prefix: its tokens attend the device's tokens too, so the same number
+    of blocks costs more to recompute deep in a prompt than from its start; fitted from synthetic
+    steps (chunks at several positions, 1 us a token + 4 ns a pair), the decision follows."""
+    per_token, per_pair = 1e-6, 4e-9
+    policy = KVLoadPolicy(BS)
+    t = 0.0
+    for start, length in [(0, 1024), (8192, 1024), (0, 4096), (24576, 2048), (2048, 512), (16384, 512)]:
+        seconds = per_token * length + per_pair * length * (start + (length + 1) / 2)
+        policy.observe_step(SchedulerPlan([], [], [ScheduledChunk("p", start, length, False)], [], length), t,
+                            t + seconds)
+        t += seconds + 1.0
+    blocks, deep = 64, 1536          # 1,024 tokens, from 0 or after 24,576 tokens on the device
+    tokens, context = blocks * BS, deep * BS
+    assert policy.recompute_seconds(blocks) == pytest.approx(per_token * tokens + per_pair * tokens * (tokens + 1) / 2)
+    assert policy.recompute_seconds(blocks, deep) == pytest.approx(
+        per_token * tokens + per_pair * tokens * (context + (tokens + 1) / 2))
+    load(policy, blocks, 0.05)       # 50 ms to load 64 blocks
+    assert not policy.should_load(blocks)        # ~3 ms to compute from the start
+    assert policy.should_load(blocks, deep)      # ~0.1 s to compute after 24k tokens of context

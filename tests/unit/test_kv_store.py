@@ -1,7 +1,8 @@
 """The persistent KV store tier (kv_cache/store/: entry.py, dir.py, redis.py, persistent.py),
 both sides of the connector driven by hand: bit-identical round trips through a directory and a
 real Redis, faults detected and dropped, a store that goes down and comes back, retention per
-traffic class with an injectable clock, capacity LRU, sliding-window KV never written."""
+traffic class with an injectable clock, capacity LRU, sliding-window KV never written. (Entries
+of many blocks, their look-ups and partial runs: test_kv_store_runs.py.)"""
 
 from __future__ import annotations
 
@@ -34,9 +35,10 @@ class Clock:
         return self.t
 
 
-def connector(store, groups, device="cpu", **worker_kwargs):
-    sched = StoreTierScheduler(groups, BS, store, backoff_s=0.2)
-    worker = StoreTierWorker(store, device, backoff_s=0.2, **worker_kwargs)
+def connector(store, groups, device="cpu", run_blocks=None, **worker_kwargs):
+    runs = {} if run_blocks is None else {"run_blocks": run_blocks}
+    sched = StoreTierScheduler(groups, BS, store, backoff_s=0.2, **runs)
+    worker = StoreTierWorker(store, device, backoff_s=0.2, **runs, **worker_kwargs)
     return sched, worker
 
 
@@ -54,10 +56,10 @@ def save_all(sched, worker, caches, groups, hashes, block_ids):
     settle(sched, worker)
 
 
-def load_all(sched, worker, groups, hashes, block_ids):
+def load_all(sched, worker, groups, hashes, block_ids, request_id="reader"):
     n = sched.get_num_new_matched_tokens(hashes, [g.group_id for g in groups], 0) // BS
     if n:
-        sched.allocate_loads("reader", hashes[:n], {g.group_id: block_ids[:n] for g in groups if g.spec.persisted})
+        sched.allocate_loads(request_id, hashes[:n], {g.group_id: block_ids[:n] for g in groups if g.spec.persisted})
     return n, settle(sched, worker)
 
 
@@ -82,10 +84,13 @@ def test_the_io_process_outlives_a_ctrl_c_to_the_group_and_flushes(tmp_path):
 # ------------------------------------------------------------------------------------- entry
 def test_entry_round_trip_and_every_fault_is_detected():
     layout = EntryLayout(2, 64, "bfloat16")
-    payload = os.urandom(layout.payload_bytes)
-    data = entry_format.encode(b"g" * 16, b"h" * 16, layout, payload, "agent", 123.0)
-    header, out = entry_format.decode(data, b"g" * 16, b"h" * 16, layout)
+    blocks = [os.urandom(layout.payload_bytes) for _ in range(3)]   # a run of three blocks
+    payload = b"".join(blocks)
+    data = entry_format.encode(b"g" * 16, b"h" * 16, layout, blocks, "agent", 123.0)
+    assert data == entry_format.encode(b"g" * 16, b"h" * 16, layout, payload, "agent", 123.0)
+    header, out = entry_format.decode(data, b"g" * 16, b"h" * 16, layout, 3)
     assert bytes(out) == payload and header.traffic_class == "agent" and header.created == 123.0
+    assert header.num_blocks == 3 and len(data) == layout.entry_bytes(3)
     flipped = bytearray(data)
     flipped[HEADER_SIZE + 5] ^= 0x10
     truncated = data[:-7]
@@ -96,13 +101,16 @@ def test_entry_round_trip_and_every_fault_is_detected():
     for bad, reason in ((bytes(flipped), "corrupt"), (truncated, "truncated"), (data[:10], "truncated"),
                         (bytes(foreign), "version"), (bytes(header_flip), "corrupt")):
         with pytest.raises(EntryError) as err:
-            entry_format.decode(bad, b"g" * 16, b"h" * 16, layout)
+            entry_format.decode(bad, b"g" * 16, b"h" * 16, layout, 3)
         assert err.value.reason == reason
     with pytest.raises(EntryError) as err:
-        entry_format.decode(data, b"g" * 16, b"x" * 16, layout)
+        entry_format.decode(data, b"g" * 16, b"x" * 16, layout, 3)
+    assert err.value.reason == "mismatch"
+    with pytest.raises(EntryError) as err:   # a run of another length under that name (another grid)
+        entry_format.decode(data, b"g" * 16, b"h" * 16, layout, 2)
     assert err.value.reason == "mismatch"
     with pytest.raises(EntryError):
-        entry_format.decode(data, b"g" * 16, b"h" * 16, EntryLayout(2, 64, "float8_e4m3fn"))
+        entry_format.decode(data, b"g" * 16, b"h" * 16, EntryLayout(2, 64, "float8_e4m3fn"), 3)
 
 
 def test_reads_in_place_match_whole_reads_for_any_entry_length(tmp_path):
@@ -113,25 +121,28 @@ def test_reads_in_place_match_whole_reads_for_any_entry_length(tmp_path):
 
     store = DirStore(str(tmp_path), RETENTION)
     layout = EntryLayout(2, 64, "bfloat16")
-    data = entry_format.encode(b"g" * 16, b"h" * 16, layout, os.urandom(layout.payload_bytes), "chat", 1.0)
-    lengths = [len(data), 10, HEADER_SIZE + 5, len(data) - 3, len(data) + 9]
+    data = entry_format.encode(b"g" * 16, b"h" * 16, layout, os.urandom(2 * layout.payload_bytes), "chat", 1.0)
+    lengths = [len(data), 10, HEADER_SIZE + 5, len(data) - 3, len(data) + 9, HEADER_SIZE + layout.payload_bytes + 7]
     keys = [(b"g" * 16, bytes([i]) * 16) for i in range(len(lengths) + 1)]   # the last one absent
     for key, n in zip(keys, lengths):
         store.put([(key, (data + b"x" * 9)[:n], "chat")])
     results = []
     for read in (store.get_into, lambda *a: StoreBackend.get_into(store, *a)):
         heads = [bytearray(HEADER_SIZE) for _ in keys]
-        payloads = [memoryview(bytearray(layout.payload_bytes)) for _ in keys]
-        results.append((read(keys, heads, payloads), [bytes(h) for h in heads], [bytes(p) for p in payloads]))
+        payloads = [[memoryview(bytearray(layout.payload_bytes)) for _ in range(2)] for _ in keys]   # a slot a block
+        results.append((read(keys, heads, payloads), [bytes(h) for h in heads],
+                        [b"".join(bytes(p) for p in parts) for parts in payloads]))
     assert results[0] == results[1]
     sizes, heads, payloads = results[0]
     assert sizes == lengths + [None]
     assert heads[0] == data[:HEADER_SIZE] and payloads[0] == data[HEADER_SIZE:]
-    entry_format.check(heads[0], payloads[0], sizes[0], b"g" * 16, b"h" * 16, layout)
+    entry_format.check(heads[0], payloads[0], sizes[0], b"g" * 16, b"h" * 16, layout, 2)
     with pytest.raises(EntryError, match="truncated"):
-        entry_format.check(heads[3], payloads[3], sizes[3], b"g" * 16, b"h" * 16, layout)
+        entry_format.check(heads[3], payloads[3], sizes[3], b"g" * 16, b"h" * 16, layout, 2)
     with pytest.raises(EntryError, match="corrupt"):
-        entry_format.check(heads[4], payloads[4], sizes[4], b"g" * 16, b"h" * 16, layout)
+        entry_format.check(heads[4], payloads[4], sizes[4], b"g" * 16, b"h" * 16, layout, 2)
+    with pytest.raises(EntryError, match="truncated"):   # ends inside the second block's slot
+        entry_format.check(heads[5], payloads[5], sizes[5], b"g" * 16, b"h" * 16, layout, 2)
 
 
 # ------------------------------------------------------------------------------ round trips
@@ -202,6 +213,7 @@ def test_factory_picks_the_store_and_refuses_two_tiers(tmp_path):
 
 # ------------------------------------------------------------------------------------ faults
 def _file(store: DirStore, groups, hashes, i):
+    """The entry whose run ends at block i (inclusive)."""
     return store.path((StoreTierScheduler(groups, BS, store)._layouts[0][0], hashes[i]))
 
 
@@ -211,12 +223,16 @@ def _file(store: DirStore, groups, hashes, i):
                                               ("bit_flip", True), ("delete_after_lookup", True),
                                               ("truncate_after_lookup", True)])
 def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, fault, io_process):
+    """Six blocks in runs of two: the middle run's entry is damaged. Found by the look-up (its
+    size, or its absence) the hit stops before it; found by the load (its checks, or gone by
+    then), the load fails, the entry is dropped, its blocks never reach the device, and the
+    next look-up stops before it: the prefix up to it still loads."""
     groups = [full(0, (0, 1))]
-    hashes = chain(4)
+    hashes = chain(6)
     src = random_caches(2, torch.bfloat16)
     store = DirStore(str(tmp_path), RETENTION)
-    save_all(*connector(store, groups), src, groups, hashes, [1, 2, 3, 4])
-    path = _file(store, groups, hashes, 2)
+    save_all(*connector(store, groups, run_blocks=2), src, groups, hashes, [1, 2, 3, 4, 5, 6])
+    path = _file(store, groups, hashes, 3)
     if fault == "bit_flip":
         data = bytearray(open(path, "rb").read())
         data[-100] ^= 0x04
@@ -230,28 +246,28 @@ def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, faul
         data[4:6] = (9).to_bytes(2, "little")
         open(path, "wb").write(bytes(data))
     # A half-written temp file beside it is never read either.
-    open(_file(store, groups, hashes, 3) + ".tmp.1.2.dead", "wb").write(b"DIKV\x01")
+    open(_file(store, groups, hashes, 5) + ".tmp.1.2.dead", "wb").write(b"DIKV\x01")
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, io_process=io_process)
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, io_process=io_process, run_blocks=2)
     worker.register_kv_caches(dst, groups, BS)
     n = sched.get_num_new_matched_tokens(hashes, [0], 0) // BS
-    if fault in ("truncate", "delete"):   # seen by the look-up itself: stops at block 2
+    if fault in ("truncate", "delete"):   # seen by the look-up itself: stops at the second run
         assert n == 2
         assert sched.stats().corrupt_entries == (fault == "truncate")
         assert not os.path.exists(path)
         return
-    assert n == 4
+    assert n == 6
     if fault == "delete_after_lookup":
         os.remove(path)
     elif fault == "truncate_after_lookup":   # read short, into a slot: its length says so
         os.truncate(path, os.path.getsize(path) - 10)
     elif fault == "extend_after_lookup":
         open(path, "ab").write(b"\0" * 7)
-    sched.allocate_loads("reader", hashes, {0: [5, 6, 7, 8]})
+    sched.allocate_loads("reader", hashes, {0: [7, 8, 9, 10, 11, 12]})
     done = settle(sched, worker)
     assert done.failed == ["reader"] and done.loaded == []
     stats = worker.stats()
-    assert stats.failed_loads == 1 and sched.stats().failed_loads == 4 and sched.num_pending_transfers == 0
+    assert stats.failed_loads == 1 and sched.stats().failed_loads == 6 and sched.num_pending_transfers == 0
     if fault == "bit_flip":
         assert stats.bad_entries["corrupt"] == 1
     elif fault == "foreign_version":
@@ -263,9 +279,15 @@ def test_a_bad_entry_is_detected_dropped_counted_and_never_loaded(tmp_path, faul
     else:
         assert stats.missing_entries == 1
     assert not os.path.exists(path)                 # dropped
-    assert all(not t.any() for k, v in dst for t in (k, v))   # nothing reached the device blocks
-    # The next look-up stops before the dropped entry: the request recomputes from there.
+    # Nothing of the bad run reached its device blocks (the runs around it are read in parallel
+    # and may have been copied: a failed load's blocks are freed, never read).
+    assert all(not t.any() for t in block_bytes(dst, 2, [9, 10]))
+    # The next look-up stops before the dropped entry, and the prefix up to it loads.
     assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 2 * BS
+    sched.allocate_loads("again", hashes[:2], {0: [13, 14]})
+    assert settle(sched, worker).loaded == ["again"]
+    for a, b in zip(block_bytes(src, 2, [1, 2]), block_bytes(dst, 2, [13, 14])):
+        assert torch.equal(a, b)
     worker.close()
 
 
@@ -370,7 +392,7 @@ def test_dir_retention_per_class_counts_from_last_use(tmp_path):
     for name, key in keys.items():
         cls = "agent" if name == "agent" else "chat"
         store.put([(key, entry_format.encode(*key, layout, bytes(32), cls, clock()), cls)])
-    size = [layout.entry_bytes]
+    size = [layout.entry_bytes(1)]
 
     def alive(name):
         return store.exists([keys[name]], size) == [1]
@@ -430,7 +452,7 @@ def test_redis_retention_is_redis_expiry_and_a_hit_extends_it(redis_server):  # 
 def test_dir_capacity_evicts_least_recently_used_first(tmp_path):
     clock = Clock()
     layout = EntryLayout(1, 512, "bfloat16")
-    limit = 10 * layout.entry_bytes
+    limit = 10 * layout.entry_bytes(1)
     store = DirStore(str(tmp_path), RETENTION, size_bytes=limit, clock=clock)
     keys = [(b"g" * 16, i.to_bytes(16, "big")) for i in range(12)]
     for key in keys[:10]:
@@ -440,7 +462,7 @@ def test_dir_capacity_evicts_least_recently_used_first(tmp_path):
     clock.t += 400
     for key in keys[10:]:
         store.put([(key, entry_format.encode(*key, layout, bytes(1024), "chat", clock()), "chat")])
-    present = [store.exists([k], [layout.entry_bytes]) == [1] for k in keys]
+    present = [store.exists([k], [layout.entry_bytes(1)]) == [1] for k in keys]
     assert store.usage() <= limit and store.evicted >= 2
     assert present[0] and present[10] and present[11]
     assert not present[1] and not present[2]          # least recently used went first
@@ -459,7 +481,7 @@ def test_sliding_window_kv_is_never_written(tmp_path):
     settle(sched, worker)
     files = [f for _, _, fs in os.walk(store.blocks) for f in fs]
     full_key = sched._layouts[0][0].hex()
-    assert len(files) == 3 and all(f.endswith(f".{full_key}.kv") for f in files)
+    assert files == [f"{hashes[2].hex()}.{full_key}.kv"]   # one run of three blocks, named by its last
     assert sched.get_num_new_matched_tokens(hashes, [0, 1], 0) == 3 * BS   # the window is replayed
     worker.close()
 
@@ -503,9 +525,11 @@ def test_the_traffic_class_is_the_entrys_retention_class(tmp_path):
     store = DirStore(str(tmp_path), RETENTION)
     sched, worker = connector(store, groups)
     worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
-    hashes = chain(2)
-    sched.save_blocks("a", 0, hashes[:1], [1], traffic_class="agent")
-    sched.save_blocks("c", 0, hashes[1:], [2])                         # unset: "chat"
+    hashes = [chain(1)[0], chain(1, first=100)[0]]   # two prompts of one block
+    sched.save_blocks("a", 0, hashes[:1], [1], traffic_class="agent", positions=[0])
+    sched.save_blocks("c", 0, hashes[1:], [2], positions=[0])          # unset: "chat"
+    assert sched.build_connector_meta().saves == []   # a shorter run waits for its request's end
+    assert sched.request_finished("a") and sched.request_finished("c")
     settle(sched, worker)
     classes = [entry_format.decode_header(open(_file(store, groups, hashes, i), "rb").read()).traffic_class
                for i in range(2)]
@@ -531,7 +555,7 @@ def test_two_instances_writing_the_same_blocks_at_once_is_safe(tmp_path):
         t.join()
     for (key, data, _), raw in zip(items, stores[0].get(keys)):
         assert raw == data
-        entry_format.decode(raw, *key, layout)
+        entry_format.decode(raw, *key, layout, 1)
     assert not [f for _, _, fs in os.walk(stores[0].blocks) for f in fs if ".tmp." in f]
 
 
@@ -555,36 +579,3 @@ def test_shutdown_flushes_within_a_bounded_time(tmp_path):
     assert time.monotonic() - start < 2.5
     stats = worker.stats()
     assert 1 <= stats.written_blocks < 10 and stats.written_blocks + stats.dropped_saves <= 10
-
-
-class _CountingDirStore(DirStore):
-    """The dir store, recording the keys each look-up asks about."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.asked: list[int] = []
-
-    def exists(self, keys, sizes):
-        self.asked.append(len(keys))
-        return super().exists(keys, sizes)
-
-
-def test_look_ups_ask_the_store_only_past_the_blocks_seen_there(tmp_path):
-    """A second look-up of a prefix (a conversation's next turn) asks the store about the new
-    blocks only; once the seen blocks age past KNOWN_TTL_S it asks about all of them again. A seen block another instance dropped since fails its load
-    (covered by the loads' own tests): the request recomputes."""
-    from deepinfer.kv_cache.store import persistent
-
-    groups = [full(0, (0,))]
-    store = _CountingDirStore(str(tmp_path), RETENTION)
-    sched, worker = connector(store, groups)
-    hashes = chain(6)
-    save_all(sched, worker, random_caches(8, torch.bfloat16), groups, hashes[:4], [1, 2, 3, 4])
-    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
-    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
-    assert store.asked[-2:] == [6, 2]          # the second asks past the four it saw
-    for key in sched._known:                   # seen longer ago than KNOWN_TTL_S
-        sched._known[key] -= persistent.KNOWN_TTL_S
-    assert sched.get_num_new_matched_tokens(hashes, [0], 0) == 4 * BS
-    assert store.asked[-1] == 6
-    worker.close()

@@ -1,9 +1,11 @@
 """The persistent KV store through the whole engine: a prefix one LLM computed into a directory
-or Redis is reused by a fresh LLM on the same store, with identical greedy tokens; a bad entry
-(bit flip, truncation, deleted, foreign version, half-written) is detected and the request
-recomputes, identically to a cold run; Redis stopped mid-run only costs recomputation, and is
-used again once it is back. A failed load sends its request back to the queue, to be recomputed
-without the store (Scheduler._apply_kv_transfers)."""
+or Redis is reused by a fresh LLM on the same store, with identical greedy tokens (a short one,
+one entry; a long one of 37 blocks, two whole runs and a shorter one); a bad entry (bit flip,
+truncation, deleted, foreign version, half-written) in the middle of the long prefix is detected,
+the prefix before it still loads, and the request recomputes the rest, identically to a cold
+run; Redis stopped mid-run only costs recomputation, and is used again once it is back. A failed
+load sends its request back to the queue, looked up once more (Scheduler._apply_kv_transfers,
+KVTierLink.may_retry)."""
 
 from __future__ import annotations
 
@@ -14,13 +16,19 @@ import time
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.admission import EngineFacts, child_requests, to_request
 from deepinfer.kv_cache.store import entry as entry_format
 from tests.redis_server import redis_server  # noqa: F401  (a fixture)
 
 BS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-PREFIX = [(5 * i + 3) % 500 + 2 for i in range(100)]            # 6 full blocks and 4 tokens
+PREFIX = [(5 * i + 3) % 500 + 2 for i in range(100)]            # 6 full blocks and 4 tokens: one run
 FOLLOW_UP = PREFIX + [9, 10, 11]
+# The long prefix, at blocks of 8 tokens (the tiny model's 512 positions hold it): 37 full blocks
+# and 4 tokens, stored as runs [0, 16), [16, 32) and the shorter [32, 37).
+LONG_BS = 8
+LONG = [(7 * i + 5) % 500 + 2 for i in range(37 * LONG_BS + 4)]
+LONG_FOLLOW_UP = LONG + [9, 10, 11]
 
 
 def make(model: str, store: str, **kwargs) -> LLM:
@@ -74,16 +82,72 @@ def _entries(root: str) -> list[str]:
                   if f.endswith(".kv"))
 
 
+def make_long(model: str, store: str | None, **kwargs) -> LLM:
+    kwargs = {"num_kv_blocks": 128, "block_size": LONG_BS, "max_model_len": 512, **kwargs}
+    store_kwargs = {"kv_store": store} if store else {}
+    return LLM(model, dtype="float32", **store_kwargs, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def long_expected(tiny_llama):
+    llm = make_long(tiny_llama, None)
+    out = llm.generate([LONG_FOLLOW_UP], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.engine.shutdown()
+    return out
+
+
+def compute_long(model: str, store: str) -> None:
+    a = make_long(model, store)
+    a.generate([LONG], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert worker_of(a).flush(10)
+    stats = worker_of(a).stats()
+    assert (stats.written_blocks, stats.written_entries) == (37, 3)
+    a.engine.shutdown()
+
+
+def run_key(llm: LLM, tokens: list[int], last_block: int) -> tuple[bytes, bytes]:
+    """The key of the entry whose run ends at `last_block` (inclusive) of `tokens`' chain."""
+    facts = EngineFacts(llm.model_id, llm.max_model_len, llm.eos_token_ids)
+    request = to_request(child_requests("probe", tokens, GREEDY, facts)[0], LONG_BS)
+    request.hash_root = llm.engine.kv_manager.hash_root
+    (group_key, _), = llm.engine.kv_tier.connector._layouts.values()
+    return group_key, request.block_hashes[last_block]
+
+
+def run_path(llm: LLM, store_root: str, tokens: list[int], last_block: int) -> str:
+    """The file of that entry in a dir:// store."""
+    from deepinfer.kv_cache.store.dir import DirStore
+
+    return DirStore(store_root, {"chat": 1.0}).path(run_key(llm, tokens, last_block))
+
+
+@pytest.mark.parametrize("store", ["dir", "redis"])
+def test_a_long_prefix_of_several_runs_is_reused_whole(tiny_llama, tmp_path, redis_server, long_expected,  # noqa: F811
+                                                       store):
+    url = f"dir://{tmp_path}" if store == "dir" else redis_server.url
+    compute_long(tiny_llama, url)
+    if store == "dir":
+        assert sorted(os.path.getsize(p) - entry_format.HEADER_SIZE for p in _entries(str(tmp_path))) == \
+            sorted(n * 4 * 2 * LONG_BS * 2 * 16 * 4 for n in (16, 16, 5))   # blocks x the tiny model's block bytes
+    b = make_long(tiny_llama, url, kv_store_load_policy="always")
+    checks = b.engine.kv_tier.connector.backend.checks
+    out = b.generate([LONG_FOLLOW_UP], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == long_expected
+    assert out.num_cached_tokens == 37 * LONG_BS
+    tier = b.engine.stats().kv_tier
+    assert tier["loaded_blocks"] == 37 and tier["failed_loads"] == 0
+    # One existence check per run: [0, 16), [16, 32), then [32, 37) (the request may hit its 37 blocks).
+    assert b.engine.kv_tier.connector.backend.checks - checks == 3
+    b.engine.shutdown()
+
+
 @pytest.mark.parametrize("fault", ["bit_flip", "truncate", "delete", "foreign_version", "half_written"])
-def test_a_bad_entry_is_recomputed_identically(tiny_llama, tmp_path, expected, fault):
+def test_a_bad_entry_drops_its_run_and_the_prefix_before_it_still_loads(tiny_llama, tmp_path, long_expected, fault):
     store = f"dir://{tmp_path}"
-    compute_prefix(tiny_llama, store)
-    b = make(tiny_llama, store)
-    probe = sorted(_entries(str(tmp_path)), key=os.path.getmtime)
-    assert len(probe) == 6
-    # Files are named by block hash, so which one is the 4th block is not in the order: damage
-    # one, whichever it is; the request recomputes from it.
-    victim = probe[3]
+    compute_long(tiny_llama, store)
+    b = make_long(tiny_llama, store, kv_store_load_policy="always")
+    victim = run_path(b, str(tmp_path), LONG_FOLLOW_UP, 31)   # the second run, [16, 32)
+    assert victim in _entries(str(tmp_path))
     if fault == "bit_flip":
         data = bytearray(open(victim, "rb").read())
         data[len(data) // 2] ^= 0x01
@@ -100,23 +164,25 @@ def test_a_bad_entry_is_recomputed_identically(tiny_llama, tmp_path, expected, f
         data = open(victim, "rb").read()
         os.remove(victim)
         open(victim + ".tmp.4242.1.dead", "wb").write(data[:len(data) // 3])
-    out = b.generate([FOLLOW_UP], GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == expected
+    out = b.generate([LONG_FOLLOW_UP], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == long_expected
+    # The first run came from the store either way; the damaged run and what follows were computed.
+    assert out.num_cached_tokens == 16 * LONG_BS
     tier, store_stats = b.engine.stats().kv_tier, worker_of(b).stats()
-    if fault in ("bit_flip", "foreign_version"):   # found by the load: it fails, the request recomputes
+    if fault in ("bit_flip", "foreign_version"):   # found by the load: it fails, the request looks up again
         assert tier["failed_loads"] > 0
         assert store_stats.bad_entries["corrupt" if fault == "bit_flip" else "version"] == 1
     elif fault == "truncate":                       # found by the look-up (its size)
-        assert tier["corrupt_entries"] == 1
+        assert tier["corrupt_entries"] == 1 and tier["failed_loads"] == 0
     else:                                           # absent: the look-up stops before it, nothing fails
-        assert tier["loaded_blocks"] < 6 and tier["failed_loads"] == 0 and tier["corrupt_entries"] == 0
-    # The bad entry was dropped; the recomputed block was saved again, whole.
+        assert tier["failed_loads"] == 0 and tier["corrupt_entries"] == 0
+    # The bad entry was dropped; the recomputed run was saved again, whole.
     assert worker_of(b).flush(10)
-    if fault != "delete" or os.path.exists(victim):
-        data = open(victim, "rb").read()
-        header = entry_format.decode_header(data)
-        assert entry_format.checksum(data[entry_format.HEADER_SIZE:]) == header.checksum
+    data = open(victim, "rb").read()
+    header = entry_format.decode_header(data)
+    assert header.num_blocks == 16 and entry_format.checksum(data[entry_format.HEADER_SIZE:]) == header.checksum
     assert b.engine.kv_manager.blocks_in_use() == {}
+    b.engine.shutdown()
 
 
 def test_redis_stopped_mid_run_costs_only_recomputation(tiny_llama, redis_server, expected, caplog):  # noqa: F811
@@ -163,7 +229,7 @@ def test_sliding_window_kv_never_reaches_the_store(tmp_path):
     assert sorted(layouts) == [g.group_id for g in full_groups]
     assert len(full_groups) < len(llm.engine.kv_manager.groups)   # the model has sliding-window groups
     names = _entries(str(tmp_path / "store"))
-    assert len(names) == 6 * len(full_groups)
+    assert len(names) == len(full_groups)   # the prompt's 6 blocks: one run a group
     assert {n.rsplit(".", 2)[1] for n in names} == {layouts[g.group_id][0].hex() for g in full_groups}
 
 

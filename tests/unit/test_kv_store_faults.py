@@ -21,14 +21,16 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.kv_cache.store import entry as entry_format
 from tests.redis_server import redis_server  # noqa: F401  (a fixture)
-from tests.unit.test_kv_store_engine import (  # noqa: F401  (expected: a fixture)
+from tests.unit.test_kv_store_engine import (  # noqa: F401  (long_expected: a fixture)
     BS,
-    FOLLOW_UP,
     GREEDY,
-    PREFIX,
-    compute_prefix,
-    expected,
+    LONG_BS,
+    LONG_FOLLOW_UP,
+    compute_long,
+    long_expected,
     make,
+    make_long,
+    run_key,
     worker_of,
 )
 
@@ -91,7 +93,7 @@ def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_p
         ready, _, _ = select.select([child.stdout], [], [], 120)
         assert ready and child.stdout.readline().strip() == "flushed", "the writer engine did not start"
         flushed = len(_entries(str(tmp_path)))
-        assert flushed == 8 * (PROMPT_TOKENS // BS)
+        assert flushed == 8   # a prompt's 6 blocks: one run
         deadline = time.monotonic() + 60
         while len(_entries(str(tmp_path))) < flushed + 4:   # later batches are being written
             assert time.monotonic() < deadline and child.poll() is None, "the writer engine stopped writing"
@@ -144,14 +146,18 @@ def test_kill_9_during_writes_never_feeds_a_half_written_entry(tiny_llama, tmp_p
 
 # ------------------------------------------------------------------------------ Redis entries
 @pytest.mark.parametrize("fault", ["bit_flip", "truncate", "foreign_version"])
-def test_a_damaged_redis_entry_is_recomputed_identically(tiny_llama, redis_server, expected, fault):  # noqa: F811
+def test_a_damaged_redis_entry_is_recomputed_identically(tiny_llama, redis_server, long_expected, fault):  # noqa: F811
+    """The long prefix's three runs in Redis, the middle one damaged: the run before it still
+    loads, the rest is recomputed, and the damaged run is written again."""
     import redis
 
-    compute_prefix(tiny_llama, redis_server.url)
+    from deepinfer.kv_cache.store.redis import RedisStore
+
+    compute_long(tiny_llama, redis_server.url)
     client = redis.Redis.from_url(redis_server.url)
-    keys = sorted(client.scan_iter(match="deepinfer:kv:*"))
-    assert len(keys) == 6
-    victim = keys[3]   # named by block hash: which block it is does not matter, the request recomputes from it
+    assert len(list(client.scan_iter(match="deepinfer:kv:*"))) == 3
+    b = make_long(tiny_llama, redis_server.url, kv_store_load_policy="always")
+    victim = RedisStore.name(run_key(b, LONG_FOLLOW_UP, 31))   # the run [16, 32)
     data = client.get(victim)
     if fault == "bit_flip":
         client.setrange(victim, len(data) // 2, bytes([data[len(data) // 2] ^ 0x01]))
@@ -159,9 +165,9 @@ def test_a_damaged_redis_entry_is_recomputed_identically(tiny_llama, redis_serve
         client.set(victim, data[:len(data) // 2], keepttl=True)
     else:
         client.setrange(victim, 4, (7).to_bytes(2, "little"))
-    b = make(tiny_llama, redis_server.url)
-    out = b.generate([FOLLOW_UP], GREEDY, use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == expected
+    out = b.generate([LONG_FOLLOW_UP], GREEDY, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == long_expected
+    assert out.num_cached_tokens == 16 * LONG_BS
     tier, stats = b.engine.stats().kv_tier, worker_of(b).stats()
     if fault == "truncate":   # found by the look-up (STRLEN): never read
         assert tier["corrupt_entries"] == 1 and tier["failed_loads"] == 0
@@ -172,6 +178,5 @@ def test_a_damaged_redis_entry_is_recomputed_identically(tiny_llama, redis_serve
     assert worker_of(b).flush(10)
     rewritten = client.get(victim)
     header = entry_format.decode_header(rewritten)
-    assert entry_format.checksum(rewritten[entry_format.HEADER_SIZE:]) == header.checksum
-    assert out.num_cached_tokens < len(PREFIX)
+    assert header.num_blocks == 16 and entry_format.checksum(rewritten[entry_format.HEADER_SIZE:]) == header.checksum
     b.engine.shutdown()

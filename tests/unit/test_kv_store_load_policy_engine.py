@@ -1,11 +1,13 @@
 """kv_store_load_policy through the whole engine, on a directory store: an instance that measured
 its store slower than computing recomputes a stored prefix (nothing loaded, the same tokens as a
 cold run) and counts the declined blocks; `always` loads it; a real engine measures both costs;
-the host tier and a decode instance never decline; the field is validated and a flag."""
+the host tier and a decode instance never decline; a declined hit is probed, never loaded; the
+field is validated and a flag."""
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
@@ -13,7 +15,16 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.cli.flags import add_dataclass_flags, dataclass_values
 from deepinfer.config import CacheConfig
 from deepinfer.engine.kv_load_policy import KVLoadPolicy
-from tests.unit.test_kv_store_engine import BS, FOLLOW_UP, GREEDY, PREFIX, cold, compute_prefix, make
+from tests.unit.test_kv_store_engine import (
+    BS,
+    FOLLOW_UP,
+    GREEDY,
+    PREFIX,
+    cold,
+    compute_prefix,
+    make,
+    worker_of,
+)
 from tests.unit.test_kv_tier_engine import _request
 
 
@@ -46,6 +57,30 @@ def test_a_store_measured_slower_than_computing_is_not_loaded(tiny_llama, tmp_pa
     link = b.engine.kv_tier
     assert [link.lookup(hashes, 0, request_id="waiting") for _ in range(3)] == [0, 0, 0]
     assert link.load_policy.declined == 2
+
+
+def test_a_declined_hit_is_probed_without_making_anyone_wait(tiny_llama, tmp_path, expected):
+    """With a probe due (here every declined hit), the prefix is recomputed as declined, and its
+    entries are read beside it into no device block: the policy gets a load sample, nothing is
+    loaded, and the answer is a cold run's."""
+    store = f"dir://{tmp_path}"
+    compute_prefix(tiny_llama, store)
+    b = make(tiny_llama, store)
+    policy = b.engine.kv_tier.load_policy
+    slow_store(policy)
+    policy.explore_every = 1
+    weight = policy._w
+    out = b.generate([FOLLOW_UP], GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == expected
+    deadline = time.monotonic() + 10
+    while b.engine.kv_tier.busy:   # the probe may end after the request: the engine still polls it
+        assert time.monotonic() < deadline
+        b.engine.step()
+    assert policy.explored == 1 and policy.declined == 1 and policy._w > weight   # a load sample
+    tier = b.engine.stats().kv_tier
+    assert tier["loaded_blocks"] == 0 and tier["failed_loads"] == 0
+    assert worker_of(b).stats().loaded_blocks == 0
+    assert b.engine.kv_manager.blocks_in_use() == {}
 
 
 def test_always_loads(tiny_llama, tmp_path, expected):

@@ -1,7 +1,8 @@
 """The persistent KV store's staging buffer (kv_cache/store/staging.py) through both sides of the
-connector: a save or a load larger than its half of the buffer streams through it whole (a save
-is finished only once its last block is off the device), and a save that is dropped (the store
-down) is counted, logged once and exported on /metrics."""
+connector: a save or a load larger than its half of the buffer streams through it whole, run by
+run (a save is finished only once its last block is off the device), a buffer smaller than two
+runs is raised to that, and a save that is dropped (the store down) is counted, logged once and
+exported on /metrics. Runs of two blocks here, so that a few slots hold several."""
 
 from __future__ import annotations
 
@@ -30,13 +31,14 @@ def _slots_bytes(groups, n: int) -> int:
 @pytest.mark.parametrize("device,io_process", [("cpu", False), ("cpu", True),
                                                pytest.param("cuda", True, marks=pytest.mark.gpu)])
 def test_a_save_and_a_load_larger_than_the_buffer_stream_through_it_whole(tmp_path, device, io_process):
-    """Six slots, three for saves and three for loads; a save of five blocks is written whole, and
-    a fresh reader with the same small buffer finds and loads all five, bit-identical, in pieces.
-    (Before: the first three were written, the other two dropped; a request loaded at most three.)"""
+    """Six slots, three for saves and three for loads; a save of five blocks (runs of 2, 2, 1) is
+    written whole, and a fresh reader with the same small buffer finds and loads all five,
+    bit-identical, run by run. (Before streaming: the first three were written, the other two
+    dropped; a request loaded at most three.)"""
     groups = [full(0, (0, 1))]
     hashes = chain(5)
     src = random_caches(2, torch.bfloat16, device)
-    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device,
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device, run_blocks=2,
                               buffer_bytes=_slots_bytes(groups, 6), io_process=io_process)
     save_all(sched, worker, src, groups, hashes, [3, 7, 1, 12, 5])
     stats = worker.stats()
@@ -44,7 +46,7 @@ def test_a_save_and_a_load_larger_than_the_buffer_stream_through_it_whole(tmp_pa
     assert sched.stats().saved_blocks == 5
     worker.close()
     dst = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src]
-    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device,
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, device, run_blocks=2,
                               buffer_bytes=_slots_bytes(groups, 6), io_process=io_process)
     worker.register_kv_caches(dst, groups, BS)
     n, done = load_all(sched, worker, groups, hashes, [0, 2, 4, 6, 8])
@@ -57,11 +59,13 @@ def test_a_save_and_a_load_larger_than_the_buffer_stream_through_it_whole(tmp_pa
 
 
 def test_a_save_is_finished_only_once_its_last_block_left_the_device(tmp_path):
-    """A writer held back: a save of five blocks through three save slots stages three; it is not
-    reported finished (its device blocks stay held) until the writer frees slots and the other
-    two are staged at a later poll."""
+    """A writer held back: a save of five blocks (runs of 2, 2, 1) through three save slots
+    stages its first run (the second does not fit whole); it is not reported finished (its
+    device blocks stay held) until the writer frees slots and the other runs are staged at a
+    later poll."""
     groups = [full(0, (0,))]
-    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, buffer_bytes=_slots_bytes(groups, 6))
+    sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, run_blocks=2,
+                              buffer_bytes=_slots_bytes(groups, 6))
     worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
     gate = threading.Event()
     call = worker._io.call
@@ -75,7 +79,7 @@ def test_a_save_is_finished_only_once_its_last_block_left_the_device(tmp_path):
     (save,) = sched.save_blocks("r", 0, chain(5), [1, 2, 3, 4, 5])
     worker.start_transfers(sched.build_connector_meta())
     worker.after_forward()
-    assert worker.staging.free_slots == 3 and len(worker._backlog) == 1
+    assert worker.staging.free_slots == 4 and len(worker._backlog) == 1
     assert worker.finished_transfers() == []
     gate.set()
     assert worker.flush(10)
@@ -116,10 +120,10 @@ def test_a_load_while_the_store_is_down_fails_and_frees_every_slot(tmp_path):
     groups = [full(0, (0, 1))]
     hashes = chain(4)
     src = random_caches(2, torch.bfloat16)
-    save_all(*connector(DirStore(str(tmp_path), RETENTION), groups), src, groups, hashes, [3, 7, 1, 12])
+    save_all(*connector(DirStore(str(tmp_path), RETENTION), groups, run_blocks=2), src, groups, hashes, [3, 7, 1, 12])
     store = DirStore(str(tmp_path), RETENTION)
-    sched = StoreTierScheduler(groups, BS, store, backoff_s=0.2)
-    worker = StoreTierWorker(store, "cpu", backoff_s=0.2, buffer_bytes=_slots_bytes(groups, 4))
+    sched = StoreTierScheduler(groups, BS, store, backoff_s=0.2, run_blocks=2)
+    worker = StoreTierWorker(store, "cpu", backoff_s=0.2, buffer_bytes=_slots_bytes(groups, 4), run_blocks=2)
     worker.register_kv_caches([(torch.zeros_like(k), torch.zeros_like(v)) for k, v in src], groups, BS)
     n = sched.get_num_new_matched_tokens(hashes, [0], 0) // BS
     sched.allocate_loads("reader", hashes[:n], {0: [0, 2, 4, 6]})
@@ -129,4 +133,17 @@ def test_a_load_while_the_store_is_down_fails_and_frees_every_slot(tmp_path):
     done = sched.on_transfers_finished(worker.finished_transfers(), worker.failed_transfers())
     assert n == 4 and done.failed == ["reader"] and worker.stats().failed_loads == 1
     assert worker.staging.free_slots == 4
+    worker.close()
+
+
+def test_a_buffer_smaller_than_two_runs_is_raised_to_them(tmp_path, caplog):
+    """Each half must hold a whole run (an entry is read and written through its blocks' slots
+    at once): a buffer of one block is raised to two runs, with a warning."""
+    groups = [full(0, (0,))]
+    with caplog.at_level(logging.WARNING, logger="deepinfer.kv_cache.store.staging"):
+        sched, worker = connector(DirStore(str(tmp_path), RETENTION), groups, run_blocks=3,
+                                  buffer_bytes=_slots_bytes(groups, 1))
+        worker.register_kv_caches(random_caches(1, torch.bfloat16), groups, BS)
+    assert worker.staging.num_slots == 6 and worker.staging.quota == {"save": 3, "load": 3}
+    assert "raised to 6" in caplog.text
     worker.close()

@@ -65,32 +65,34 @@ def test_host_tier_series(tiny_llama):
     assert v(got, "kv_tier_entries", "host") == 8 and v(got, "kv_tier_evictions_total", "host", cause="lru") == 10
 
 
-def _store_counts(llm: LLM, entries: int, timeout_s: float = 10.0) -> None:
+def _store_counts(llm: LLM, entries: int, evicted: int = 0, timeout_s: float = 10.0) -> None:
     """Wait for the writer thread's next refresh of the backend's counts (every COUNTS_INTERVAL_S)."""
     worker = llm.engine.executor.runner.kv_connector
     deadline = time.monotonic() + timeout_s
-    while worker.stats().counts.entries != entries:
+    while (worker.stats().counts.entries, worker.stats().counts.evicted) != (entries, evicted):
         assert time.monotonic() < deadline, f"counts stayed at {worker.stats().counts}"
         time.sleep(0.1)
 
 
 def test_store_tier_series(tiny_llama, tmp_path):
-    entry = BLOCK_BYTES + 120   # the header (kv_cache/store/entry.py)
+    from deepinfer.kv_cache.store.entry import HEADER_SIZE
+
+    # Room for 14 blocks: the prefix is one entry (a run of 6 blocks), then a run of 12 pushes it out.
     llm = LLM(tiny_llama, dtype="float32", num_kv_blocks=64, max_model_len=256, kv_store=f"dir://{tmp_path / 'a'}",
-              kv_store_size=10 * entry / 2**30)
+              kv_store_size=14 * BLOCK_BYTES / 2**30)
     worker = llm.engine.executor.runner.kv_connector
     llm.generate([PREFIX], ONE, use_tqdm=False)
     assert worker.flush(10)
-    _store_counts(llm, 6)
+    _store_counts(llm, 1)
     got = scrape(llm)
-    assert v(got, "kv_tier_entries", "store") == 6 and v(got, "kv_tier_bytes", "store") == 6 * entry
-    assert v(got, "kv_tier_writes_total", "store") == 6 and v(got, "kv_tier_store_latency_seconds_count", "store") == 1
+    assert v(got, "kv_tier_entries", "store") == 1 and v(got, "kv_tier_bytes", "store") == HEADER_SIZE + 6 * BLOCK_BYTES
+    assert v(got, "kv_tier_writes_total", "store") == 1 and v(got, "kv_tier_store_latency_seconds_count", "store") == 1
     assert ("kv_tier_stored_blocks", (("tier", "store"),)) not in got   # the host tier's gauge; a store has entries
-    llm.generate([[9] * 200], ONE, use_tqdm=False)      # 12 more: past kv_store_size, the oldest go
+    llm.generate([[9] * 200], ONE, use_tqdm=False)      # 12 more blocks: past kv_store_size, the oldest go
     assert worker.flush(10)
-    _store_counts(llm, 9)                               # down to 90 % of the limit
+    _store_counts(llm, 1, evicted=1)                    # down to 90 % of the limit: the run of 12 stays
     got = scrape(llm)
-    assert v(got, "kv_tier_evictions_total", "store", cause="lru") == 9
+    assert v(got, "kv_tier_evictions_total", "store", cause="lru") == 1
     assert v(got, "kv_tier_evictions_total", "store", cause="retention") == 0
     llm.engine.shutdown()
 

@@ -26,6 +26,13 @@ Clock = Callable[[], float]
 # exists() states
 ABSENT, PRESENT, WRONG_SIZE = 0, 1, -1
 
+# What put() takes for an entry: its bytes, or the buffers that make them up in order.
+Entry = bytes | Sequence[bytes | bytearray | memoryview]
+
+
+def entry_parts(entry: Entry) -> list[bytes | bytearray | memoryview]:
+    return [entry] if isinstance(entry, (bytes, bytearray, memoryview)) else list(entry)
+
 
 class StoreUnavailable(RuntimeError):
     """The store cannot be reached or refused the operation (down, full, permissions)."""
@@ -56,8 +63,9 @@ class StoreCounts:
 
 
 class StoreBackend(abc.ABC):
-    """Entries are bytes (kv_cache/store/entry.py) under a TierKey. Thread-safe: the worker's
-    reader and writer threads share one instance; the scheduler side has its own."""
+    """Entries are bytes (kv_cache/store/entry.py: a run of blocks each) under a TierKey.
+    Thread-safe: the worker's reader and writer threads share one instance; the scheduler side
+    has its own."""
 
     url: str
     medium: str = "STORE"   # the `medium` of its KV events (kv_cache/events.py)
@@ -67,6 +75,16 @@ class StoreBackend(abc.ABC):
         self.clock = clock
         # Told of the entries this instance removes (expired, evicted, corrupt): KV events.
         self.on_removed: Callable[[list[TierKey]], None] | None = None
+        # Existence checks made (a stat, a STRLEN) and the calls that made them (a Redis pipeline
+        # is one round trip): what a look-up costs the store, for tests and benchmarks.
+        self.checks = 0
+        self.check_calls = 0
+        self._count_lock = threading.Lock()
+
+    def _counted(self, checks: int) -> None:
+        with self._count_lock:
+            self.checks += checks
+            self.check_calls += 1
 
     def _notify_removed(self, keys: list[TierKey | None]) -> None:
         keys = [k for k in keys if k is not None]
@@ -81,36 +99,48 @@ class StoreBackend(abc.ABC):
     @abc.abstractmethod
     def exists(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
         """Per key: PRESENT, ABSENT, or WRONG_SIZE (an entry whose byte size is not `sizes[i]`:
-        truncated or foreign; the caller drops it). Stops early is allowed: keys after the first
-        non-PRESENT one may be reported ABSENT."""
+        truncated, foreign or of another format; the caller drops it). Stopping early is
+        allowed: keys after the first non-PRESENT one may be reported ABSENT."""
+
+    @abc.abstractmethod
+    def first_present(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
+        """exists() for candidates of which the caller wants the first that is PRESENT (a run's
+        shorter entries, longest first): states as exists(); stopping after the first PRESENT
+        one is allowed (keys after it may be reported ABSENT)."""
 
     @abc.abstractmethod
     def get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
         """The entries' bytes (None: absent)."""
 
     def get_into(self, keys: Sequence[TierKey], heads: Sequence[bytearray],
-                 payloads: Sequence[memoryview]) -> list[int | None]:
+                 payloads: Sequence[Sequence[memoryview]]) -> list[int | None]:
         """Read entries in place: entry i's first bytes into heads[i] (HEADER_SIZE long), the
-        bytes after them into payloads[i] (a staging slot: the payload size the reader expects),
-        as much of each as the entry has. Returns each entry's whole size in bytes (None: absent),
-        so that the caller sees a short or an overlong entry. This default reads whole entries
-        (get) and copies them; a backend that can read into memory directly overrides it."""
+        bytes after them into the buffers payloads[i] in order (staging slots, one per block of
+        the run: the payload the reader expects), as much of each as the entry has. Returns each
+        entry's whole size in bytes (None: absent), so that the caller sees a short or an
+        overlong entry. This default reads whole entries (get) and copies them; a backend that
+        can read into memory directly overrides it."""
         sizes: list[int | None] = []
-        for data, head, payload in zip(self.get(keys), heads, payloads):
+        for data, head, parts in zip(self.get(keys), heads, payloads):
             if data is None:
                 sizes.append(None)
                 continue
             data = memoryview(data)
             n = min(len(data), len(head))
             head[:n] = data[:n]
-            rest = data[len(head):len(head) + len(payload)]
-            payload[:len(rest)] = rest
+            at = len(head)
+            for part in parts:
+                rest = data[at:at + len(part)]
+                part[:len(rest)] = rest
+                at += len(part)
             sizes.append(len(data))
         return sizes
 
     @abc.abstractmethod
-    def put(self, items: Sequence[tuple[TierKey, bytes, str]]) -> None:
-        """Write (key, entry bytes, traffic class) atomically each; last use = now."""
+    def put(self, items: Sequence[tuple[TierKey, Entry, str]]) -> None:
+        """Write (key, entry, traffic class) atomically each; last use = now. An entry is its
+        bytes, or the buffers that make them up in order (the header, then the slots' payloads:
+        a backend that can write them without joining them does)."""
 
     @abc.abstractmethod
     def touch(self, keys: Sequence[TierKey], traffic_class: str) -> None:

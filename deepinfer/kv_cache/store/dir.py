@@ -2,8 +2,10 @@
 as NFS or 3FS for reuse across instances).
 
 Layout under PATH:
-    blocks/<h0h1>/<h2h3>/<block hash hex>.<group key hex>.kv    one entry (entry.py), sharded
-                                                                by the block hash's prefix
+    blocks/<h0h1>/<h2h3>/<block hash hex>.<group key hex>.kv    one entry (entry.py: a run of
+                                                                blocks, named by its last
+                                                                block's hash), sharded by the
+                                                                hash's prefix
     blocks/.../<name>.tmp.<pid>.<thread>.<random>               a write in progress
     index/<bucket>.<class>                                      lines "<relative path>\\n": entries
                                                                 last used in that time bucket
@@ -49,10 +51,12 @@ from deepinfer.kv_cache.store.backend import (
     PRESENT,
     WRONG_SIZE,
     Clock,
+    Entry,
     StoreBackend,
     StoreCounts,
     StoreReport,
     StoreUnavailable,
+    entry_parts,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,6 +65,8 @@ BUCKET_S = 300.0
 RESCAN_S = 300.0
 LOW_WATER = 0.9
 TEMP_MAX_AGE_S = 3600.0
+# At most this many buffers per readv / writev call (the kernel's IOV_MAX).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
 class DirStore(StoreBackend):
@@ -104,19 +110,42 @@ class DirStore(StoreBackend):
     # ------------------------------------------------------------------------------ entries
     def exists(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
         out = [ABSENT] * len(keys)
+        asked = 0
         try:
             for i, (key, size) in enumerate(zip(keys, sizes)):
-                try:
-                    st = os.stat(self.path(key))
-                except FileNotFoundError:
+                asked += 1
+                state = self._state(key, size)
+                out[i] = state
+                if state != PRESENT:
                     break
-                if st.st_size != size:
-                    out[i] = WRONG_SIZE
-                    break
-                out[i] = PRESENT
         except OSError as exc:
             raise StoreUnavailable(str(exc)) from exc
+        finally:
+            self._counted(asked)
         return out
+
+    def first_present(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
+        out = [ABSENT] * len(keys)
+        asked = 0
+        try:
+            for i, (key, size) in enumerate(zip(keys, sizes)):
+                asked += 1
+                out[i] = self._state(key, size)
+                if out[i] == PRESENT:
+                    break
+        except OSError as exc:
+            raise StoreUnavailable(str(exc)) from exc
+        finally:
+            self._counted(asked)
+        return out
+
+    def _state(self, key: TierKey, size: int) -> int:
+        """One stat: the whole existence check of an entry."""
+        try:
+            st = os.stat(self.path(key))
+        except FileNotFoundError:
+            return ABSENT
+        return PRESENT if st.st_size == size else WRONG_SIZE
 
     def get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
         out: list[bytes | None] = []
@@ -132,13 +161,14 @@ class DirStore(StoreBackend):
         return out
 
     def get_into(self, keys: Sequence[TierKey], heads: Sequence[bytearray],
-                 payloads: Sequence[memoryview]) -> list[int | None]:
-        # One readv per entry, straight into the staging slot: reading whole files into new
-        # bytes objects and copying them into the slots made a load several times slower than
-        # the plain reads of the same files (docs/benchmarks/design-measurements.md#kv-store-reads-in-place).
+                 payloads: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        # One readv per entry, straight into the staging slots (the header into its own small
+        # buffer, each block into its slot): reading whole files into new bytes objects and
+        # copying them into the slots made a load several times slower than the plain reads of
+        # the same files (docs/benchmarks/design-measurements.md#kv-store-reads-in-place).
         sizes: list[int | None] = []
         try:
-            for key, head, payload in zip(keys, heads, payloads):
+            for key, head, parts in zip(keys, heads, payloads):
                 try:
                     fd = os.open(self.path(key), os.O_RDONLY)
                 except FileNotFoundError:
@@ -146,7 +176,7 @@ class DirStore(StoreBackend):
                     continue
                 try:
                     size = os.fstat(fd).st_size
-                    _read_fully(fd, [memoryview(head), memoryview(payload)], size)
+                    _read_fully(fd, [memoryview(head), *(memoryview(p) for p in parts)], size)
                 finally:
                     os.close(fd)
                 sizes.append(size)
@@ -154,7 +184,7 @@ class DirStore(StoreBackend):
             raise StoreUnavailable(str(exc)) from exc
         return sizes
 
-    def put(self, items: Sequence[tuple[TierKey, bytes, str]]) -> None:
+    def put(self, items: Sequence[tuple[TierKey, Entry, str]]) -> None:
         now = self.clock()
         written = added = 0
         try:
@@ -163,20 +193,23 @@ class DirStore(StoreBackend):
                 final = os.path.join(self.blocks, rel)
                 temp = f"{final}.tmp.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}"
                 try:
-                    f = open(temp, "wb")
+                    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 except FileNotFoundError:
                     os.makedirs(os.path.dirname(final), exist_ok=True)
-                    f = open(temp, "wb")
+                    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 try:
-                    with f:
-                        f.write(data)
+                    try:
+                        # The header and the slots' payloads as they are: one writev, no joined copy.
+                        size = _write_fully(fd, [memoryview(p).cast("B") for p in entry_parts(data)])
+                    finally:
+                        os.close(fd)
                     os.utime(temp, (now, now))
                     os.replace(temp, final)
                 except BaseException:
                     _remove(temp)
                     raise
                 self._index_append(self._bucket(now), traffic_class, [rel])
-                written += len(data)
+                written += size
                 added += 1
         except OSError as exc:   # ENOSPC (full), EACCES, a mount gone: never fatal
             raise StoreUnavailable(str(exc)) from exc
@@ -445,7 +478,24 @@ def _read_fully(fd: int, buffers: list[memoryview], size: int) -> None:
                 continue
             views.append(b[skip:])
             skip = 0
-        n = os.readv(fd, views)
+        n = os.readv(fd, views[:_IOV_MAX])
         if n == 0:   # shorter than fstat said: truncated while we read
             return
         done += n
+
+
+def _write_fully(fd: int, buffers: list[memoryview]) -> int:
+    """Write `buffers` in order (a regular file's write may return short when a signal cut it:
+    then write on); returns the bytes written."""
+    total = sum(len(b) for b in buffers)
+    done = 0
+    while done < total:
+        views, skip = [], done
+        for b in buffers:
+            if skip >= len(b):
+                skip -= len(b)
+                continue
+            views.append(b[skip:])
+            skip = 0
+        done += os.writev(fd, views[:_IOV_MAX])
+    return total

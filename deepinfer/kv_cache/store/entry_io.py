@@ -13,10 +13,14 @@ out, counts back. A CPU engine's step runs in torch's kernels, which release the
 there the threads stay in process.
 
 Both run the same EntryOps over their own backend instance (a store's URL, retention and
-capacity rebuild it in the child), spread ENTRIES_PER_TASK entries per task over a thread pool:
-checksums (xxhash) and file I/O release the interpreter, so the tasks run in parallel. An op's result
-carries what the worker counts (written, skipped, missing, bad, errors) and the keys the backend
-removed on the way (capacity, corrupt entries, gc) for KV events.
+capacity rebuild it in the child). An entry is a run of blocks (runs.py), read with one readv
+straight into its blocks' staging slots and written with one writev from them. A write spreads
+its runs one per task over a thread pool; a load's reader hands each run over as a call of its
+own (submit), several in flight, and gets each back as it lands, to copy it to the device while
+the others are read. Checksums (xxhash) and file I/O release the interpreter, so the runs are
+read and checked in parallel. An op's result carries what the worker counts (written, skipped,
+missing, bad, errors) and the keys the backend removed on the way (capacity, corrupt entries,
+gc) for KV events.
 """
 
 from __future__ import annotations
@@ -44,21 +48,22 @@ from deepinfer.kv_cache.store.locations import open_store
 
 logger = logging.getLogger(__name__)
 
-ENTRIES_PER_TASK = 8
 CHILD_START_TIMEOUT_S = 60.0
 
 
 @dataclass
 class OpResult:
-    """What one read or write did (merged over its tasks)."""
+    """What one read or write did (merged over its tasks). Entries are runs of blocks: the
+    counts that feed the tier's block counters are in blocks, the faults in entries."""
 
     error: str | None = None            # reads: the load fails (first reason); writes: unused
     unavailable: str | None = None      # the store could not be reached (the caller's health)
-    written: list[TierKey] = field(default_factory=list)
-    skipped: int = 0                    # present already (touched instead)
-    dropped: int = 0                    # not written: the store was unavailable
-    missing: int = 0
-    bad: dict[str, int] = field(default_factory=dict)   # entry_format.REASONS -> count
+    written: list[TierKey] = field(default_factory=list)   # entries
+    written_blocks: int = 0
+    skipped: int = 0                    # blocks present already (touched instead)
+    dropped: int = 0                    # blocks not written: the store was unavailable
+    missing: int = 0                    # entries
+    bad: dict[str, int] = field(default_factory=dict)   # entry_format.REASONS -> entries
     read_errors: int = 0
     write_errors: int = 0
     removed: list[TierKey] = field(default_factory=list)
@@ -68,7 +73,7 @@ class OpResult:
         self.unavailable = self.unavailable or other.unavailable
         self.written += other.written
         self.removed += other.removed
-        for name in ("skipped", "dropped", "missing", "read_errors", "write_errors"):
+        for name in ("written_blocks", "skipped", "dropped", "missing", "read_errors", "write_errors"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for reason, n in other.bad.items():
             self.bad[reason] = self.bad.get(reason, 0) + n
@@ -77,7 +82,8 @@ class OpResult:
 
 class EntryOps:
     """Reads and writes of entries between a backend and staging slots (`host`: a numpy uint8
-    [slots, slot bytes] view of the staging buffer)."""
+    [slots, slot bytes] view of the staging buffer). An entry is a run of blocks: keys[i] goes
+    with slots[i], the slots of its blocks in order."""
 
     def __init__(self, backend: StoreBackend, host: np.ndarray, threads: int) -> None:
         self.backend = backend
@@ -96,19 +102,25 @@ class EntryOps:
             removed, self._removed = self._removed, []
         return removed
 
-    def _payload(self, slot: int, nbytes: int) -> np.ndarray:
-        return self.host[slot, :nbytes]
+    def _payloads(self, slots: list[int], nbytes: int) -> list[memoryview]:
+        """A run's payload: each block's bytes in its slot, in order."""
+        return [memoryview(self.host[slot, :nbytes]) for slot in slots]
 
     def _map(self, fn, n: int) -> OpResult:
-        parts = [range(j, min(j + ENTRIES_PER_TASK, n)) for j in range(0, n, ENTRIES_PER_TASK)]
-        out = OpResult()
-        for result in self._pool.map(fn, parts):
-            out.merge(result)
+        """fn over each entry (a run: enough bytes for a task of its own), over the I/O threads;
+        a single entry runs on the calling thread (a load's reader hands runs over one by one,
+        each call on a thread of its own already)."""
+        if n == 1:
+            out = fn(range(1))
+        else:
+            out = OpResult()
+            for result in self._pool.map(fn, [range(j, j + 1) for j in range(n)]):
+                out.merge(result)
         out.removed += self._take_removed()
         return out
 
     # ---------------------------------------------------------------------------------- read
-    def read(self, keys: list[TierKey], slots: list[int], layout: EntryLayout, traffic_class: str) -> OpResult:
+    def read(self, keys: list[TierKey], slots: list[list[int]], layout: EntryLayout, traffic_class: str) -> OpResult:
         """Entries -> their slots (keys[i] -> slots[i]), checked; then touched (a use)."""
         out = self._map(lambda part: self._read_part(keys, slots, part, layout), len(keys))
         if out.error is None:
@@ -119,11 +131,11 @@ class EntryOps:
         return out
 
     def _read_part(self, keys, slots, part: range, layout: EntryLayout) -> OpResult:
-        """Entries straight into their slots (backend.get_into), then checked there: a bad
-        entry's bytes stay in a slot of a load that fails, and never reach a forward."""
+        """Entries straight into their slots (backend.get_into: one readv a run), then checked
+        there: a bad entry's bytes stay in slots of a load that fails, and never reach a forward."""
         out = OpResult()
         heads = [bytearray(entry_format.HEADER_SIZE) for _ in part]
-        payloads = [memoryview(self._payload(slots[i], layout.payload_bytes)) for i in part]
+        payloads = [self._payloads(slots[i], layout.payload_bytes) for i in part]
         try:
             sizes = self.backend.get_into([keys[i] for i in part], heads, payloads)
         except StoreUnavailable as exc:
@@ -136,7 +148,8 @@ class EntryOps:
                 out.error = out.error or "entry gone"
                 continue
             try:
-                entry_format.check(memoryview(head)[:size], payload, size, keys[i][0], keys[i][1], layout)
+                entry_format.check(memoryview(head)[:size], payload, size, keys[i][0], keys[i][1], layout,
+                                   len(slots[i]))
             except EntryError as exc:
                 out.bad[exc.reason] = out.bad.get(exc.reason, 0) + 1
                 logger.warning("KV store %s: dropping a bad entry (%s)", self.backend.url, exc)
@@ -150,7 +163,7 @@ class EntryOps:
         return out
 
     # --------------------------------------------------------------------------------- write
-    def write(self, keys: list[TierKey], slots: list[int], layout: EntryLayout, traffic_class: str) -> OpResult:
+    def write(self, keys: list[TierKey], slots: list[list[int]], layout: EntryLayout, traffic_class: str) -> OpResult:
         """Slots -> entries, skipping (touching) those the store has."""
         return self._map(lambda part: self._write_part(keys, slots, part, layout, traffic_class), len(keys))
 
@@ -158,20 +171,25 @@ class EntryOps:
         out = OpResult()
         mine = [keys[i] for i in part]
         try:
-            states = self.backend.exists(mine, [layout.entry_bytes] * len(mine))
+            states = self.backend.exists(mine, [layout.entry_bytes(len(slots[i])) for i in part])
             present = [key for key, state in zip(mine, states) if state == PRESENT]
             if present:   # the store has them: this save is a use, under this request's class
                 self.backend.touch(present, traffic_class)
             now = self.backend.clock()
-            items = [(keys[i], entry_format.encode(keys[i][0], keys[i][1], layout,
-                                                   self._payload(slots[i], layout.payload_bytes), traffic_class, now),
-                      traffic_class)
-                     for i, state in zip(part, states) if state != PRESENT]
+            items = []
+            for i, state in zip(part, states):
+                if state == PRESENT:
+                    out.skipped += len(slots[i])
+                    continue
+                payload = self._payloads(slots[i], layout.payload_bytes)
+                head = entry_format.header(keys[i][0], keys[i][1], layout, payload, traffic_class, now)
+                items.append((keys[i], [head, *payload], traffic_class))
+                out.written_blocks += len(slots[i])
             self.backend.put(items)
         except StoreUnavailable as exc:
-            out.write_errors, out.dropped, out.unavailable = 1, len(mine), str(exc)
+            out.write_errors, out.unavailable = 1, str(exc)
+            out.dropped, out.skipped, out.written_blocks = sum(len(slots[i]) for i in part), 0, 0
             return out
-        out.skipped = len(present)
         out.written = [key for key, _, _ in items]
         return out
 
@@ -193,12 +211,19 @@ class ThreadIO:
 
     def __init__(self, backend: StoreBackend, host: np.ndarray, threads: int) -> None:
         self.ops = EntryOps(backend, host, threads)
+        # submit()'s calls: a load's runs are handed over one call each, `threads` at a time.
+        self._calls = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kv-store-call")
 
     def call(self, op: str, *args):
         """Run an op (read, write, gc, counts) and return its result; blocks the calling thread."""
         return getattr(self.ops, op)(*args)
 
+    def submit(self, op: str, *args) -> Future:
+        """Start an op; its result (or StoreUnavailable) comes in the future."""
+        return self._calls.submit(self.call, op, *args)
+
     def close(self) -> None:
+        self._calls.shutdown(wait=False)   # a read stuck on a dead mount must not hang shutdown
         self.ops.close()
 
 
@@ -239,17 +264,23 @@ class ProcessIO:
             self._conn.send_bytes(data)
 
     def call(self, op: str, *args):
+        return self.submit(op, *args).result()
+
+    def submit(self, op: str, *args) -> Future:
+        """Send an op; its result (or StoreUnavailable) comes in the future, set by the receiver
+        thread. Calls in flight run concurrently in the child."""
         future: Future = Future()
         with self._lock:
             if self._dead is not None:
-                raise StoreUnavailable(self._dead)
+                future.set_exception(StoreUnavailable(self._dead))
+                return future
             call_id, self._next = self._next, self._next + 1
             self._futures[call_id] = future
         try:
             self._send(("call", call_id, op, args))
         except OSError as exc:
             self._fail(f"the KV store's I/O process is gone ({exc})")
-        return future.result()
+        return future
 
     def _receive(self) -> None:
         while True:
@@ -304,8 +335,10 @@ def _serve_child(conn_fd: int, staging_fd: int) -> None:
         return
     conn.send_bytes(pickle.dumps(("ready", None)))
     send_lock = threading.Lock()
-    # Reads and writes arrive from two threads of the engine and must not wait for each other.
-    calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-store-call")
+    # Reads and writes arrive from two threads of the engine and must not wait for each other; a
+    # load's runs arrive as one call each, `threads` of them in flight (each reads on the thread
+    # that runs its call), so there is room for those and for the writer's.
+    calls = ThreadPoolExecutor(max_workers=threads + 4, thread_name_prefix="kv-store-call")
 
     def run(call_id: int, op: str, args) -> None:
         try:

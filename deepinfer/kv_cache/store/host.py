@@ -107,7 +107,8 @@ class HostTierScheduler(TierSchedulerBase):
 
     # ----------------------------------------------------------------------------- look-ups
     def get_num_new_matched_tokens(self, request_hashes: Sequence[bytes], group_ids: Sequence[int],
-                                   num_device_tokens: int, traffic_class: str | None = None) -> int:
+                                   num_device_tokens: int, traffic_class: str | None = None,
+                                   next_hash: bytes | None = None) -> int:
         if num_device_tokens % self.block_size:
             raise ValueError(f"num_device_tokens={num_device_tokens} is not whole blocks of {self.block_size}")
         keys = [self._group_keys[g] for g in group_ids if g in self._group_keys]
@@ -127,7 +128,7 @@ class HostTierScheduler(TierSchedulerBase):
     # -------------------------------------------------------------------------------- loads
     def allocate_loads(self, request_id: str, block_hashes: Sequence[bytes],
                        device_block_ids: Mapping[int, Sequence[int]],
-                       traffic_class: str | None = None) -> list[KVTransfer]:
+                       traffic_class: str | None = None, first_block: int = 0) -> list[KVTransfer]:
         self._check_loads_allowed(request_id)
         # Check everything before changing anything: a refusal leaves the tier as it was.
         for group_id, ids in device_block_ids.items():
@@ -172,7 +173,8 @@ class HostTierScheduler(TierSchedulerBase):
 
     # -------------------------------------------------------------------------------- saves
     def save_blocks(self, request_id: str, group_id: int, block_hashes: Sequence[bytes],
-                    device_block_ids: Sequence[int], traffic_class: str | None = None) -> list[KVTransfer]:
+                    device_block_ids: Sequence[int], traffic_class: str | None = None,
+                    positions: Sequence[int] | None = None) -> list[KVTransfer]:
         if len(block_hashes) != len(device_block_ids):
             raise ValueError(f"{len(device_block_ids)} device blocks for {len(block_hashes)} hashes")
         if group_id not in self._group_keys:

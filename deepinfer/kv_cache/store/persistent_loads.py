@@ -1,14 +1,18 @@
 """The persistent store worker's loads (StoreTierWorker's reader side; persistent_worker.py holds
-the rest): entries read and checked into the loads' half of the staging buffer, then copied into
-the load's device blocks on the step.
+the rest): entries (runs of blocks) read and checked into the loads' half of the staging buffer,
+then copied into the load's device blocks on the step.
 
-A load is read in pieces of at most the loads' half of the buffer (staging.py), so a prefix of
-any length loads whole through a buffer of any size: the reader thread takes a piece's slots
-(waiting for the step to free earlier pieces' slots), reads into them and hands the piece over;
-the step thread copies every piece handed over into its device blocks when it polls
-(finished_transfers), and frees its slots once that copy is done. The load is reported finished
-once all its pieces are copied in, or failed (the request recomputes) when an entry is missing
-or bad, the store is down, or no piece arrived within load_timeout_s of the last one.
+A load is read run by run, several runs in flight, so a prefix of any length loads through a
+buffer of any size (each half holds at least two runs, staging.py) and its copies to the device
+overlap its reads: the reader thread takes a run's slots (waiting for the step to free earlier
+runs' slots), hands the run to the I/O threads (one call each: a readv straight into its slots,
+then its checks) and goes on to the next; each run that lands is handed over (load.pieces), and
+the step thread copies every run handed over into its device blocks when it polls
+(finished_transfers), freeing its slots once that copy is done. The blocks of a run the load
+does not need (its first run's blocks already on the device, its last run's past the hit) are
+read with it, checked with it, and not copied. The load is reported finished once all its runs
+are copied in, or failed (the request recomputes) when an entry is missing or bad, the store is
+down, or no run landed within load_timeout_s of the last one.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -26,21 +31,31 @@ from deepinfer.kv_cache.store.backend import StoreUnavailable
 from deepinfer.kv_cache.store.entry_io import OpResult
 from deepinfer.kv_cache.store.persistent import DEFAULT_CLASS
 from deepinfer.platforms.transfer import to_device
-from deepinfer.types.plan import KVTransfer
+from deepinfer.types.plan import SKIP_BLOCK, KVTransfer
 
 logger = logging.getLogger(__name__)
+
+
+def run_spans(transfer: KVTransfer) -> list[tuple[int, int]]:
+    """(first block, blocks) of each entry of a persistent store's transfer, in order."""
+    spans, start = [], 0
+    for length in transfer.run_lengths:
+        spans.append((start, length))
+        start += length
+    return spans
 
 
 @dataclass
 class _Load:
     transfer: KVTransfer
-    deadline: float                       # pushed back by every piece read
+    deadline: float                       # pushed back by every run read
     done: threading.Event = field(default_factory=threading.Event)
-    # Pieces read and checked, not copied in yet: (first block, its staging slots). Taken under
+    # Runs read and checked, not copied in yet: (first block, its staging slots). Taken under
     # the worker's lock, by the step thread (to copy them in) or by whoever drops the load.
     pieces: collections.deque = field(default_factory=collections.deque)
     error: str | None = None
     abandoned: bool = False               # timed out: the reader stops and frees what it holds
+    in_flight: int = 0                    # runs handed to the I/O threads, not landed yet
 
 
 class StoreLoads:
@@ -75,7 +90,7 @@ class StoreLoads:
                 self._report_load(transfer.transfer_id, False)
                 continue
             with self._lock:
-                self._stats.loaded_blocks += len(transfer.device_block_ids)
+                self._stats.loaded_blocks += sum(b != SKIP_BLOCK for b in transfer.device_block_ids)
             self._report_load(transfer.transfer_id, True)
 
     def _report_load(self, transfer_id: int, ok: bool) -> None:
@@ -107,20 +122,26 @@ class StoreLoads:
             self.staging.free(slots, "load")
 
     def _copy_in(self, transfer: KVTransfer, start: int, slots: list[int]) -> None:
-        """Staging slots -> the piece's device blocks; the slots are freed once the copy is done."""
+        """Staging slots -> the run's device blocks (those the load writes); the slots are freed
+        once the copy is done."""
         pages = self._group_pages[transfer.group_id]
-        block_ids = transfer.device_block_ids[start:start + len(slots)]
+        wanted = [(b, slot) for b, slot in zip(transfer.device_block_ids[start:start + len(slots)], slots)
+                  if b != SKIP_BLOCK]
+        if not wanted:
+            self.staging.free(slots, "load")
+            return
+        block_ids, sources = [b for b, _ in wanted], [slot for _, slot in wanted]
         if self._cuda:
             queued = torch.cuda.Event()
             queued.record()
             self._stream.wait_event(queued)
             with torch.cuda.stream(self._stream):
-                self._scatter(transfer.group_id, pages, block_ids, slots)
+                self._scatter(transfer.group_id, pages, block_ids, sources)
                 event = torch.cuda.Event()
                 event.record(self._stream)
             self._copies.append((None, slots, event, True))
         else:
-            self._scatter(transfer.group_id, pages, block_ids, slots)
+            self._scatter(transfer.group_id, pages, block_ids, sources)
             self.staging.free(slots, "load")
 
     def _free_copied_slots(self) -> None:
@@ -173,56 +194,77 @@ class StoreLoads:
             load.done.set()
 
     def _read(self, load: _Load) -> None:
-        """Read and check the load's entries, piece by piece, into staging slots handed to the
-        step thread (load.pieces), or set load.error."""
+        """Hand the load's runs to the I/O threads one by one, each into staging slots of its
+        own, as long as slots come free within the deadline; wait until every run handed over
+        has landed (or failed): load.pieces then holds all that will come."""
         transfer = load.transfer
         gk, layout = self._layouts[transfer.group_id]
-        keys = [(gk, h) for h in transfer.block_hashes]
-        piece = self.staging.quota["load"]
-        for start in range(0, len(keys), piece):
-            n = min(piece, len(keys) - start)
-            slots = self.staging.take(n, "load", wait_s=max(0.0, load.deadline - time.monotonic()))
-            if not slots:
-                load.error = f"the staging buffer had no room for {n} blocks within {self.load_timeout_s} s"
-                return
-            try:
-                load.error = self._read_piece(keys[start:start + n], slots, layout, transfer.traffic_class)
-            except BaseException:
-                self.staging.free(slots, "load")
-                raise
-            with self._lock:
-                keep = load.error is None and not load.abandoned
-                if keep:
-                    load.pieces.append((start, slots))
-            if not keep:
-                self.staging.free(slots, "load")
-                return
-            load.deadline = time.monotonic() + self.load_timeout_s
-
-    def _read_piece(self, keys: list, slots: list[int], layout, traffic_class: str | None) -> str | None:
-        """Entries `keys` into `slots`; None, or why not. A block staged by a save and not written
-        yet is copied from its save slot."""
-        with self._lock:
-            staged = {i: self._pending[key] for i, key in enumerate(keys) if key in self._pending}
-        for _, event in staged.values():   # their copies off the device must be complete
-            if event is not None:
-                event.synchronize()
-        host, size = self.staging.host, layout.payload_bytes
-        with self._lock:   # staged, not written yet: copied from its slot, unless written (and freed) since
-            for i, (slot, event) in list(staged.items()):
-                if self._pending.get(keys[i]) == (slot, event):
-                    host[slots[i], :size] = host[slot, :size]
-                else:
-                    del staged[i]
-        wanted = [i for i in range(len(keys)) if i not in staged]
-        if not wanted:
-            return None
-        if not self.health.usable():
-            return "the store is down"
+        landed = threading.Condition(self._lock)
         try:
-            result = self._io.call("read", [keys[i] for i in wanted], [slots[i] for i in wanted], layout,
-                                   traffic_class or DEFAULT_CLASS)
+            for start, length in run_spans(transfer):
+                if load.error is not None or load.abandoned:
+                    return
+                slots = self.staging.take(length, "load", wait_s=max(0.0, load.deadline - time.monotonic()))
+                if not slots:
+                    load.error = f"the staging buffer had no room for a run of {length} blocks within {self.load_timeout_s} s"
+                    return
+                key = (gk, transfer.block_hashes[start + length - 1])
+                try:
+                    future = self._start_run(key, slots, layout, transfer.traffic_class)
+                except BaseException:
+                    self.staging.free(slots, "load")
+                    raise
+                if future is None:
+                    self.staging.free(slots, "load")
+                    load.error = "the store is down"
+                    return
+                with self._lock:
+                    load.in_flight += 1
+                future.add_done_callback(lambda f, start=start, slots=slots: self._run_landed(load, start, slots, f, landed))
+        finally:
+            with self._lock:   # the callbacks, not the futures' waiters, hand the runs over
+                landed.wait_for(lambda: load.in_flight == 0)
+
+    def _start_run(self, key, slots: list[int], layout, traffic_class: str | None) -> Future | None:
+        """One run into `slots`: from its save's slots when it is staged and not written yet,
+        else read from the store (a future of the read's OpResult); None: the store is down."""
+        with self._lock:
+            staged = self._pending.get(key)
+        if staged is not None:
+            if staged[1] is not None:   # its copy off the device must be complete
+                staged[1].synchronize()
+            host, size = self.staging.host, layout.payload_bytes
+            with self._lock:   # unless written (and its slots freed) since
+                if self._pending.get(key) is staged:
+                    for src, dst in zip(staged[0], slots):
+                        host[dst, :size] = host[src, :size]
+                    done: Future = Future()
+                    done.set_result(OpResult())
+                    return done
+        if not self.health.usable():
+            return None
+        return self._io.submit("read", [key], [slots], layout, traffic_class or DEFAULT_CLASS)
+
+    def _run_landed(self, load: _Load, start: int, slots: list[int], future: Future,
+                    landed: threading.Condition) -> None:
+        """A run's read ended (an I/O thread, or the reader for a staged run): hand it over, or
+        fail the load and free its slots."""
+        try:
+            result = future.result()
         except StoreUnavailable as exc:   # the I/O process is gone
             result = OpResult(error=str(exc), unavailable=str(exc), read_errors=1)
+        except Exception as exc:   # noqa: BLE001  (never lose a run's slots: the load fails)
+            result = OpResult(error=f"{type(exc).__name__}: {exc}", read_errors=1)
         self._apply(result, "read")
-        return result.error
+        with self._lock:
+            keep = result.error is None and load.error is None and not load.abandoned
+            if keep:
+                load.pieces.append((start, slots))
+                load.deadline = time.monotonic() + self.load_timeout_s
+            elif result.error is not None and load.error is None:
+                load.error = result.error
+        if not keep:
+            self.staging.free(slots, "load")
+        with self._lock:
+            load.in_flight -= 1
+            landed.notify_all()

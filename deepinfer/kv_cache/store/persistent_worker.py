@@ -3,10 +3,11 @@ blocks and host memory on the step, the writer and reader threads that move entr
 the backend. What it does, and the scheduler side, are described in persistent.py; its loads are
 persistent_loads.py's.
 
-Saves stream through the staging buffer (staging.py): a step's saves are queued in order (the
-backlog) and staged as far as the saves' half has room; the rest stays queued, with its device
-blocks held (the save is not reported finished), and is staged at a later step or poll, once the
-writer freed slots. Every full block of a save is written unless the store is down or the worker
+Saves stream through the staging buffer (staging.py) in whole runs (an entry is written from the
+slots of its run's blocks at once): a step's saves are queued in order (the backlog) and their
+runs staged as far as the saves' half has room; the rest stays queued, with its device blocks
+held (the save is not reported finished), and is staged at a later step or poll, once the writer
+freed slots. Every full block of a save is written unless the store is down or the worker
 shuts down before it could be: those drops are counted (StoreWorkerStats.dropped_saves, the
 kv_tier_dropped_saves_total series) and the first is logged."""
 
@@ -46,7 +47,8 @@ from deepinfer.kv_cache.store.persistent import (
     group_layouts,
     report_removals,
 )
-from deepinfer.kv_cache.store.persistent_loads import StoreLoads, _Load
+from deepinfer.kv_cache.store.persistent_loads import StoreLoads, _Load, run_spans
+from deepinfer.kv_cache.store.runs import CHUNK_BLOCKS
 from deepinfer.kv_cache.store.staging import StagingBuffer, staging_shape
 from deepinfer.platforms.transfer import to_device
 from deepinfer.types.plan import KVConnectorMetadata, KVTransfer
@@ -64,13 +66,14 @@ COUNTS_INTERVAL_S = 2.0
 class StoreWorkerStats:
     """The worker side's counters (the threads'): what was written, skipped, found bad."""
 
-    written_blocks: int = 0       # entries written to the store
-    skipped_blocks: int = 0       # saves the store already held
+    written_blocks: int = 0       # blocks written to the store (in written_entries runs)
+    written_entries: int = 0
+    skipped_blocks: int = 0       # blocks of saves the store already held
     dropped_saves: int = 0        # blocks of saves not written: store down, write failed, shutdown
     loaded_blocks: int = 0
     failed_loads: int = 0         # load transfers reported failed
     load_timeouts: int = 0        # of those, not read within load_timeout_s
-    missing_entries: int = 0      # entries gone by the time they were read
+    missing_entries: int = 0      # entries (runs) gone by the time they were read
     bad_entries: dict[str, int] = field(default_factory=lambda: dict.fromkeys(entry_format.REASONS, 0))
     write_errors: int = 0
     read_errors: int = 0
@@ -93,39 +96,41 @@ class StoreWorkerStats:
 
 @dataclass
 class _Staged:
-    """Saves of one group and traffic class staged together, each a run of its blocks copied
-    into staging slots (parts[i] = (save, its first block staged here, their slots))."""
+    """Runs of saves of one group and traffic class staged together, each run's blocks copied
+    into staging slots (runs[i] = (save, the run's first block in it, the run's slots))."""
 
     group_id: int
     traffic_class: str
-    parts: list[tuple[KVTransfer, int, list[int]]]
+    runs: list[tuple[KVTransfer, int, list[int]]]
     event: torch.cuda.Event | None
     staged_at: float = field(default_factory=time.monotonic)
 
     @property
     def slots(self) -> list[int]:
-        return [slot for _, _, slots in self.parts for slot in slots]
+        return [slot for _, _, slots in self.runs for slot in slots]
 
     def entries(self):
-        """(block hash, slot) of every staged block."""
-        for transfer, start, slots in self.parts:
-            yield from zip(transfer.block_hashes[start:start + len(slots)], slots)
+        """(the run's key hash: its last block's, the run's block hashes, its slots) of every run."""
+        for transfer, start, slots in self.runs:
+            hashes = transfer.block_hashes[start:start + len(slots)]
+            yield hashes[-1], hashes, slots
 
     def block_ids(self) -> list[int]:
-        return [b for transfer, start, slots in self.parts for b in transfer.device_block_ids[start:start + len(slots)]]
+        return [b for transfer, start, slots in self.runs for b in transfer.device_block_ids[start:start + len(slots)]]
 
 
 class StoreTierWorker(StoreLoads, KVConnectorWorker):
     def __init__(self, backend: StoreBackend, device: torch.device, *, load_timeout_s: float = 5.0,
                  buffer_bytes: int = 1 << 30, io_threads: int | None = None, io_process: bool | None = None,
                  flush_timeout_s: float = 10.0, backoff_s: float = 1.0, key_extra: bytes = b"",
-                 durable_saves: bool = False) -> None:
+                 durable_saves: bool = False, run_blocks: int = CHUNK_BLOCKS) -> None:
         self.backend = backend
         self.device = torch.device(device)
         self.load_timeout_s = load_timeout_s
         # The staging buffer (staging.py) bounds what is in flight between device and store:
         # saves waiting to be written and loads read but not yet copied in.
         self.buffer_bytes = buffer_bytes
+        self.run_blocks = run_blocks   # the longest entry: each half of the buffer holds one whole
         self.staging: StagingBuffer | None = None
         self.flush_timeout_s = flush_timeout_s
         self.key_extra = key_extra
@@ -142,14 +147,15 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
         self._words: dict[int, torch.dtype] = {}
         self._group_pages: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._deferred_saves: list[KVTransfer] = []
-        # Saves not fully staged yet, in order: [save, its first block not staged]. The step
+        # Saves not fully staged yet, in order: [save, its first run not staged]. The step
         # thread's (after_forward, finished_transfers) and, once it is idle, flush's.
         self._backlog: collections.deque[list] = collections.deque()
         self._save_left: dict[int, int] = {}   # blocks of each save not staged-and-done yet
         self._drop_logged = False
         self._staging: collections.deque[_Staged] = collections.deque()   # copies not complete yet
-        # Staged, not written yet: (slot, the copy's event on CUDA); a load may read it from there.
-        self._pending: dict[TierKey, tuple[int, torch.cuda.Event | None]] = {}
+        # Runs staged, not written yet: (their slots, the copy's event on CUDA); a load may read
+        # them from there.
+        self._pending: dict[TierKey, tuple[list[int], torch.cuda.Event | None]] = {}
         self._writes: queue.Queue = queue.Queue()
         self._reads: queue.Queue = queue.Queue()
         self._loads: collections.deque[_Load] = collections.deque()
@@ -198,7 +204,8 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             self._group_pages[group_id] = [(_pages(k, rows, word), _pages(v, rows, word))[:layout.tensors]
                                            for k, v in group_kv_tensors(kv_caches, groups, by_id[group_id])]
         if self._layouts:
-            shape = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], self.buffer_bytes)
+            shape = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], self.buffer_bytes,
+                                  2 * self.run_blocks)
             self.staging = StagingBuffer(*shape, self.device, shared=self._io_process)
             if self._io_process:
                 self._io = ProcessIO(self.backend.reopen_args(), self.staging.fd, shape, self._io_threads)
@@ -242,9 +249,9 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
         self._stage_backlog()
 
     def _stage_backlog(self) -> None:
-        """Stage queued saves, in order, as far as the saves' half of the buffer has room; the
-        rest waits for the writer to free slots. One gather, one copy off the device and one
-        write call per group and class, not per save: at a few dozen saves a step (a block
+        """Stage queued saves, in order, run by run, as far as the saves' half of the buffer has
+        room; the rest waits for the writer to free slots. One gather, one copy off the device and
+        one write call per group and class, not per save: at a few dozen saves a step (a run
         completing in each of many decoding requests) the per-save kernel launches were the
         store's cost on the step (docs/benchmarks/design-measurements.md#kv-store-saves-batched-per-step)."""
         if not self._backlog:
@@ -252,34 +259,39 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
         usable = self.health.usable()
         batches: dict[tuple[int, str], list[tuple[KVTransfer, int, list[int]]]] = {}
         while self._backlog:
-            transfer, start = self._backlog[0]
-            n = len(transfer.device_block_ids) - start
+            transfer, run = self._backlog[0]
+            spans = run_spans(transfer)
             if not usable:   # the store is down: dropped, the device blocks free at once
                 self._backlog.popleft()
+                n = len(transfer.device_block_ids) - spans[run][0]
                 self._dropped(n, "the store is down")
                 self._blocks_done(transfer.transfer_id, n)
                 continue
-            slots = self.staging.take(n, "save", partial=True)
-            if not slots:
-                break
-            batches.setdefault((transfer.group_id, transfer.traffic_class or DEFAULT_CLASS), []).append(
-                (transfer, start, slots))
-            if len(slots) < n:
-                self._backlog[0][1] = start + len(slots)
+            batch = batches.setdefault((transfer.group_id, transfer.traffic_class or DEFAULT_CLASS), [])
+            while run < len(spans):
+                start, length = spans[run]
+                slots = self.staging.take(length, "save")   # a run whole, or not yet
+                if not slots:
+                    break
+                batch.append((transfer, start, slots))
+                run += 1
+            if run < len(spans):
+                self._backlog[0][1] = run
                 break
             self._backlog.popleft()
+        batches = {k: v for k, v in batches.items() if v}
         if not batches:
             return
         if self._cuda:   # behind the forward that wrote the blocks
             queued = torch.cuda.Event()
             queued.record()
             self._stream.wait_event(queued)
-        for (group_id, traffic_class), parts in batches.items():
-            self._stage(group_id, traffic_class, parts)
+        for (group_id, traffic_class), runs in batches.items():
+            self._stage(group_id, traffic_class, runs)
 
-    def _stage(self, group_id: int, traffic_class: str, parts: list[tuple[KVTransfer, int, list[int]]]) -> None:
+    def _stage(self, group_id: int, traffic_class: str, runs: list[tuple[KVTransfer, int, list[int]]]) -> None:
         """Copy these runs of saves' blocks device -> their staging slots (the only part on the step)."""
-        staged = _Staged(group_id, traffic_class, parts, None)
+        staged = _Staged(group_id, traffic_class, runs, None)
         pages = self._group_pages[group_id]
         if self._cuda:
             with torch.cuda.stream(self._stream):
@@ -290,8 +302,8 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             self._gather(group_id, pages, staged.block_ids(), staged.slots)
         gk = self._layouts[group_id][0]
         with self._lock:
-            for block_hash, slot in staged.entries():
-                self._pending[(gk, block_hash)] = (slot, staged.event)
+            for key_hash, _, slots in staged.entries():
+                self._pending[(gk, key_hash)] = (slots, staged.event)
             self._unwritten += 1
         if not self.durable_saves:
             self._staging.append(staged)
@@ -343,7 +355,7 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
     def finished_transfers(self) -> list[int]:
         self._stage_backlog()   # slots the writer freed since
         while self._staging and (self._staging[0].event is None or self._staging[0].event.query()):
-            for transfer, _, slots in self._staging.popleft().parts:
+            for transfer, _, slots in self._staging.popleft().runs:
                 self._blocks_done(transfer.transfer_id, len(slots))
         self._finish_loads()
         done: list[int] = []
@@ -367,7 +379,8 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             self.health.succeeded()
         with self._lock:
             stats = self._stats
-            stats.written_blocks += len(result.written)
+            stats.written_blocks += result.written_blocks
+            stats.written_entries += len(result.written)
             stats.skipped_blocks += result.skipped
             stats.missing_entries += result.missing
             stats.read_errors += result.read_errors
@@ -411,32 +424,35 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             self._dropped(len(slots), "shutting down: not written within the flush timeout")
             return
         gk, layout = self._layouts[staged.group_id]
-        keys = [(gk, block_hash) for block_hash, _ in staged.entries()]
+        runs = list(staged.entries())
         if not self.health.usable():
             self._dropped(len(slots), "the store is down")
             return
         try:
-            result = self._io.call("write", keys, slots, layout, staged.traffic_class)
+            result = self._io.call("write", [(gk, key_hash) for key_hash, _, _ in runs],
+                                   [run_slots for _, _, run_slots in runs], layout, staged.traffic_class)
         except StoreUnavailable as exc:   # the I/O process is gone
             result = OpResult(unavailable=str(exc), dropped=len(slots), write_errors=1)
         self._apply(result, "write")
         if result.written:
-            if self.events is not None:
-                self.events.stored([key[1] for key in result.written], self.backend.medium, staged.group_id)
+            if self.events is not None:   # every block of a run written: the router matches prefixes by block
+                hashes = {key_hash: run_hashes for key_hash, run_hashes, _ in runs}
+                self.events.stored([h for key in result.written for h in hashes[key[1]]], self.backend.medium,
+                                   staged.group_id)
             with self._lock:
                 self._stats.write_latency.observe(time.monotonic() - staged.staged_at)
 
     def _written(self, staged: _Staged) -> None:
         gk = self._layouts[staged.group_id][0]
         with self._lock:
-            for block_hash, slot in staged.entries():
-                entry = self._pending.get((gk, block_hash))
-                if entry is not None and entry[0] == slot:
-                    del self._pending[(gk, block_hash)]
+            for key_hash, _, slots in staged.entries():
+                entry = self._pending.get((gk, key_hash))
+                if entry is not None and entry[0] is slots:
+                    del self._pending[(gk, key_hash)]
             self._unwritten -= 1
             self._idle.notify_all()
         if self.durable_saves:   # written, or dropped (the decode side then recomputes)
-            for transfer, _, slots in staged.parts:
+            for transfer, _, slots in staged.runs:
                 self._blocks_done(transfer.transfer_id, len(slots))
         self.staging.free(staged.slots, "save")
 
@@ -480,8 +496,8 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             logger.warning("KV store %s: writes still pending after %.1f s at shutdown; dropped",
                            self.backend.url, timeout)
             while self._backlog:
-                transfer, start = self._backlog.popleft()
-                self._dropped(len(transfer.device_block_ids) - start, "shutting down")
+                transfer, run = self._backlog.popleft()
+                self._dropped(len(transfer.device_block_ids) - run_spans(transfer)[run][0], "shutting down")
         self._writes.put(_STOP)
         self._reads.put(_STOP)
         self._writer.join(1.0)

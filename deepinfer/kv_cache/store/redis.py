@@ -1,11 +1,12 @@
 """`kv_store="redis://HOST:PORT/DB"`: KV entries as Redis strings, through redis-py.
 
-Key: "deepinfer:kv:<group key hex>:<block hash hex>", value: the entry's bytes (entry.py).
+Key: "deepinfer:kv:<group key hex>:<block hash hex>", value: the entry's bytes (entry.py: a run
+of blocks, named by its last block's hash).
 Retention is Redis's own expiry: a write is SET ... PXAT (last use + the class's retention, from
 the injectable clock), and a hit sets PEXPIREAT again (the touch), so nothing here scans for
 what expired. Capacity is Redis's business (maxmemory with an LRU policy); kv_store_size applies
-to the dir backend only. Look-ups are one pipelined STRLEN per batch (0: absent), which also
-catches a truncated value without reading it.
+to the dir backend only. Look-ups are one pipelined STRLEN per entry asked about, one round trip
+per call (0: absent), which also catches a truncated value without reading it.
 
 Every call has short socket timeouts: a Redis that is down costs the scheduler a refused
 connection, then StoreHealth (backend.py) skips it for a back-off.
@@ -30,10 +31,12 @@ from deepinfer.kv_cache.store.backend import (
     PRESENT,
     WRONG_SIZE,
     Clock,
+    Entry,
     StoreBackend,
     StoreCounts,
     StoreReport,
     StoreUnavailable,
+    entry_parts,
 )
 from deepinfer.kv_cache.store.entry import CLASS_CREATED_END, CLASS_CREATED_START, class_and_created
 
@@ -70,27 +73,39 @@ class RedisStore(StoreBackend):
             raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def exists(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
+        return self._lengths(keys, sizes)
+
+    def first_present(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
+        # All candidates in one round trip: a few STRLENs more cost the server less than a
+        # round trip each.
+        return self._lengths(keys, sizes)
+
+    def _lengths(self, keys: Sequence[TierKey], sizes: Sequence[int]) -> list[int]:
+        """One pipelined STRLEN per key, one round trip: its state from its length (0: absent)."""
         def run():
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.strlen(self.name(key))
             return pipe.execute()
-        lengths = self._run(run) if keys else []
-        out = []
-        for length, size in zip(lengths, sizes):
-            out.append(ABSENT if length == 0 else PRESENT if length == size else WRONG_SIZE)
-        return out
+        if not keys:
+            return []
+        lengths = self._run(run)
+        self._counted(len(keys))
+        return [ABSENT if length == 0 else PRESENT if length == size else WRONG_SIZE
+                for length, size in zip(lengths, sizes)]
 
     def get(self, keys: Sequence[TierKey]) -> list[bytes | None]:
         if not keys:
             return []
         return self._run(lambda: self.client.mget([self.name(k) for k in keys]))
 
-    def put(self, items: Sequence[tuple[TierKey, bytes, str]]) -> None:
+    def put(self, items: Sequence[tuple[TierKey, Entry, str]]) -> None:
         def run():
             pipe = self.client.pipeline(transaction=False)
             for key, data, traffic_class in items:
-                pipe.set(self.name(key), data, pxat=self._expire_at_ms(traffic_class))
+                parts = entry_parts(data)
+                value = parts[0] if len(parts) == 1 else b"".join(parts)   # a SET takes one value
+                pipe.set(self.name(key), value, pxat=self._expire_at_ms(traffic_class))
             pipe.execute()
         if items:
             self._run(run)

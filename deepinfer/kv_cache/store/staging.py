@@ -11,14 +11,18 @@ host never waits for the device. (A worker that allocated page-locked memory per
 a save whole past a bound kept only the start of a long prefix:
 docs/benchmarks/design-measurements.md#kv-store-staging-buffer.)
 
-A slot holds one block of one group's payload, [layers, K/V, page bytes]. Slots are taken and
-freed under a lock by the step thread and the I/O threads. Saves and loads each have half of
+A slot holds one block of one group's payload, [layers, K/V, page bytes]; an entry (a run of
+blocks, runs.py) is read into and written from one slot per block, its slots taken together, so
+each half holds at least one run of the longest kind (staging_shape's min_slots: two runs; a
+smaller kv_store_buffer_size is raised to that, with a warning). Slots are taken and freed under
+a lock by the step thread and the I/O threads. Saves and loads each have half of
 them: a store that writes slower than the engine computes fills the saves' half, and a load must
 still find room (a server whose saves had filled one shared buffer failed the next long load).
 Neither direction is bounded by the buffer's size: a transfer larger than its half, or finding
 too little room, streams through it. A save stages what fits and the rest when slots come free
-(its device blocks stay held until then: the save is not finished); a load is read in pieces of
-at most its half, each copied in and freed before the reader takes the next (take(..., wait_s)).
+(its device blocks stay held until then: the save is not finished); a load is read run by run,
+each run copied in as it lands and its slots freed, while the reader takes slots for the next
+ones (take(..., wait_s)).
 Free slots are kept in order, so a transfer's slots are mostly consecutive and on CUDA move in a
 few large copies.
 """
@@ -35,12 +39,16 @@ from deepinfer.platforms.host_memory import HostBuffer, SharedHostBuffer
 logger = logging.getLogger(__name__)
 
 
-def staging_shape(payload_bytes: list[int], buffer_bytes: int) -> tuple[int, int]:
+def staging_shape(payload_bytes: list[int], buffer_bytes: int, min_slots: int = 1) -> tuple[int, int]:
     """(slot bytes, slots) of a buffer for groups of these payload sizes (one slot size for all,
-    rounded so that every word type tiles a slot's rows). Both sides of the connector compute it:
-    the scheduler side bounds a request's loads by it."""
+    rounded so that every word type tiles a slot's rows), at least `min_slots` slots (an entry's
+    run must fit each half whole)."""
     slot_bytes = -(-max(payload_bytes) // 64) * 64
-    return slot_bytes, max(buffer_bytes // slot_bytes, 1)
+    slots = buffer_bytes // slot_bytes
+    if slots < min_slots > 1:
+        logger.warning("kv_store_buffer_size holds %d blocks; raised to %d (two runs of %d blocks: an entry is "
+                       "staged whole)", slots, min_slots, min_slots // 2)
+    return slot_bytes, max(slots, min_slots, 1)
 
 
 class StagingBuffer:

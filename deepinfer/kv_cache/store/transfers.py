@@ -26,6 +26,7 @@ class _Transfer:
     is_load: bool
     request_id: str
     keys: list[TierKey]
+    num_blocks: int = 0       # blocks it moves (a persistent store's key names a run of them)
     built: bool = False       # handed to the worker in a KVConnectorMetadata
     queued_at: float = field(default_factory=time.monotonic)
 
@@ -80,10 +81,13 @@ class TierSchedulerBase(KVConnectorScheduler):
         if state is not None and state.release_pending:
             raise ValueError(f"request {request_id!r} has finished: its blocks may be freed, so not saved")
 
-    def _new_transfer_id(self, is_load: bool, request_id: str, keys: list[TierKey]) -> int:
-        """Record a transfer of `keys` for `request_id`; the caller builds its KVTransfer."""
+    def _new_transfer_id(self, is_load: bool, request_id: str, keys: list[TierKey],
+                         num_blocks: int | None = None) -> int:
+        """Record a transfer of `keys` (`num_blocks` blocks; default one a key) for `request_id`;
+        the caller builds its KVTransfer."""
         transfer_id = next(self._ids)
-        self._transfers[transfer_id] = _Transfer(is_load, request_id, keys)
+        self._transfers[transfer_id] = _Transfer(is_load, request_id, keys,
+                                                 len(keys) if num_blocks is None else num_blocks)
         state = self._requests.setdefault(request_id, _RequestTransfers())
         (state.loads if is_load else state.saves).add(transfer_id)
         return transfer_id
