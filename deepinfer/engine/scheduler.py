@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.kv_tier import KVTierLink
+from deepinfer.engine.stop_rules import at_length_limit, stop_status
 from deepinfer.kv_cache.manager import KVCacheManager, PrefixHit
 from deepinfer.lora.scheduling import AdapterAdmission
 from deepinfer.multimodal.encoder_cache import EncoderScheduler
@@ -197,7 +198,7 @@ class Scheduler:
                 num_new = self.images.fit(request, request.num_computed_tokens, num_new, partial.budget)
             # A token in flight that is the request's last: nothing more to compute for it.
             if num_new <= 0 or (request.num_samples_in_flight
-                                and self._at_length_limit(request, request.num_samples_in_flight)):
+                                and at_length_limit(request, self.max_model_len, request.num_samples_in_flight)):
                 i += 1
                 continue
             spec = self._allocate_running(partial, request, num_new)
@@ -463,7 +464,7 @@ class Scheduler:
                         grammars.append(request.grammar)
                         grammar_tokens.append(token_id)
                 new_tokens.append(token_id)
-                finish = self._check_stop(request, token_id)
+                finish = stop_status(request, token_id, self.max_model_len)
                 if finish is not None:
                     break
             if verifies:
@@ -519,25 +520,6 @@ class Scheduler:
         return EngineCoreOutput(request.request_id, [], finish_reason="stop",
                                 num_cached_tokens=request.num_cached_tokens, pooled=pooled)
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens < params.min_tokens:
-            return None
-        if not params.ignore_eos and token_id in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if self._at_length_limit(request):
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
-    def _at_length_limit(self, request: Request, extra_tokens: int = 0) -> bool:
-        """Whether the request stops for length once it has `extra_tokens` more output tokens."""
-        num_output = request.num_output_tokens + extra_tokens
-        return (num_output >= request.sampling_params.min_tokens
-                and (num_output >= request.max_tokens or request.num_tokens + extra_tokens >= self.max_model_len))
-
     def _publish(self, request: Request) -> None:
         """Blocks the last step completed become hits, and a tier saves them."""
         published = self.kv.cache_computed_blocks(request)
@@ -547,11 +529,11 @@ class Scheduler:
             self.kv_tier.save(request, published)
 
     def _apply_kv_transfers(self, result: RunnerResult) -> list[EngineCoreOutput]:
-        """Requests whose tier loads completed go to the front of the queue, blocks in place;
-        those whose loads failed (a corrupt entry, a store that went away or timed out) go there
-        too, from zero: their prompt is recomputed, from the prefix a store still holds before
-        the entry that failed (KVTierLink.may_retry). Returns the held
-        last outputs of finished requests whose saves are now written (kv_role=prefill)."""
+        """Requests whose tier loads completed go to the front of the queue, blocks in place; those
+        whose loads failed (a corrupt entry, a store gone or timed out) go there too, from zero, and
+        ask the tier again only where it may hold a shorter prefix now (KVTierLink.may_retry: a
+        store drops bad entries). Returns the held last outputs of finished requests whose saves
+        are now written (kv_role=prefill)."""
         loaded, failed, released = self.kv_tier.poll(result)
         answered = [self._held_outputs.pop(r) for r in released if r in self._held_outputs]
         for request_id in loaded + failed:
@@ -563,8 +545,6 @@ class Scheduler:
                 self.kv.free(request)   # nothing of it was published: loaded blocks publish after a step
                 request.num_computed_tokens = 0
                 request.window_floor = request.write_floor = 0
-                # A store's bad entries are dropped by now: asked again, it holds the prefix
-                # before them (KVTierLink.may_retry); other failures recompute without the tier.
                 request.skip_kv_tier = not self.kv_tier.may_retry(request_id)
             else:
                 request.kv_loaded = True
