@@ -38,7 +38,7 @@ DEFAULT_MAX_GRAPH_ROWS = 512
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 EXECUTOR_BACKENDS = ("mp", "ray", "uni")
 EXPERT_PARALLEL_DISPATCH = ("all_to_all", "all_reduce")
-KV_ROLES = ("both", "prefill", "decode")
+KV_ROLES = ("both", "prefill", "decode", "encode")
 KV_STORE_LOAD_POLICIES = ("auto", "always")
 
 logger = logging.getLogger(__name__)
@@ -226,7 +226,10 @@ class CacheConfig:
     once its prompt's blocks are written to the store, so a decode instance asked next finds
     them. decode: loads from the store and writes nothing to it. A load that fails or is slow
     recomputes (vLLM's kv_load_failure_policy=recompute); sliding-window layers are rebuilt by
-    Bounded Replay, never transferred. both: what an instance without a role does."""
+    Bounded Replay, never transferred. both: what an instance without a role does. encode (E/P/D,
+    docs/vision.md): a vision model's encoder alone (no language model, no KV), serving POST
+    /v1/encode and writing each image's encoder output to kv_store, where the other instances look
+    before encoding (`deepinfer router --encoder URL`)."""
     kv_events_endpoint: str | None = None
     """Publish KV cache events (vLLM's BlockStored, BlockRemoved and AllBlocksCleared, msgpack) on a
     ZMQ PUB socket at this endpoint, e.g. tcp://*:5557 (an address with * is bound, any other is

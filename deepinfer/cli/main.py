@@ -132,7 +132,13 @@ def _serve(args: argparse.Namespace) -> int:
     from deepinfer.entrypoints.api_server import run_server
 
     try:
-        run_server(*serve_config(args), load_format=args.load_format)
+        config, options = serve_config(args)
+        if config.cache.kv_role == "encode":   # E/P/D: the vision encoder alone (docs/vision.md)
+            from deepinfer.multimodal.encode_server import run_encode_server
+
+            run_encode_server(config, options)
+        else:
+            run_server(config, options, load_format=args.load_format)
     except KeyboardInterrupt:
         # uvicorn shuts down gracefully on Ctrl+C / SIGINT, then raises the signal again so the
         # exit status tells of it: exit 130 as a shell does, without a traceback.

@@ -182,7 +182,13 @@ class EngineCore:
                            prefix_cache_expirations=[c.expirations for c in counters],
                            kv_group_kinds=[g.spec.kind for g in self.kv_manager.groups],
                            kv_tier=vars(tier_stats) if tier_stats is not None else None,
-                           kv_tier_metrics=self._kv_tier_metrics(tier_stats))
+                           kv_tier_metrics=self._kv_tier_metrics(tier_stats), encoder=self._encoder_counters())
+
+    def _encoder_counters(self) -> dict[str, float] | None:
+        images = self.scheduler.images
+        if images is None:
+            return None
+        return {"cache_hits": images.num_cache_hits, **(self.executor.encoder_counters() or {})}
 
     def _kv_tier_metrics(self, stats: KVConnectorStats | None) -> KVTierMetrics | None:
         if stats is None:

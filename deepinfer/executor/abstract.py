@@ -79,6 +79,12 @@ class Executor(ABC):
         written, expired, bad entries, write latency), for /metrics; None otherwise."""
         return None
 
+    def encoder_counters(self) -> dict[str, float] | None:
+        """The runner's encoder counters (images encoded, encode time, encoder outputs loaded from
+        the store, misses, refused entries), for /metrics; None: a text-only model, or an executor
+        whose workers do not report them."""
+        return None
+
     def attach_kv_events(self, sink: KVEventSink) -> None:
         """Let the worker side's KV tier report what it stores and removes (KV events)."""
 

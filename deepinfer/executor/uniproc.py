@@ -51,6 +51,10 @@ class UniProcExecutor(Executor):
         stats = getattr(getattr(self.runner, "kv_connector", None), "stats", None)
         return stats() if stats is not None else None
 
+    def encoder_counters(self) -> dict[str, float] | None:
+        images = getattr(self.runner, "images", None)
+        return images.counters() if images is not None else None
+
     def attach_kv_events(self, sink: KVEventSink) -> None:
         attach = getattr(getattr(self.runner, "kv_connector", None), "attach_kv_events", None)
         if attach is not None:

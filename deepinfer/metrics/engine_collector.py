@@ -74,7 +74,19 @@ COUNTERS = {
     "kv_tier_store_errors": "Calls to the KV store that failed (down, full, unreachable).",
     "kv_tier_declined_loads": "Blocks the KV store held that were recomputed instead, measured faster than "
                               "loading them (kv_store_load_policy=auto).",
+    "encoder_cache_hits": "Images found in the encoder cache (memory): not encoded again.",
+    "encoder_images_encoded": "Images run through the vision tower on this instance.",
+    "encoder_encode_seconds": "Seconds spent running the vision tower and projector on this instance.",
+    "encoder_store_loaded": "Encoder outputs loaded from the store (kv_store, E/P/D) instead of encoded.",
+    "encoder_store_misses": "Encoder outputs looked up in the store and not found (or the store down); encoded here.",
+    "encoder_store_invalid": "Encoder outputs in the store refused and dropped, by reason (size, truncated, version, "
+                             "corrupt, mismatch); encoded here.",
+    "encoder_store_errors": "Calls to the store for encoder outputs that failed (down, unreachable).",
 }
+# EngineStats.encoder's names -> (counter, labels); store_invalid_<reason> carries a reason label.
+ENCODER_COUNTERS = {"cache_hits": "encoder_cache_hits", "encoded": "encoder_images_encoded",
+                    "encode_seconds": "encoder_encode_seconds", "store_loaded": "encoder_store_loaded",
+                    "store_misses": "encoder_store_misses", "store_errors": "encoder_store_errors"}
 TIER = (("tier", "host"),)
 # Families built from KVTierMetrics (kv_cache/tier_stats.py), not from the flat kv_tier counters.
 _FROM_TIER_METRICS = ("kv_tier_evictions", "kv_tier_corrupt_entries", "kv_tier_dropped_saves")
@@ -120,6 +132,11 @@ def engine_counters(stats: EngineStats) -> dict[CounterKey, float]:
             counters[("kv_tier_evictions", tier + (("cause", cause),))] = value
         for reason, value in tier_metrics.corrupt.items():
             counters[("kv_tier_corrupt_entries", tier + (("reason", reason),))] = value
+    for name, value in (stats.encoder or {}).items():
+        if name in ENCODER_COUNTERS:
+            counters[(ENCODER_COUNTERS[name], ())] = value
+        elif name.startswith("store_invalid_"):
+            counters[("encoder_store_invalid", (("reason", name.removeprefix("store_invalid_")),))] = value
     spec = stats.spec_decode
     if spec is not None:
         counters[("spec_decode_num_drafts", ())] = spec.num_drafts

@@ -73,6 +73,7 @@ class EncoderScheduler:
         self.cached: OrderedDict[str, int] = OrderedDict()   # image hash -> tokens, oldest use first
         self.cached_total = 0
         self.num_encoded = 0          # images encoded since start (tests and metrics read it)
+        self.num_cache_hits = 0       # images a chunk found in the cache (not encoded again)
         self._start_step()
 
     def _start_step(self) -> None:
@@ -119,6 +120,7 @@ class EncoderScheduler:
             self._in_step.add(image_hash)
             if image_hash in self.cached:
                 self.cached.move_to_end(image_hash)
+                self.num_cache_hits += 1
                 continue
             self._left -= images.num_tokens
             self.num_encoded += 1

@@ -9,7 +9,8 @@ Routes (what `deepinfer serve` serves, so a client cannot tell the two apart):
                                              else 503), /metrics (metrics.py), /router/replicas (JSON
                                              state of every replica, for operators and tests)
 With --prefill URL ..., each generation request's prompt is first computed on a prefill replica
-(disaggregation.py). With --api-key the router checks the key itself (the server's middleware, same open paths) and
+(disaggregation.py); with --encoder URL ..., a request carrying images first has them encoded
+on an encode instance (encode_stage.py). With --api-key the router checks the key itself (the server's middleware, same open paths) and
 sends it on, or --backend-api-key instead.
 """
 
@@ -25,6 +26,7 @@ import deepinfer
 from deepinfer.entrypoints.errors import install_error_handlers
 from deepinfer.entrypoints.middleware import APIKeyMiddleware
 from deepinfer.router.disaggregation import PrefillStage
+from deepinfer.router.encode_stage import EncodeStage
 from deepinfer.router.kv_index import KVEventSubscriber, KVIndex
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.monitor import Monitor
@@ -58,7 +60,9 @@ def build_app(options: RouterOptions) -> FastAPI:
         prefill_monitor = Monitor(prefill_replicas, KVIndex(len(prefill_replicas)), metrics, options, client)
         subscriber = KVEventSubscriber(index, [r.kv_events for r in replicas], options.kv_events_topic)
         prefill = PrefillStage(prefill_replicas, prefill_monitor, metrics, options, client) if prefill_replicas else None
-        state["proxy"] = Proxy(replicas, index, policy, metrics, monitor, options, client, prefill)
+        encode = (EncodeStage(options.encoder_backends, options.encoder_timeout_s, metrics, client)
+                  if options.encoder_backends else None)
+        state["proxy"] = Proxy(replicas, index, policy, metrics, monitor, options, client, prefill, encode)
         # A first probe of every replica before serving, so the first requests have somewhere to go.
         for r in replicas:
             await monitor.probe_once(r)

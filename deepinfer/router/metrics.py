@@ -8,6 +8,8 @@
     deepinfer_router_expected_cached_tokens_total{replica} prompt tokens the index expected cached there
     deepinfer_router_reported_cached_tokens_total{replica} what the replica reported (usage cached_tokens /
                                                            cache_read_input_tokens; non-streaming answers)
+    deepinfer_router_encode_handoffs_total{outcome}        requests with images sent to an encode instance
+                                                           first (ok, failed, timeout, http_<status>)
     deepinfer_router_replica_healthy{replica}              1 while routed to
     deepinfer_router_replica_in_flight{replica}
     deepinfer_router_routing_seconds                       the router's own work before forwarding
@@ -39,6 +41,8 @@ class RouterMetrics:
                                        ["replica"], registry=r)
         self.prefill = Counter(P + "prefill_handoffs", "Prefills on a prefill replica before decode, by outcome.",
                                ["outcome"], registry=r)
+        self.encode = Counter(P + "encode_handoffs", "Requests with images sent to an encode instance first, by "
+                              "outcome.", ["outcome"], registry=r)
         self.healthy = Gauge(P + "replica_healthy", "1 while the replica is routed to.", ["replica"], registry=r)
         self.in_flight = Gauge(P + "replica_in_flight", "Requests in flight to the replica.", ["replica"],
                                registry=r)

@@ -51,6 +51,10 @@ class RouterOptions:
     # compute each generation request's prompt before a --backend (decode) replica generates.
     prefill_backends: tuple[str, ...] = ()
     prefill_timeout_s: float = 120.0
+    # E/P/D (encode_stage.py): encode instances (--kv-role encode) that write a request's images'
+    # encoder outputs to the shared store before the request goes on.
+    encoder_backends: tuple[str, ...] = ()
+    encoder_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.backends:
@@ -65,6 +69,7 @@ class RouterOptions:
         object.__setattr__(self, "backends", tuple(b.rstrip("/") for b in self.backends))
         object.__setattr__(self, "kv_events", tuple(self.kv_events))
         object.__setattr__(self, "prefill_backends", tuple(b.rstrip("/") for b in self.prefill_backends))
+        object.__setattr__(self, "encoder_backends", tuple(b.rstrip("/") for b in self.encoder_backends))
 
     def kv_events_of(self, index: int) -> str | None:
         return (self.kv_events[index] or None) if self.kv_events else None
@@ -104,6 +109,11 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
            "replicas, started with --kv-role decode): each request's prompt is computed there first")
     a("--prefill-timeout-s", type=float, default=d.prefill_timeout_s,
       help="how long a prefill may take before the decode replica computes the prompt itself")
+    a("--encoder", dest="encoder_backends", nargs="+", default=(), metavar="URL",
+      help="encode instances (deepinfer serve --kv-role encode, sharing --kv-store with the other replicas): "
+           "a request carrying images is sent there first, and its images' encoder outputs loaded, not computed")
+    a("--encoder-timeout-s", type=float, default=d.encoder_timeout_s,
+      help="how long the encode stage may take before the serving replica encodes the images itself")
 
 
 def router_options(args: argparse.Namespace) -> RouterOptions:

@@ -36,6 +36,7 @@ from fastapi.responses import Response, StreamingResponse
 from deepinfer.entrypoints.errors import APIError, is_anthropic_path
 from deepinfer.router import admission
 from deepinfer.router.disaggregation import PrefillStage
+from deepinfer.router.encode_stage import EncodeStage
 from deepinfer.router.kv_index import KVIndex, prompt_block_hashes
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.monitor import Monitor
@@ -83,8 +84,9 @@ def _error_events(path: str, error: APIError) -> list[bytes]:
 class Proxy:
     def __init__(self, replicas: list[Replica], index: KVIndex, policy: Policy, metrics: RouterMetrics,
                  monitor: Monitor, options: RouterOptions, client: aiohttp.ClientSession,
-                 prefill: PrefillStage | None = None) -> None:
+                 prefill: PrefillStage | None = None, encode: EncodeStage | None = None) -> None:
         self.replicas = replicas
+        self.encode = encode     # E/P/D: the images encoded on an encode instance first (encode_stage.py)
         self.prefill = prefill   # P/D: the prompt computed on a prefill replica first (disaggregation.py)
         self.index = index
         self.policy = policy
@@ -209,6 +211,8 @@ class Proxy:
         self.metrics.routing.observe(time.perf_counter() - start)
         routed = Routed(choice, prompt_blocks, block_size)
         stream = bool(body and body.get("stream"))
+        if generation and self.encode is not None:
+            await self.encode.run(path, body, headers)
         if generation and self.prefill is not None:
             await self.prefill.run(path, body, headers)
         return await self._forward(request, path, raw, headers, routed, stream, start)

@@ -294,3 +294,6 @@ class EngineStats:
     kv_tier: dict[str, int] | None = None
     # Its /metrics figures from both sides of the connector (kv_cache/tier_stats.py); None: no tier.
     kv_tier_metrics: KVTierMetrics | None = None
+    # The encoder's counters (a model that reads images; multimodal/runner_images.py counters() and
+    # the encoder cache's hits), by name; None: a text-only model.
+    encoder: dict[str, float] | None = None

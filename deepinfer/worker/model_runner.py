@@ -152,7 +152,7 @@ class ModelRunner:
         self._size_kv_pool()
         self._allocate_kv_cache()
         self._reset_steps()
-        self.images = RunnerImages.for_model(self.model, hf_config, source)   # None: a text-only model
+        self.images = RunnerImages.for_model(self.model, hf_config, source, config)   # None: a text-only model
         self._prepare_kernels()
         # Verify chains: several verify steps of one plan, back to back on the device.
         self.verify_chain = build_verify_chain(self.speculation, self.decode_graphs, max_sliding_window(self.groups),

@@ -1,0 +1,80 @@
+"""E/P/D with real processes on loopback: an encode instance (`serve --kv-role encode`) and a serving
+instance on one dir:// store, behind `deepinfer router --encoder URL --backend URL`, on the tiny
+random Gemma3ForConditionalGeneration. Chats with 1 and 2 images answer the greedy tokens of a
+colocated engine, the serving instance loading every encoder output from the store (its vision
+tower never runs); with the encode instance killed, every request is still answered the same,
+the serving instance encoding the images itself."""
+
+from __future__ import annotations
+
+import httpx
+import psutil
+import pytest
+
+from deepinfer import LLM
+from tests.e2e.server_process import API_KEY, start_server, stop_server
+from tests.e2e.test_router import Router
+from tests.models.test_gemma3_vision_engine import GREEDY, NEW_TOKENS, chat_messages
+from tests.models.tiny_models import build_tiny_vision_checkpoint, write_vision_chat_tokenizer
+
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+CHATS = [(21,), (22, 23), (24,), (25, 26)]   # the first two with the encoder up, the last two after it is gone
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("epd_model"))
+    build_tiny_vision_checkpoint(directory)
+    write_vision_chat_tokenizer(directory)
+    return directory
+
+
+def _chat(router: Router, seeds) -> list[int]:
+    body = {"model": "tiny", "messages": chat_messages(list(seeds)), "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "return_tokens_as_token_ids": True}
+    reply = httpx.post(router.url + "/v1/chat/completions", headers=HEADERS, json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return [int(e["token"].split(":")[1]) for e in reply.json()["choices"][0]["logprobs"]["content"]]
+
+
+def _counters(url: str, prefix: str) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", headers=HEADERS, timeout=5).text.splitlines():
+        if line.startswith(prefix):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0].removeprefix(prefix)] = out.get(name.split("{")[0].removeprefix(prefix), 0) + float(value)
+    return out
+
+
+def test_encode_instance_behind_the_router(model_dir, tmp_path):
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=256)
+    want = {seeds: llm.chat(chat_messages(list(seeds)), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            for seeds in CHATS}
+    llm.engine.shutdown()
+    store = f"dir://{tmp_path / 'store'}"
+    common = ("--model", model_dir, "--served-model-name", "tiny", "--max-model-len", "512", "--dtype", "float32",
+              "--kv-store", store)
+    encoder = start_server(str(tmp_path / "encode.log"), *common, "--kv-role", "encode")
+    serving = start_server(str(tmp_path / "serve.log"), *common)
+    router = None
+    try:
+        router = Router(str(tmp_path / "router.log"), [serving], "--encoder", encoder.base_url)
+        for seeds in CHATS[:2]:
+            assert _chat(router, seeds) == want[seeds]
+        served = _counters(serving.base_url, "deepinfer:encoder_")
+        assert served.get("store_loaded_total") == 3 and served.get("images_encoded_total", 0) == 0, served
+        assert _counters(encoder.base_url, "deepinfer:encoder_")["images_encoded_total"] == 3
+        assert _counters(router.url, "deepinfer_router_encode_handoffs_total") == {"": 2}
+
+        # The encode instance gone: the serving instance encodes; every request is answered the same.
+        psutil.Process(encoder.process.pid).kill()
+        encoder.process.wait(10)
+        for seeds in CHATS[2:]:
+            assert _chat(router, seeds) == want[seeds]
+        served = _counters(serving.base_url, "deepinfer:encoder_")
+        assert served["images_encoded_total"] == 3 and served["store_misses_total"] == 3, served
+    finally:
+        if router is not None:
+            router.stop()
+        stop_server(encoder)
+        stop_server(serving)
