@@ -107,10 +107,10 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
         for k0 in range(0, K, BLOCK_K):
             byte = k0 // 2 + half
             packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
-            # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached). Scaling
-    # the partial products instead (a pair of dots per scale group, one exponent load and multiply
-    # per output and group) was slower: the K=16 dots cost more than the loads and multiplies they
-    # save (docs/benchmarks/design-measurements.md#the-scale-per-weight-not-per-group-the-dequantizations-one-contiguous-store).
+            # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached).
+            # Scaling the partial products instead (a pair of dots per scale group, one exponent
+            # load and multiply per output and group) was slower: the K=16 dots cost more than
+            # the loads and multiplies they save (design-measurements.md, FP4 expert tiles).
             exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
             scale = _scale(exps)
             w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
