@@ -64,9 +64,11 @@ def random_paged_batch(contexts: list[int], q_lens: list[int], head_dim: int, dt
 
 
 def dense_prefill_reference(batch: SimpleNamespace, scale: float, window: int | None, block_size: int,
-                            floors: list[int] | None = None) -> torch.Tensor:
+                            floors: list[int] | None = None, visible_end: torch.Tensor | None = None) -> torch.Tensor:
     """Each chunk's causal (windowed) attention over its gathered rows, densely in float32; with
-    `floors`, a chunk sees no key below its floor (SWA Bounded Replay)."""
+    `floors`, a chunk sees no key below its floor (SWA Bounded Replay); with `visible_end` (one
+    per row of q), a row sees keys below its entry instead of keys up to its position (an
+    image's tokens see the rest of their image), still bounded below by the window and floor."""
     q, k_cache, v_cache = batch.q, batch.k_cache, batch.v_cache
     outs, start = [], 0
     group = q.shape[1] // k_cache.shape[1]
@@ -78,7 +80,8 @@ def dense_prefill_reference(batch: SimpleNamespace, scale: float, window: int | 
         values = v_cache[rows].float().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[start:start + q_len].float(), keys) * scale
         q_pos = pos[seq_len - q_len:]
-        visible = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] >= floor)
+        ends = q_pos + 1 if visible_end is None else visible_end[start:start + q_len].to(pos.device)
+        visible = (pos[None, :] < ends[:, None]) & (pos[None, :] >= floor)
         if window:
             visible &= pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))

@@ -7,7 +7,8 @@ are already written to the paged cache. So every key is read through the block t
 kernel covers a fresh prompt, a chunk on top of a prefix, and a sliding window. (The Triton
 backend sends long fresh prompts to SDPA's tiled kernels instead, see layer.py, and long chunks on
 long prefixes of full-attention layers to cuDNN's, see sdpa_extend.py; this kernel is the one for
-the other chunks on cached prefixes, windows, and batches of short chunks.)
+the other chunks on cached prefixes, windows, batches of short chunks, and every chunk whose rows
+see later keys, below: those kernels take no such mask.)
 
 One program per (query tile, sequence, query head), flash-attention style (online softmax in
 fp32, in base 2: log2(e) is folded into the scale so each score costs one exp2). The key range
@@ -25,6 +26,15 @@ the request recomputed its window from that position, and the rows below were ne
 its queries see keys in [max(q - WINDOW + 1, floor), q]. The floor raises the window edge's
 bounds and is one more term of the edge tiles' mask. It is compiled in only under HAS_FLOOR, so
 the kernel without floors is the one it always was.
+
+Queries that see later keys (`visible_end`, one per query row: Gemma 3's image tokens attend to
+the rest of their image, multimodal/step_images.py). Row q sees keys below visible_end[q] instead
+of keys up to q: q + 1 on a causal row, the image's end on an image row. The keys ahead of a
+query lie past its position, so only the diagonal part changes: it runs to the largest
+visible_end of the tile's rows (a tile whose rows reach ahead walks further), with kv <
+visible_end[q] as its causal term. The window edge and the key floor are bounds from below and
+stay as they are: they never hide a key ahead. Compiled in only under HAS_VISIBLE_END, like the
+floor; the key split below takes it as it is (its runs cut the longer range).
 
 Split along the keys (flash-decoding style). The grid is (query tiles x sequences x heads); a
 chunk of few queries over a long cached context (SWA Bounded Replay's 576 queries through a global
@@ -69,16 +79,16 @@ MAX_WORKSPACE_BYTES = 256 << 20
 
 @triton.jit
 def _attend_tile(
-    acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head, dims,
-    dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
+    acc, l_i, m_i, q, q_pos, q_end, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
+    dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
-    MASKED: tl.constexpr, IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr,
+    MASKED: tl.constexpr, IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_VISIBLE_END: tl.constexpr,
 ):
     """Fold keys [n, n + BLOCK_N) into the running (acc, l_i, m_i) of one query tile.
 
     MASKED=False is only called on tiles that every query of the tile sees whole, so it loads
     without bounds checks and skips the causal/window mask. `floor` (the sequence's key floor)
-    is read only under HAS_FLOOR.
+    is read only under HAS_FLOOR, `q_end` (each query's visible end) only under HAS_VISIBLE_END.
     """
     k_pos = n + tl.arange(0, BLOCK_N)
     if MASKED:
@@ -102,8 +112,11 @@ def _attend_tile(
     else:
         scores = tl.dot(q, tl.trans(k)) * qk_scale
     if MASKED:
-        visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        if WINDOW > 0:
+        if HAS_VISIBLE_END:   # q_end >= q_pos + 1: the causal term, widened on rows that see ahead
+            visible = k_ok[None, :] & (k_pos[None, :] < q_end[:, None])
+        else:
+            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:   # bounds keys from below only: it never hides a key ahead of its query
             visible = visible & (k_pos[None, :] > q_pos[:, None] - WINDOW)
         if HAS_FLOOR:
             visible = visible & (k_pos[None, :] >= floor)
@@ -141,15 +154,15 @@ SPLIT_ARGS = ["num_splits", "stride_ps", "stride_pb", "stride_ls", "stride_lb"]
 
 @triton.jit(do_not_specialize=["stride_bt", *SPLIT_ARGS],
             do_not_specialize_on_alignment=["block_table_ptr", "seq_lens_ptr", "query_start_ptr", "seq_ids_ptr",
-                                            "key_floor_ptr"])
+                                            "key_floor_ptr", "visible_end_ptr"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, seq_ids_ptr,
-    key_floor_ptr, o_part_ptr, lse_part_ptr, qk_scale,
+    key_floor_ptr, visible_end_ptr, o_part_ptr, lse_part_ptr, qk_scale,
     stride_qt, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt, stride_ot, stride_oh,
     stride_ps, stride_pb, stride_pt, stride_ph, stride_ls, stride_lb, stride_lt, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EVEN_DIM: tl.constexpr,
-    IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_VISIBLE_END: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # The grid's first axis runs over query tiles in reverse: under a causal mask the last tiles
     # of a chunk see the most keys, and starting them first shortens the tail of the launch.
@@ -199,6 +212,14 @@ def _prefill_kernel(
         lo = (first_key // BLOCK_N) * BLOCK_N
         mid_lo = tl.cdiv(all_from, BLOCK_N) * BLOCK_N
         mid_lo = tl.minimum(tl.maximum(mid_lo, lo), mid_hi)
+    # Rows that see ahead (an image's tokens): the diagonal part runs on to the furthest key a row
+    # of the tile sees. Only the diagonal changes: a query's keys ahead all lie past its own
+    # position, so past mid_hi, and the window's limits above come from the queries' positions,
+    # which stay. Clamped to seq_len: the block table holds none of this sequence's keys past it.
+    q_end = q_pos
+    if HAS_VISIBLE_END:
+        q_end = tl.load(visible_end_ptr + q_start + m_offs, mask=m_ok, other=0)
+        hi = tl.minimum(tl.maximum(hi, tl.max(q_end, 0)), seq_len)
 
     edge_lo, edge_hi = lo, mid_lo
     body_lo, body_hi = mid_lo, mid_hi
@@ -221,19 +242,19 @@ def _prefill_kernel(
     if WINDOW > 0:
         for n in range(edge_lo, edge_hi, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
+                acc, l_i, m_i, q, q_pos, q_end, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
                 dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-                BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR)
+                BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR, HAS_VISIBLE_END)
     for n in range(body_lo, body_hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
+            acc, l_i, m_i, q, q_pos, q_end, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
             dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, False, IEEE, HAS_FLOOR)
+            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, False, IEEE, HAS_FLOOR, HAS_VISIBLE_END)
     for n in range(diag_lo, diag_hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
+            acc, l_i, m_i, q, q_pos, q_end, n, hi, floor, k_cache_ptr, v_cache_ptr, block_table_ptr, seq, kv_head,
             dims, dim_ok, qk_scale, stride_kr, stride_kh, stride_vr, stride_vh, stride_bt,
-            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR)
+            BLOCK_SIZE, BLOCK_N, WINDOW, EVEN_DIM, True, IEEE, HAS_FLOOR, HAS_VISIBLE_END)
 
     if SPLIT:
         # A run's rows, normalised, with their log-sum-exp in base 2 (the scores are): a row that
@@ -335,7 +356,9 @@ def num_prefill_splits(programs: int, max_keys: int, num_sms: int) -> int:
 def split_count(num_tokens: int, num_seqs: int, num_heads: int, head_dim: int, max_query_len: int,
                 max_seq_len: int, window: int | None, block_m: int, device: torch.device) -> int:
     """paged_prefill_attention's own choice of runs (num_prefill_splits), from host values only."""
-    # A tile's queries span BLOCK_M positions, and a window shows each at most WINDOW keys.
+    # A tile's queries span BLOCK_M positions, and a window shows each at most WINDOW keys. (Rows
+    # with visible ends see up to an image's length more: not counted, as this only picks a count
+    # of runs; the runs cover whatever range each program has.)
     max_keys = min(max_seq_len, window + block_m) if window else max_seq_len
     # Programs with queries: the grid gives every sequence the longest chunk's tiles, and the
     # extra ones return at once; T rows make at most (T + S * (BLOCK_M - 1)) // BLOCK_M tiles
@@ -359,13 +382,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor | None = None, seq_ids: torch.Tensor | None = None,
                             config: tuple[int, int, int, int] | None = None,
                             key_floor: torch.Tensor | None = None, max_seq_len: int | None = None,
-                            num_splits: int | None = None) -> torch.Tensor:
+                            num_splits: int | None = None, visible_end: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D] (the chunks back to back) -> [T, H, D].
 
     `seq_ids` (int32) picks the sequences to attend (rows of block_table / seq_lens, chunks of
     query_start); the others' rows of `out` are left untouched. None: all of them.
     `key_floor` (int32, one per sequence like seq_lens; needs a window): the lowest key position
     each sequence's queries may see. None: no floor.
+    `visible_end` (int32, one per row of q like its rows; read on the picked sequences' rows): the
+    key position (exclusive) up to which each query may see, its position + 1 for a causal row
+    and beyond it for a row that also sees later keys (an image's tokens: the image's end, at
+    most the sequence's KV length). The window and the key floor still bound its keys from
+    below. None: causal.
     `max_query_len` is the longest chunk among those picked, `max_seq_len` a host-side bound on
     their longest seq_lens entry (the key split's choice, num_prefill_splits; None: never split,
     as the device's seq_lens are not read on the host). `num_splits` overrides that choice (1:
@@ -383,6 +411,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     if key_floor is not None and not window:
         raise ValueError("a key floor cuts sliding windows only; full attention sees every key")
+    if visible_end is not None and visible_end.shape != (num_tokens,):
+        raise ValueError(f"visible_end needs one entry per row of q ({num_tokens}), got {tuple(visible_end.shape)}")
     block_m, block_n, num_warps, num_stages = config or prefill_config(head_dim, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), seq_ids.shape[0], num_heads)
     if num_splits is None:
@@ -400,16 +430,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:   # never read: the kernel writes `out` itself
         o_part = lse_part = out
     _prefill_kernel[grid](
-        # Without a floor the kernel never reads key_floor_ptr: any int32 tensor stands in.
+        # Without a floor (visible ends) the kernel never reads key_floor_ptr (visible_end_ptr):
+        # any int32 tensor stands in.
         q, k_cache, v_cache, out, block_table, seq_lens, query_start, seq_ids,
-        seq_lens if key_floor is None else key_floor, o_part, lse_part, scale * LOG2E,
+        seq_lens if key_floor is None else key_floor, seq_lens if visible_end is None else visible_end,
+        o_part, lse_part, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         *(_part_strides(o_part, lse_part) if split else (0,) * 7), num_splits,
         GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m,
         BLOCK_N=block_n, WINDOW=window or 0, EVEN_DIM=head_dim == dim_pad,
-        IEEE=q.dtype == torch.float32, HAS_FLOOR=key_floor is not None, SPLIT=split, num_warps=num_warps,
-        num_stages=num_stages,
+        IEEE=q.dtype == torch.float32, HAS_FLOOR=key_floor is not None, HAS_VISIBLE_END=visible_end is not None,
+        SPLIT=split, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _combine_kernel[(triton.cdiv(max_query_len, COMBINE_BLOCK_M), seq_ids.shape[0], num_heads)](
