@@ -27,15 +27,12 @@ SigLIP's vision_use_head) feeds nothing Gemma 3 reads and is skipped.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from deepinfer.layers.attention.backends.cpu import CpuBackend
-from deepinfer.layers.attention.backends.reference import ReferenceBackend
 from deepinfer.layers.attention.metadata import forward_context, get_forward_context
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.models.hf_loader import flatten_multimodal_config
@@ -43,8 +40,6 @@ from deepinfer.multimodal.gemma3_projector import Gemma3MultiModalProjector
 from deepinfer.multimodal.prompt import ImageTokenLayout
 from deepinfer.multimodal.siglip import SiglipVisionTower
 from deepinfer.multimodal.step_images import StepImages, image_attention_metadata
-
-logger = logging.getLogger(__name__)
 
 VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 
@@ -89,18 +84,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         self.vision_tower = SiglipVisionTower(cfg["vision_config"])
         self.multi_modal_projector = Gemma3MultiModalProjector(
             self.vision_tower.config, cfg["hidden_size"], self.image_layout.tokens_per_image)
-
-    def own_attention_backend(self, device: torch.device, kv_cache_dtype: torch.dtype, engine_backend=None):
-        """The reference backend where the engine's backend keeps no explicit prefill masks (the
-        Triton kernels take none): an image's tokens attend to each other both ways, a term
-        only masks carry (multimodal/step_images.py). Decode steps then run without CUDA graphs.
-        The reference and CPU backends keep masks: the engine's choice stands."""
-        if engine_backend is None or isinstance(engine_backend, (ReferenceBackend, CpuBackend)):
-            return None
-        logger.warning("%s: image tokens attend to each other both ways, which the %s backend's kernels cannot "
-                       "mask yet; attention runs on the reference backend (no decode CUDA graphs)",
-                       type(self).__name__, engine_backend.name)
-        return ReferenceBackend(device, kv_cache_dtype)
 
     # -- images ----------------------------------------------------------------------------------
 

@@ -16,12 +16,15 @@ the sliding window never removes them (it bounds keys from below). So per query 
     may attend to key kv  <=>  causal mask (window, floors as the backend built them)
                                OR  q < kv < end of q's image (q an image token)
 
-`image_attention_metadata` layers the second term onto a step's metadata built by a backend that
-keeps explicit prefill masks (the reference and the CPU backends: GatherGroupMetadata), as a new
-metadata object (the step's own is left as it is). The Triton backend's kernels and SDPA's tiled
-causal paths take no mask; a step with multi-token image spans on that backend is refused with a
-ValueError naming the backends that run it, so the CUDA path for vision models is the reference
-backend until a kernel takes the extra term.
+`image_attention_metadata` turns the second term into data: per prefill row of the step, the key
+position (exclusive) up to which the row may see (`visible_ends`: q + 1 on a causal row, the
+image's end on an image's row), and hands it to the step's backend, which returns a new metadata
+object (AttentionBackend.with_visible_end; the step's own is left as it is). The reference and CPU
+backends OR the keys ahead into their explicit prefill masks. The Triton backend sends the chunks
+holding such rows to its paged prefill kernel (never to SDPA's or cuDNN's causal kernels, which
+take no mask), whose launch reads the visible end of each row (triton_prefill.py). Decode rows
+never need it: an image token decoded alone is its image's last. A backend without the hook
+refuses the step with a ValueError naming the backends that run it.
 
 The invariant this needs of the scheduler: an image's tokens that a step computes must reach the
 image's end in that step (ImageSpan.image_end), because a query can only attend to keys the step
@@ -33,7 +36,6 @@ refused here when the split shows (a span that stops before its image's end).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -129,8 +131,9 @@ def _span_positions(meta: AttentionMetadata, span: ImageSpan) -> tuple[int | Non
 
 def image_attention_metadata(meta: AttentionMetadata, spans: Sequence[ImageSpan]) -> AttentionMetadata:
     """The step's metadata with each image's tokens attending to the later tokens of their image
-    (the module docstring's rule); `meta` itself unchanged. Spans of one row need nothing (their
-    image ends at them): a step whose spans are all such gets `meta` back."""
+    (the module docstring's rule), built by its backend (AttentionBackend.with_visible_end) as a
+    new object; `meta` itself unchanged. Spans of one row need nothing (their image ends at
+    them): a step whose spans are all such gets `meta` back."""
     bidirectional: dict[int, list[tuple[int, int]]] = {}    # prefill chunk -> [(first, end) positions]
     for span in spans:
         chunk, first, chunk_end = _span_positions(meta, span)
@@ -144,32 +147,26 @@ def image_attention_metadata(meta: AttentionMetadata, spans: Sequence[ImageSpan]
             bidirectional.setdefault(chunk, []).append((first, last))
     if not bidirectional:
         return meta
-    if not all(hasattr(g, "prefill") for g in meta.groups):
-        raise ValueError(f"the {meta.backend.name} attention backend has no masks for the attention within an "
-                         "image (bidirectional in Gemma 3); run vision models with attention_backend='reference' "
-                         "(CPU or CUDA) or 'cpu'")
-    groups = []
-    for group in meta.groups:
-        prefill = list(group.prefill)
-        for j, image_spans in bidirectional.items():
-            rows, mask = prefill[j]
-            prefill[j] = (rows, mask | _ahead_in_image(meta, j, image_spans, mask.shape[1], mask.device))
-        groups.append(dataclasses.replace(group, prefill=prefill))
-    return dataclasses.replace(meta, groups=groups)
+    seeing = meta.backend.with_visible_end(meta, visible_ends(meta, bidirectional), sorted(bidirectional))
+    if seeing is None:
+        raise ValueError(f"the {meta.backend.name} attention backend cannot let an image's tokens attend to the "
+                         "later tokens of their image (bidirectional in Gemma 3); run vision models with "
+                         "attention_backend='triton' (CUDA), 'reference' (CPU or CUDA) or 'cpu'")
+    return seeing
 
 
-def _ahead_in_image(meta: AttentionMetadata, chunk: int, image_spans: list[tuple[int, int]], kv_len: int,
-                    device: torch.device) -> torch.Tensor:
-    """[q_len, kv_len] True where a query may see a key after it in its own image. The chunk's
-    keys are positions [chunk_end - kv_len, chunk_end) (each backend's prefill keys end with the
-    chunk's own rows), its queries [start, chunk_end)."""
-    row_start, row_end = meta.prefill_query_ranges[chunk]
-    start = meta.step.prefills[chunk].start
-    chunk_end = start + row_end - row_start
-    q_pos = np.arange(start, chunk_end, dtype=np.int64)
-    limit = q_pos + 1                      # plain causal: keys below q + 1
-    for first, last in image_spans:
-        limit[first - start:last - start] = last
-    kv_pos = np.arange(chunk_end - kv_len, chunk_end, dtype=np.int64)
-    ahead = (kv_pos[None, :] > q_pos[:, None]) & (kv_pos[None, :] < limit[:, None])
-    return torch.from_numpy(ahead).to(device)
+def visible_ends(meta: AttentionMetadata, bidirectional: dict[int, list[tuple[int, int]]]) -> np.ndarray:
+    """[prefill rows] int32 (rows counted from the step's first prefill row): the key position
+    (exclusive) up to which each row may see. q + 1 for a causal row; the end of its image for
+    an image's token, whose image ends in its chunk (checked by the caller), so the entry never
+    passes the chunk's KV length. `bidirectional`: per prefill chunk, its multi-row images as
+    (first, end) positions."""
+    step, n_dec = meta.step, meta.num_decode_tokens
+    ends = np.zeros(meta.num_tokens - n_dec, dtype=np.int32)
+    for (row_start, row_end), chunk in zip(meta.prefill_query_ranges, step.prefills):
+        ends[row_start - n_dec:row_end - n_dec] = np.arange(chunk.start + 1, chunk.start + 1 + row_end - row_start)
+    for j, image_spans in bidirectional.items():
+        offset = meta.prefill_query_ranges[j][0] - n_dec - step.prefills[j].start   # position -> row
+        for first, last in image_spans:
+            ends[first + offset:last + offset] = last
+    return ends

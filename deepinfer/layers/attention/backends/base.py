@@ -1,11 +1,12 @@
 """What every attention backend answers, and the step layout it builds its metadata from.
 
 A backend is one object, chosen once at start (selection.py) and carried by each step's
-metadata, so that every layer of a forward asks the same object. It has four jobs:
+metadata, so that every layer of a forward asks the same object. Its jobs:
   build_metadata(step)   the tensors its attention reads for one step (input_batch.py hands it
                          the step's rows, already ordered decodes first)
   write_kv(...)          write the step's K/V into the paged cache (rotating q and k on the way)
   attend(...)            attention of the step's rows, decodes and prefill chunks
+  with_visible_end(...)  the step's metadata with rows that see past their position (images)
   decode_graph_buffers   the static buffers CUDA graphs of decode steps replay with (if it has any)
 and it declares which faster variants of the ops around attention it turns on (the class
 attributes below), which norm.py, rotary.py, linear.py and the models read from it instead of
@@ -239,6 +240,16 @@ class AttentionBackend(ABC):
     @abstractmethod
     def build_metadata(self, step: StepLayout) -> AttentionMetadata:
         """This step's attention inputs (host index arithmetic, copies queued to the device)."""
+
+    def with_visible_end(self, meta: AttentionMetadata, visible_end: np.ndarray,
+                         chunks: list[int]) -> AttentionMetadata | None:
+        """`meta` (built by this backend) as a new metadata object whose prefill rows each see
+        the keys below `visible_end` ([prefill rows] int32, positions, exclusive): a causal row's
+        entry is its position + 1, a row that also sees later keys (an image's token in Gemma 3,
+        multimodal/step_images.py) has a larger one. Windows and key floors still bound each
+        row's keys from below. `chunks`: the prefill chunks with such rows. None: this backend
+        cannot attend so (the caller names those that can)."""
+        return None
 
     @abstractmethod
     def write_kv(self, layer: AttentionLayer, meta: AttentionMetadata, group: GroupMetadata, q: torch.Tensor,

@@ -4,12 +4,14 @@ Each row's keys are gathered from the cache by flat row index, computed on the h
 (one query each) batched into one gather and two matmuls per layer (Attention._decode), each
 prefill chunk (or chunk verifying draft tokens) attended alone with a boolean mask
 (Attention._sdpa). A request's window floor (SWA Bounded Replay) cuts only prefill rows' sliding
-windows: input_batch.py sends every row whose window it still cuts down that path. Turns on no
+windows: input_batch.py sends every row whose window it still cuts down that path. Rows that see
+later keys (an image's tokens, with_visible_end) get them ORed into their chunk's mask. Turns on no
 faster op: norms, rotary, activation and projections all run the reference code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,6 +88,29 @@ class ReferenceBackend(AttentionBackend):
                 mask &= kv[None, :] > q[:, None] - window
             meta.prefill.append((step.to_device(flat_rows(table, kv, block_size)), step.to_device(mask)))
         return meta
+
+    def with_visible_end(self, meta: AttentionMetadata, visible_end: np.ndarray,
+                         chunks: list[int]) -> AttentionMetadata:
+        """The chunks' masks ORed with the keys ahead of each row that it sees (q < kv <
+        visible_end[q]); the window and floor bound keys from below, so they hide none of them.
+        A chunk's keys are positions [end - kv_len, end), ending with its own rows."""
+        step, n_dec = meta.step, meta.num_decode_tokens
+        ahead: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}   # chunk -> (q positions, visible ends, end)
+        for j in chunks:
+            row_start, row_end = meta.prefill_query_ranges[j]
+            start = step.prefills[j].start
+            end = start + row_end - row_start
+            ahead[j] = (np.arange(start, end, dtype=np.int64), visible_end[row_start - n_dec:row_end - n_dec], end)
+        groups = []
+        for group in meta.groups:
+            prefill = list(group.prefill)
+            for j, (q, limit, end) in ahead.items():
+                rows, mask = prefill[j]
+                kv = np.arange(end - mask.shape[1], end, dtype=np.int64)
+                more = (kv[None, :] > q[:, None]) & (kv[None, :] < limit[:, None])
+                prefill[j] = (rows, mask | step.to_device(more))
+            groups.append(dataclasses.replace(group, prefill=prefill))
+        return dataclasses.replace(meta, groups=groups)
 
     def _set_decode_rows(self, meta: GatherGroupMetadata, gather: np.ndarray, group, step: StepLayout) -> None:
         """How the decode rows' gather [num_decodes, max_kv_len] reaches attention: token-major here."""

@@ -6,7 +6,9 @@ takes the call; chunks on top of cached tokens and short fresh chunks go to the 
 kernel (triton_prefill.py), one launch for all of them; long fresh chunks (from position 0, so
 the step holds all their K/V) attend with SDPA's tiled kernels over the step's own K/V
 (Attention._fresh_chunk), and long chunks on a long cached prefix of a full-attention group with
-cuDNN's kernel over keys gathered from the cache (sdpa_extend.py). Around attention it turns on
+cuDNN's kernel over keys gathered from the cache (sdpa_extend.py). A step whose rows see later
+keys (an image's tokens in Gemma 3, with_visible_end) sends those rows' chunks to the paged
+prefill kernel whatever their length, with each row's visible end. Around attention it turns on
 every fused kernel of layers/fused/.
 
 Triton is imported only inside the methods that launch kernels: this module is imported on CPU
@@ -15,6 +17,7 @@ machines too (selection.py lists every backend).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -84,6 +87,10 @@ class TritonMetadata(AttentionMetadata):
     seq_lens: torch.Tensor
     prefill_query_start: torch.Tensor | None = None
     num_decode_splits: int = 1
+    # Per prefill row [num prefill tokens] int32, the key position (exclusive) it sees up to, set
+    # (with_visible_end) on steps where some rows see later keys (an image's tokens); the paged
+    # prefill kernel then reads it for every row it attends. None: causal (decode rows always).
+    prefill_visible_end: torch.Tensor | None = None
 
 
 def padded_block_table(tables: list[list[int]]) -> np.ndarray:
@@ -236,6 +243,33 @@ class TritonBackend(AttentionBackend):
             prefill_query_start=step.to_device(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)),
             num_decode_splits=step.decode_splits)
 
+    def with_visible_end(self, meta: TritonMetadata, visible_end: np.ndarray,
+                         chunks: list[int]) -> TritonMetadata:
+        """The chunks with rows that see later keys go to the paged prefill kernel in every group
+        (SDPA's and cuDNN's causal kernels, which build_metadata may have picked for them, take
+        no such mask), and its launch reads the visible ends of all its rows: a causal row's is
+        its position + 1, so the chunks already there attend as before. Host values only: the
+        kernel rows and their bounds are recomputed from the step's layout, not read back."""
+        step, prefills = meta.step, meta.step.prefills
+        ahead = set(chunks)
+        chunk_of = {token_range: i for i, token_range in enumerate(meta.prefill_query_ranges)}
+        groups = []
+        for group in meta.groups:
+            elsewhere = {chunk_of[r] for r in group.sdpa_prefill_ranges} | {e[2] for e in group.extend_chunks}
+            if not elsewhere & ahead:
+                groups.append(group)
+                continue
+            rows = [i for i in range(len(prefills)) if i in ahead or i not in elsewhere]
+            groups.append(dataclasses.replace(
+                group,
+                sdpa_prefill_ranges=[r for r in group.sdpa_prefill_ranges if chunk_of[r] not in ahead],
+                extend_chunks=[e for e in group.extend_chunks if e[2] not in ahead],
+                kernel_prefill_rows=step.to_device(np.array(rows, dtype=np.int32)),
+                kernel_max_prefill_len=max(prefills[i].num_tokens for i in rows),
+                kernel_max_seq_len=max(prefills[i].start + prefills[i].num_tokens for i in rows)))
+        return dataclasses.replace(meta, groups=groups,
+                                   prefill_visible_end=step.to_device(np.ascontiguousarray(visible_end, np.int32)))
+
     # ---------------------------------------------------------------------------- attention
     def write_kv(self, layer, meta, group, q, k, v, positions, rotary, k_cache, v_cache):
         if rotary is not None and self.fused_rotary:   # rotated in place, K/V written, one kernel
@@ -271,7 +305,7 @@ class TritonBackend(AttentionBackend):
                                     meta.prefill_query_start, group.kernel_max_prefill_len, layer.scale,
                                     layer.sliding_window, meta.block_size, out=out[n_dec:],
                                     seq_ids=group.kernel_prefill_rows, key_floor=group.kernel_key_floor,
-                                    max_seq_len=group.kernel_max_seq_len)
+                                    max_seq_len=group.kernel_max_seq_len, visible_end=meta.prefill_visible_end)
         if group.extend_chunks:
             self._attend_extend_chunks(layer, meta, group, q, k_cache, v_cache, out)
         layer._fresh_chunks(q, k, v, fresh, out)
