@@ -209,8 +209,9 @@ class ModelSteps:
     the prompt in chunks of the given sizes, then one decode step a token."""
 
     def __init__(self, model: Gemma3ForConditionalGeneration, device: str, max_tokens: int,
-                 backend: str = "reference") -> None:
+                 backend: str = "reference", fresh_sdpa_min_tokens: int | None = None) -> None:
         self.model, self.device, self.backend = model, torch.device(device), backend
+        self.fresh_sdpa_min_tokens = fresh_sdpa_min_tokens   # StepLayout's (the Triton backend's SDPA)
         self.layout = KVLayout.from_specs(model.kv_cache_specs(torch.float32), BLOCK, torch.float32)
         per_group = -(-max_tokens // BLOCK)
         # Block 0 is the null block; groups of one pool share its slots, so each gets its own ids.
@@ -221,7 +222,8 @@ class ModelSteps:
                 every_row: bool = False) -> torch.Tensor:
         chunk = StepChunk("r", start, num_tokens, self.tables, sample=True)
         inputs = build_step_inputs([chunk], {"r": tokens}, self.layout.groups, BLOCK, self.layout.layer_to_group,
-                                   self.layout.layer_to_slot, self.caches, self.device, backend=self.backend)
+                                   self.layout.layer_to_slot, self.caches, self.device, backend=self.backend,
+                                   fresh_sdpa_min_tokens=self.fresh_sdpa_min_tokens)
         with torch.no_grad(), forward_context(inputs.attention):
             hidden = self.model(inputs.input_ids, inputs.positions, None, images=images)
             return self.model.compute_logits(hidden if every_row else hidden[-1:])
