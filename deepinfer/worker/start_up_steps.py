@@ -3,7 +3,9 @@
   profile_peak_memory   the largest step the scheduler may plan, so that the memory query that
                         sizes the real KV pool sees the activation peak, not only the weights
   warm_up               the attention backend's warm-up steps (AttentionBackend.warm_up_steps),
-                        so that kernels compile at start, not in the first steps that serve
+                        so that kernels compile at start, not in the first steps that serve; for a
+                        model that reads images, the prefill steps again with rows that see later
+                        keys, as an image's tokens do (AttentionBackend.with_visible_end)
 
 Both build their steps as a real one is built (input_batch.build_step_inputs) and run the model
 eagerly; the caches they write are freed once the step has run.
@@ -11,6 +13,7 @@ eagerly; the caches they write are freed once the step has run.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from deepinfer.kv_cache.tensors import KVLayout
@@ -64,10 +67,17 @@ class StartUpSteps:
     def warm_up(self, max_model_len: int, decode_splits: int) -> None:
         """One eager step for each of the backend's warm-up steps; `decode_splits`: the runner's
         split count for a batch of one row."""
-        for tokens in self.backend.warm_up_steps(max_model_len):
+        steps = self.backend.warm_up_steps(max_model_len)
+        for tokens in steps:
             self._warm_up_step(tokens, decode_splits)
+        if hasattr(self.model, "encode_images"):   # the encoder stage: RunnerImages.for_model
+            # A step with an image's rows runs other variants of the prefill kernels (the Triton
+            # backend's visible ends, compiled per window and split like the rest): each step again,
+            # every prefill row seeing to its chunk's end, so that they compile here too.
+            for tokens in steps:
+                self._warm_up_step(tokens, decode_splits, see_ahead=True)
 
-    def _warm_up_step(self, tokens: list[tuple[int, int]], decode_splits: int) -> None:
+    def _warm_up_step(self, tokens: list[tuple[int, int]], decode_splits: int, see_ahead: bool = False) -> None:
         blocks = sum(-(-(c + n) // self.block_size) for c, n in tokens) + 1
         caches = self._scratch_caches(blocks)
         chunks, token_ids, next_block = [], {}, 1
@@ -78,7 +88,12 @@ class StartUpSteps:
             chunks.append(StepChunk(f"warm-up {i}", cached, new, [table for _ in self.kv_layout.groups], sample=True))
             token_ids[f"warm-up {i}"] = [0] * (cached + new)
         inputs = self._inputs(chunks, token_ids, caches, decode_splits=decode_splits)
-        with forward_context(inputs.attention):
+        meta = inputs.attention
+        if see_ahead and meta.step is not None and meta.step.prefills:
+            prefills = meta.step.prefills
+            ends = np.concatenate([np.full(c.num_tokens, c.start + c.num_tokens, dtype=np.int32) for c in prefills])
+            meta = self.backend.with_visible_end(meta, ends, list(range(len(prefills)))) or meta
+        with forward_context(meta):
             self.model(inputs.input_ids, inputs.positions)
         for chunk in chunks:   # throwaway requests: what the model took for them goes back
             release_model_state(chunk.model_state)

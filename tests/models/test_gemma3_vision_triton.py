@@ -4,7 +4,8 @@ other both ways), the model driven step by step as tests/models/test_gemma3_visi
 (ModelSteps: the runner's step inputs, no scheduler), with the whole prompt in one step and in
 chunks that never split an image. The prompt's fresh chunks are long enough here for the
 backend's SDPA path (fresh_sdpa_min_tokens lowered), which takes no mask: the chunks holding an
-image go to the paged prefill kernel with their rows' visible ends instead. Runs on a GPU, or on
+image go to the paged prefill kernel with their rows' visible ends instead. The runner's warm-up
+runs that kernel with visible ends too. Runs on a GPU, or on
 the CPU under Triton's interpreter (TRITON_INTERPRET=1) where triton is installed, every Triton
 kernel of the backend (fused norms, rotary, activation) included; skipped otherwise.
 """
@@ -74,3 +75,27 @@ def test_triton_prompt_logits_match_reference(tiny):
     logits = {backend: ModelSteps(ours, str(DEVICE), len(prompt), backend, fresh_sdpa_min_tokens=8)
               .forward(prompt, 0, len(prompt), images, every_row=True) for backend in ("reference", "triton")}
     torch.testing.assert_close(logits["triton"], logits["reference"], atol=1e-4, rtol=0)
+
+
+def test_warm_up_compiles_the_kernels_for_image_rows(tiny, monkeypatch):
+    """The runner's warm-up of a model that reads images runs the paged prefill kernel with
+    visible ends too (its variants compile at start, not in the first step with an image), and
+    without them."""
+    from deepinfer.kv_cache.tensors import KVLayout
+    from deepinfer.layers.attention import triton_prefill
+    from deepinfer.layers.attention.backends.triton import TritonBackend
+    from deepinfer.platforms import current_platform
+    from deepinfer.worker.start_up_steps import StartUpSteps
+
+    _, ours = tiny
+    calls = []
+    kernel = triton_prefill.paged_prefill_attention
+
+    def spy(*args, visible_end=None, **kwargs):
+        calls.append(visible_end is not None)
+        return kernel(*args, visible_end=visible_end, **kwargs)
+
+    monkeypatch.setattr(triton_prefill, "paged_prefill_attention", spy)
+    layout = KVLayout.from_specs(ours.kv_cache_specs(torch.float32), 16, torch.float32)
+    StartUpSteps(ours, layout, 16, TritonBackend(), current_platform()).warm_up(48, 1)
+    assert True in calls and False in calls
