@@ -5,9 +5,9 @@ other both ways), the model driven step by step as tests/models/test_gemma3_visi
 chunks that never split an image. The prompt's fresh chunks are long enough here for the
 backend's SDPA path (fresh_sdpa_min_tokens lowered), which takes no mask: the chunks holding an
 image go to the paged prefill kernel with their rows' visible ends instead. The runner's warm-up
-runs that kernel with visible ends too. Runs on a GPU, or on
-the CPU under Triton's interpreter (TRITON_INTERPRET=1) where triton is installed, every Triton
-kernel of the backend (fused norms, rotary, activation) included; skipped otherwise.
+runs that kernel with visible ends too. Runs on a GPU, or on the CPU under Triton's interpreter
+(TRITON_INTERPRET=1) where triton is installed, every Triton kernel of the backend (fused norms,
+rotary, activation) included; skipped otherwise.
 """
 
 from __future__ import annotations
