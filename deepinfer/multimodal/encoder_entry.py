@@ -39,7 +39,7 @@ import zlib
 import torch
 import xxhash
 
-from deepinfer.kv_cache.store.entry import EntryError, checksum
+from deepinfer.kv_cache.store.entry import EntryError, checksum, unpack_checked_header
 
 MAGIC = b"DIEN"
 FORMAT_VERSION = 1
@@ -47,7 +47,6 @@ FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHIQIQ16s16sd16s16s16s")
 _CRC = struct.Struct("<I")
 HEADER_SIZE = _FIXED.size + _CRC.size
-_MAGIC_VERSION = struct.Struct("<4sH")
 
 DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.float16, torch.bfloat16)}
 TRAFFIC_CLASS = "encoder"
@@ -104,21 +103,8 @@ def decode(data: bytes | bytearray | memoryview, key: tuple[bytes, bytes], token
     """The embeddings [tokens, hidden] of an entry, after every check (EntryError with one of
     entry.REASONS: truncated, version, corrupt, mismatch). A new tensor: `data` may be freed."""
     data = memoryview(data).cast("B")
-    if len(data) >= _MAGIC_VERSION.size:
-        magic, version = _MAGIC_VERSION.unpack_from(data)
-        if magic == MAGIC and version != FORMAT_VERSION:
-            raise EntryError("version", f"encoder entry version {version}; this reader knows {FORMAT_VERSION}")
-    if len(data) < HEADER_SIZE:
-        raise EntryError("truncated", f"{len(data)} bytes, shorter than the header ({HEADER_SIZE})")
-    (magic, _, header_size, found_tokens, found_hidden, ndim, payload_bytes, found_dtype, _, _, group_key,
-     image_hash, digest) = _FIXED.unpack_from(data)
-    if magic != MAGIC:
-        raise EntryError("corrupt", f"magic {magic!r}, not an encoder entry")
-    if header_size != HEADER_SIZE:
-        raise EntryError("version", f"header of {header_size} bytes; this reader knows {HEADER_SIZE}")
-    (crc,) = _CRC.unpack_from(data, _FIXED.size)
-    if crc != zlib.crc32(data[:_FIXED.size]):
-        raise EntryError("corrupt", "header checksum")
+    (_, _, _, found_tokens, found_hidden, ndim, payload_bytes, found_dtype, _, _, group_key, image_hash,
+     digest) = unpack_checked_header(data, MAGIC, FORMAT_VERSION, _FIXED)
     if (group_key, image_hash) != key:
         raise EntryError("mismatch", "the entry's key is not the one asked for")
     want_dtype = dtype_name(dtype)

@@ -471,14 +471,7 @@ def _read_fully(fd: int, buffers: list[memoryview], size: int) -> None:
     want = min(size, sum(len(b) for b in buffers))
     done = 0
     while done < want:
-        views, skip = [], done
-        for b in buffers:
-            if skip >= len(b):
-                skip -= len(b)
-                continue
-            views.append(b[skip:])
-            skip = 0
-        n = os.readv(fd, views[:_IOV_MAX])
+        n = os.readv(fd, _past(buffers, done))
         if n == 0:   # shorter than fstat said: truncated while we read
             return
         done += n
@@ -490,12 +483,20 @@ def _write_fully(fd: int, buffers: list[memoryview]) -> int:
     total = sum(len(b) for b in buffers)
     done = 0
     while done < total:
-        views, skip = [], done
-        for b in buffers:
-            if skip >= len(b):
-                skip -= len(b)
-                continue
-            views.append(b[skip:])
-            skip = 0
-        done += os.writev(fd, views[:_IOV_MAX])
+        done += os.writev(fd, _past(buffers, done))
     return total
+
+
+def _past(buffers: list[memoryview], done: int) -> list[memoryview]:
+    """The parts of `buffers` after their first `done` bytes, at most _IOV_MAX of them (one
+    readv / writev call's worth)."""
+    views = []
+    for b in buffers:
+        if done >= len(b):
+            done -= len(b)
+            continue
+        views.append(b[done:])
+        done = 0
+        if len(views) == _IOV_MAX:
+            break
+    return views

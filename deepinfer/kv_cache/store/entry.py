@@ -163,26 +163,35 @@ def class_and_created(raw: bytes) -> tuple[str, float] | None:
         return None
 
 
-def decode_header(data: Buffer) -> EntryHeader:
-    """The header alone (checks magic, version and its crc; not the payload)."""
-    data = memoryview(data)
+def unpack_checked_header(data: memoryview, magic: bytes, version: int, fixed: struct.Struct) -> tuple:
+    """The fields of a header laid out as `fixed` (starting magic 4s, version H, header size H)
+    and followed by its crc32, once its framing is checked: a header of `magic` in another
+    version, too few bytes, another magic, another header size or a wrong crc raise EntryError.
+    KV entries and encoder outputs (multimodal/encoder_entry.py) share this framing."""
+    header_size = fixed.size + _CRC.size
     if len(data) >= _MAGIC_VERSION.size:
         # Another version's header may be shorter or laid out otherwise: its magic and version
         # say so before anything else is read.
-        magic, version = _MAGIC_VERSION.unpack_from(data)
-        if magic == MAGIC and version != FORMAT_VERSION:
-            raise EntryError("version", f"format version {version}; this reader knows {FORMAT_VERSION}")
-    if len(data) < HEADER_SIZE:
-        raise EntryError("truncated", f"{len(data)} bytes, shorter than the header ({HEADER_SIZE})")
-    (magic, version, header_size, num_layers, page_bytes, num_blocks, payload_bytes, dtype, traffic_class, created,
-     group_key, block_hash, digest) = _FIXED.unpack_from(data)
-    if magic != MAGIC:
-        raise EntryError("corrupt", f"magic {magic!r}")
-    if header_size != HEADER_SIZE:
-        raise EntryError("version", f"header of {header_size} bytes; this reader knows {HEADER_SIZE}")
-    (crc,) = _CRC.unpack_from(data, _FIXED.size)
-    if crc != zlib.crc32(data[:_FIXED.size]):
+        found_magic, found_version = _MAGIC_VERSION.unpack_from(data)
+        if found_magic == magic and found_version != version:
+            raise EntryError("version", f"format version {found_version}; this reader knows {version}")
+    if len(data) < header_size:
+        raise EntryError("truncated", f"{len(data)} bytes, shorter than the header ({header_size})")
+    fields = fixed.unpack_from(data)
+    if fields[0] != magic:
+        raise EntryError("corrupt", f"magic {fields[0]!r}, not {magic!r}")
+    if fields[2] != header_size:
+        raise EntryError("version", f"header of {fields[2]} bytes; this reader knows {header_size}")
+    (crc,) = _CRC.unpack_from(data, fixed.size)
+    if crc != zlib.crc32(data[:fixed.size]):
         raise EntryError("corrupt", "header checksum")
+    return fields
+
+
+def decode_header(data: Buffer) -> EntryHeader:
+    """The header alone (checks magic, version and its crc; not the payload)."""
+    (_, version, _, num_layers, page_bytes, num_blocks, payload_bytes, dtype, traffic_class, created,
+     group_key, block_hash, digest) = unpack_checked_header(memoryview(data), MAGIC, FORMAT_VERSION, _FIXED)
     return EntryHeader(version, num_layers, page_bytes, num_blocks, payload_bytes, dtype.rstrip(b"\0").decode(),
                        traffic_class.rstrip(b"\0").decode(), created, group_key, block_hash, digest)
 
