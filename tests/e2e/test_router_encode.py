@@ -15,7 +15,7 @@ from deepinfer import LLM
 from tests.e2e.server_process import API_KEY, start_server, stop_server
 from tests.e2e.test_router import Router
 from tests.models.test_gemma3_vision_engine import GREEDY, NEW_TOKENS, chat_messages
-from tests.models.tiny_models import build_tiny_vision_checkpoint, write_vision_chat_tokenizer
+from tests.models.tiny_models import tiny_vision_chat_model
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 CHATS = [(21,), (22, 23), (24,), (25, 26)]   # the first two with the encoder up, the last two after it is gone
@@ -24,8 +24,7 @@ CHATS = [(21,), (22, 23), (24,), (25, 26)]   # the first two with the encoder up
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("epd_model"))
-    build_tiny_vision_checkpoint(directory)
-    write_vision_chat_tokenizer(directory)
+    tiny_vision_chat_model(directory)
     return directory
 
 

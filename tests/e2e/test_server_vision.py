@@ -25,7 +25,7 @@ from PIL import Image
 
 from tests.e2e.server_process import free_port, start_server, stop_server
 from tests.models.test_gemma3_vision_engine import NEW_TOKENS, data_url, encoded, hf_greedy, picture
-from tests.models.tiny_models import build_tiny_vision_checkpoint, write_vision_chat_tokenizer
+from tests.models.tiny_models import tiny_vision_chat_model
 
 MODEL = "tiny-gemma3-vision"
 MAX_IMAGE_BYTES = 200_000
@@ -73,10 +73,7 @@ def files():
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("vision_server_model"))
-    hf = build_tiny_vision_checkpoint(directory)
-    write_vision_chat_tokenizer(directory)
-    hf.generation_config.eos_token_id = None
-    return hf, directory
+    return tiny_vision_chat_model(directory), directory
 
 
 @pytest.fixture(scope="module")

@@ -26,8 +26,7 @@ from deepinfer.multimodal.image_processor import ImageProcessor, ImageProcessorS
 from tests.models.tiny_models import (
     TINY_IMAGE_TOKENS,
     TINY_VISION,
-    build_tiny_vision_checkpoint,
-    write_vision_chat_tokenizer,
+    tiny_vision_chat_model,
 )
 
 NEW_TOKENS = 8
@@ -39,10 +38,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("gemma3_vision_engine"))
-    hf = build_tiny_vision_checkpoint(directory)
-    write_vision_chat_tokenizer(directory)
-    hf.generation_config.eos_token_id = None
-    return hf, directory
+    return tiny_vision_chat_model(directory), directory
 
 
 def picture(seed: int, width: int = 30, height: int = 20) -> Image.Image:

@@ -124,6 +124,16 @@ VISION_CHAT_TEMPLATE = (
     "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
+def tiny_vision_chat_model(directory: str):
+    """A tiny Gemma 3 vision checkpoint with its chat tokenizer in `directory`; the transformers
+    model comes back with no EOS in its generation config (greedy runs to max_new_tokens, as the
+    engine's ignore_eos runs do)."""
+    hf = build_tiny_vision_checkpoint(directory)
+    write_vision_chat_tokenizer(directory)
+    hf.generation_config.eos_token_id = None
+    return hf
+
+
 def write_vision_chat_tokenizer(directory: str) -> None:
     from tokenizers import Regex
 
