@@ -11,8 +11,9 @@ dequantized weights' (on the activations as that path quantizes them; a tiling t
 products is reported, never timed). Beside them: the tiling the kernel picks by itself
 (default_config), torch._grouped_mm on the same experts in bf16 (and, for the prefill, on them
 dequantized a chunk at a time: fp4_grouped_mm_dequantized, what moe.py runs there), and the roofline (the bytes of
-the experts with rows, codes and exponents / measured copy bandwidth). default_config's table is
-set from this script's output.
+the experts with rows, codes and exponents / measured copy bandwidth). Times are the device's:
+each call is replayed from a CUDA graph (quant_gemm_speed.cuda_time), as the engine's decode
+steps run it. default_config's table is set from this script's output.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ def candidates(per_expert: float):
     from deepinfer.layers.quantization.fp4_moe_triton import TileConfig
 
     found = []
-    if per_expert <= 2:   # the one-row GEMV: a partial sum of K/2 x N floats a program
-        for n, k, warps in itertools.product((8, 16, 32, 64), (256, 512, 1024, 2048), (4, 8)):
-            if k // 2 * n <= 64 * 32 * warps:
-                found.append(TileConfig(1, n, k, dot=False, num_warps=warps))
+    if per_expert <= 2:   # the one-row GEMV: a partial sum of K/2 x N floats a program, K split in runs
+        for n, k, warps, split in itertools.product((16, 32, 64), (256, 512), (4, 8), (1, 2, 4, 8)):
+            if k // 2 * n <= 64 * 32 * warps and k * split <= INNER and (split == 1 or per_expert <= 1):
+                found.append(TileConfig(1, n, k, dot=False, num_warps=warps, split_k=split))
     for m, n, k, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (3, 4)):
         if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64):
             found.append(TileConfig(m, n, k, dot=True, num_warps=4 if m < 64 else 8, num_stages=stages))
+            if m == 16 and stages == 4:
+                found.append(TileConfig(m, n, k, dot=True, num_warps=4, num_stages=stages, split_k=2))
     # The FP8 tensor-core path (e4m3 activations; block_k is unused there).
-    for m, n, stages, warps in itertools.product((16, 32, 64, 128), (32, 64, 128), (2, 3, 4), (4, 8)):
+    for m, n, stages, warps in itertools.product((16, 32, 64, 128), (64, 128), (3, 4), (4, 8)):
         if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64) and (warps == 4 or m >= 64):
             found.append(TileConfig(m, n, 128, dot=True, num_warps=warps, num_stages=stages, fp8=True))
     return found
@@ -122,7 +125,7 @@ def main() -> None:
                     continue
                 timed.append({"config": config._asdict(), "ms": ms, "default": config == chosen})
             if rows >= 64 * EXPERTS:   # a prefill: also the bf16 grouped GEMMs over dequantized chunks (moe.py)
-                base["dequantized_ms"] = cuda_time(lambda: fp4_grouped_mm_dequantized(x, codes, exps, counts)) * 1e3
+                base["dequantized_ms"] = cuda_time(lambda: fp4_grouped_mm_dequantized(x, codes, exps, counts), graph=False) * 1e3
             timed.sort(key=lambda t: t["ms"])
             default_ms = next((t["ms"] for t in timed if t["default"]), None)
             row = {**base, "best_ms": timed[0]["ms"] if timed else None, "best": timed[0]["config"] if timed else None,

@@ -23,8 +23,11 @@ from deepinfer.layers.quantization.fp4_moe_triton import TileConfig, fp4_grouped
 
 # Both ways to multiply (a one-row GEMV of float32 multiply-adds, tensor-core dots), with short and
 # tall tiles; None: the tiling the kernel picks from the shapes.
+# Split K: float32 partial sums of runs of the inputs, added after (two runs; four where K allows).
 CONFIGS = {"default": None, "gemv": TileConfig(1, 32, 64, dot=False), "gemv-long-k": TileConfig(1, 16, 256, dot=False),
-           "dot-16": TileConfig(16, 64, 128, dot=True), "dot-64": TileConfig(64, 32, 64, dot=True)}
+           "dot-16": TileConfig(16, 64, 128, dot=True), "dot-64": TileConfig(64, 32, 64, dot=True),
+           "gemv-split-k": TileConfig(1, 32, 32, dot=False, split_k=4),
+           "dot-split-k": TileConfig(16, 64, 64, dot=True, split_k=2)}
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -52,6 +55,26 @@ def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype, c
     assert got.dtype == dtype and got.shape == (sum(counts), n)
     tol = {"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="the PTX decode runs on NVIDIA GPUs only")
+@pytest.mark.parametrize("config", [TileConfig(1, 32, 64, dot=False), TileConfig(16, 64, 128, dot=True)],
+                         ids=["gemv", "dot"])
+def test_ptx_decode_equals_the_plain_decode(config):
+    """The kernels' PTX decode (four code bytes at a time) gives the same float16 values as the
+    plain Triton ops, so the same products bit for bit; every code and both nibbles occur."""
+    torch.manual_seed(1)
+    counts = [5, 0, 9]
+    codes = torch.randint(0, 256, (3, 96, 128), dtype=torch.uint8, device=DEVICE)
+    codes[0, 0, :] = torch.arange(128, dtype=torch.uint8, device=DEVICE)         # every code in both nibbles
+    codes[0, 1, :] = torch.arange(128, 256, dtype=torch.uint8, device=DEVICE)
+    exps = torch.randint(120, 134, (3, 96, 256 // 32), dtype=torch.uint8, device=DEVICE)
+    x = torch.randn(sum(counts), 256, device=DEVICE).to(torch.bfloat16)
+    tensor_counts = torch.tensor(counts, device=DEVICE)
+    ptx = fp4_grouped_mm(x, codes, exps, tensor_counts, config, asm=True)
+    plain = fp4_grouped_mm(x, codes, exps, tensor_counts, config, asm=False)
+    assert torch.equal(ptx, plain)
+    torch.testing.assert_close(ptx.float(), reference(x, codes, exps, counts), atol=0.1, rtol=2e-2)
 
 
 FP8_CONFIGS = {"fp8-16": TileConfig(16, 64, 128, dot=True, fp8=True),

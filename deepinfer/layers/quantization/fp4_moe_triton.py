@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -52,6 +53,37 @@ def _e2m1(code):
     m / 2 * 2^-14), which converts exactly."""
     half = ((code & 7) << 9) | ((code & 8) << 12)
     return half.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+# Four code bytes -> their eight e2m1 values as float16 bits (_e2m1's, value * 2^-14), the low
+# nibbles' in $0-$1 and the high nibbles' in $2-$3 (two a register, element i in the low half of
+# its register first), with 32-bit integer ops on two values at once: each pair of bytes spread
+# to the low byte of each half (prmt), then per half the magnitude bits to 11..9 and the sign to
+# 15, as _e2m1 does one value at a time (about a quarter of its instructions a weight).
+_E2M1_PAIRS_ASM = """
+{
+.reg .b32 q<2>, t<2>;
+prmt.b32 q0, $4, 0, 0x4140;
+prmt.b32 q1, $4, 0, 0x4342;
+shl.b32 t0, q0, 9;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q0, 12; and.b32 t1, t1, 0x80008000; or.b32 $0, t0, t1;
+shl.b32 t0, q1, 9;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q1, 12; and.b32 t1, t1, 0x80008000; or.b32 $1, t0, t1;
+shl.b32 t0, q0, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q0, 8;  and.b32 t1, t1, 0x80008000; or.b32 $2, t0, t1;
+shl.b32 t0, q1, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q1, 8;  and.b32 t1, t1, 0x80008000; or.b32 $3, t0, t1;
+}
+"""
+
+
+@triton.jit
+def _e2m1_nibbles(packed, ASM: tl.constexpr):
+    """Code bytes (uint8) -> (low nibbles' values, high nibbles'), float32 worth value * 2^-14 as
+    _e2m1 gives them. ASM: four bytes at a time in PTX (_E2M1_PAIRS_ASM; CUDA only), else _e2m1
+    on each nibble (Triton's interpreter, and the reference the tests hold the PTX to)."""
+    if ASM:
+        low, high = tl.inline_asm_elementwise(_E2M1_PAIRS_ASM, "=r,=r,=r,=r,r", [packed],
+                                              dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        return low.to(tl.float32), high.to(tl.float32)
+    codes = packed.to(tl.int32)
+    return _e2m1(codes & 0xF), _e2m1(codes >> 4)
 
 
 @triton.jit
@@ -80,9 +112,10 @@ def _expert_rows(tile, starts_ptr, ends_ptr, tile_ends_ptr, num_experts, BLOCK_M
 @triton.jit
 def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_ptr, tile_ends_ptr,
                         num_experts, N, K,
-                        stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om,
+                        stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om, stride_os,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
+                        ASM: tl.constexpr, SPLIT_K: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tile >= tl.load(tile_ends_ptr + num_experts - 1):
@@ -95,6 +128,10 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
     col_ok = cols < N
     code_base = codes_ptr + expert.to(tl.int64) * stride_ce
     exp_base = exps_ptr + expert.to(tl.int64) * stride_se
+    # Split K: program (.., .., s) takes the s-th of SPLIT_K equal runs of the inputs and writes
+    # its partial sums to plane s of a float32 output that the caller sums.
+    k_len = K // SPLIT_K
+    k_first = tl.program_id(2) * k_len
     if USE_DOT:
         # A K block's codes are read as [BLOCK_K / 2 bytes, BLOCK_N]: byte p of a row holds inputs
         # 2p (low nibble) and 2p + 1 (high), so the low nibbles multiply the even inputs and the
@@ -104,17 +141,18 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
         code_cols = code_base + cols[None, :].to(tl.int64) * stride_cn
         exp_cols = exp_base + cols[None, :].to(tl.int64) * stride_sn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_first + k_len, BLOCK_K):
             byte = k0 // 2 + half
-            packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0).to(tl.int32)
+            packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0)
             # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached).
             # Scaling the partial products instead (a pair of dots per scale group, one exponent
             # load and multiply per output and group) was slower: the K=16 dots cost more than
             # the loads and multiplies they save (design-measurements.md, FP4 expert tiles).
             exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
             scale = _scale(exps)
-            w_even = _e2m1(packed & 0xF) * scale                          # [BLOCK_K / 2, BLOCK_N]
-            w_odd = _e2m1(packed >> 4) * scale
+            low, high = _e2m1_nibbles(packed, ASM)
+            w_even = low * scale                                               # [BLOCK_K / 2, BLOCK_N]
+            w_odd = high * scale
             a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
             a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
             if IEEE:
@@ -134,16 +172,17 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
         x_row = x_ptr + row_start.to(tl.int64) * stride_xm
         one_row = row_start < row_end
         partial = tl.zeros((BLOCK_K // GROUP, GROUP // 2, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_first + k_len, BLOCK_K):
             byte = k0 // 2 + g * (GROUP // 2) + j                           # [groups, G / 2, 1]
-            packed = tl.load(code_base + c3 * stride_cn + byte, mask=ok3, other=0).to(tl.int32)
+            packed = tl.load(code_base + c3 * stride_cn + byte, mask=ok3, other=0)
             exps = tl.load(exp_base + c3 * stride_sn + k0 // GROUP + g, mask=ok3, other=127)
             scale = _scale(exps)                                            # [groups, 1, BLOCK_N]
+            low, high = _e2m1_nibbles(packed, ASM)
             a_even = tl.load(x_row + 2 * byte, mask=one_row, other=0.0).to(tl.float32)
             a_odd = tl.load(x_row + 2 * byte + 1, mask=one_row, other=0.0).to(tl.float32)
-            partial += (a_even * _e2m1(packed & 0xF) + a_odd * _e2m1(packed >> 4)) * scale
+            partial += (a_even * low + a_odd * high) * scale
         acc = tl.sum(tl.sum(partial, axis=1), axis=0)[None, :]
-    out = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
+    out = out_ptr + tl.program_id(2).to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -204,7 +243,9 @@ class TileConfig(NamedTuple):
     outputs x BLOCK_K inputs; `dot`: the product on the tensor cores (BLOCK_M >= 16), else one
     row (BLOCK_M 1) as float32 multiply-adds, a GEMV (batch-1 decode: every expert one row);
     `fp8`: e4m3 activations on the FP8 tensor cores (_fp4_fp8_kernel; block_k unused: one dot a
-    scale group, one activation scale per FP8_QBLOCK inputs)."""
+    scale group, one activation scale per FP8_QBLOCK inputs); `split_k`: the inputs cut into
+    that many runs, each its own program writing float32 partial sums that are then added (more
+    programs where a product has few outputs to share out: batch-1 decode's six experts)."""
     block_m: int
     block_n: int
     block_k: int
@@ -212,6 +253,7 @@ class TileConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     fp8: bool = False
+    split_k: int = 1
 
 
 # Inputs sharing an activation scale on the FP8 path: DeepSeek's 1 x 128 activation blocks.
@@ -246,12 +288,15 @@ def expert_tiles(counts: torch.Tensor, block_m: int) -> ExpertTiles:
 
 
 def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor, counts: torch.Tensor,
-                   config: TileConfig | None = None, tiles: ExpertTiles | None = None) -> torch.Tensor:
+                   config: TileConfig | None = None, tiles: ExpertTiles | None = None,
+                   asm: bool | None = None) -> torch.Tensor:
     """x [rows, K] sorted by expert, expert e's rows being counts[e] consecutive ones (counts [E],
     on x's device); codes uint8 [E, N, K/2], exponents uint8 [E, N, K/G] -> [rows, N] in x's dtype.
     config (None: default_config): each program decodes its weight tile once for BLOCK_M rows, so
     many rows an expert (prefill) take tall tiles, few (decode) short ones that waste no rows.
-    tiles: expert_tiles(counts, config.block_m), when the caller has them."""
+    tiles: expert_tiles(counts, config.block_m), when the caller has them. asm (None: where it
+    runs, _asm_decode): decode the codes with the kernel's PTX, else with plain Triton ops (the
+    tests compare the two)."""
     rows, k = x.shape
     num_experts, n, packed_k = codes.shape
     group = k // exponents.shape[-1]
@@ -283,13 +328,25 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
                               BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                               num_warps=config.num_warps, num_stages=config.num_stages)
         return out
-    _fp4_grouped_kernel[grid](x, codes, exponents, out, starts, ends, tile_ends, num_experts, n, k,
-                              x.stride(0), codes.stride(0), codes.stride(1), exponents.stride(0),
-                              exponents.stride(1), out.stride(0),
-                              GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                              BLOCK_K=config.block_k, USE_DOT=config.dot, IEEE=x.dtype == torch.float32,
-                              num_warps=config.num_warps, num_stages=config.num_stages)
+    # As many runs of K as divide it into whole K blocks (small models' experts take fewer).
+    split_k = math.gcd(config.split_k, k // config.block_k)
+    target = out if split_k == 1 else torch.empty(split_k, rows, n, dtype=torch.float32, device=x.device)
+    _fp4_grouped_kernel[grid + (split_k,)](x, codes, exponents, target, starts, ends, tile_ends, num_experts, n, k,
+                                           x.stride(0), codes.stride(0), codes.stride(1), exponents.stride(0),
+                                           exponents.stride(1), target.stride(-2), target.stride(0) if split_k > 1 else 0,
+                                           GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                                           BLOCK_K=config.block_k, USE_DOT=config.dot, IEEE=x.dtype == torch.float32,
+                                           ASM=_asm_decode(x.device) if asm is None else asm, SPLIT_K=split_k,
+                                           num_warps=config.num_warps, num_stages=config.num_stages)
+    if split_k > 1:
+        torch.sum(target, dim=0, out=out)   # float32 partials, summed into the activations' dtype
     return out
+
+
+def _asm_decode(device: torch.device) -> bool:
+    """Whether the kernels decode codes with their PTX (_E2M1_PAIRS_ASM): on NVIDIA GPUs, not
+    under Triton's interpreter (which runs no PTX) nor on ROCm."""
+    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
