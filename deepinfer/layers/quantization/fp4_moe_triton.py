@@ -115,7 +115,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om, stride_os,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
-                        ASM: tl.constexpr, SPLIT_K: tl.constexpr):
+                        ASM: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_SCALES: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tile >= tl.load(tile_ends_ptr + num_experts - 1):
@@ -143,16 +143,29 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_first, k_first + k_len, BLOCK_K):
             byte = k0 // 2 + half
-            packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0)
-            # A group's exponent for each of its G / 2 bytes (repeated loads of one byte: cached).
-            # Scaling the partial products instead (a pair of dots per scale group, one exponent
-            # load and multiply per output and group) was slower: the K=16 dots cost more than
-            # the loads and multiplies they save (design-measurements.md, FP4 expert tiles).
-            exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
-            scale = _scale(exps)
-            low, high = _e2m1_nibbles(packed, ASM)
-            w_even = low * scale                                               # [BLOCK_K / 2, BLOCK_N]
-            w_odd = high * scale
+            if GROUP_SCALES:
+                # Codes as [groups, G / 2, BLOCK_N], so each group's exponent is loaded and turned
+                # into its scale once and broadcast over the group's bytes; the scaled weights are
+                # then reshaped to the dot's [BLOCK_K / 2, BLOCK_N].
+                g = tl.arange(0, BLOCK_K // GROUP)[:, None, None]
+                j = tl.arange(0, GROUP // 2)[None, :, None]
+                packed = tl.load(code_cols[None, :, :] + (k0 // 2 + g * (GROUP // 2) + j), mask=col_ok[None, None, :], other=0)
+                scale = _scale(tl.load(exp_cols[None, :, :] + (k0 // GROUP + g), mask=col_ok[None, None, :], other=127))
+                low, high = _e2m1_nibbles(packed, ASM)
+                w_even = tl.reshape(low * scale, (BLOCK_K // 2, BLOCK_N))
+                w_odd = tl.reshape(high * scale, (BLOCK_K // 2, BLOCK_N))
+            else:
+                packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0)
+                # A group's exponent for each of its G / 2 bytes (repeated loads of one byte:
+                # cached). Scaling the partial products instead (a pair of dots per scale group,
+                # one exponent load and multiply per output and group) was slower: the K=16 dots
+                # cost more than the loads and multiplies they save (design-measurements.md, FP4
+                # expert tiles).
+                exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
+                scale = _scale(exps)
+                low, high = _e2m1_nibbles(packed, ASM)
+                w_even = low * scale                                           # [BLOCK_K / 2, BLOCK_N]
+                w_odd = high * scale
             a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
             a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
             if IEEE:
@@ -245,7 +258,9 @@ class TileConfig(NamedTuple):
     `fp8`: e4m3 activations on the FP8 tensor cores (_fp4_fp8_kernel; block_k unused: one dot a
     scale group, one activation scale per FP8_QBLOCK inputs); `split_k`: the inputs cut into
     that many runs, each its own program writing float32 partial sums that are then added (more
-    programs where a product has few outputs to share out: batch-1 decode's six experts)."""
+    programs where a product has few outputs to share out: batch-1 decode's six experts);
+    `group_scales` (dots): each group's scale made once and broadcast over its weights, which
+    are then reshaped for the dot, instead of an exponent load and conversion per code byte."""
     block_m: int
     block_n: int
     block_k: int
@@ -254,6 +269,7 @@ class TileConfig(NamedTuple):
     num_stages: int = 3
     fp8: bool = False
     split_k: int = 1
+    group_scales: bool = False
 
 
 # Inputs sharing an activation scale on the FP8 path: DeepSeek's 1 x 128 activation blocks.
@@ -337,6 +353,7 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
                                            GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                                            BLOCK_K=config.block_k, USE_DOT=config.dot, IEEE=x.dtype == torch.float32,
                                            ASM=_asm_decode(x.device) if asm is None else asm, SPLIT_K=split_k,
+                                           GROUP_SCALES=config.group_scales,
                                            num_warps=config.num_warps, num_stages=config.num_stages)
     if split_k > 1:
         torch.sum(target, dim=0, out=out)   # float32 partials, summed into the activations' dtype
