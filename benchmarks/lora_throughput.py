@@ -27,8 +27,8 @@ base model's: a check that the adapters were applied at all).
 --vllm: afterwards, the same prompts and adapter files through vLLM's `vllm.LLM` (enable_lora,
 max_loras and max_lora_rank alike, load_format="dummy" on the same config, skip_tokenizer_init),
 base then adapters, in a child process (so each engine has the GPU to itself). vLLM is taken from
---vllm-site when that holds it, else from this Python's path (default /tmp/site, where the GPU machine has vLLM
-0.26); without it the vLLM part is skipped with a message saying so, and the rest stands.
+--vllm-site when that holds it (default /tmp/site, where the GPU machine has vLLM 0.26), else from
+this Python's path; without it the vLLM part is skipped with a message saying so, and the rest stands.
 The child is also a command line of its own: --engine vllm --model-dir D --adapters-dir A.
 """
 
