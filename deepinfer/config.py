@@ -517,10 +517,6 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
-        if self.lora.enable_lora and self.parallel.world_size > 1:
-            # The adapters' slots are whole on one rank (lora/slots.py); split products are not written.
-            raise ValueError("enable_lora works with tensor_parallel_size=1 only in this build, "
-                             f"got tensor_parallel_size={self.parallel.tensor_parallel_size}")
         if self.parallel.world_size > 1 and (self.cache.kv_store or self.cache.kv_offloading_size):
             # Each rank would hold its own heads' slice of every block in the tier, and the
             # scheduler side would have to agree with all of them on what is there.

@@ -82,7 +82,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
             return super().forward(x)
-        y = self.group.all_reduce(self.matmul(x, None))
+        y = self.matmul(x, None)
+        if self.lora is not None:   # this rank's columns of the adapters' A (lora/slots.py): a partial sum too
+            y = self.lora.add(x, y)
+        y = self.group.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

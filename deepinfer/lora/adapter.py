@@ -150,13 +150,21 @@ def fuse(target: str, shards: dict[int, tuple[torch.Tensor, torch.Tensor]], inpu
 
 
 def projection_layout(model: torch.nn.Module) -> dict[str, tuple[int, list[int]]]:
-    """The projections of `model` a LoRA may adapt: name -> (inputs, its shards' output widths)."""
+    """The projections of `model` a LoRA may adapt: name -> (inputs, its shards' output widths),
+    whole as the checkpoint (and so an adapter) has them, also where a tensor-parallel rank holds
+    a slice (lora/slots.py cuts the rank's part of each adapter)."""
     from deepinfer.layers.linear import Linear
+    from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
     from deepinfer.models.base import FUSED_PROJECTIONS
 
     leaves = {fused for fused, _, _ in FUSED_PROJECTIONS} | set(SUPPORTED_TARGETS)
     layout = {}
     for name, module in model.named_modules():
         if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in leaves:
-            layout[name] = (module.in_features, list(getattr(module, "shard_sizes", [module.out_features])))
+            if isinstance(module, ColumnParallelLinear):
+                layout[name] = (module.in_features, list(module.full_sizes))
+            elif isinstance(module, RowParallelLinear):
+                layout[name] = (module.in_features * module.group.size, [module.out_features])
+            else:
+                layout[name] = (module.in_features, list(getattr(module, "shard_sizes", [module.out_features])))
     return layout

@@ -6,6 +6,12 @@ for the largest rank, so an adapter of a smaller rank fills the first columns an
 LoRASlots.place / clear put an adapter in a slot or take it out, in place: CUDA graphs captured
 over the stacks keep reading the same tensors.
 
+With tensor parallelism each rank keeps its part of every adapter, as vLLM shards them: a
+column-parallel projection (qkv, gate_up: output rows split) keeps A whole and its rows of B, part
+by part; a row-parallel one (o, down: input columns split) keeps its columns of A and B whole, and
+adds its rows' partial products before the projection's all-reduce, which sums them with the
+base model's partial sums (the product is linear in x's columns: no collective of its own).
+
 A step's rows take their adapters through `step_rows(slots)`: while the context is open, every
 adapted projection adds its rows' LoRA products to its output (Linear.forward calls LoRAStack.add).
 Without it (or for a model with no adapters attached) the projections compute as before.
@@ -72,23 +78,22 @@ class LoRASlots:
     """Every adapted projection's stack of max_loras + 1 slots, and which adapter is in which."""
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int) -> None:
-        tp = getattr(model, "tp", None)
-        if tp is not None and tp.size > 1:
-            raise LoRAAdapterError("LoRA adapters are not served with tensor_parallel_size > 1 yet")
-        self.layout = projection_layout(model)
+        self.layout = projection_layout(model)   # whole: what adapters are read against
         if not self.layout:
             raise LoRAAdapterError(f"{type(model).__name__} has no projection a LoRA adapter may adapt")
         self.max_loras, self.max_rank = max_loras, max_rank
         self.names: list[str | None] = [None] * (max_loras + 1)   # slot -> adapter name; slot 0 the base
-        modules = dict(model.named_modules())
+        self.modules = dict(model.named_modules())
         self.stacks: dict[str, LoRAStack] = {}
-        for name, (inputs, widths) in self.layout.items():
-            module = modules[name]
+        for name, (_, widths) in self.layout.items():
+            module = self.modules[name]
             weight = module.weight
             dtype = weight.dtype if weight.is_floating_point() and weight.element_size() > 1 else torch.bfloat16
             rank = len(widths) * max_rank
-            stack = LoRAStack(torch.zeros(max_loras + 1, rank, inputs, dtype=dtype, device=weight.device),
-                              torch.zeros(max_loras + 1, sum(widths), rank, dtype=dtype, device=weight.device))
+            # Sized as this rank's slice of the projection (its in_features and out_features).
+            stack = LoRAStack(
+                torch.zeros(max_loras + 1, rank, module.in_features, dtype=dtype, device=weight.device),
+                torch.zeros(max_loras + 1, module.out_features, rank, dtype=dtype, device=weight.device))
             module.lora = stack
             self.stacks[name] = stack
         for module in model.modules():   # layer plans that call the projections' matmuls directly
@@ -109,6 +114,7 @@ class LoRASlots:
         self.clear(slot)
         for name, (a, b) in adapter.weights.items():
             stack = self.stacks[name]
+            a, b = rank_part(self.modules[name], a, b)
             width = a.shape[0]   # shards * the adapter's rank: the first columns of the slot
             stack.a[slot, :width] = a.to(stack.a.dtype)
             stack.b[slot, :, :width] = b.to(stack.b.dtype)
@@ -120,3 +126,21 @@ class LoRASlots:
             stack.a[slot].zero_()
             stack.b[slot].zero_()
         self.names[slot] = None
+
+
+def rank_part(module: nn.Module, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This tensor-parallel rank's part of a whole fused adapter pair (adapter.fuse) of `module`
+    (the module docstring); the pair itself on one rank or for a projection that is not split."""
+    from deepinfer.layers.parallel import ColumnParallelLinear, RowParallelLinear
+
+    group = getattr(module, "group", None)
+    if group is None or group.size == 1:
+        return a, b
+    if isinstance(module, ColumnParallelLinear):
+        # B is block-diagonal over the fused parts: each part's rows cut as the weight's are.
+        starts = [sum(module.full_sizes[:i]) for i in range(len(module.full_sizes))]
+        return a, torch.cat([module.rank_part(b[start:start + size], i)
+                             for i, (start, size) in enumerate(zip(starts, module.full_sizes))])
+    if isinstance(module, RowParallelLinear):
+        return module.rank_part(a), b
+    return a, b

@@ -8,10 +8,19 @@ hashes in the shared store (any other medium: "DISK", "REDIS"), which every repl
 
 To match a prompt, the router computes the same chain the engine computes
 (types/block_hashes.py): root = hash_root(model name, revision, block_size, kv dtype, tp rank 0),
-block i = H(block i-1, its token ids, extra_key(model id, cache_salt)). The facts come from the
-replica: model id from /v1/models 'root', block size and KV dtype from cache_config_info on
-/metrics. Because the chain is prefix-closed, a replica's match is the longest run of leading
-hashes it holds.
+block i = H(block i-1, its token ids, extra_key(model id, cache_salt[, adapter key])). The facts
+come from the replica: model id from /v1/models 'root', block size and KV dtype from
+cache_config_info on /metrics. Because the chain is prefix-closed, a replica's match is the
+longest run of leading hashes it holds.
+
+A request whose `model` names a LoRA adapter (anything but the replica's served names, which
+/v1/models lists with no `parent`) runs under that adapter, and the engine keys its blocks by the
+adapter's name and id (LoRARequest.cache_key). The id is the replica's own (its registry numbers
+adapters in the order they were added, so replicas may differ), and it is learned here from the
+replica's BlockStored events, which carry lora_name and lora_id: the chain is built per replica
+(PromptHashes), and a replica that never published a block of the adapter matches nothing, which
+is exactly what it holds of it. So two requests with the same prompt and different adapters, or an
+adapter's and the base model's, never look like one prefix to the router.
 
 The index is approximate by design: batches lost to a slow subscriber, or a replica restarted
 between events, leave stale entries that cost at most one mis-routed (still correct) request; a
@@ -23,22 +32,52 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import msgspec
 
 from deepinfer.kv_cache.events import MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from deepinfer.types.block_hashes import extend_block_hashes, extra_key, hash_root
+from deepinfer.types.lora import lora_cache_key
 
 logger = logging.getLogger(__name__)
 
 
 def prompt_block_hashes(token_ids: Sequence[int], *, model_name: str, model_id: str, block_size: int,
-                        kv_cache_dtype: str, cache_salt: str | None = None) -> list[int]:
-    """The engine's published (64-bit) hashes of the prompt's full blocks."""
+                        kv_cache_dtype: str, cache_salt: str | None = None,
+                        lora: tuple[str, int] | None = None) -> list[int]:
+    """The engine's published (64-bit) hashes of the prompt's full blocks; `lora`: the adapter's
+    (lora_name, lora_int_id) the request runs under, None: the base model."""
     chain: list[bytes] = []
     root = hash_root(model_name, None, block_size, kv_cache_dtype, tp_rank=0)
-    extend_block_hashes(chain, list(token_ids), block_size, extra_key(model_id, cache_salt), root)
+    key = extra_key(model_id, cache_salt, lora_cache_key(*lora) if lora is not None else None)
+    extend_block_hashes(chain, list(token_ids), block_size, key, root)
     return [int.from_bytes(h[:8], "big") for h in chain]
+
+
+@dataclass
+class PromptHashes:
+    """A prompt's block hashes as each replica computes them: one chain for the base model; per
+    replica for an adapter (its id is the replica's). A replica (or the store) without a chain
+    holds none of the prompt's blocks."""
+
+    blocks: int                                   # the prompt's full blocks
+    shared: list[int] | None = None               # the chain every replica and the store use
+    by_replica: dict[int, list[int]] = field(default_factory=dict)
+    store: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, hashes: PromptHashes | Sequence[int] | None) -> PromptHashes | None:
+        """A plain chain (one for every replica) as PromptHashes; None and empty stay None."""
+        if hashes is None or isinstance(hashes, PromptHashes):
+            return hashes if hashes is None or hashes.blocks else None
+        return cls(len(hashes), list(hashes)) if len(hashes) else None
+
+    def for_replica(self, replica: int) -> list[int]:
+        return self.shared if self.shared is not None else self.by_replica.get(replica, [])
+
+    def for_store(self) -> list[int]:
+        return self.shared if self.shared is not None else self.store
 
 
 class KVIndex:
@@ -48,12 +87,21 @@ class KVIndex:
         self.device: list[dict[int, set[int]]] = [{} for _ in range(num_replicas)]
         self.store: set[int] = set()
         self.events_seen = [0] * num_replicas
+        # Per replica: LoRA adapter name -> the lora_id its blocks were hashed with (the latest
+        # seen: an adapter loaded again under its name gets a new id, and the old blocks are
+        # nothing a new request can hit). `store_adapters`: the same over every replica, for the
+        # shared store, whose writers are the replicas.
+        self.adapters: list[dict[str, int]] = [{} for _ in range(num_replicas)]
+        self.store_adapters: dict[str, int] = {}
 
     def apply(self, replica: int, batch: KVEventBatch) -> None:
         held = self.device[replica]
         for ev in batch.events:
             self.events_seen[replica] += 1
             if isinstance(ev, BlockStored):
+                if ev.lora_name is not None and ev.lora_id is not None:
+                    self.adapters[replica][ev.lora_name] = ev.lora_id
+                    self.store_adapters[ev.lora_name] = ev.lora_id
                 if ev.medium in (None, MEDIUM_DEVICE):
                     group = ev.group_idx or 0
                     for h in ev.block_hashes:
@@ -75,9 +123,31 @@ class KVIndex:
             elif isinstance(ev, AllBlocksCleared):
                 held.clear()
 
+    def prompt_hashes(self, token_ids: Sequence[int], replicas: Sequence[int], *, adapter: str | None,
+                      **facts) -> PromptHashes:
+        """The prompt's PromptHashes over `replicas` (indices). `adapter`: the LoRA adapter the
+        request names (None: the base model); `facts`: prompt_block_hashes' keywords."""
+        if adapter is None:
+            chain = prompt_block_hashes(token_ids, **facts)
+            return PromptHashes(len(chain), chain)
+        by_id: dict[int, list[int]] = {}   # replicas that agree on the id share one chain
+
+        def chain_of(lora_id: int | None) -> list[int]:
+            if lora_id is None:
+                return []
+            if lora_id not in by_id:
+                by_id[lora_id] = prompt_block_hashes(token_ids, lora=(adapter, lora_id), **facts)
+            return by_id[lora_id]
+
+        return PromptHashes(len(token_ids) // facts["block_size"], None,
+                            {r: chain_of(self.adapters[r].get(adapter)) for r in replicas},
+                            chain_of(self.store_adapters.get(adapter)))
+
     def forget(self, replica: int) -> None:
-        """The replica died: its device cache died with it."""
+        """The replica died: its device cache died with it, and its adapters' ids (a restarted
+        replica numbers them anew)."""
         self.device[replica].clear()
+        self.adapters[replica].clear()
 
     def device_match(self, replica: int, hashes: Sequence[int]) -> int:
         held = self.device[replica]

@@ -82,8 +82,11 @@ class Monitor:
             async with self.client.get(replica.url + "/v1/models", headers=self.headers,
                                        timeout=self.timeout) as response:
                 cards = (await response.json(content_type=None)).get("data") or []
-            if cards:
-                replica.model_id = cards[0].get("root") or cards[0].get("id")
+            # LoRA adapters are listed beside the base model, with it as their `parent`.
+            base = [c for c in cards if isinstance(c, dict) and c.get("parent") is None]
+            if base:
+                replica.served_names = frozenset(c["id"] for c in base if isinstance(c.get("id"), str))
+                replica.model_id = base[0].get("root") or base[0].get("id")
         except (*TRANSPORT_ERRORS, ValueError, AttributeError) as exc:
             logger.warning("replica %s: /v1/models unreadable (%s); cache policies skip it", replica.url, exc)
 

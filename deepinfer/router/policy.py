@@ -2,7 +2,9 @@
 
 Every policy returns the candidates in the order to try them: the choice first, then the others
 by load (the retry order when a replica fails before its first byte). Only healthy replicas are
-passed in; ties are broken by load, then by index, so choices are deterministic.
+passed in; ties are broken by load, then by index, so choices are deterministic. The prompt's
+hashes are a PromptHashes (kv_index.py: a LoRA adapter's chain differs per replica) or one plain
+chain for all.
 
     round_robin   the next replica in turn.
     least_load    the smallest `Replica.load` = max(router in-flight, scraped running + waiting),
@@ -29,7 +31,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from deepinfer.router.kv_index import KVIndex
+from deepinfer.router.kv_index import KVIndex, PromptHashes
 from deepinfer.router.replica import Replica
 
 
@@ -47,7 +49,7 @@ def by_load(replicas: Sequence[Replica]) -> list[Replica]:
 class Policy:
     name = "base"
 
-    def choose(self, replicas: Sequence[Replica], hashes: Sequence[int] | None) -> Choice:
+    def choose(self, replicas: Sequence[Replica], hashes: PromptHashes | Sequence[int] | None) -> Choice:
         raise NotImplementedError
 
     @property
@@ -89,14 +91,19 @@ class CacheAware(Policy):
 
     def choose(self, replicas, hashes):
         ordered = by_load(replicas)
-        if not hashes:
+        hashes = PromptHashes.of(hashes)
+        if hashes is None:
             return Choice(ordered, reason="no-prefix")
+
+        def match(r: Replica) -> int:
+            return self.index.device_match(r.index, hashes.for_replica(r.index))
+
         loads = [r.load for r in replicas]
         if max(loads) - min(loads) > self.balance_abs_threshold:
-            return Choice(ordered, self.index.device_match(ordered[0].index, hashes), reason="imbalanced")
-        matches = {r.index: self.index.device_match(r.index, hashes) for r in replicas}
+            return Choice(ordered, match(ordered[0]), reason="imbalanced")
+        matches = {r.index: match(r) for r in replicas}
         best = min(replicas, key=lambda r: (-matches[r.index], r.load, r.index))
-        if matches[best.index] == 0 or matches[best.index] < self.cache_threshold * len(hashes):
+        if matches[best.index] == 0 or matches[best.index] < self.cache_threshold * hashes.blocks:
             return Choice(ordered, matches[ordered[0].index], reason="miss")
         return Choice([best] + [r for r in ordered if r is not best], matches[best.index], reason="prefix")
 
@@ -113,14 +120,15 @@ class Cost(Policy):
     def needs_hashes(self) -> bool:
         return True
 
-    def costs(self, replicas: Sequence[Replica], hashes: Sequence[int] | None) -> dict[int, tuple[float, int]]:
+    def costs(self, replicas: Sequence[Replica],
+              hashes: PromptHashes | Sequence[int] | None) -> dict[int, tuple[float, int]]:
         """replica index -> (cost, device blocks matched)."""
-        hashes = hashes or []
-        total = len(hashes)
-        in_store = self.index.store_match(hashes) if hashes else 0
+        hashes = PromptHashes.of(hashes)
+        total = hashes.blocks if hashes is not None else 0
+        in_store = self.index.store_match(hashes.for_store()) if hashes is not None else 0
         out = {}
         for r in replicas:
-            device = self.index.device_match(r.index, hashes) if hashes else 0
+            device = self.index.device_match(r.index, hashes.for_replica(r.index)) if hashes is not None else 0
             prefill = total - device - self.store_hit_weight * max(0, in_store - device)
             out[r.index] = (prefill + self.decode_weight * r.active_blocks, device)
         return out

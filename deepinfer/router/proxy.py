@@ -37,7 +37,7 @@ from deepinfer.entrypoints.errors import APIError, is_anthropic_path
 from deepinfer.router import admission
 from deepinfer.router.disaggregation import PrefillStage
 from deepinfer.router.encode_stage import EncodeStage
-from deepinfer.router.kv_index import KVIndex, prompt_block_hashes
+from deepinfer.router.kv_index import KVIndex, PromptHashes
 from deepinfer.router.metrics import RouterMetrics
 from deepinfer.router.monitor import Monitor
 from deepinfer.router.options import RouterOptions
@@ -151,10 +151,11 @@ class Proxy:
             return None
 
     async def _hashes(self, path: str, body: dict | None, healthy: list[Replica],
-                      headers: dict) -> tuple[list[int] | None, int, int]:
+                      headers: dict) -> tuple[PromptHashes | None, int, int]:
         """The prompt's block hashes (None: unknown), its full blocks, and the block size. The
         least-loaded replica that knows the hashing facts is asked for the tokens; one found dead
-        is taken out and the next asked."""
+        is taken out and the next asked. A `model` other than the replica's served names is a
+        LoRA adapter: its chains are per replica (kv_index.py)."""
         if body is None or path not in GENERATION_ROUTES:
             return None, 0, 0
         for facts in [r for r in by_load(healthy) if r.model_id and r.scraped.block_size]:
@@ -166,10 +167,14 @@ class Proxy:
                 return None, 0, 0
             bs = facts.scraped.block_size
             salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
-            hashes = prompt_block_hashes(ids, model_name=self.options.hash_model_name or facts.model_id,
-                                         model_id=facts.model_id, block_size=bs,
-                                         kv_cache_dtype=facts.scraped.kv_cache_dtype or "auto", cache_salt=salt)
-            return hashes, len(hashes), bs
+            model = body.get("model")
+            adapter = model if isinstance(model, str) and facts.served_names and \
+                model not in facts.served_names else None
+            hashes = self.index.prompt_hashes(
+                ids, [r.index for r in healthy], adapter=adapter,
+                model_name=self.options.hash_model_name or facts.model_id, model_id=facts.model_id, block_size=bs,
+                kv_cache_dtype=facts.scraped.kv_cache_dtype or "auto", cache_salt=salt)
+            return hashes, hashes.blocks, bs
         return None, 0, 0
 
     # ------------------------------------------------------------------------------ handling

@@ -43,6 +43,9 @@ class Replica:
     scraped: Scraped = field(default_factory=Scraped)
     scraped_at: float = 0.0
     model_id: str | None = None    # /v1/models 'root': the prefix-cache extra key's model id
+    # The base model's names (/v1/models entries without a `parent`): a request's `model` that is
+    # none of them names a LoRA adapter, whose blocks hash apart (kv_index.py).
+    served_names: frozenset[str] = frozenset()
     service_s: float | None = None  # EWMA of the router-measured duration of requests finished here
     consecutive_failures: int = 0
     last_error: str | None = None

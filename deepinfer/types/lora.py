@@ -54,4 +54,11 @@ class LoRARequest:
     def cache_key(self) -> str:
         """What the prefix cache's block hashes take of the adapter (types/block_hashes.extra_key):
         its name and id, so blocks computed under it are never another adapter's or the base's."""
-        return f"lora:{self.lora_int_id}:{self.lora_name}"
+        return lora_cache_key(self.lora_name, self.lora_int_id)
+
+
+def lora_cache_key(lora_name: str, lora_int_id: int) -> str:
+    """LoRARequest.cache_key from the two fields alone: the router rebuilds an adapter's block
+    hashes from the (lora_name, lora_id) of a replica's KV events (router/kv_index.py), and must
+    spell the key exactly as the engine does."""
+    return f"lora:{lora_int_id}:{lora_name}"

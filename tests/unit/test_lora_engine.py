@@ -179,8 +179,6 @@ def test_lora_config_checks():
         EngineConfig.from_kwargs(max_loras=0)
     with pytest.raises(ValueError, match=r"max_cpu_loras must be an integer >= max_loras \(2\), got 1"):
         EngineConfig.from_kwargs(max_loras=2, max_cpu_loras=1)
-    with pytest.raises(ValueError, match="enable_lora works with tensor_parallel_size=1 only"):
-        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("a", 0, "/x")
 

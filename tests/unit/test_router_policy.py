@@ -90,6 +90,64 @@ def test_prompt_hashes_equal_the_engines():
     assert len(chain) == 2
 
 
+def _engine_hashes(ids, lora=None) -> list[int]:
+    """The published hashes of the engine's own Request for `ids` (admission -> Request), the
+    hash root as the engine core sets it (model "m", block size 16)."""
+    from deepinfer.engine.admission import EngineFacts, child_requests, to_request
+    from deepinfer.sampling_params import SamplingParams
+
+    message = child_requests("r", ids, SamplingParams(max_tokens=1), EngineFacts("m", 1024, frozenset({0})),
+                             lora=lora)[0]
+    request = to_request(message, 16)
+    request.hash_root = hash_root("m", None, 16, "auto")
+    return [external_hash(h) for h in request.block_hashes]
+
+
+def test_adapter_hashes_equal_the_engines_and_differ_from_the_base():
+    from deepinfer.types.lora import LoRARequest
+
+    ids = list(range(40))
+    sql = LoRARequest("sql", 2, "/adapters/sql")
+    facts = dict(model_name="m", model_id="m", block_size=16, kv_cache_dtype="auto")
+    assert prompt_block_hashes(ids, **facts) == _engine_hashes(ids)
+    assert prompt_block_hashes(ids, lora=("sql", 2), **facts) == _engine_hashes(ids, sql)
+    assert prompt_block_hashes(ids, lora=("sql", 2), **facts) != prompt_block_hashes(ids, **facts)
+
+
+def test_the_index_learns_adapter_ids_per_replica_and_matches_per_adapter():
+    """Two replicas hold the same prompt's blocks, computed under adapter "a" on replica 0 (id 1)
+    and under "b" on replica 1 (id 1 there too: each numbers its own adapters) plus the base model
+    on replica 1. A request naming "a" matches replica 0 only, one naming "b" replica 1 only, the
+    base model replica 1 only; an adapter no replica published matches nothing, also not the base
+    model's blocks of the same prompt."""
+    from deepinfer.types.lora import LoRARequest
+
+    ids = list(range(40))
+    facts = dict(model_name="m", model_id="m", block_size=16, kv_cache_dtype="auto")
+    index = KVIndex(2)
+
+    def publish(replica: int, lora: LoRARequest | None) -> None:
+        event = BlockStored(_engine_hashes(ids, lora), None, [], 16, lora and lora.lora_int_id, "GPU",
+                            lora and lora.lora_name)
+        index.apply(replica, KVEventBatch(0.0, [event]))
+
+    publish(0, LoRARequest("a", 1, "/a"))
+    publish(1, LoRARequest("b", 1, "/b"))
+    publish(1, None)
+    assert index.adapters == [{"a": 1}, {"b": 1}]
+    policy = CacheAware(index, balance_abs_threshold=4, cache_threshold=0.0)
+    for adapter, home in (("a", 0), ("b", 1), (None, 1)):
+        hashes = index.prompt_hashes(ids, [0, 1], adapter=adapter, **facts)
+        assert hashes.blocks == 2
+        choice = policy.choose(fleet(1, 0) if home == 0 else fleet(0, 1), hashes)   # against the load
+        assert (choice.order[0].index, choice.matched_blocks, choice.reason) == (home, 2, "prefix"), adapter
+    unknown = index.prompt_hashes(ids, [0, 1], adapter="c", **facts)
+    assert policy.choose(fleet(0, 0), unknown).reason == "miss"
+    assert Cost(index, store_hit_weight=0.5, decode_weight=0.0).costs(fleet(0, 0), unknown) == {0: (2, 0), 1: (2, 0)}
+    index.forget(0)   # a restarted replica numbers its adapters anew
+    assert index.adapters[0] == {}
+
+
 def test_admission_checks_and_reasons():
     reps = fleet(1, 1, usage=0.5)
     opts = RouterOptions(backends=("a", "b"), max_kv_usage=0.4)
