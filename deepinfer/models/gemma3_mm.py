@@ -110,6 +110,18 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     # -- weights ---------------------------------------------------------------------------------
 
+    @torch.no_grad()
+    def random_weights(self, seed: int) -> None:
+        """load_format="dummy": the projection starts at zeros (transformers' init, which a
+        checkpoint always overwrites), so every image would embed to nothing and look alike to
+        the language model; draw it from the seed at the scale that keeps the soft-normed
+        patches' projection near unit size. The tower keeps its layers' init."""
+        weight = self.multi_modal_projector.mm_input_projection_weight
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        drawn = torch.randn(weight.shape, generator=generator, dtype=torch.float32) / weight.shape[0] ** 0.5
+        weight.copy_(drawn.to(device=weight.device, dtype=weight.dtype))
+
+
     def streamed_parameters(self) -> dict[str, nn.Parameter]:
         """The language model's parameters (load_weights fills the tower and projector apart)."""
         return {n: p for n, p in self.named_parameters() if not n.startswith(VISION_PREFIXES)}

@@ -50,7 +50,8 @@ class MultiModalConfig:
     encoder_cache_size: int | None = None
     """vLLM's encoder cache, in image tokens (one token's embedding is hidden_size values): the
     encoder outputs kept for reuse across requests and turns, least recently used out first.
-    Unset: the larger of the encoder budget and 8192."""
+    Unset: the larger of the encoder budget and 8192. 0: off, every image is encoded in each step
+    that reads it (an output is kept only for the step that made it)."""
 
     def __post_init__(self) -> None:
         if self.limit_mm_per_prompt is not None and not isinstance(self.limit_mm_per_prompt, str):
@@ -61,10 +62,10 @@ class MultiModalConfig:
         for name in ("media_fetch_timeout_s", "max_image_bytes", "max_image_pixels"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
-        for name in ("max_num_encoder_input_tokens", "encoder_cache_size"):
+        for name, least in (("max_num_encoder_input_tokens", 1), ("encoder_cache_size", 0)):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         path = self.allowed_local_media_path
         if path and not os.path.isdir(path):
             raise ValueError(f"allowed_local_media_path {path!r} is not a directory")
@@ -101,4 +102,7 @@ class MultiModalConfig:
         return self.max_num_encoder_input_tokens or max_num_batched_tokens
 
     def cache_tokens(self, max_num_batched_tokens: int) -> int:
-        return self.encoder_cache_size or max(self.encoder_budget(max_num_batched_tokens), 8192)
+        """The encoder cache's size in image tokens; 0: the cache is off."""
+        if self.encoder_cache_size is not None:
+            return self.encoder_cache_size
+        return max(self.encoder_budget(max_num_batched_tokens), 8192)

@@ -19,7 +19,9 @@ chunk before it allocates KV, and `commit` once the chunk is in the plan):
    (multimodal/runner_images.py): each plan says which images to encode and which to drop, so
    the two never disagree, and the budget knows what a step really encodes. An image used by a
    step is not dropped by that step; the cache may run over its size by one step's images and
-   comes back under it at the next step's first addition.
+   comes back under it at the next step's first addition. Size 0 turns the cache off: what a
+   step encoded is dropped by the next plan, so every step encodes the images it reads (the
+   measure of what the cache saves; a step's own requests still share one encoding).
 
 The runner needs an image's embeddings only in the step that computes its tokens (rule 1), so
 nothing has to stay pinned across steps.
@@ -57,10 +59,11 @@ class ImageStepPlan:
 
 def check_image_limits(tokens_per_image: int, max_num_batched_tokens: int, encoder_budget: int,
                        cache_tokens: int) -> None:
-    """ValueError at start when one image cannot fit a step (rule 1 would stall it forever)."""
+    """ValueError at start when one image cannot fit a step (rule 1 would stall it forever); a
+    cache of size 0 is off, not too small."""
     for name, value in (("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_num_encoder_input_tokens", encoder_budget), ("encoder_cache_size", cache_tokens)):
-        if value < tokens_per_image:
+        if value < tokens_per_image and not (name == "encoder_cache_size" and value == 0):
             raise ValueError(f"{name}={value} is less than the {tokens_per_image} tokens of one image of this "
                              f"model: an image is computed in one step, so raise {name} to at least "
                              f"{tokens_per_image}")
@@ -80,6 +83,12 @@ class EncoderScheduler:
         self._left = self.encoder_budget
         self._step: ImageStepPlan = ImageStepPlan()
         self._in_step: set[str] = set()
+        if self.cache_tokens == 0 and self.cached:
+            # Off: the last step's outputs leave with the next plan (the runner drops them first),
+            # so no later step finds them.
+            self._step.free.extend(self.cached)
+            self.cached.clear()
+            self.cached_total = 0
 
     # -------------------------------------------------------------------------------- chunks
     def fit(self, request: Request, start: int, num_new: int, token_budget: int) -> int:

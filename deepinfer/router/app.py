@@ -46,6 +46,7 @@ GET_ROUTES = ("/v1/models", "/tokenizer_info", "/version")
 def build_app(options: RouterOptions) -> FastAPI:
     replicas = [Replica(url, i, options.kv_events_of(i)) for i, url in enumerate(options.backends)]
     prefill_replicas = [Replica(url, i, None) for i, url in enumerate(options.prefill_backends)]
+    encoders = [Replica(url, i, None) for i, url in enumerate(options.encoder_backends)]
     index = KVIndex(len(replicas))
     metrics = RouterMetrics()
     policy = make_policy(options.policy, index, options)
@@ -60,16 +61,20 @@ def build_app(options: RouterOptions) -> FastAPI:
         prefill_monitor = Monitor(prefill_replicas, KVIndex(len(prefill_replicas)), metrics, options, client)
         subscriber = KVEventSubscriber(index, [r.kv_events for r in replicas], options.kv_events_topic)
         prefill = PrefillStage(prefill_replicas, prefill_monitor, metrics, options, client) if prefill_replicas else None
-        encode = (EncodeStage(options.encoder_backends, options.encoder_timeout_s, metrics, client)
-                  if options.encoder_backends else None)
+        # Encode instances too: probed so that a dead one is skipped until it answers /health again.
+        encode_monitor = Monitor(encoders, KVIndex(len(encoders)), metrics, options, client)
+        encode = EncodeStage(encoders, encode_monitor, options.encoder_timeout_s, metrics, client) if encoders else None
         state["proxy"] = Proxy(replicas, index, policy, metrics, monitor, options, client, prefill, encode)
         # A first probe of every replica before serving, so the first requests have somewhere to go.
         for r in replicas:
             await monitor.probe_once(r)
         for r in prefill_replicas:
             await prefill_monitor.probe_once(r)
+        for r in encoders:
+            await encode_monitor.probe_once(r)
         monitor.start()
         prefill_monitor.start()
+        encode_monitor.start()
         subscriber.start()
         logger.info("router: %s over %d replicas (%d healthy now)", options.policy, len(replicas),
                     sum(r.healthy for r in replicas))
@@ -78,6 +83,7 @@ def build_app(options: RouterOptions) -> FastAPI:
         finally:
             await monitor.stop()
             await prefill_monitor.stop()
+            await encode_monitor.stop()
             await subscriber.stop()
             await client.close()
 
@@ -118,7 +124,8 @@ def build_app(options: RouterOptions) -> FastAPI:
             {**r.snapshot(), "kv_blocks_indexed": len(index.device[r.index]),
              "kv_events_seen": index.events_seen[r.index]} for r in replicas],
             "store_blocks_indexed": len(index.store),
-            "prefill_replicas": [r.snapshot() for r in prefill_replicas]}
+            "prefill_replicas": [r.snapshot() for r in prefill_replicas],
+            "encoders": [r.snapshot() for r in encoders]}
 
     return app
 

@@ -10,8 +10,11 @@ those instances, configured with the same store, load the outputs instead of enc
 The encode stage is a saving, never a condition: an encode instance that is down, slow (past
 --encoder-timeout-s) or answers an error leaves the images to the serving instance, which encodes
 them itself (counted on both sides: here by outcome, there as store misses). Encode instances
-are tried least busy first; one that refuses the connection is skipped until a later request
-finds it back, so a dead one costs one refused connection per request at most.
+are monitored as the router's replicas are (monitor.py: GET /health every --health-interval-s):
+only healthy ones are tried, least busy first. One that refuses or breaks the connection is taken
+out at once (the next healthy one is tried) and stays out until a probe finds it healthy again,
+so a dead encoder costs at most the one request that found it dead, not one refused connection
+per request. With none healthy, a request skips the stage (outcome `unavailable`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import logging
 import aiohttp
 
 from deepinfer.router.metrics import RouterMetrics
+from deepinfer.router.monitor import Monitor
+from deepinfer.router.replica import Replica
 from deepinfer.router.upstream import TRANSPORT_ERRORS, broke_connection
 
 logger = logging.getLogger(__name__)
@@ -45,43 +50,51 @@ def carries_images(body: dict) -> bool:
 
 
 class EncodeStage:
-    def __init__(self, urls: tuple[str, ...], timeout_s: float, metrics: RouterMetrics,
+    """Sends a request's images to the least busy healthy encode instance and waits for it."""
+
+    def __init__(self, encoders: list[Replica], monitor: Monitor, timeout_s: float, metrics: RouterMetrics,
                  client: aiohttp.ClientSession) -> None:
-        self.urls = list(urls)
-        self.in_flight = dict.fromkeys(self.urls, 0)
+        self.encoders = encoders
+        self.monitor = monitor
         self.metrics = metrics
         self.client = client
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
     async def run(self, path: str, body: dict | None, headers: dict[str, str]) -> str:
-        """The outcome (ok, skipped, failed, timeout, http_<status>), also counted in /metrics."""
+        """The outcome (ok, unavailable, failed, timeout, http_<status>; skipped: no image), also
+        counted in /metrics."""
         if body is None or path not in ROUTES or not carries_images(body):
             return "skipped"   # not counted: most requests carry no image
-        outcome = "failed"
-        for url in sorted(self.urls, key=lambda u: self.in_flight[u]):
-            outcome = await self._encode_on(url, path, body, headers)
+        outcome = "unavailable"
+        for encoder in sorted((e for e in self.encoders if e.healthy), key=lambda e: (e.in_flight, e.index)):
+            if not encoder.healthy:   # found dead meanwhile by another request
+                continue
+            outcome = await self._encode_on(encoder, path, body, headers)
             if outcome != "gone":
                 break
         outcome = "failed" if outcome == "gone" else outcome
         self.metrics.encode.labels(outcome).inc()
         return outcome
 
-    async def _encode_on(self, url: str, path: str, body: dict, headers: dict[str, str]) -> str:
-        self.in_flight[url] += 1
+    async def _encode_on(self, encoder: Replica, path: str, body: dict, headers: dict[str, str]) -> str:
+        encoder.in_flight += 1
         try:
-            async with self.client.post(f"{url}/v1/encode", params={"route": path}, json=body, headers=headers,
-                                        timeout=self.timeout) as response:
+            async with self.client.post(f"{encoder.url}/v1/encode", params={"route": path}, json=body,
+                                        headers=headers, timeout=self.timeout) as response:
                 await response.read()
             if response.status != 200:
-                logger.warning("encode on %s answered %d; the serving instance encodes the images", url,
+                logger.warning("encode on %s answered %d; the serving instance encodes the images", encoder.url,
                                response.status)
                 return f"http_{response.status}"
+            encoder.routed += 1
             return "ok"
         except TRANSPORT_ERRORS as exc:
-            if broke_connection(exc):
-                logger.warning("encode on %s failed (%s: %s); trying another encoder", url, type(exc).__name__, exc)
+            if broke_connection(exc):   # out until a probe finds it back; a timeout only means slow
+                logger.warning("encode on %s failed (%s: %s); trying another encoder", encoder.url,
+                               type(exc).__name__, exc)
+                self.monitor.mark_failed(encoder, f"encode: {type(exc).__name__}")
                 return "gone"
-            logger.warning("encode on %s timed out; the serving instance encodes the images", url)
+            logger.warning("encode on %s timed out; the serving instance encodes the images", encoder.url)
             return "timeout"
         finally:
-            self.in_flight[url] -= 1
+            encoder.in_flight -= 1

@@ -165,6 +165,26 @@ def test_encoder_cache_reuses_an_image_across_requests_and_turns(whole_llm):
     assert images.num_encoded == before + 1 and again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_encoder_cache_size_0_turns_the_cache_off(checkpoint, whole_llm):
+    """--encoder-cache-size 0: an image sent again is encoded again (no prefix cache either, so
+    only the encoder cache could have saved it), with the same tokens as a cached run."""
+    llm = LLM(checkpoint[1], dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, encoder_cache_size=0)
+    images = llm.engine.scheduler.images
+    first = llm.chat(chat_messages([7]), GREEDY, use_tqdm=False)[0]
+    again = llm.chat(chat_messages([7]), GREEDY, use_tqdm=False)[0]
+    assert images.num_encoded == 2 and images.num_cache_hits == 0 and not images.cached
+    assert llm.engine.executor.runner.images.num_encoded == 2
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert whole_llm.chat(chat_messages([7]), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        first.outputs[0].token_ids
+    # One request with the image twice still encodes it once: a step's chunks share its encoding.
+    twice = llm.chat(chat_messages([7, 7]), GREEDY, use_tqdm=False)[0]
+    assert images.num_encoded == 3 and len(twice.outputs[0].token_ids) == NEW_TOKENS
+    llm.engine.shutdown()
+    with pytest.raises(ValueError, match="encoder_cache_size must be an integer >= 0"):
+        LLM(checkpoint[1], dtype="float32", num_kv_blocks=64, encoder_cache_size=-1)
+
+
 def test_a_burst_of_images_spreads_over_steps_while_a_decode_goes_on(checkpoint):
     hf, directory = checkpoint
     llm = LLM(directory, dtype="float32", num_kv_blocks=256, max_num_encoder_input_tokens=TOKENS_PER_IMAGE,

@@ -66,3 +66,22 @@ def test_a_killed_ray_rank_is_a_clear_error(ray_head, tiny_llama):
             llm.generate([{"prompt_token_ids": PROMPTS[1]}], GREEDY, use_tqdm=False)
     finally:
         llm.engine.shutdown()
+
+
+def test_ray_ranks_report_encoder_counters(ray_head, tmp_path):
+    """Rank 0 runs in the engine core's process under Ray too: its encoder counters reach
+    EngineStats (and /metrics) as with one rank."""
+    from tests.models.test_gemma3_vision_engine import GREEDY as IMAGE_GREEDY
+    from tests.models.test_gemma3_vision_engine import chat_messages
+    from tests.models.tiny_models import tiny_vision_chat_model
+
+    tiny_vision_chat_model(str(tmp_path))
+    llm = LLM(str(tmp_path), dtype="float32", num_kv_blocks=256, tensor_parallel_size=2,
+              distributed_executor_backend="ray")
+    try:
+        llm.chat(chat_messages([8]), IMAGE_GREEDY, use_tqdm=False)
+        llm.chat(chat_messages([8], text="w7 w9 w11"), IMAGE_GREEDY, use_tqdm=False)
+        counters = llm.engine.stats().encoder
+        assert counters["encoded"] == 1 and counters["cache_hits"] == 1 and counters["encode_seconds"] > 0, counters
+    finally:
+        llm.engine.shutdown()

@@ -134,13 +134,16 @@ def tiny_vision_chat_model(directory: str):
     return hf
 
 
-def write_vision_chat_tokenizer(directory: str) -> None:
+def write_vision_chat_tokenizer(directory: str, vocab_size: int = VOCAB, tokens: dict[str, int] = VISION_CHAT_TOKENS,
+                                newlines: tuple[int, int] = (10, 11)) -> None:
+    """The tiny checkpoint's chat tokenizer; another vocabulary size, special ids and newline ids
+    ("\n\n", "\n") give a real model's shape one (benchmarks/vision_serving.py: Gemma 3's ids)."""
     from tokenizers import Regex
 
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    for i in (10, 11, *VISION_CHAT_TOKENS.values()):
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    for i in (*newlines, *tokens.values()):
         vocab.pop(f"w{i}")
-    vocab.update({"\n\n": 10, "\n": 11, **VISION_CHAT_TOKENS})
+    vocab.update({"\n\n": newlines[0], "\n": newlines[1], **tokens})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     # Punctuation apart, so that text spelling "<start_of_image>" is several words, as BPE makes it.
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(" ", "removed"),
@@ -148,8 +151,8 @@ def write_vision_chat_tokenizer(directory: str) -> None:
                                                  pre_tokenizers.Punctuation("isolated")])
     from tokenizers import AddedToken
 
-    tok.add_special_tokens([AddedToken(t, special=True) for t in sorted(VISION_CHAT_TOKENS, key=VISION_CHAT_TOKENS.get)])
-    assert all(tok.token_to_id(t) == i for t, i in VISION_CHAT_TOKENS.items())
+    tok.add_special_tokens([AddedToken(t, special=True) for t in sorted(tokens, key=tokens.get)])
+    assert all(tok.token_to_id(t) == i for t, i in tokens.items())
     tok.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<end_of_turn>", "bos_token": "<bos>", "chat_template": VISION_CHAT_TEMPLATE}, f)
