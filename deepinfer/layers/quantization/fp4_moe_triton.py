@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from deepinfer import envs
 from deepinfer.layers.quantization import fp4, fp8
 
 logger = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
 def _asm_decode(device: torch.device) -> bool:
     """Whether the kernels decode codes with their PTX (_E2M1_PAIRS_ASM): on NVIDIA GPUs, not
     under Triton's interpreter (which runs no PTX) nor on ROCm."""
-    return device.type == "cuda" and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+    return device.type == "cuda" and torch.version.hip is None and not envs.triton_interpreter()
 
 
 @triton.jit
