@@ -60,7 +60,7 @@ def _e2m1(code):
 # its register first), with 32-bit integer ops on two values at once: each pair of bytes spread
 # to the low byte of each half (prmt), then per half the magnitude bits to 11..9 and the sign to
 # 15, as _e2m1 does one value at a time (about a quarter of its instructions a weight).
-_E2M1_PAIRS_ASM = """
+_E2M1_PAIRS_ASM = tl.constexpr("""
 {
 .reg .b32 q<2>, t<2>;
 prmt.b32 q0, $4, 0, 0x4140;
@@ -70,7 +70,30 @@ shl.b32 t0, q1, 9;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q1, 12; and.b32 t1,
 shl.b32 t0, q0, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q0, 8;  and.b32 t1, t1, 0x80008000; or.b32 $2, t0, t1;
 shl.b32 t0, q1, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q1, 8;  and.b32 t1, t1, 0x80008000; or.b32 $3, t0, t1;
 }
-"""
+""")
+
+
+# _E2M1_PAIRS_ASM's decode made bfloat16 and scaled in the same registers: the codes' bits placed
+# in a bfloat16 worth value * 2^-126 (code 1, 0.5, is the one subnormal), times the group's scale
+# 2^(exponent - 127) made bfloat16 as 2^(exponent - 1) from each exponent byte ($5, one a code
+# byte), by one bfloat16x2 multiply a register: exact, as every product is a normal bfloat16
+# (exponent bytes below 2 are taken as 2: scales under 2^-125, weights of no weight).
+_E2M1_SCALED_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 q<2>, s<2>, t<2>, m;
+mov.b32 m, 0x01000100;
+prmt.b32 q0, $4, 0, 0x4140;
+prmt.b32 q1, $4, 0, 0x4342;
+prmt.b32 s0, $5, 0, 0x4140;
+prmt.b32 s1, $5, 0, 0x4342;
+shl.b32 s0, s0, 7;  max.u16x2 s0, s0, m;  sub.u32 s0, s0, 0x00800080;
+shl.b32 s1, s1, 7;  max.u16x2 s1, s1, m;  sub.u32 s1, s1, 0x00800080;
+shl.b32 t0, q0, 6;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q0, 12; and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $0, t0, s0;
+shl.b32 t0, q1, 6;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q1, 12; and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $1, t0, s1;
+shl.b32 t0, q0, 2;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q0, 8;  and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $2, t0, s0;
+shl.b32 t0, q1, 2;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q1, 8;  and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $3, t0, s1;
+}
+""")
 
 
 @triton.jit
@@ -91,6 +114,20 @@ def _scale(exps):
     """ue8m0 exponent bytes -> 2^(byte - 127) * 2^14 (_e2m1's factor), float32 made from its bits
     (the byte plus 14 is the exponent field: exact for bytes up to 240, scales up to 2^113)."""
     return ((exps.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_weights(packed, exps, KIND: tl.constexpr, ASM: tl.constexpr):
+    """Code bytes and their groups' exponent bytes (same shape) -> (even inputs' weights, odd
+    inputs') in KIND. ASM with bfloat16: _E2M1_SCALED_BF16_ASM (decode and scale in bfloat16x2);
+    else decoded (_e2m1_nibbles), scaled in float32 (_scale) and converted: the same values."""
+    if ASM and KIND == tl.bfloat16:
+        even, odd = tl.inline_asm_elementwise(_E2M1_SCALED_BF16_ASM, "=r,=r,=r,=r,r,r", [packed, exps],
+                                              dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return even, odd
+    scale = _scale(exps)
+    low, high = _e2m1_nibbles(packed, ASM)
+    return (low * scale).to(KIND), (high * scale).to(KIND)
 
 
 @triton.jit
@@ -131,8 +168,10 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
     # Split K: program (.., .., s) takes the s-th of SPLIT_K equal runs of the inputs and writes
     # its partial sums to plane s of a float32 output that the caller sums.
     k_len = K // SPLIT_K
-    k_first = tl.program_id(2) * k_len
+    # (a multiple of BLOCK_K, said so: the loads of each K block stay aligned and vectorized)
+    k_first = tl.multiple_of(tl.program_id(2) * k_len, BLOCK_K)
     if USE_DOT:
+        KIND: tl.constexpr = x_ptr.dtype.element_ty   # the weights' dtype in the dots: the activations'
         # A K block's codes are read as [BLOCK_K / 2 bytes, BLOCK_N]: byte p of a row holds inputs
         # 2p (low nibble) and 2p + 1 (high), so the low nibbles multiply the even inputs and the
         # high the odd ones, two products of BLOCK_K / 2 with no interleaving of decoded values.
@@ -150,10 +189,10 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                 g = tl.arange(0, BLOCK_K // GROUP)[:, None, None]
                 j = tl.arange(0, GROUP // 2)[None, :, None]
                 packed = tl.load(code_cols[None, :, :] + (k0 // 2 + g * (GROUP // 2) + j), mask=col_ok[None, None, :], other=0)
-                scale = _scale(tl.load(exp_cols[None, :, :] + (k0 // GROUP + g), mask=col_ok[None, None, :], other=127))
-                low, high = _e2m1_nibbles(packed, ASM)
-                w_even = tl.reshape(low * scale, (BLOCK_K // 2, BLOCK_N))
-                w_odd = tl.reshape(high * scale, (BLOCK_K // 2, BLOCK_N))
+                exps = tl.load(exp_cols[None, :, :] + (k0 // GROUP + g), mask=col_ok[None, None, :], other=127)
+                w_even, w_odd = _scaled_weights(packed, tl.broadcast_to(exps, packed.shape), KIND, ASM)
+                w_even = tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N))
+                w_odd = tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N))
             else:
                 packed = tl.load(code_cols + byte[:, None], mask=col_ok[None, :], other=0)
                 # A group's exponent for each of its G / 2 bytes (repeated loads of one byte:
@@ -162,18 +201,15 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                 # cost more than the loads and multiplies they save (design-measurements.md, FP4
                 # expert tiles).
                 exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
-                scale = _scale(exps)
-                low, high = _e2m1_nibbles(packed, ASM)
-                w_even = low * scale                                           # [BLOCK_K / 2, BLOCK_N]
-                w_odd = high * scale
+                w_even, w_odd = _scaled_weights(packed, exps, KIND, ASM)       # [BLOCK_K / 2, BLOCK_N]
             a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
             a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
             if IEEE:
                 acc += tl.dot(a_even, w_even, input_precision="ieee")
                 acc += tl.dot(a_odd, w_odd, input_precision="ieee")
             else:
-                acc += tl.dot(a_even, w_even.to(a_even.dtype))
-                acc += tl.dot(a_odd, w_odd.to(a_odd.dtype))
+                acc += tl.dot(a_even, w_even)
+                acc += tl.dot(a_odd, w_odd)
     else:
         # One row (BLOCK_M == 1): a GEMV. The codes are read as [groups, G / 2 bytes, BLOCK_N], so
         # a group's exponent is loaded once and multiplies its partial sum, and the products are
@@ -285,7 +321,7 @@ def default_config(rows: int, num_experts: int) -> TileConfig:
     if per_expert <= 1:      # batch-1 decode: every expert one row
         return TileConfig(1, 64, 256, dot=False, num_warps=8)
     if per_expert < 64:      # decode batches
-        return TileConfig(16, 128, 128, dot=True, num_stages=4)
+        return TileConfig(16, 128, 128, dot=True, num_stages=4, group_scales=True)
     return TileConfig(128, 128, 64, dot=True, num_warps=8)
 
 
