@@ -74,24 +74,18 @@ shl.b32 t0, q1, 5;  and.b32 t0, t0, 0x0E000E00;  shl.b32 t1, q1, 8;  and.b32 t1,
 
 
 # _E2M1_PAIRS_ASM's decode made bfloat16 and scaled in the same registers: the codes' bits placed
-# in a bfloat16 worth value * 2^-126 (code 1, 0.5, is the one subnormal), times the group's scale
-# 2^(exponent - 127) made bfloat16 as 2^(exponent - 1) from each exponent byte ($5, one a code
-# byte), by one bfloat16x2 multiply a register: exact, as every product is a normal bfloat16
-# (exponent bytes below 2 are taken as 2: scales under 2^-125, weights of no weight).
+# in a bfloat16 worth value * 2^-126 (code 1, 0.5, is the one subnormal), times each code byte's
+# scale as bfloat16 ($5: elements 0 and 1, $6: 2 and 3; _bf16_scale) by one bfloat16x2 multiply a
+# register: exact, every product being a normal bfloat16.
 _E2M1_SCALED_BF16_ASM = tl.constexpr("""
 {
-.reg .b32 q<2>, s<2>, t<2>, m;
-mov.b32 m, 0x01000100;
+.reg .b32 q<2>, t<2>;
 prmt.b32 q0, $4, 0, 0x4140;
 prmt.b32 q1, $4, 0, 0x4342;
-prmt.b32 s0, $5, 0, 0x4140;
-prmt.b32 s1, $5, 0, 0x4342;
-shl.b32 s0, s0, 7;  max.u16x2 s0, s0, m;  sub.u32 s0, s0, 0x00800080;
-shl.b32 s1, s1, 7;  max.u16x2 s1, s1, m;  sub.u32 s1, s1, 0x00800080;
-shl.b32 t0, q0, 6;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q0, 12; and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $0, t0, s0;
-shl.b32 t0, q1, 6;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q1, 12; and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $1, t0, s1;
-shl.b32 t0, q0, 2;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q0, 8;  and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $2, t0, s0;
-shl.b32 t0, q1, 2;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q1, 8;  and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $3, t0, s1;
+shl.b32 t0, q0, 6;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q0, 12; and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $0, t0, $5;
+shl.b32 t0, q1, 6;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q1, 12; and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $1, t0, $6;
+shl.b32 t0, q0, 2;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q0, 8;  and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $2, t0, $5;
+shl.b32 t0, q1, 2;  and.b32 t0, t0, 0x01C001C0;  shl.b32 t1, q1, 8;  and.b32 t1, t1, 0x80008000; or.b32 t0, t0, t1; mul.rn.bf16x2 $3, t0, $6;
 }
 """)
 
@@ -117,12 +111,22 @@ def _scale(exps):
 
 
 @triton.jit
+def _bf16_scale(exps):
+    """ue8m0 exponent bytes -> 2^(byte - 1) as bfloat16 (the group's scale 2^(byte - 127) times
+    2^126, _E2M1_SCALED_BF16_ASM's factor), from its bits; bytes below 2 are taken as 2 (scales
+    under 2^-125: weights of no weight) so the exponent field stays a normal one."""
+    return ((tl.maximum(exps.to(tl.int32), 2) - 1) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _scaled_weights(packed, exps, KIND: tl.constexpr, ASM: tl.constexpr):
-    """Code bytes and their groups' exponent bytes (same shape) -> (even inputs' weights, odd
-    inputs') in KIND. ASM with bfloat16: _E2M1_SCALED_BF16_ASM (decode and scale in bfloat16x2);
-    else decoded (_e2m1_nibbles), scaled in float32 (_scale) and converted: the same values."""
+    """Code bytes and their groups' exponent bytes (the bytes' shape, or one that broadcasts to it:
+    each scale is then made once a group) -> (even inputs' weights, odd inputs') in KIND. ASM with
+    bfloat16: _E2M1_SCALED_BF16_ASM; else decoded (_e2m1_nibbles), scaled in float32 (_scale) and
+    converted: the same values."""
     if ASM and KIND == tl.bfloat16:
-        even, odd = tl.inline_asm_elementwise(_E2M1_SCALED_BF16_ASM, "=r,=r,=r,=r,r,r", [packed, exps],
+        scale = tl.broadcast_to(_bf16_scale(exps), packed.shape)
+        even, odd = tl.inline_asm_elementwise(_E2M1_SCALED_BF16_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
         return even, odd
     scale = _scale(exps)
@@ -190,7 +194,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                 j = tl.arange(0, GROUP // 2)[None, :, None]
                 packed = tl.load(code_cols[None, :, :] + (k0 // 2 + g * (GROUP // 2) + j), mask=col_ok[None, None, :], other=0)
                 exps = tl.load(exp_cols[None, :, :] + (k0 // GROUP + g), mask=col_ok[None, None, :], other=127)
-                w_even, w_odd = _scaled_weights(packed, tl.broadcast_to(exps, packed.shape), KIND, ASM)
+                w_even, w_odd = _scaled_weights(packed, exps, KIND, ASM)
                 w_even = tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N))
                 w_odd = tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N))
             else:
