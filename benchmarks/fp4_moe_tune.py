@@ -50,9 +50,9 @@ def candidates(per_expert: float):
     return found
 
 
-def fp8_reference(x, codes, exps, counts):
-    """The first two experts' products as the FP8 path sees its activations (e4m3 per row and
-    128 inputs, fp8.quantize_rows), in float32."""
+def fp8_reference(x, codes, exps, rows_of):
+    """The products of the experts of `rows_of` (expert -> its rows) as the FP8 path sees its
+    activations (e4m3 per row and 128 inputs, fp8.quantize_rows), in float32."""
     import torch
     import torch.nn.functional as F
 
@@ -60,9 +60,7 @@ def fp8_reference(x, codes, exps, counts):
 
     xq, xs = fp8.quantize_rows(x, 128)
     seen = (xq.float().view(x.shape[0], -1, 128) * xs[..., None]).view(x.shape)
-    first, second = int(counts[0]), int(counts[0]) + int(counts[1])
-    return torch.cat([F.linear(seen[:first], fp4.dequantize(codes[0], exps[0])),
-                      F.linear(seen[first:second], fp4.dequantize(codes[1], exps[1]))])
+    return torch.cat([F.linear(seen[rows], fp4.dequantize(codes[e], exps[e])) for e, rows in rows_of.items()])
 
 
 def main() -> None:
@@ -103,14 +101,17 @@ def main() -> None:
         for name, (_, k) in products.items():
             dense, codes, exps = weights[name]
             x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-            check = slice(0, int(counts[0]) + int(counts[1]))   # the first two experts' rows
-            want = torch.cat([F.linear(x[:int(counts[0])].float(), fp4.dequantize(codes[0], exps[0])),
-                              F.linear(x[int(counts[0]):check.stop].float(), fp4.dequantize(codes[1], exps[1]))])
+            # The rows of the first two experts that have rows (experts without rows would check nothing).
+            first, second = torch.nonzero(counts).flatten()[:2].tolist()
+            starts = (counts.cumsum(0) - counts).tolist()
+            rows_of = {e: slice(starts[e], starts[e] + int(counts[e])) for e in (first, second)}
+            check = torch.cat([torch.arange(r.start, r.stop, device=device) for r in rows_of.values()])
+            want = torch.cat([F.linear(x[rows_of[e]].float(), fp4.dequantize(codes[e], exps[e])) for e in (first, second)])
             roofline = used * (codes[0].numel() + exps[0].numel()) / bandwidth
             base = {"tokens": tokens, "product": name, "experts_used": used,
                     "bf16_ms": cuda_time(lambda: torch._grouped_mm(x, dense.transpose(1, 2), offs=offs)) * 1e3,
                     "roofline_ms": roofline * 1e3}
-            want_fp8 = fp8_reference(x, codes, exps, counts)
+            want_fp8 = fp8_reference(x, codes, exps, rows_of)
             timed = []
             chosen = default_config(rows, EXPERTS)
             tried = [chosen] if args.default_only else [chosen, *candidates(rows / min(EXPERTS, rows))]

@@ -110,20 +110,29 @@ def _scale(exps):
     return ((exps.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
 
 
+# The bfloat16 PTX path's weights are the true ones times 2^-BF16_SHIFT, its products' sums
+# multiplied back by 2^BF16_SHIFT (exact: powers of two): the scale that makes the decoded
+# value * 2^-126 a weight, 2^(exponent - 127) * 2^126, is a bfloat16 only up to exponent 128,
+# while 2^(exponent - 127 + 126 - BF16_SHIFT) is one for exponents 27..154 (scales 2^-100..2^27).
+BF16_SHIFT = tl.constexpr(26)
+
+
 @triton.jit
 def _bf16_scale(exps):
-    """ue8m0 exponent bytes -> 2^(byte - 1) as bfloat16 (the group's scale 2^(byte - 127) times
-    2^126, _E2M1_SCALED_BF16_ASM's factor), from its bits; bytes below 2 are taken as 2 (scales
-    under 2^-125: weights of no weight) so the exponent field stays a normal one."""
-    return ((tl.maximum(exps.to(tl.int32), 2) - 1) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    """ue8m0 exponent bytes -> 2^(byte - 127 + 126 - BF16_SHIFT) as bfloat16, from its bits (the
+    exponent field byte + 100); bytes outside 27..154 are clamped into it (scales beyond 2^-100 and
+    2^27, which no checkpoint writes)."""
+    biased = tl.minimum(tl.maximum(exps.to(tl.int32), 27), 154) + (126 - BF16_SHIFT)
+    return (biased << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def _scaled_weights(packed, exps, KIND: tl.constexpr, ASM: tl.constexpr):
     """Code bytes and their groups' exponent bytes (the bytes' shape, or one that broadcasts to it:
     each scale is then made once a group) -> (even inputs' weights, odd inputs') in KIND. ASM with
-    bfloat16: _E2M1_SCALED_BF16_ASM; else decoded (_e2m1_nibbles), scaled in float32 (_scale) and
-    converted: the same values."""
+    bfloat16: _E2M1_SCALED_BF16_ASM, the weights times 2^-BF16_SHIFT (the caller multiplies the
+    products back: _weights_shift); else decoded (_e2m1_nibbles), scaled in float32 (_scale) and
+    converted."""
     if ASM and KIND == tl.bfloat16:
         scale = tl.broadcast_to(_bf16_scale(exps), packed.shape)
         even, odd = tl.inline_asm_elementwise(_E2M1_SCALED_BF16_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale],
@@ -132,6 +141,14 @@ def _scaled_weights(packed, exps, KIND: tl.constexpr, ASM: tl.constexpr):
     scale = _scale(exps)
     low, high = _e2m1_nibbles(packed, ASM)
     return (low * scale).to(KIND), (high * scale).to(KIND)
+
+
+@triton.jit
+def _weights_shift(KIND: tl.constexpr, ASM: tl.constexpr):
+    """What the products of _scaled_weights' weights are multiplied by to be the true ones."""
+    if ASM and KIND == tl.bfloat16:
+        return 2.0 ** BF16_SHIFT
+    return 1.0
 
 
 @triton.jit
@@ -214,6 +231,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
             else:
                 acc += tl.dot(a_even, w_even)
                 acc += tl.dot(a_odd, w_odd)
+        acc = acc * _weights_shift(KIND, ASM)
     else:
         # One row (BLOCK_M == 1): a GEMV. The codes are read as [groups, G / 2 bytes, BLOCK_N], so
         # a group's exponent is loaded once and multiplies its partial sum, and the products are
@@ -323,7 +341,7 @@ def default_config(rows: int, num_experts: int) -> TileConfig:
     (docs/benchmarks/design-measurements.md#fp4-expert-tiles)."""
     per_expert = rows / max(1, min(num_experts, rows))
     if per_expert <= 1:      # batch-1 decode: every expert one row
-        return TileConfig(1, 64, 256, dot=False, num_warps=8)
+        return TileConfig(1, 64, 256, dot=False, num_warps=4)
     if per_expert < 64:      # decode batches
         return TileConfig(16, 128, 128, dot=True, num_stages=4, group_scales=True)
     return TileConfig(128, 128, 64, dot=True, num_warps=8)
