@@ -43,6 +43,8 @@ def candidates(per_expert: float):
             if m == 16 and stages == 4:
                 found.append(TileConfig(m, n, k, dot=True, num_warps=4, num_stages=stages, split_k=2))
                 found.append(TileConfig(m, n, k, dot=True, num_warps=4, num_stages=stages, group_scales=True))
+                found.append(TileConfig(m, n, k, dot=True, num_warps=4, num_stages=stages, group_scales=True,
+                                        bf16_ptx=True))
     # The FP8 tensor-core path (e4m3 activations; block_k is unused there).
     for m, n, stages, warps in itertools.product((16, 32, 64, 128), (64, 128), (3, 4), (4, 8)):
         if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64) and (warps == 4 or m >= 64):

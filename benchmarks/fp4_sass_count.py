@@ -36,6 +36,7 @@ VARIANTS = [
     ("b1 GEMV 16x256", 1, 16, 256, False, 4, {}),
     ("batch dots 16x128x128", 16, 128, 128, True, 4, {}),
     ("batch dots 16x128x128 group scales", 16, 128, 128, True, 4, {"GROUP_SCALES": True}),
+    ("batch dots 16x128x128 group scales, bf16 PTX", 16, 128, 128, True, 4, {"GROUP_SCALES": True, "BF16_PTX": True}),
 ]
 
 
@@ -81,7 +82,7 @@ def compile_variant(module, block_m, block_n, block_k, dot, warps, extra):
     params = kernel.arg_names
     constexprs = {"GROUP": 32, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_DOT": dot,
                   "IEEE": False, **extra}
-    for name, default in (("ASM", True), ("SPLIT_K", 1), ("GROUP_SCALES", False)):
+    for name, default in (("ASM", True), ("SPLIT_K", 1), ("GROUP_SCALES", False), ("BF16_PTX", False)):
         if name in params:
             constexprs.setdefault(name, default)
     constexprs = {k: v for k, v in constexprs.items() if k in params}

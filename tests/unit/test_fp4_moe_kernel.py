@@ -28,7 +28,8 @@ CONFIGS = {"default": None, "gemv": TileConfig(1, 32, 64, dot=False), "gemv-long
            "dot-16": TileConfig(16, 64, 128, dot=True), "dot-64": TileConfig(64, 32, 64, dot=True),
            "gemv-split-k": TileConfig(1, 32, 32, dot=False, split_k=4),
            "dot-split-k": TileConfig(16, 64, 64, dot=True, split_k=2),
-           "dot-group-scales": TileConfig(16, 64, 128, dot=True, group_scales=True)}
+           "dot-group-scales": TileConfig(16, 64, 128, dot=True, group_scales=True),
+           "dot-bf16-ptx": TileConfig(16, 64, 128, dot=True, group_scales=True, bf16_ptx=True)}
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -60,8 +61,10 @@ def test_fp4_grouped_mm_matches_the_dequantized_reference(counts, n, k, dtype, c
 
 @pytest.mark.skipif(INTERPRETED, reason="the PTX decode runs on NVIDIA GPUs only")
 @pytest.mark.parametrize("config", [TileConfig(1, 32, 64, dot=False), TileConfig(16, 64, 128, dot=True),
-                                    TileConfig(16, 64, 128, dot=True, group_scales=True)],
-                         ids=["gemv", "dot", "dot-group-scales"])
+                                    TileConfig(16, 64, 128, dot=True, group_scales=True),
+                                    TileConfig(16, 64, 128, dot=True, bf16_ptx=True),
+                                    TileConfig(16, 64, 128, dot=True, group_scales=True, bf16_ptx=True)],
+                         ids=["gemv", "dot", "dot-group-scales", "dot-bf16-ptx", "dot-group-scales-bf16-ptx"])
 def test_ptx_decode_equals_the_plain_decode(config):
     """The kernels' PTX decode (four code bytes at a time) gives the same float16 values as the
     plain Triton ops, so the same products bit for bit; every code and both nibbles occur."""

@@ -127,13 +127,13 @@ def _bf16_scale(exps):
 
 
 @triton.jit
-def _scaled_weights(packed, exps, KIND: tl.constexpr, ASM: tl.constexpr):
+def _scaled_weights(packed, exps, KIND: tl.constexpr, ASM: tl.constexpr, BF16_PTX: tl.constexpr):
     """Code bytes and their groups' exponent bytes (the bytes' shape, or one that broadcasts to it:
-    each scale is then made once a group) -> (even inputs' weights, odd inputs') in KIND. ASM with
-    bfloat16: _E2M1_SCALED_BF16_ASM, the weights times 2^-BF16_SHIFT (the caller multiplies the
-    products back: _weights_shift); else decoded (_e2m1_nibbles), scaled in float32 (_scale) and
-    converted."""
-    if ASM and KIND == tl.bfloat16:
+    each scale is then made once a group) -> (even inputs' weights, odd inputs') in KIND. ASM and
+    BF16_PTX with bfloat16: _E2M1_SCALED_BF16_ASM, the weights times 2^-BF16_SHIFT (the caller
+    multiplies the products back: _weights_shift); else decoded (_e2m1_nibbles), scaled in float32
+    (_scale) and converted."""
+    if ASM and BF16_PTX and KIND == tl.bfloat16:
         scale = tl.broadcast_to(_bf16_scale(exps), packed.shape)
         even, odd = tl.inline_asm_elementwise(_E2M1_SCALED_BF16_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale],
                                               dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
@@ -144,9 +144,9 @@ def _scaled_weights(packed, exps, KIND: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _weights_shift(KIND: tl.constexpr, ASM: tl.constexpr):
+def _weights_shift(KIND: tl.constexpr, ASM: tl.constexpr, BF16_PTX: tl.constexpr):
     """What the products of _scaled_weights' weights are multiplied by to be the true ones."""
-    if ASM and KIND == tl.bfloat16:
+    if ASM and BF16_PTX and KIND == tl.bfloat16:
         return 2.0 ** BF16_SHIFT
     return 1.0
 
@@ -173,7 +173,8 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                         stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om, stride_os,
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
-                        ASM: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_SCALES: tl.constexpr):
+                        ASM: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_SCALES: tl.constexpr,
+                        BF16_PTX: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tile >= tl.load(tile_ends_ptr + num_experts - 1):
@@ -211,7 +212,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                 j = tl.arange(0, GROUP // 2)[None, :, None]
                 packed = tl.load(code_cols[None, :, :] + (k0 // 2 + g * (GROUP // 2) + j), mask=col_ok[None, None, :], other=0)
                 exps = tl.load(exp_cols[None, :, :] + (k0 // GROUP + g), mask=col_ok[None, None, :], other=127)
-                w_even, w_odd = _scaled_weights(packed, exps, KIND, ASM)
+                w_even, w_odd = _scaled_weights(packed, exps, KIND, ASM, BF16_PTX)
                 w_even = tl.reshape(w_even, (BLOCK_K // 2, BLOCK_N))
                 w_odd = tl.reshape(w_odd, (BLOCK_K // 2, BLOCK_N))
             else:
@@ -222,7 +223,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                 # cost more than the loads and multiplies they save (design-measurements.md, FP4
                 # expert tiles).
                 exps = tl.load(exp_cols + (byte // (GROUP // 2))[:, None], mask=col_ok[None, :], other=127)
-                w_even, w_odd = _scaled_weights(packed, exps, KIND, ASM)       # [BLOCK_K / 2, BLOCK_N]
+                w_even, w_odd = _scaled_weights(packed, exps, KIND, ASM, BF16_PTX)       # [BLOCK_K / 2, BLOCK_N]
             a_even = tl.load(x_rows + (k0 + 2 * half)[None, :], mask=row_ok[:, None], other=0.0)
             a_odd = tl.load(x_rows + (k0 + 2 * half + 1)[None, :], mask=row_ok[:, None], other=0.0)
             if IEEE:
@@ -231,7 +232,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
             else:
                 acc += tl.dot(a_even, w_even)
                 acc += tl.dot(a_odd, w_odd)
-        acc = acc * _weights_shift(KIND, ASM)
+        acc = acc * _weights_shift(KIND, ASM, BF16_PTX)
     else:
         # One row (BLOCK_M == 1): a GEMV. The codes are read as [groups, G / 2 bytes, BLOCK_N], so
         # a group's exponent is loaded once and multiplies its partial sum, and the products are
@@ -318,7 +319,10 @@ class TileConfig(NamedTuple):
     that many runs, each its own program writing float32 partial sums that are then added (more
     programs where a product has few outputs to share out: batch-1 decode's six experts);
     `group_scales` (dots): each group's scale made once and broadcast over its weights, which
-    are then reshaped for the dot, instead of an exponent load and conversion per code byte."""
+    are then reshaped for the dot, instead of an exponent load and conversion per code byte;
+    `bf16_ptx` (dots, bfloat16 activations, CUDA): the weights decoded and scaled in bfloat16x2
+    PTX (_E2M1_SCALED_BF16_ASM), not in float32 (fewer instructions a weight; not yet the
+    default: its products have not yet been checked on a GPU)."""
     block_m: int
     block_n: int
     block_k: int
@@ -328,6 +332,7 @@ class TileConfig(NamedTuple):
     fp8: bool = False
     split_k: int = 1
     group_scales: bool = False
+    bf16_ptx: bool = False
 
 
 # Inputs sharing an activation scale on the FP8 path: DeepSeek's 1 x 128 activation blocks.
@@ -411,7 +416,7 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
                                            GROUP=group, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                                            BLOCK_K=config.block_k, USE_DOT=config.dot, IEEE=x.dtype == torch.float32,
                                            ASM=_asm_decode(x.device) if asm is None else asm, SPLIT_K=split_k,
-                                           GROUP_SCALES=config.group_scales,
+                                           GROUP_SCALES=config.group_scales, BF16_PTX=config.bf16_ptx,
                                            num_warps=config.num_warps, num_stages=config.num_stages)
     if split_k > 1:
         torch.sum(target, dim=0, out=out)   # float32 partials, summed into the activations' dtype
