@@ -1,5 +1,11 @@
 """Offline throughput of a batch spread over several LoRA adapters, against the base model alone on
-the same prompts in the same run (issue 46: the target is lora / base >= 0.85).
+the same prompts in the same run (issue 46: the target is LoRA >= 0.85x the base model).
+
+The target is judged on `lora_vs_plain`: the adapter requests against the same prompts on an engine
+started WITHOUT LoRA (enable_lora=False), which is what a user compares against (a server started
+without --enable-lora). `lora_vs_base` (base-model requests on the LoRA engine) is reported beside
+it but flatters LoRA: on that engine the base requests pay for LoRA too (on the CPU the fused
+layer path is off, on CUDA the graphs are captured with the LoRA products inside).
 
     python benchmarks/lora_throughput.py [--shape tiny|llama3-8b] [--prompts 64] [--adapters 8]
         [--rank 16] [--input-len 512] [--output-len 128] [--repeats 2] [--vllm] [--out result.json]
@@ -17,16 +23,22 @@ What it does, in one process:
      prefix caching (the timed runs repeat the prompts);
   3. warms up (every adapter read into its slot, CUDA graphs captured), then --repeats times,
      alternating: the --prompts prompts on the base model, then the same prompts with prompt i
-     under adapter i mod --adapters. Each run submits every prompt at once, greedy, ignore_eos.
+     under adapter i mod --adapters. Each run submits every prompt at once, greedy, ignore_eos;
+  4. shuts that engine down and frees it (gc, torch.cuda.empty_cache on CUDA), then starts a
+     plain engine with the same options but enable_lora=False, warms it up the same way and times
+     the same prompts --repeats times ("plain").
 
 Reports (printed, and JSON with --out): output tok/s and total (input + output) tok/s of each side
-(best of --repeats), `lora_vs_base` = lora output tok/s / base output tok/s, `meets_target` (>= 0.85),
-and `lora_requests_differing_from_base` (how many adapter requests' greedy tokens differ from the
+(best of --repeats), `lora_vs_plain` = lora output tok/s / plain output tok/s, the ratio the
+target is judged on (`meets_target`: >= 0.85), `lora_vs_base` = lora / base output tok/s on the
+LoRA engine, `base_vs_plain` (what enabling LoRA costs requests without an adapter), and
+`lora_requests_differing_from_base` (how many adapter requests' greedy tokens differ from the
 base model's: a check that the adapters were applied at all).
 
 --vllm: afterwards, the same prompts and adapter files through vLLM's `vllm.LLM` (enable_lora,
 max_loras and max_lora_rank alike, load_format="dummy" on the same config, skip_tokenizer_init),
-base then adapters, in a child process (so each engine has the GPU to itself). vLLM is taken from
+base then adapters, in a child process (so each engine has the GPU to itself); its ratio is
+lora / base on its LoRA engine, the counterpart of deepinfer's `lora_vs_base`. vLLM is taken from
 --vllm-site when that holds it (default /tmp/site, where the GPU machine has vLLM 0.26), else from
 this Python's path; without it the vLLM part is skipped with a message saying so, and the rest stands.
 The child is also a command line of its own: --engine vllm --model-dir D --adapters-dir A.
@@ -126,32 +138,40 @@ def summarize(prefix: str, seconds: list[float], args) -> dict:
 # ------------------------------------------------------------------------------------ deepinfer
 
 
-def run_deepinfer(args, directory: str, dummy: bool, adapter_paths: list[str], vocab: int) -> dict:
-    import torch
-
-    from deepinfer import LLM, SamplingParams
-    from deepinfer.types.lora import LoRARequest
-
+def engine_options(args, dummy: bool, num_adapters: int) -> dict:
+    """deepinfer.LLM's options; num_adapters 0: an engine without LoRA (the plain one)."""
     options = dict(max_model_len=args.input_len + args.output_len + 8, enable_prefix_caching=False,
-                   enable_lora=True, max_loras=len(adapter_paths), max_lora_rank=args.rank,
                    max_num_seqs=max(args.prompts, 8), enforce_eager=args.enforce_eager)
+    if num_adapters:
+        options.update(enable_lora=True, max_loras=num_adapters, max_lora_rank=args.rank)
     if dummy:
         options.update(load_format="dummy", gpu_memory_utilization=args.gpu_memory_utilization)
     if args.shape == "tiny":
         options["dtype"] = "float32"
     if args.max_num_batched_tokens:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return options
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_deepinfer(args, directory: str, dummy: bool, adapter_paths: list[str], vocab: int) -> dict:
+    """The LoRA engine (base and adapter runs), then, once it is freed, the plain engine."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.types.lora import LoRARequest
+
     start = time.perf_counter()
-    llm = LLM(directory, **options)
+    llm = LLM(directory, **engine_options(args, dummy, len(adapter_paths)))
     result = {"engine_start_s": time.perf_counter() - start}
     loras = [LoRARequest(f"adapter{n}", n + 1, path) for n, path in enumerate(adapter_paths)]
     per_prompt = [loras[i % len(loras)] for i in range(args.prompts)]
     prompts = prompts_of(args, vocab)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
-
-    def sync() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
     # Warm-up: every adapter into its slot, every batch shape the timed runs meet (graphs, kernels).
     start = time.perf_counter()
@@ -175,12 +195,39 @@ def run_deepinfer(args, directory: str, dummy: bool, adapter_paths: list[str], v
     assert all(len(t) == args.output_len for t in base_out + lora_out), "ignore_eos: every request runs to max_tokens"
     result.update(summarize("base", base_s, args))
     result.update(summarize("lora", lora_s, args))
-    result["lora_vs_base"] = result["lora_output_tok_s"] / result["base_output_tok_s"]
-    result["meets_target"] = result["lora_vs_base"] >= TARGET
     result["lora_requests_differing_from_base"] = sum(b != lo for b, lo in zip(base_out, lora_out))
     shutdown(llm)
     del llm
     free_memory()
+
+    # The plain engine (no LoRA at all), in the same process once the LoRA engine is gone.
+    start = time.perf_counter()
+    llm = LLM(directory, **engine_options(args, dummy, 0))
+    result["plain_engine_start_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)   # warm-up: the same batch shapes as the timed runs
+    result["plain_warmup_s"] = time.perf_counter() - start
+    plain_s, plain_out = [], None
+    for _ in range(args.repeats):
+        sync()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        sync()
+        plain_s.append(time.perf_counter() - start)
+        plain_out = [list(o.outputs[0].token_ids) for o in outs]
+    assert all(len(t) == args.output_len for t in plain_out), "ignore_eos: every request runs to max_tokens"
+    result.update(summarize("plain", plain_s, args))
+    # Informational: the same base model on two engines (bf16 kernels may round differently).
+    result["plain_requests_differing_from_base"] = sum(b != p for b, p in zip(base_out, plain_out))
+    shutdown(llm)
+    del llm
+    free_memory()
+
+    result["lora_vs_plain"] = result["lora_output_tok_s"] / result["plain_output_tok_s"]
+    result["lora_vs_base"] = result["lora_output_tok_s"] / result["base_output_tok_s"]
+    result["base_vs_plain"] = result["base_output_tok_s"] / result["plain_output_tok_s"]
+    result["target_judged_on"] = "lora_vs_plain"
+    result["meets_target"] = result["lora_vs_plain"] >= TARGET
     return result
 
 
@@ -297,7 +344,7 @@ def main() -> None:
                            "float32" if args.shape == "tiny" else "bfloat16")
     result = {"machine": machine_info(), "shape": args.shape, "layers": config["num_hidden_layers"],
               "prompts": args.prompts, "adapters": args.adapters, "rank": args.rank, "input_len": args.input_len,
-              "output_len": args.output_len, "repeats": args.repeats, "target_lora_vs_base": TARGET,
+              "output_len": args.output_len, "repeats": args.repeats, "target_lora_vs_plain": TARGET,
               "adapter_write_s": time.perf_counter() - start, "adapters_dir": adapters_dir}
     print(f"{args.adapters} adapters of rank {args.rank} written to {adapters_dir} "
           f"({result['adapter_write_s']:.1f} s)", flush=True)
@@ -311,20 +358,26 @@ def main() -> None:
     for engine in ("deepinfer", "vllm"):
         r = result.get(engine) or {}
         if "base_output_tok_s" in r:
-            rows.append({"engine": engine, "base": r["base_output_tok_s"], "lora": r["lora_output_tok_s"],
-                         "base_total": r["base_total_tok_s"], "lora_total": r["lora_total_tok_s"],
-                         "ratio": r["lora_vs_base"]})
+            rows.append({"engine": engine, "plain": r.get("plain_output_tok_s"), "base": r["base_output_tok_s"],
+                         "lora": r["lora_output_tok_s"], "plain_total": r.get("plain_total_tok_s"),
+                         "lora_total": r["lora_total_tok_s"], "vs_plain": r.get("lora_vs_plain"),
+                         "vs_base": r["lora_vs_base"]})
         elif r:
             print(f"{engine}: {r.get('skipped') or r.get('failed')}")
     print(f"\n{args.prompts} prompts x {args.input_len} in / {args.output_len} out, {args.adapters} adapters "
-          f"of rank {args.rank}, shape {args.shape} (output tok/s, best of {args.repeats})")
-    print_table(rows, [("engine", "engine", ""), ("base", "base out tok/s", ".1f"), ("lora", "lora out tok/s", ".1f"),
-                       ("base_total", "base total tok/s", ".1f"), ("lora_total", "lora total tok/s", ".1f"),
-                       ("ratio", "lora/base", ".3f")])
+          f"of rank {args.rank}, shape {args.shape} (output tok/s, best of {args.repeats}; plain: an engine "
+          "without LoRA, base: no adapter on the LoRA engine)")
+    print_table(rows, [("engine", "engine", ""), ("plain", "plain out tok/s", ".1f"),
+                       ("base", "base out tok/s", ".1f"), ("lora", "lora out tok/s", ".1f"),
+                       ("plain_total", "plain total tok/s", ".1f"), ("lora_total", "lora total tok/s", ".1f"),
+                       ("vs_plain", "lora/plain", ".3f"), ("vs_base", "lora/base", ".3f")])
     d = result["deepinfer"]
-    print(f"deepinfer lora/base = {d['lora_vs_base']:.3f} (target >= {TARGET}: "
-          f"{'met' if d['meets_target'] else 'NOT met'}); {d['lora_requests_differing_from_base']}/{args.prompts} "
-          "adapter requests' tokens differ from the base model's")
+    print(f"deepinfer lora/plain = {d['lora_vs_plain']:.3f}: the target (>= {TARGET}) is judged on this one, "
+          f"{'met' if d['meets_target'] else 'NOT met'}; lora/base = {d['lora_vs_base']:.3f} (base requests on "
+          f"the LoRA engine, which pay for LoRA too); base/plain = {d['base_vs_plain']:.3f}")
+    print(f"{d['lora_requests_differing_from_base']}/{args.prompts} adapter requests' tokens differ from the base "
+          f"model's; {d['plain_requests_differing_from_base']}/{args.prompts} plain-engine requests' tokens differ "
+          "from the LoRA engine's base requests'")
     if "deepinfer" in result and "base_output_tok_s" in result.get("vllm", {}):
         v = result["vllm"]
         result["lora_tok_s_vs_vllm"] = d["lora_output_tok_s"] / v["lora_output_tok_s"]

@@ -70,15 +70,21 @@ class StepLoop(ABC):
     # ------------------------------------------------------------------ shared steps
     def _has_executor_work(self, plan: SchedulerPlan, device_idle: bool) -> bool:
         """Whether the plan goes to the executor. A plan without chunks still does when the runner
-        has something to do: drop finished requests, or start KV connector transfers (loads of
-        requests parked in WAITING_FOR_KV, saves); its result then reports the transfers finished
-        so far. With transfers in flight and nothing to compute on an idle device, sleep a
-        little rather than spin on the copies."""
+        has something to do: drop finished requests, drop encoder outputs the scheduler freed
+        (with the encoder cache off, a step's images leave with the next plan, and under async
+        scheduling the plan after a request's last chunk is often empty: max_tokens=1, prefill
+        instances, pooling; the scheduler has already forgotten them, so a plan not sent would
+        leave them in the runner for good), or start KV connector transfers (loads of requests
+        parked in WAITING_FOR_KV, saves); its result then reports the transfers finished so far.
+        With transfers in flight and nothing to compute on an idle device, sleep a little rather
+        than spin on the copies."""
         connector_work = plan.kv_connector_metadata is not None and not plan.kv_connector_metadata.is_empty
+        frees_images = plan.images is not None and bool(plan.images.free)
         polling = self.kv_tier is not None and self.kv_tier.busy   # transfers in flight: ask the worker
         if plan.is_empty and polling and not connector_work and device_idle:
             time.sleep(KV_POLL_IDLE_WAIT_S)
-        return not plan.is_empty or bool(plan.finished_request_ids) or connector_work or polling
+        return (not plan.is_empty or bool(plan.finished_request_ids) or connector_work or frees_images
+                or polling)
 
     def _wait_while_idle(self, failed: list[EngineCoreOutput]) -> None:
         """Nothing to compute and nothing in flight."""

@@ -85,7 +85,8 @@ class EncoderScheduler:
         self._in_step: set[str] = set()
         if self.cache_tokens == 0 and self.cached:
             # Off: the last step's outputs leave with the next plan (the runner drops them first),
-            # so no later step finds them.
+            # so no later step finds them. That plan reaches the runner even without chunks
+            # (engine/step_loop.py, _has_executor_work).
             self._step.free.extend(self.cached)
             self.cached.clear()
             self.cached_total = 0

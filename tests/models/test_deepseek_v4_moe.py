@@ -46,3 +46,32 @@ def test_grouped_experts_match_the_loop(device, dtype, tokens):
     got = experts.forward_grouped(x, ids, weights)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@torch.no_grad()
+def test_a_lora_adapter_on_the_shared_experts_down_proj_is_applied():
+    """LoRASlots gives the shared expert's down_proj a stack (it is a projection an adapter may
+    target): the MoE's output under the adapter's slot is the base output plus that projection's
+    LoRA product of its input, and the base output without one."""
+    from deepinfer.lora.adapter import LoRAAdapter
+    from deepinfer.lora.slots import LoRASlots, step_rows
+    from deepinfer.models.deepseek_v4.moe import V4MoE, clamped_swiglu
+
+    cfg = V4Config.from_hf(make_config("r4_16").to_dict())
+    g = torch.Generator().manual_seed(0)
+    moe = V4MoE(cfg, "moe")
+    for p in moe.parameters():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    slots = LoRASlots(moe, max_loras=1, max_rank=4)
+    assert "shared_experts.down_proj" in slots.layout
+    shared = moe.shared_experts
+    a = torch.randn(4, shared.down_proj.in_features, generator=g)
+    b = torch.randn(shared.down_proj.out_features, 4, generator=g)
+    slots.place(1, LoRAAdapter("sd", "/sd", 4, 1.0, {"shared_experts.down_proj": (a, b)}))
+    x = torch.randn(5, cfg.hidden_size, generator=g)
+    with step_rows(None):
+        base = moe(x)
+    with step_rows(1):
+        adapted = moe(x)
+    h = clamped_swiglu(shared.gate_proj(x), shared.up_proj(x), shared.limit)
+    torch.testing.assert_close(adapted - base, (h @ a.T) @ b.T, atol=1e-4, rtol=1e-4)

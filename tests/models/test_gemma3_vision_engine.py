@@ -185,6 +185,23 @@ def test_encoder_cache_size_0_turns_the_cache_off(checkpoint, whole_llm):
         LLM(checkpoint[1], dtype="float32", num_kv_blocks=64, encoder_cache_size=-1)
 
 
+def test_encoder_cache_size_0_stays_bounded_under_async_scheduling(checkpoint):
+    """--encoder-cache-size 0 with the overlapped loop: a step's encodings are dropped by the next
+    plan's free list. With max_tokens=1 a request finishes at its prefill and the next plan has no
+    chunks and, under async scheduling, no finished ids yet: that plan must still reach the runner,
+    or its free list is lost and the runner's cache grows by an image a request."""
+    llm = LLM(checkpoint[1], dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, encoder_cache_size=0,
+              async_scheduling=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    runner = llm.engine.executor.runner.images
+    for seed in range(6):   # one at a time: each request's prefill is a step of its own
+        out = llm.chat(chat_messages([20 + seed]), one, use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 1
+    assert llm.engine.scheduler.images.num_encoded == 6 and not llm.engine.scheduler.images.cached
+    assert len(runner.cache) <= 1   # at most the last step's image, its free list not planned yet
+    llm.engine.shutdown()
+
+
 def test_a_burst_of_images_spreads_over_steps_while_a_decode_goes_on(checkpoint):
     hf, directory = checkpoint
     llm = LLM(directory, dtype="float32", num_kv_blocks=256, max_num_encoder_input_tokens=TOKENS_PER_IMAGE,

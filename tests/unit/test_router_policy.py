@@ -115,11 +115,12 @@ def test_adapter_hashes_equal_the_engines_and_differ_from_the_base():
 
 
 def test_the_index_learns_adapter_ids_per_replica_and_matches_per_adapter():
-    """Two replicas hold the same prompt's blocks, computed under adapter "a" on replica 0 (id 1)
-    and under "b" on replica 1 (id 1 there too: each numbers its own adapters) plus the base model
-    on replica 1. A request naming "a" matches replica 0 only, one naming "b" replica 1 only, the
-    base model replica 1 only; an adapter no replica published matches nothing, also not the base
-    model's blocks of the same prompt."""
+    """Two replicas hold the same prompt's blocks under the same adapter "a", which each numbers
+    its own way: id 1 on replica 0, id 2 on replica 1 (so a single name -> id map over the fleet
+    would hash one of them wrongly); replica 1 also holds the base model's. A request naming "a"
+    matches each replica by that replica's own chain, and only by it; the base model matches
+    replica 1 only; an adapter no replica published matches nothing, also not the base model's
+    blocks of the same prompt."""
     from deepinfer.types.lora import LoRARequest
 
     ids = list(range(40))
@@ -132,20 +133,26 @@ def test_the_index_learns_adapter_ids_per_replica_and_matches_per_adapter():
         index.apply(replica, KVEventBatch(0.0, [event]))
 
     publish(0, LoRARequest("a", 1, "/a"))
-    publish(1, LoRARequest("b", 1, "/b"))
+    publish(1, LoRARequest("a", 2, "/a"))
     publish(1, None)
-    assert index.adapters == [{"a": 1}, {"b": 1}]
+    assert index.adapters == [{"a": 1}, {"a": 2}]
+    hashes = index.prompt_hashes(ids, [0, 1], adapter="a", **facts)
+    assert hashes.blocks == 2 and hashes.for_replica(0) != hashes.for_replica(1)
+    for replica, other in ((0, 1), (1, 0)):   # its own chain matches all, the other replica's none
+        assert index.device_match(replica, hashes.for_replica(replica)) == 2
+        assert index.device_match(replica, hashes.for_replica(other)) == 0
     policy = CacheAware(index, balance_abs_threshold=4, cache_threshold=0.0)
-    for adapter, home in (("a", 0), ("b", 1), (None, 1)):
-        hashes = index.prompt_hashes(ids, [0, 1], adapter=adapter, **facts)
-        assert hashes.blocks == 2
-        choice = policy.choose(fleet(1, 0) if home == 0 else fleet(0, 1), hashes)   # against the load
-        assert (choice.order[0].index, choice.matched_blocks, choice.reason) == (home, 2, "prefix"), adapter
+    for loads, home in (((1, 0), 1), ((0, 1), 0)):   # both hold "a": the less loaded one, by prefix
+        choice = policy.choose(fleet(*loads), hashes)
+        assert (choice.order[0].index, choice.matched_blocks, choice.reason) == (home, 2, "prefix"), loads
+    base = index.prompt_hashes(ids, [0, 1], adapter=None, **facts)
+    choice = policy.choose(fleet(0, 1), base)   # against the load
+    assert (choice.order[0].index, choice.matched_blocks, choice.reason) == (1, 2, "prefix")
     unknown = index.prompt_hashes(ids, [0, 1], adapter="c", **facts)
     assert policy.choose(fleet(0, 0), unknown).reason == "miss"
     assert Cost(index, store_hit_weight=0.5, decode_weight=0.0).costs(fleet(0, 0), unknown) == {0: (2, 0), 1: (2, 0)}
     index.forget(0)   # a restarted replica numbers its adapters anew
-    assert index.adapters[0] == {}
+    assert index.adapters[0] == {} and index.adapters[1] == {"a": 2}
 
 
 def test_admission_checks_and_reasons():

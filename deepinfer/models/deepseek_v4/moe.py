@@ -54,8 +54,14 @@ class SharedExpert(nn.Module):
         self.down_proj = RowParallelLinear(inner, hidden, bias=False, group=group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # matmul, not forward: the row-parallel product without its own all-reduce (no bias).
-        return self.down_proj.matmul(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit), None)
+        h = clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit)
+        # matmul, not forward: the row-parallel product without its own all-reduce (no bias). So
+        # the LoRA products forward would add are added here, as RowParallelLinear.forward does:
+        # this rank's columns of the adapters' A, a partial sum reduced with the rest.
+        y = self.down_proj.matmul(h, None)
+        if self.down_proj.lora is not None:   # adapters attached (lora/slots.py)
+            y = self.down_proj.lora.add(h, y)
+        return y
 
 
 class Router(nn.Module):
