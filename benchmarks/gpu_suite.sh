@@ -60,6 +60,10 @@ for stage in "$@"; do
         --out "$OUT/v4_full_depth.json" ${V4_FULL_ARGS:-} ;;
     v4_mtp)   # MTP speculation on the 4-layer V4-Flash-width stack at batch 1, beside no speculation
       timeout "${V4_MTP_TIMEOUT:-420}" python3 benchmarks/v4_mtp_speed.py --out "$OUT/v4_mtp.json" ${V4_MTP_ARGS:-} ;;
+    v4_mtp_full)   # the same at full depth (experts cut to fit, as v4_full): the MTP layer and the head's
+      # extra read are a 4-layer stack's large share of a step but a small one of 43 layers'
+      timeout "${V4_MTP_TIMEOUT:-420}" python3 benchmarks/v4_mtp_speed.py --layers 43 --routed-experts "${V4_EXPERTS:-96}" \
+        --configs fixed:1 adaptive:2 --prompts 1 --rounds 1 --output-len 128 --out "$OUT/v4_mtp_full.json" ${V4_MTP_ARGS:-} ;;
     kernels)
       timeout 90 python3 benchmarks/attention_kernels.py && timeout 60 python3 benchmarks/fused_kernels.py ;;
     structured)
@@ -91,7 +95,7 @@ for stage in "$@"; do
         --conversations 16 --turns 3 --rate 4 --answer-tokens 32 --decodes 8 --burst 16 --budgets 1024,unlimited \
         --out "$OUT/vision_serving.json" ${VISION_ARGS:-} ;;
     *)
-      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, structured, spec, spec_replay, swa, lora, lora_vllm, vision)"; status=2; continue ;;
+      echo "unknown stage $stage (tests, parity_real, kernels, fast_path, fast_path_fp8, quant, fp4_tune, v4, v4_full, v4_mtp, v4_mtp_full, structured, spec, spec_replay, swa, lora, lora_vllm, vision)"; status=2; continue ;;
   esac
   rc=$?
   echo "=== $stage exit $rc"
