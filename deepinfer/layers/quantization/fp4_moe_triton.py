@@ -16,6 +16,12 @@ which there are at most min(E, rows): at decode a handful, not E); a program fin
 binary search over the cumulative tile counts, computed on the device, and the programs past the
 last tile return at once. Nothing waits for the host, so the product fits a CUDA graph.
 
+At decode sizes the kernel is bound by its instructions a weight, not by the bytes it reads
+(benchmarks/fp4_sass_count.py counts them from the compiled kernel), so on NVIDIA GPUs the codes
+are decoded in PTX, four bytes at a time (_E2M1_PAIRS_ASM), and under Triton's interpreter by the
+plain ops (_e2m1) the tests hold the PTX to. TileConfig's `group_scales`, `split_k` and `bf16_ptx`
+are tilings of the same product the tuner weighs.
+
 A tiling with `fp8` multiplies on the FP8 tensor cores instead (_fp4_fp8_kernel): the activations
 quantized to e4m3 per row and 128 inputs (fp8.quantize_rows, as DeepSeek's FP8 products take
 them), each e2m1 weight turned into the e4m3 byte worth value * 2^-6 (exact: e4m3 holds every
