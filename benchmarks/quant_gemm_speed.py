@@ -41,7 +41,6 @@ def cuda_time(fn, repeats: int = 20, graph: bool = True) -> float:
 
     fn()
     torch.cuda.synchronize()
-    run = None
     if graph:
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured):
