@@ -34,9 +34,10 @@ def candidates(per_expert: float):
 
     found = []
     if per_expert <= 2:   # the one-row GEMV: a partial sum of K/2 x N floats a program, K split in runs
-        for n, k, warps, split in itertools.product((16, 32, 64), (256, 512), (4, 8), (1, 2, 4, 8)):
+        # (num_stages 1: each K block's loads wait for the last's sums; more: loads in flight ahead)
+        for n, k, warps, split, stages in itertools.product((16, 32, 64), (256, 512), (4, 8), (1, 2), (1, 3)):
             if k // 2 * n <= 64 * 32 * warps and k * split <= INNER and (split == 1 or per_expert <= 1):
-                found.append(TileConfig(1, n, k, dot=False, num_warps=warps, split_k=split))
+                found.append(TileConfig(1, n, k, dot=False, num_warps=warps, num_stages=stages, split_k=split))
     for m, n, k, stages in itertools.product((16, 32, 64, 128), (64, 128), (64, 128), (3, 4)):
         if m <= max(16, 2 * per_expert) and (m >= 64 or per_expert < 64):
             found.append(TileConfig(m, n, k, dot=True, num_warps=4 if m < 64 else 8, num_stages=stages))

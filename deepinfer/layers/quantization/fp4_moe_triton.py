@@ -180,7 +180,7 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
                         GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, IEEE: tl.constexpr,
                         ASM: tl.constexpr, SPLIT_K: tl.constexpr, GROUP_SCALES: tl.constexpr,
-                        BF16_PTX: tl.constexpr):
+                        BF16_PTX: tl.constexpr, GEMV_STAGES: tl.constexpr):
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     if tile >= tl.load(tile_ends_ptr + num_experts - 1):
@@ -250,7 +250,9 @@ def _fp4_grouped_kernel(x_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, ends_pt
         x_row = x_ptr + row_start.to(tl.int64) * stride_xm
         one_row = row_start < row_end
         partial = tl.zeros((BLOCK_K // GROUP, GROUP // 2, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_first, k_first + k_len, BLOCK_K):
+        # GEMV_STAGES > 1: the loads of later K blocks in flight while this one is summed (async
+        # copies through shared memory: more instructions, more bytes in flight).
+        for k0 in tl.range(k_first, k_first + k_len, BLOCK_K, num_stages=GEMV_STAGES):
             byte = k0 // 2 + g * (GROUP // 2) + j                           # [groups, G / 2, 1]
             packed = tl.load(code_base + c3 * stride_cn + byte, mask=ok3, other=0)
             exps = tl.load(exp_base + c3 * stride_sn + k0 // GROUP + g, mask=ok3, other=127)
@@ -318,7 +320,8 @@ def _fp4_fp8_kernel(xq_ptr, xs_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, en
 
 class TileConfig(NamedTuple):
     """One launch's tiling: BLOCK_M rows of one expert share a decoded weight tile of BLOCK_N
-    outputs x BLOCK_K inputs; `dot`: the product on the tensor cores (BLOCK_M >= 16), else one
+    outputs x BLOCK_K inputs (`num_stages`: the K blocks whose loads are in flight at once; for
+    the GEMV, 1 loads each block after the last one's sums); `dot`: the product on the tensor cores (BLOCK_M >= 16), else one
     row (BLOCK_M 1) as float32 multiply-adds, a GEMV (batch-1 decode: every expert one row);
     `fp8`: e4m3 activations on the FP8 tensor cores (_fp4_fp8_kernel; block_k unused: one dot a
     scale group, one activation scale per FP8_QBLOCK inputs); `split_k`: the inputs cut into
@@ -352,7 +355,7 @@ def default_config(rows: int, num_experts: int) -> TileConfig:
     (docs/benchmarks/design-measurements.md#fp4-expert-tiles)."""
     per_expert = rows / max(1, min(num_experts, rows))
     if per_expert <= 1:      # batch-1 decode: every expert one row
-        return TileConfig(1, 64, 256, dot=False, num_warps=4)
+        return TileConfig(1, 64, 256, dot=False, num_warps=4, num_stages=1)
     if per_expert < 64:      # decode batches
         return TileConfig(16, 128, 128, dot=True, num_stages=4, group_scales=True)
     return TileConfig(128, 128, 64, dot=True, num_warps=8)
@@ -423,6 +426,7 @@ def fp4_grouped_mm(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor
                                            BLOCK_K=config.block_k, USE_DOT=config.dot, IEEE=x.dtype == torch.float32,
                                            ASM=_asm_decode(x.device) if asm is None else asm, SPLIT_K=split_k,
                                            GROUP_SCALES=config.group_scales, BF16_PTX=config.bf16_ptx,
+                                           GEMV_STAGES=config.num_stages,
                                            num_warps=config.num_warps, num_stages=config.num_stages)
     if split_k > 1:
         torch.sum(target, dim=0, out=out)   # float32 partials, summed into the activations' dtype
