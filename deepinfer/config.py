@@ -220,6 +220,11 @@ class CacheConfig:
     computing it (on a fast GPU a long prefix can compute faster than it reads), else computed;
     one hit in 16 is still loaded to follow the store's speed. always: every hit is loaded. A
     decode instance (kv_role=decode) always loads."""
+    kv_store_layerwise_load: bool = False
+    """A load from kv_store is handed to the step as soon as every entry of it is read and
+    checked: its last copies into the device blocks run layer by layer beside that step's
+    forward, each attention layer waiting only for its own layer's copies. False: a request's
+    prefix is copied in whole before its remaining prompt is computed."""
     kv_role: str = "both"
     """prefill | decode | both: this instance's part in prefill/decode disaggregation, KV handed
     over through kv_store (`deepinfer router --prefill URL`). prefill: a request is answered only

@@ -226,6 +226,23 @@ class KVConnectorWorker(abc.ABC):
         """The step's forward is queued (or the step has none): start its saves behind it, so
         they read blocks the forward has written."""
 
+    # Layer-wise loads (kv_store_layerwise_load; vLLM's wait_for_layer_load): a tier may report a
+    # load finished while its copies into the device blocks are still in flight, layer by layer.
+    # The runner then calls wait_for_layer_load before each attention layer of a forward and
+    # wait_for_loads after it (and instead of both around a forward without per-layer waits: a
+    # CUDA graph, a model whose attention does not go through layers/attention/layer.py).
+    @property
+    def has_layer_loads(self) -> bool:
+        """Copies of loads reported finished may still be in flight: the next forward must wait."""
+        return False
+
+    def wait_for_layer_load(self, layer_id: int) -> None:
+        """Before attention layer `layer_id` touches its KV: that layer's pending copies are
+        done, or the compute stream is ordered behind them."""
+
+    def wait_for_loads(self) -> None:
+        """Every pending copy is done, or the compute stream is ordered behind them."""
+
     @abc.abstractmethod
     def finished_transfers(self) -> list[int]:
         """Ids of transfers completed since the last call, without waiting for the device."""

@@ -75,6 +75,7 @@ from deepinfer.worker.input_batch import (
     max_sliding_window,
     num_decode_rows,
 )
+from deepinfer.worker.kv_layer_gate import gates_every_layer, kv_layer_gate
 from deepinfer.worker.kv_pool_size import bounded_pool_blocks, kv_pool_blocks
 from deepinfer.worker.pooling import has_pooling, pool_step, pooled_bytes
 from deepinfer.worker.request_states import (
@@ -254,6 +255,8 @@ class ModelRunner:
             self.config, self.groups, self.block_size, self.device)
         if self.kv_connector is not None:
             self.kv_connector.register_kv_caches(self.kv_caches, self.groups, self.block_size)
+        # Whether a forward may wait for a layer-wise load's copies layer by layer (kv_layer_gate.py).
+        self._gated_layers = gates_every_layer(self.model, len(self.kv_layout.layer_to_group))
 
     def _reset_steps(self) -> None:
         """The per-request state and the steps in flight: none yet."""
@@ -366,7 +369,8 @@ class ModelRunner:
         hidden = logits = row_logits = None
         sample_rows = [i for i, c in enumerate(inputs.chunks) if c.sample and not c.spec_token_ids]
         if bucket is not None:
-            row_logits = graphs.run(inputs)    # every row's logits, drafts' rows included
+            with kv_layer_gate(self.kv_connector, per_layer=False):   # a graph replays ungated
+                row_logits = graphs.run(inputs)    # every row's logits, drafts' rows included
             if sample_rows:   # keep the sampled rows'
                 last = [inputs.last_token_index[i] for i in sample_rows]
                 logits = (row_logits if len(last) == row_logits.shape[0]
@@ -381,7 +385,8 @@ class ModelRunner:
                          or any(c.spec_token_ids or c.prompt_logprobs for c in inputs.chunks))
             # Without LoRA the step leaves the rows' adapters as they are (a test may set them around it).
             lora_rows = step_rows(inputs.lora_slots) if self.lora is not None else contextlib.nullcontext()
-            with forward_context(inputs.attention), lora_rows:
+            gate = kv_layer_gate(self.kv_connector, per_layer=self._gated_layers)
+            with forward_context(inputs.attention), lora_rows, gate:
                 hidden = self.model(inputs.input_ids, inputs.positions, None if every_row else index,
                                     **({} if images is None else {"images": images.step_images(inputs)}))
             if sample_rows:

@@ -73,7 +73,7 @@ def make_kv_connector_worker(config: EngineConfig | CacheConfig, groups: Sequenc
         cache = getattr(config, "cache", config)
         return StoreTierWorker(store, device, load_timeout_s=cache.kv_store_load_timeout_s,
                                buffer_bytes=int(cache.kv_store_buffer_size * 2**30),
-                               durable_saves=cache.kv_role == "prefill")
+                               durable_saves=cache.kv_role == "prefill", layerwise=cache.kv_store_layerwise_load)
     size = offloading_bytes(config)
     if size is None:
         return None

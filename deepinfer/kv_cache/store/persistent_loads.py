@@ -13,6 +13,11 @@ does not need (its first run's blocks already on the device, its last run's past
 read with it, checked with it, and not copied. The load is reported finished once all its runs
 are copied in, or failed (the request recomputes) when an entry is missing or bad, the store is
 down, or no run landed within load_timeout_s of the last one.
+
+With kv_store_layerwise_load the runs that land stay in staging while the reader still finds
+room there, and once every run is read and checked the load is handed over (_hand_over): it is
+reported finished at once and its runs still in staging are copied in layer by layer beside the
+next forward (layerwise.py). A bad run fails the load before that, as on the plain path.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ class StoreLoads:
         """Copy in the pieces read so far; report the loads whose reads ended (in order)."""
         while self._loads:
             load = self._loads[0]
-            self._copy_pieces(load)
+            if self._copies_now(load, wait):
+                self._copy_pieces(load)
             while wait and not load.done.is_set() and time.monotonic() < load.deadline:
                 load.done.wait(0.005)
                 self._copy_pieces(load)   # the reader may be waiting for these pieces' slots
@@ -79,7 +85,9 @@ class StoreLoads:
                     load.abandoned = True
                     self._stats.load_timeouts += 1
                 load.error = load.error or f"no entry read within {self.load_timeout_s} s"
-            self._copy_pieces(load)
+            handed_over = self._hand_over(load, wait)
+            if not handed_over:
+                self._copy_pieces(load)
             self._loads.popleft()
             transfer = load.transfer
             if load.error is not None:
@@ -91,7 +99,37 @@ class StoreLoads:
                 continue
             with self._lock:
                 self._stats.loaded_blocks += sum(b != SKIP_BLOCK for b in transfer.device_block_ids)
-            self._report_load(transfer.transfer_id, True)
+                if handed_over:   # finished now: the forwards that follow wait for its copies, layer by layer
+                    self._done.append(transfer.transfer_id)
+            if not handed_over:
+                self._report_load(transfer.transfer_id, True)
+
+    def _copies_now(self, load: _Load, wait: bool) -> bool:
+        """Whether the runs of a load that landed so far are copied in whole now. Layer-wise
+        loads keep them in staging for the hand-over while the reader still finds room for a
+        run there; once it might not, they are copied in (a long prefix streams through)."""
+        if self._layerwise is None or wait:
+            return True
+        return not load.done.is_set() and self.staging.room("load") < self.run_blocks
+
+    def _hand_over(self, load: _Load, wait: bool) -> bool:
+        """kv_store_layerwise_load: once every run of the load is read and checked (the reader
+        ended without an error), give the runs still in staging to the layer-wise copies
+        (layerwise.py) instead of copying them in whole. Never while waiting (wait_all)."""
+        if self._layerwise is None or wait or not load.done.is_set() or load.error is not None:
+            return False
+        with self._lock:
+            pieces, load.pieces = list(load.pieces), collections.deque()
+        transfer, block_ids, slots = load.transfer, [], []
+        for start, piece_slots in pieces:
+            for b, slot in zip(transfer.device_block_ids[start:start + len(piece_slots)], piece_slots):
+                if b == SKIP_BLOCK:   # read with its run for its check, not used here
+                    self.staging.free([slot], "load")
+                else:
+                    block_ids.append(b)
+                    slots.append(slot)
+        self._layerwise.add(transfer.group_id, block_ids, slots)
+        return True
 
     def _report_load(self, transfer_id: int, ok: bool) -> None:
         """Finished or failed, once every copy queued into its blocks is done (on CUDA a failed
@@ -124,6 +162,8 @@ class StoreLoads:
     def _copy_in(self, transfer: KVTransfer, start: int, slots: list[int]) -> None:
         """Staging slots -> the run's device blocks (those the load writes); the slots are freed
         once the copy is done."""
+        if self._layerwise and not self._cuda:   # a block loaded twice ends with the later load's bytes
+            self._layerwise.wait_all()
         pages = self._group_pages[transfer.group_id]
         wanted = [(b, slot) for b, slot in zip(transfer.device_block_ids[start:start + len(slots)], slots)
                   if b != SKIP_BLOCK]

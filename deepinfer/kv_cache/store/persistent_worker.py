@@ -39,6 +39,7 @@ from deepinfer.kv_cache.store.backend import StoreBackend, StoreCounts, StoreHea
 from deepinfer.kv_cache.store.entry import EntryLayout
 from deepinfer.kv_cache.store.entry_io import OpResult, ProcessIO, ThreadIO
 from deepinfer.kv_cache.store.host import _pages, _word_dtype
+from deepinfer.kv_cache.store.layerwise import LayerwiseCopies
 from deepinfer.kv_cache.store.persistent import (
     _STOP,
     DEFAULT_CLASS,
@@ -123,7 +124,7 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
     def __init__(self, backend: StoreBackend, device: torch.device, *, load_timeout_s: float = 5.0,
                  buffer_bytes: int = 1 << 30, io_threads: int | None = None, io_process: bool | None = None,
                  flush_timeout_s: float = 10.0, backoff_s: float = 1.0, key_extra: bytes = b"",
-                 durable_saves: bool = False, run_blocks: int = CHUNK_BLOCKS) -> None:
+                 durable_saves: bool = False, run_blocks: int = CHUNK_BLOCKS, layerwise: bool = False) -> None:
         self.backend = backend
         self.device = torch.device(device)
         self.load_timeout_s = load_timeout_s
@@ -162,6 +163,10 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
         # Copies into device blocks queued on the side stream: (the load reported when it is done,
         # or None; the slots it frees; its event; finished or failed)
         self._copies: collections.deque[tuple[int | None, list[int], torch.cuda.Event, bool]] = collections.deque()
+        # kv_store_layerwise_load: a load's last runs are copied in layer by layer beside the
+        # forward that follows its hand-over (layerwise.py); None: copied in whole first.
+        self._layerwise = (LayerwiseCopies(self.device, self._stream, self._rows,
+                                           lambda slots: self.staging.free(slots, "load")) if layerwise else None)
         # The writer and reader threads hand a transfer's entries to the data path (entry_io.py):
         # in a process of its own on a GPU (the step is host-bound Python there), on threads of
         # this process on the CPU (whose cores belong to the forward, so fewer of them).
@@ -203,6 +208,9 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             # Per layer, its tensors' pages: (K, V), or (KV,) where they are one tensor.
             self._group_pages[group_id] = [(_pages(k, rows, word), _pages(v, rows, word))[:layout.tensors]
                                            for k, v in group_kv_tensors(kv_caches, groups, by_id[group_id])]
+        if self._layerwise is not None:
+            self._layerwise.register({g: self._group_pages[g] for g in self._layouts},
+                                     {g: by_id[g].layer_ids for g in self._layouts})
         if self._layouts:
             shape = staging_shape([layout.payload_bytes for _, layout in self._layouts.values()], self.buffer_bytes,
                                   2 * self.run_blocks)
@@ -239,7 +247,24 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             self._reads.put(load)
         self._deferred_saves.extend(meta.saves)
 
+    # ------------------------------------------------------------------ layer-wise loads
+    @property
+    def has_layer_loads(self) -> bool:
+        return bool(self._layerwise)
+
+    def wait_for_layer_load(self, layer_id: int) -> None:
+        if self._layerwise:
+            self._layerwise.wait_layer(layer_id)
+
+    def wait_for_loads(self) -> None:
+        if self._layerwise:
+            self._layerwise.wait_all()
+
     def after_forward(self) -> None:
+        # The saves below may gather blocks a layer-wise load still copies (a run completed by
+        # blocks of a prefix hit): on the CPU those copies are made first (on CUDA the side
+        # stream orders them already; the compute stream's wait is harmless).
+        self.wait_for_loads()
         saves, self._deferred_saves = self._deferred_saves, []
         if saves:
             with self._lock:
@@ -358,6 +383,8 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
             for transfer, _, slots in self._staging.popleft().runs:
                 self._blocks_done(transfer.transfer_id, len(slots))
         self._finish_loads()
+        if self._layerwise is not None:
+            self._layerwise.poll()
         done: list[int] = []
         self._finished_copies(done)
         with self._lock:
@@ -473,7 +500,7 @@ class StoreTierWorker(StoreLoads, KVConnectorWorker):
                 self._idle.wait(min(left, 0.05) if self._backlog else left)
 
     def wait_all(self) -> None:
-        self.after_forward()
+        self.after_forward()   # (layer-wise copies included)
         if self._stream is not None:
             self._stream.synchronize()
         self._finish_loads(wait=True)

@@ -80,6 +80,11 @@ class StagingBuffer:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def room(self, kind: str) -> int:
+        """Slots `kind` could take now."""
+        with self._lock:
+            return min(len(self._free), self.quota[kind] - self._used[kind])
+
     def take(self, n: int, kind: str, partial: bool = False, wait_s: float = 0.0) -> list[int]:
         """n slots of `kind`'s half (save | load), ascending, or fewer when `partial` and fewer
         are free ([] when none, or when not `partial` and fewer than n are free). `wait_s`: wait

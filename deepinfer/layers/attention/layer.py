@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from deepinfer.layers.attention.metadata import get_forward_context
+from deepinfer.layers.attention.metadata import get_forward_context, wait_for_layer_load
 
 if TYPE_CHECKING:
     from deepinfer.layers.rotary import RotaryEmbedding
@@ -65,6 +65,7 @@ class Attention(nn.Module):
 
         With `rotary` (and `positions`), q and k are rotated here first, so that the fast path
         rotates them and writes K/V into the cache in one kernel (layers/fused/rotary.py)."""
+        wait_for_layer_load(self.layer_id)   # a prefix still being loaded: this layer's part is in
         meta = get_forward_context()
         backend = meta.backend
         group = meta.groups[meta.layer_to_group[self.layer_id]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from deepinfer.layers.attention.backends.base import AttentionBackend, AttentionMetadata
 
 _current: AttentionMetadata | None = None
+# Set by the runner around a forward whose KV may still be arriving (a KV store's layer-wise
+# load, worker/kv_layer_gate.py): every attention layer calls it with its layer id first.
+_layer_wait: Callable[[int], None] | None = None
 
 
 @contextlib.contextmanager
@@ -47,3 +50,20 @@ def _outside_a_forward() -> AttentionBackend:
     from deepinfer.layers.attention.backends.reference import ReferenceBackend
 
     return ReferenceBackend()
+
+
+@contextlib.contextmanager
+def layer_load_wait(wait: Callable[[int], None]) -> Iterator[None]:
+    """Around a forward: `wait(layer_id)` runs before each attention layer touches its KV."""
+    global _layer_wait
+    previous, _layer_wait = _layer_wait, wait
+    try:
+        yield
+    finally:
+        _layer_wait = previous
+
+
+def wait_for_layer_load(layer_id: int) -> None:
+    """An attention layer's KV is in place (or the device is ordered behind its copies)."""
+    if _layer_wait is not None:
+        _layer_wait(layer_id)
