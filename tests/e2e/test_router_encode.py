@@ -78,10 +78,15 @@ def test_encode_instance_behind_the_router(model_dir, tmp_path):
         served = _counters(serving.base_url, "deepinfer:encoder_")
         assert served["images_encoded_total"] == 3 and served["store_misses_total"] == 3, served
     finally:
-        if router is not None:
-            router.stop()
-        stop_server(encoder)
-        stop_server(serving)
+        _stop(router, encoder, serving)
+
+
+def _stop(router: Router | None, encoder, serving) -> None:
+    """The test's router (if it started) and both instances."""
+    if router is not None:
+        router.stop()
+    stop_server(encoder)
+    stop_server(serving)
 
 
 def _handoffs(router: Router) -> dict[str, float]:
@@ -137,7 +142,4 @@ def test_router_probes_encoders_a_dead_one_is_skipped_until_it_is_back(model_dir
         served = _counters(serving.base_url, "deepinfer:encoder_")
         assert served["store_loaded_total"] == 2 and served["images_encoded_total"] == 3, served
     finally:
-        if router is not None:
-            router.stop()
-        stop_server(encoder)
-        stop_server(serving)
+        _stop(router, encoder, serving)
