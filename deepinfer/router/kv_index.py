@@ -89,10 +89,11 @@ class KVIndex:
         self.events_seen = [0] * num_replicas
         # Per replica: LoRA adapter name -> the lora_id its blocks were hashed with (the latest
         # seen: an adapter loaded again under its name gets a new id, and the old blocks are
-        # nothing a new request can hit). `store_adapters`: the same over every replica, for the
-        # shared store, whose writers are the replicas.
+        # nothing a new request can hit). `store_adapters`: every id any replica used for the
+        # adapter, for the shared store, whose writers are the replicas (its events carry no
+        # adapter: an entry may be under any writer's id, so each id's chain is tried).
         self.adapters: list[dict[str, int]] = [{} for _ in range(num_replicas)]
-        self.store_adapters: dict[str, int] = {}
+        self.store_adapters: dict[str, set[int]] = {}
 
     def apply(self, replica: int, batch: KVEventBatch) -> None:
         held = self.device[replica]
@@ -101,7 +102,7 @@ class KVIndex:
             if isinstance(ev, BlockStored):
                 if ev.lora_name is not None and ev.lora_id is not None:
                     self.adapters[replica][ev.lora_name] = ev.lora_id
-                    self.store_adapters[ev.lora_name] = ev.lora_id
+                    self.store_adapters.setdefault(ev.lora_name, set()).add(ev.lora_id)
                 if ev.medium in (None, MEDIUM_DEVICE):
                     group = ev.group_idx or 0
                     for h in ev.block_hashes:
@@ -139,9 +140,10 @@ class KVIndex:
                 by_id[lora_id] = prompt_block_hashes(token_ids, lora=(adapter, lora_id), **facts)
             return by_id[lora_id]
 
+        store_chains = [chain_of(lora_id) for lora_id in sorted(self.store_adapters.get(adapter, ()))]
         return PromptHashes(len(token_ids) // facts["block_size"], None,
                             {r: chain_of(self.adapters[r].get(adapter)) for r in replicas},
-                            chain_of(self.store_adapters.get(adapter)))
+                            max(store_chains, key=self.store_match, default=[]))
 
     def forget(self, replica: int) -> None:
         """The replica died: its device cache died with it, and its adapters' ids (a restarted

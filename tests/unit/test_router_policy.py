@@ -151,6 +151,14 @@ def test_the_index_learns_adapter_ids_per_replica_and_matches_per_adapter():
     unknown = index.prompt_hashes(ids, [0, 1], adapter="c", **facts)
     assert policy.choose(fleet(0, 0), unknown).reason == "miss"
     assert Cost(index, store_hit_weight=0.5, decode_weight=0.0).costs(fleet(0, 0), unknown) == {0: (2, 0), 1: (2, 0)}
+    # The shared store's events name no adapter: its entries of "a" are under some writer's id
+    # (here replica 1's, id 2), and the store chain is the one of the ids seen that matches.
+    for lora in (LoRARequest("a", 1, "/a"), LoRARequest("a", 2, "/a")):
+        chain = _engine_hashes(ids, lora)
+        assert index.store_match(index.prompt_hashes(ids, [0, 1], adapter="a", **facts).for_store()) == 0
+        index.apply(1, KVEventBatch(0.0, [BlockStored(chain, None, [], 16, None, "DISK", None)]))
+        assert index.prompt_hashes(ids, [0, 1], adapter="a", **facts).for_store() == chain
+        index.apply(1, KVEventBatch(0.0, [BlockRemoved(chain, "DISK")]))
     index.forget(0)   # a restarted replica numbers its adapters anew
     assert index.adapters[0] == {} and index.adapters[1] == {"a": 2}
 
