@@ -27,7 +27,7 @@ for stage in "$@"; do
         tests/unit/test_triton_attention.py tests/unit/test_cuda_decode.py tests/unit/test_fused_kernels.py tests/unit/test_async_scheduling.py \
         tests/unit/test_structured_bitmask_kernel.py tests/unit/test_gemv.py tests/unit/test_sampler.py \
         tests/models/test_parity_tiny.py tests/unit/test_swa_floor_triton.py tests/unit/test_prefill_split_triton.py \
-        tests/unit/test_kv_host_tier.py tests/unit/test_kv_tier_engine.py tests/unit/test_kv_store.py tests/unit/test_kv_store_staging.py tests/models/test_swa_replay.py \
+        tests/unit/test_kv_host_tier.py tests/unit/test_kv_tier_engine.py tests/unit/test_kv_store.py tests/unit/test_kv_store_staging.py tests/unit/test_kv_store_layerwise.py tests/models/test_swa_replay.py \
         tests/models/test_deepseek_v4_engine.py tests/unit/test_v4_triton_kernels.py tests/models/test_deepseek_v4_kernels.py \
         tests/models/test_spec_decode_parity.py tests/unit/test_spec_replay.py tests/unit/test_verify_chain.py \
         tests/unit/test_device_ngram.py tests/unit/test_sdpa_extend.py tests/unit/test_fp8_weights.py \
