@@ -321,8 +321,9 @@ def _fp4_fp8_kernel(xq_ptr, xs_ptr, codes_ptr, exps_ptr, out_ptr, starts_ptr, en
 class TileConfig(NamedTuple):
     """One launch's tiling: BLOCK_M rows of one expert share a decoded weight tile of BLOCK_N
     outputs x BLOCK_K inputs (`num_stages`: the K blocks whose loads are in flight at once; for
-    the GEMV, 1 loads each block after the last one's sums); `dot`: the product on the tensor cores (BLOCK_M >= 16), else one
-    row (BLOCK_M 1) as float32 multiply-adds, a GEMV (batch-1 decode: every expert one row);
+    the GEMV, 1 loads each block after the last one's sums); `dot`: the product on the tensor
+    cores (BLOCK_M >= 16), else one row (BLOCK_M 1) as float32 multiply-adds, a GEMV (batch-1
+    decode: every expert one row);
     `fp8`: e4m3 activations on the FP8 tensor cores (_fp4_fp8_kernel; block_k unused: one dot a
     scale group, one activation scale per FP8_QBLOCK inputs); `split_k`: the inputs cut into
     that many runs, each its own program writing float32 partial sums that are then added (more
