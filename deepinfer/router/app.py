@@ -62,7 +62,8 @@ def build_app(options: RouterOptions) -> FastAPI:
         subscriber = KVEventSubscriber(index, [r.kv_events for r in replicas], options.kv_events_topic)
         prefill = PrefillStage(prefill_replicas, prefill_monitor, metrics, options, client) if prefill_replicas else None
         # Encode instances too: probed so that a dead one is skipped until it answers /health again.
-        encode_monitor = Monitor(encoders, KVIndex(len(encoders)), metrics, options, client)
+        encode_monitor = Monitor(encoders, KVIndex(len(encoders)), metrics, options, client, kind="encoder",
+                                 scrape=False)
         encode = EncodeStage(encoders, encode_monitor, options.encoder_timeout_s, metrics, client) if encoders else None
         state["proxy"] = Proxy(replicas, index, policy, metrics, monitor, options, client, prefill, encode)
         # A first probe of every replica before serving, so the first requests have somewhere to go.

@@ -30,8 +30,11 @@ logger = logging.getLogger(__name__)
 
 class Monitor:
     def __init__(self, replicas: list[Replica], index: KVIndex, metrics: RouterMetrics, options: RouterOptions,
-                 client: aiohttp.ClientSession) -> None:
+                 client: aiohttp.ClientSession, kind: str = "replica", scrape: bool = True) -> None:
+        """`kind` names the instances in the log ("replica", "encoder"); `scrape`: read their
+        gauges (/metrics) for the policies, which encode instances have none of."""
         self.replicas = replicas
+        self.kind, self.scrape = kind, scrape
         self.index = index
         self.metrics = metrics
         self.options = options
@@ -45,7 +48,8 @@ class Monitor:
     def start(self) -> None:
         for r in self.replicas:
             self._tasks.append(asyncio.create_task(self._probe_loop(r), name=f"probe-{r.index}"))
-            self._tasks.append(asyncio.create_task(self._scrape_loop(r), name=f"scrape-{r.index}"))
+            if self.scrape:
+                self._tasks.append(asyncio.create_task(self._scrape_loop(r), name=f"scrape-{r.index}"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -55,7 +59,7 @@ class Monitor:
     def mark_failed(self, replica: Replica, reason: str) -> None:
         """Take `replica` out of routing (a probe or a proxied request failed)."""
         if replica.mark_failed(reason):
-            logger.warning("replica %s removed from routing: %s", replica.url, reason)
+            logger.warning("%s %s removed from routing: %s", self.kind, replica.url, reason)
             self.index.forget(replica.index)
             replica.model_id = None   # re-read after it is back: it may come back as another model
         self.metrics.healthy.labels(replica.url).set(0)
@@ -72,9 +76,10 @@ class Monitor:
             return
         if replica.model_id is None:
             await self._read_model(replica)
-            await self.scrape_once(replica)   # gauges before the first routed request
+            if self.scrape:
+                await self.scrape_once(replica)   # gauges before the first routed request
         if replica.mark_healthy():
-            logger.info("replica %s is healthy: in routing", replica.url)
+            logger.info("%s %s is healthy: in routing", self.kind, replica.url)
         self.metrics.healthy.labels(replica.url).set(1)
 
     async def _read_model(self, replica: Replica) -> None:
