@@ -176,3 +176,21 @@ def test_dequantized_grouped_product_matches_the_reference(monkeypatch):
     got = fp4_moe_triton.fp4_grouped_mm_dequantized(x, codes, exps, torch.tensor(counts, device=DEVICE))
     tol = {"atol": 1e-3, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 0.1, "rtol": 2e-2}
     torch.testing.assert_close(got.float(), reference(x, codes, exps, counts), **tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda" or NO_GROUPED_MM, reason="the overlapped chunks run on CUDA only")
+def test_overlapped_dequantization_gives_the_sequential_products(monkeypatch):
+    """A prefill's chunks dequantized on a side stream while the last chunk's GEMM runs: the same
+    products, bit for bit, as one chunk after the other (five chunks over two scratch buffers, one
+    chunk without rows)."""
+    from deepinfer.layers.quantization import fp4_moe_triton
+
+    counts = [7, 3, 0, 0, 5, 9, 2, 0, 4, 6]
+    codes, exps = fp4.quantize(torch.randn(10, 64, 128, device=DEVICE), 32)
+    monkeypatch.setattr(fp4_moe_triton, "DEQUANTIZED_BYTES", 2 * 64 * 128 * 2)
+    monkeypatch.setattr(fp4_moe_triton, "OVERLAP_DEQUANTIZE", True)
+    x = torch.randn(sum(counts), 128, device=DEVICE).to(torch.bfloat16)
+    tensor_counts = torch.tensor(counts, device=DEVICE)
+    overlapped = fp4_moe_triton.fp4_grouped_mm_dequantized(x, codes, exps, tensor_counts)
+    monkeypatch.setattr(fp4_moe_triton, "OVERLAP_DEQUANTIZE", False)
+    assert torch.equal(overlapped, fp4_moe_triton.fp4_grouped_mm_dequantized(x, codes, exps, tensor_counts))

@@ -457,11 +457,14 @@ def _dequantize_kernel(codes_ptr, exps_ptr, out_ptr, packed_k, GROUP: tl.constex
     tl.store(out_ptr + row * 2 * packed_k + out, values, mask=out < 2 * packed_k)
 
 
-def dequantize(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp4.dequantize in one kernel: codes uint8 [..., N, K/2], exponents [..., N, K/G] -> [..., N, K]."""
+def dequantize(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp4.dequantize in one kernel: codes uint8 [..., N, K/2], exponents [..., N, K/G] -> [..., N, K]
+    (into `out`, contiguous, when given)."""
     *lead, n, packed_k = codes.shape
     group = 2 * packed_k // exponents.shape[-1]
-    out = torch.empty(*lead, n, 2 * packed_k, dtype=dtype, device=codes.device)
+    if out is None:
+        out = torch.empty(*lead, n, 2 * packed_k, dtype=dtype, device=codes.device)
     rows = out.numel() // max(1, 2 * packed_k)
     if rows:
         _dequantize_kernel[(rows, triton.cdiv(packed_k, 1024))](codes.contiguous(), exponents.contiguous(), out,
@@ -469,8 +472,14 @@ def dequantize(codes: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype)
     return out
 
 
-# Experts dequantized at once for a prefill's grouped product: the scratch it takes.
+# Experts dequantized at once for a prefill's grouped product: the scratch a chunk takes (two
+# chunks on CUDA, where the next chunk is dequantized while this one is multiplied).
 DEQUANTIZED_BYTES = 1 << 30
+# On CUDA, dequantize chunk i + 1 on a side stream while chunk i's grouped GEMM runs: the one is
+# bound by memory, the other by the tensor cores. False: one after the other (the reference), the
+# default until a GPU run has checked the overlapped products and timed the prefill with them.
+OVERLAP_DEQUANTIZE = False
+_side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def fp4_grouped_mm_dequantized(x: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor,
@@ -486,15 +495,46 @@ def fp4_grouped_mm_dequantized(x: torch.Tensor, codes: torch.Tensor, exponents: 
     chunk = max(1, DEQUANTIZED_BYTES // per_expert)
     ends = counts.cumsum(0).tolist()
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for first in range(0, num_experts, chunk):
-        last = min(first + chunk, num_experts)
-        lo, hi = (ends[first - 1] if first else 0), ends[last - 1]
-        if hi == lo:
-            continue
+    # The chunks with rows: (first expert, last expert + 1, first row, end row).
+    chunks = [(first, min(first + chunk, num_experts), ends[first - 1] if first else 0,
+               ends[min(first + chunk, num_experts) - 1]) for first in range(0, num_experts, chunk)]
+    chunks = [c for c in chunks if c[3] > c[2]]
+    if x.device.type == "cuda" and OVERLAP_DEQUANTIZE and len(chunks) > 1:
+        _overlapped_chunks(x, codes, exponents, counts, chunks, chunk, out)
+        return out
+    for first, last, lo, hi in chunks:
         weights = dequantize(codes[first:last], exponents[first:last], x.dtype)
         offs = counts[first:last].cumsum(0).to(torch.int32)
         out[lo:hi] = torch._grouped_mm(x[lo:hi], weights.transpose(1, 2), offs=offs)
     return out
+
+
+def _overlapped_chunks(x, codes, exponents, counts, chunks, chunk: int, out: torch.Tensor) -> None:
+    """fp4_grouped_mm_dequantized's loop with two scratch buffers: chunk i + 1 is dequantized on a
+    side stream while chunk i's GEMM runs on the current one. A buffer is rewritten only after the
+    GEMM that read it (an event each way), and the scratch is the current stream's, which waits
+    for every dequantization before it reads it, so nothing outlives its use."""
+    num_experts, n, packed_k = codes.shape
+    main = torch.cuda.current_stream(x.device)
+    side = _side_streams.setdefault(x.device, torch.cuda.Stream(x.device))
+    scratch = torch.empty(2, min(chunk, num_experts), n, 2 * packed_k, dtype=x.dtype, device=x.device)
+    ready: list[torch.cuda.Event | None] = [None, None]
+    side.wait_stream(main)   # the scratch (and whatever the main stream queued) before the side writes
+
+    def dequantize_on_side(i: int) -> None:
+        first, last = chunks[i][:2]
+        with torch.cuda.stream(side):
+            dequantize(codes[first:last], exponents[first:last], x.dtype, out=scratch[i % 2, :last - first])
+            ready[i % 2] = side.record_event()
+
+    dequantize_on_side(0)
+    for i, (first, last, lo, hi) in enumerate(chunks):
+        if i + 1 < len(chunks):
+            dequantize_on_side(i + 1)   # the other buffer: free since chunk i - 1's GEMM (waited below)
+        main.wait_event(ready[i % 2])
+        offs = counts[first:last].cumsum(0).to(torch.int32)
+        out[lo:hi] = torch._grouped_mm(x[lo:hi], scratch[i % 2, :last - first].transpose(1, 2), offs=offs)
+        side.wait_event(main.record_event())   # chunk i + 2 may take this buffer only after this GEMM
 
 
 def kernel_works(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
