@@ -151,6 +151,9 @@ def main() -> None:
                         help="fp8: the weights in V4's own formats (FP8 blocks, FP4 experts; engine.quantize_fp8)")
     parser.add_argument("--profile", action="store_true",
                         help="the kernels of a batch-1 decode step, the prefill and a batch decode step")
+    parser.add_argument("--overlap-dequantize", action="store_true",
+                        help="a prefill's FP4 experts dequantized on a side stream beside the GEMMs "
+                             "(fp4_moe_triton.OVERLAP_DEQUANTIZE)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -165,6 +168,9 @@ def main() -> None:
     from deepinfer.models.deepseek_v4.paged_kernels import V4KernelStepBackend
     from deepinfer.platforms import current_platform
 
+    if args.overlap_dequantize:
+        from deepinfer.layers.quantization import fp4_moe_triton
+        fp4_moe_triton.OVERLAP_DEQUANTIZE = True
     platform = current_platform()
     cuda = platform.name == "cuda"
     max_len = max(args.prefill, args.context + args.steps, 1280 if args.offline else 0) + 64
