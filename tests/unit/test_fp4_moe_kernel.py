@@ -151,6 +151,22 @@ def test_the_kernel_checks_itself_before_the_engine_relies_on_it():
     assert kernel_works(torch.device(DEVICE), LOW)
 
 
+def test_the_self_check_covers_the_one_row_tiling_too(monkeypatch):
+    """A kernel whose one-row tiling (the GEMV of batch-1 decode) multiplies wrongly fails the
+    self-check, though its decode-batch tiling is right: the engine then dequantizes."""
+    from deepinfer.layers.quantization import fp4_moe_triton
+
+    right = fp4_moe_triton.fp4_grouped_mm
+
+    def wrong_at_one_row(x, codes, exps, counts, *args, **kwargs):
+        out = right(x, codes, exps, counts, *args, **kwargs)
+        return out * 0 if x.shape[0] <= int((counts > 0).sum()) else out
+
+    monkeypatch.setattr(fp4_moe_triton, "_works", {})
+    monkeypatch.setattr(fp4_moe_triton, "fp4_grouped_mm", wrong_at_one_row)
+    assert not fp4_moe_triton.kernel_works(torch.device(DEVICE), LOW)
+
+
 def test_dequantize_kernel_matches_the_reference():
     from deepinfer.layers.quantization.fp4_moe_triton import dequantize
 

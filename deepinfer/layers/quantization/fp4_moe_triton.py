@@ -538,21 +538,17 @@ def _overlapped_chunks(x, codes, exponents, counts, chunks, chunk: int, out: tor
 
 
 def kernel_works(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether the kernel compiles on this device and matches the dequantized reference on a
-    small product (activations in `dtype`, three experts, one without rows): asked once a device
-    and dtype, so a Triton that cannot build it sends the experts to the reference loop instead
-    of failing a step."""
+    """Whether the kernel compiles on this device and matches the dequantized reference on small
+    products in both of default_config's decode tilings (activations in `dtype`, three experts,
+    one without rows: a decode batch's dots, then one row an expert, the GEMV): asked once a
+    device and dtype, so a Triton that cannot build it, or a tiling that multiplies wrongly, sends
+    the experts to the reference loop instead of failing a step or answering wrongly."""
     key = f"{device}:{dtype}"
     if key not in _works:
         try:
             generator = torch.Generator(device=device).manual_seed(0)
             codes, exps = fp4.quantize(torch.randn(3, 64, 128, device=device, generator=generator), 32)
-            x = torch.randn(20, 128, device=device, generator=generator).to(dtype)
-            counts = torch.tensor([12, 0, 8], device=device)
-            got = fp4_grouped_mm(x, codes, exps, counts).float()
-            want = torch.cat([F.linear(x[:12].float(), fp4.dequantize(codes[0], exps[0])),
-                              F.linear(x[12:].float(), fp4.dequantize(codes[2], exps[2]))])
-            _works[key] = bool(torch.allclose(got, want, atol=0.5, rtol=0.02))
+            _works[key] = all(_matches_reference(codes, exps, rows, dtype, generator) for rows in ((12, 0, 8), (1, 0, 1)))
             if not _works[key]:
                 logger.warning("the FP4 experts' kernel gave wrong products on %s; FP4 experts are dequantized", device)
         except Exception as e:   # a Triton that cannot compile it: the reference serves
@@ -560,3 +556,16 @@ def kernel_works(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> b
                            device, str(e).splitlines()[0][:120] if str(e) else type(e).__name__)
             _works[key] = False
     return _works[key]
+
+
+def _matches_reference(codes: torch.Tensor, exps: torch.Tensor, rows: tuple[int, ...], dtype: torch.dtype,
+                       generator: torch.Generator) -> bool:
+    """fp4_grouped_mm in its default tiling for experts with `rows` rows each, against F.linear on
+    the dequantized weights."""
+    device = codes.device
+    x = torch.randn(sum(rows), codes.shape[-1] * 2, device=device, generator=generator).to(dtype)
+    got = fp4_grouped_mm(x, codes, exps, torch.tensor(rows, device=device)).float()
+    starts = [sum(rows[:e]) for e in range(len(rows))]
+    want = torch.cat([F.linear(x[start:start + n].float(), fp4.dequantize(codes[e], exps[e]))
+                      for e, (start, n) in enumerate(zip(starts, rows)) if n])
+    return bool(torch.allclose(got, want, atol=0.5, rtol=0.02))
