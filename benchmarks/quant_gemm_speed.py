@@ -32,30 +32,23 @@ EXPERTS, TOP_K, HIDDEN, INNER = 256, 6, 4096, 2048
 
 
 def cuda_time(fn, repeats: int = 20, graph: bool = True) -> float:
-    """Device seconds of one call of `fn`: `repeats` calls captured in one CUDA graph and the graph
-    replayed, so the host's launch cost (a Triton launch and the few torch ops around it take tens
-    of microseconds) is not timed: timing eager calls measured the host wherever a call's kernels
-    were shorter than its launches (every one-row tiling came out alike). graph=False for a call
-    that reads a tensor on the host (not capturable): eager calls, host time included."""
+    """Device seconds of one call of `fn`: `repeats` calls replayed from one CUDA graph
+    (decode_gemv.graph_time), so the host's launch cost (a Triton launch and the few torch ops
+    around it take tens of microseconds) is not timed: timing eager calls measured the host
+    wherever a call's kernels were shorter than its launches (every one-row tiling came out
+    alike). graph=False for a call that reads a tensor on the host (not capturable): eager calls,
+    host time included."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
     if graph:
-        captured = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(captured):
-            for _ in range(repeats):
-                fn()
-        captured.replay()   # warm
-        run = captured.replay
-    else:
-        def run():
-            for _ in range(repeats):
-                fn()
+        from decode_gemv import graph_time
+        return graph_time([fn] * repeats)
+    fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    run()
+    for _ in range(repeats):
+        fn()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / repeats / 1e3
