@@ -29,13 +29,17 @@ def gates_every_layer(model: nn.Module, num_layers: int) -> bool:
     return gated >= set(range(num_layers))
 
 
-@contextlib.contextmanager
-def kv_layer_gate(connector: KVConnectorWorker | None, per_layer: bool) -> Iterator[None]:
+def kv_layer_gate(connector: KVConnectorWorker | None, per_layer: bool) -> contextlib.AbstractContextManager:
     """Around one forward: its attention layers wait for pending layer-wise loads (`per_layer`),
-    or the forward waits for all of them first; every one is waited for once it is queued."""
+    or the forward waits for all of them first; every one is waited for once it is queued. With
+    none pending (every step without a store load in flight) nothing at all is entered."""
     if connector is None or not connector.has_layer_loads:
-        yield
-        return
+        return contextlib.nullcontext()
+    return _gated(connector, per_layer)
+
+
+@contextlib.contextmanager
+def _gated(connector: KVConnectorWorker, per_layer: bool) -> Iterator[None]:
     if not per_layer:
         connector.wait_for_loads()
         yield
