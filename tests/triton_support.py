@@ -88,3 +88,16 @@ def dense_prefill_reference(batch: SimpleNamespace, scale: float, window: int | 
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), values))
         start += q_len
     return torch.cat(outs)
+
+
+def tiny_paged_prefill(block_size: int, **extra):
+    """The paged prefill kernel (triton_prefill.paged_prefill_attention) on one 4-token sequence
+    of one block, with `extra` keywords: what the tests of its argument checks call."""
+    from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
+
+    q = torch.randn(4, 2, 32, device=DEVICE)
+    cache = torch.randn(4 * block_size, 2, 32, device=DEVICE)
+    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    return paged_prefill_attention(q, cache, cache, one.view(1, 1), one * 4,
+                                   torch.tensor([0, 4], dtype=torch.int32, device=DEVICE), 4, 0.1, None,
+                                   block_size, **extra)

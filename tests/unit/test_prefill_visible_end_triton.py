@@ -21,6 +21,7 @@ from tests.triton_support import (  # skips this module without a way to run Tri
     INTERPRETED,
     dense_prefill_reference,
     random_paged_batch,
+    tiny_paged_prefill,
 )
 
 BS = 16
@@ -147,11 +148,5 @@ def test_causal_visible_ends_are_the_plain_kernel(num_splits):
 
 
 def test_visible_end_needs_one_entry_per_row():
-    from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
-
-    q = torch.randn(4, 2, 32, device=DEVICE)
-    cache = torch.randn(4 * BS, 2, 32, device=DEVICE)
-    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="one entry per row of q"):
-        paged_prefill_attention(q, cache, cache, one.view(1, 1), one * 4, torch.tensor([0, 4], dtype=torch.int32,
-                                device=DEVICE), 4, 0.1, None, BS, visible_end=one)
+        tiny_paged_prefill(BS, visible_end=torch.ones(1, dtype=torch.int32, device=DEVICE))

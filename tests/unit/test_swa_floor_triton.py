@@ -18,6 +18,7 @@ from tests.triton_support import (  # skips this module without a way to run Tri
     INTERPRETED,
     dense_prefill_reference,
     random_paged_batch,
+    tiny_paged_prefill,
 )
 from tests.unit.test_swa_floor import FULL, SCENARIOS, SWA, run_steps, scenario_steps
 
@@ -112,11 +113,5 @@ def test_prefill_kernel_key_floor(config, window, head_dim, dtype):
 
 
 def test_key_floor_needs_a_window():
-    from deepinfer.layers.attention.triton_prefill import paged_prefill_attention
-
-    q = torch.randn(4, 2, 32, device=DEVICE)
-    cache = torch.randn(4 * BS, 2, 32, device=DEVICE)
-    one = torch.ones(1, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="sliding windows only"):
-        paged_prefill_attention(q, cache, cache, one.view(1, 1), one * 4, torch.tensor([0, 4], dtype=torch.int32,
-                                device=DEVICE), 4, 0.1, None, BS, key_floor=one * 0)
+        tiny_paged_prefill(BS, key_floor=torch.zeros(1, dtype=torch.int32, device=DEVICE))
